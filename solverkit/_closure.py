@@ -1,0 +1,313 @@
+"""Closure conversion: turn any callable into a jaxpr plus an explicit pytree of every
+JAX value it closes over.
+
+This module imports nothing of solverkit, so it can be lifted into another project.
+"""
+
+import collections
+import contextlib
+import re
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.extend.core as jex
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+
+try:  # Present in recent JAX; when True, concrete constants are inlined as literals.
+    from jax._src.config import (
+        use_simplified_jaxpr_constants as _simplified_constants,  # pyright: ignore
+    )
+except ImportError:  # pragma: no cover - older JAX always hoists constants.
+    _simplified_constants = None
+
+
+def _eval_jaxpr(jaxpr, consts, *args):
+    if hasattr(jax.core, "eval_jaxpr"):
+        return jax.core.eval_jaxpr(jaxpr, consts, *args)
+    return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, consts))(*args)  # pragma: no cover
+
+
+def _hoisting_constants():
+    """Trace so that every concrete array becomes a constvar, never an inline literal.
+
+    Which values JAX inlines depends on `jax_use_simplified_jaxpr_constants`; pinning it
+    off for the duration of our own trace makes the result the same either way.
+    """
+    if _simplified_constants is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    return _simplified_constants(False)
+
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, _ARRAY_TYPES)
+
+
+def _struct(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(
+        np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))
+    )
+
+
+def _as_array(value, aval):
+    """A const as a JAX array of the constvar's dtype; tracers are left as they are."""
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if isinstance(value, jax.Array):
+        return value
+    return jnp.asarray(value, dtype=aval.dtype)
+
+
+class _Static:
+    """A static (non-array) leaf of the example arguments, compared by value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def matches(self, other) -> bool:
+        if other is self.value:
+            return True
+        try:
+            return bool(type(other) is type(self.value) and other == self.value)
+        except Exception:
+            return False
+
+    def __repr__(self):
+        return f"static {self.value!r}"
+
+
+# --- Identity of a converted program -------------------------------------------------
+#
+# A `Closure` keeps its jaxpr as static (treedef) data, so the jit cache sees it. To
+# make a second conversion of the same function hit that cache, each fresh jaxpr is
+# replaced by an earlier, structurally identical one when that is provably safe:
+# - for the same Python callable, when the printed jaxprs agree (addresses ignored);
+# - for any callable, when the printed jaxprs agree and the jaxpr holds no Python
+#   callables (custom rules, host callbacks) whose behaviour printing cannot show.
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_CANON_SIZE = 512
+_canon_lock = threading.Lock()
+_canon_by_text: collections.OrderedDict = collections.OrderedDict()
+_canon_by_fn: dict = {}  # id(fn) -> (weakref to fn, loose key, jaxpr)
+
+
+def _only_printable(value) -> bool:
+    """Whether a jaxpr (or an equation parameter) is fully described by its print."""
+    if isinstance(value, jex.ClosedJaxpr):
+        return not value.consts and _only_printable(value.jaxpr)
+    if isinstance(value, jex.Jaxpr):
+        for eqn in value.eqns:
+            for var in eqn.invars:
+                if isinstance(var, jex.Literal) and np.ndim(var.val) > 0:
+                    return False
+            if not all(_only_printable(p) for p in eqn.params.values()):
+                return False
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_only_printable(v) for v in value)
+    if isinstance(value, dict):
+        return all(_only_printable(v) for v in value.values())
+    if isinstance(value, type):
+        return True
+    return not callable(value)
+
+
+class _Program:
+    """Static part of a `Closure`: the jaxpr and the argument/output structure."""
+
+    __slots__ = ("jaxpr", "in_tree", "in_specs", "out_tree", "out_struct", "_key")
+
+    def __init__(self, jaxpr, in_tree, in_specs, out_tree, out_struct, key):
+        self.jaxpr = jaxpr
+        self.in_tree = in_tree
+        self.in_specs = in_specs
+        self.out_tree = out_tree
+        self.out_struct = out_struct
+        self._key = key
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if not isinstance(other, _Program):
+            return NotImplemented
+        return self.jaxpr is other.jaxpr and self._key == other._key
+
+    def __hash__(self):
+        return hash((id(self.jaxpr), self._key))
+
+
+def _spec_key(spec):
+    if isinstance(spec, _Static):
+        try:
+            hash(spec.value)
+            return ("static", type(spec.value), spec.value)
+        except TypeError:
+            return ("static-id", id(spec.value))
+    return (spec.shape, str(spec.dtype), spec.weak_type)
+
+
+def _canonical_jaxpr(fn, jaxpr, signature):
+    """Return an earlier jaxpr equal to `jaxpr` (see above), else `jaxpr` itself."""
+    text = str(jaxpr)
+    printable = _only_printable(jaxpr)
+    with _canon_lock:
+        if printable:
+            key = (signature, text)
+            found = _canon_by_text.get(key)
+            if found is not None:
+                _canon_by_text.move_to_end(key)
+                return found
+            _canon_by_text[key] = jaxpr
+            if len(_canon_by_text) > _CANON_SIZE:
+                _canon_by_text.popitem(last=False)
+            return jaxpr
+        loose = (signature, _ADDRESS.sub("", text))
+        previous = _canon_by_fn.get(id(fn))
+        if previous is not None and previous[0]() is fn and previous[1] == loose:
+            return previous[2]
+        try:
+            ref = weakref.ref(fn, lambda _, key=id(fn): _canon_by_fn.pop(key, None))
+        except TypeError:  # not weak-referenceable: no reuse
+            return jaxpr
+        _canon_by_fn[id(fn)] = (ref, loose, jaxpr)
+        return jaxpr
+
+
+# --- Public API ------------------------------------------------------------------------
+
+
+class Closure(eqx.Module):
+    """A function with every JAX value it closes over made explicit.
+
+    Made by [`solverkit.closure_convert`][]. Its pytree leaves are `consts`, the
+    closed-over values (of every dtype), so a `Closure` can be passed as an ordinary
+    argument through `jax.custom_vjp`, `lax.while_loop`, `vmap`, `grad`, `jit`, ...
+
+    **Attributes:**
+
+    - `consts`: tuple of every JAX value the function closes over, as arrays.
+    - `jaxpr`: the closed-over-value-free jaxpr, with `consts` as its constvars.
+    - `out_struct`: output pytree of `jax.ShapeDtypeStruct`.
+    - `effects`: the jaxpr's effects.
+    """
+
+    consts: tuple[Any, ...]
+    program: _Program = eqx.field(static=True)
+
+    @property
+    def jaxpr(self) -> jex.Jaxpr:
+        return self.program.jaxpr
+
+    @property
+    def out_struct(self):
+        return self.program.out_struct
+
+    @property
+    def effects(self):
+        return self.program.jaxpr.effects
+
+    def __call__(self, *args, **kwargs):
+        program = self.program
+        leaves, treedef = jtu.tree_flatten((args, kwargs))
+        if treedef != program.in_tree:
+            raise ValueError(
+                "Closure called with arguments of another structure: expected "
+                f"{program.in_tree}, got {treedef}."
+            )
+        flat = []
+        for i, (leaf, spec) in enumerate(zip(leaves, program.in_specs)):
+            if isinstance(spec, _Static):
+                if not spec.matches(leaf):
+                    raise ValueError(
+                        f"Closure argument leaf {i}: expected the static value "
+                        f"{spec.value!r} it was converted with, got {leaf!r}."
+                    )
+                continue
+            if isinstance(leaf, (bool, int, float, complex)) and spec.shape == ():
+                leaf = jnp.asarray(leaf, dtype=spec.dtype)
+            shape = np.shape(leaf)
+            dtype = getattr(leaf, "dtype", None)
+            if shape != spec.shape or dtype != spec.dtype:
+                raise ValueError(
+                    f"Closure argument leaf {i}: expected shape {spec.shape} and dtype "
+                    f"{spec.dtype}, got shape {shape} and dtype {dtype}."
+                )
+            flat.append(leaf)
+        out = _eval_jaxpr(program.jaxpr, self.consts, *flat)
+        return jtu.tree_unflatten(program.out_tree, out)
+
+
+def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
+    """Convert `fn` into a [`solverkit.Closure`][] that holds every JAX value `fn`
+    closes over, of every dtype, as explicit pytree leaves.
+
+    Closed-over values are found by tracing `fn` once, however `fn` holds them: a
+    lexical closure, a default argument, a global, a `functools.partial`, a bound
+    method, a callable object or an `equinox.Module`. Tracers of enclosing
+    transformations (`vmap`, `grad`, `jvp`, `jit`, ...) and concrete arrays alike
+    become `consts`.
+
+    **Arguments:**
+
+    - `fn`: any Python callable.
+    - `*args`, `**kwargs`: example arguments. Array leaves (JAX or NumPy arrays,
+        `jax.ShapeDtypeStruct`) are traced; every other leaf (Python scalars among them)
+        is static and must be passed again, equal, on each call.
+
+    **Returns:**
+
+    A `Closure`, callable with arguments of the example's structure, shapes and
+    dtypes. A `Closure` passed as `fn` is returned unchanged.
+    """
+    if isinstance(fn, Closure):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"closure_convert expects a callable, got {type(fn).__name__}.")
+    leaves, in_tree = jtu.tree_flatten((args, kwargs))
+    in_specs = tuple(_struct(x) if _is_array(x) else _Static(x) for x in leaves)
+    dynamic = [s for s in in_specs if not isinstance(s, _Static)]
+
+    def flat_fn(*flat):
+        it = iter(flat)
+        full = [s.value if isinstance(s, _Static) else next(it) for s in in_specs]
+        call_args, call_kwargs = jtu.tree_unflatten(in_tree, full)
+        return fn(*call_args, **call_kwargs)
+
+    with _hoisting_constants():
+        closed_jaxpr, out_struct = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+    jaxpr = closed_jaxpr.jaxpr
+    consts = tuple(
+        _as_array(c, v.aval) for c, v in zip(closed_jaxpr.consts, jaxpr.constvars)
+    )
+    out_tree = jtu.tree_structure(out_struct)
+    signature = (in_tree, tuple(_spec_key(s) for s in in_specs), out_tree)
+    jaxpr = _canonical_jaxpr(fn, jaxpr, signature)
+    program = _Program(jaxpr, in_tree, in_specs, out_tree, out_struct, signature)
+    return Closure(consts, program)
+
+
+def is_closure_converted(obj) -> bool:
+    """Whether `obj` is a [`solverkit.Closure`][] (made by `closure_convert`).
+
+    **Arguments:**
+
+    - `obj`: anything.
+
+    **Returns:**
+
+    `True` for a `Closure`, else `False`.
+    """
+    return isinstance(obj, Closure)
