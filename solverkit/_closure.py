@@ -88,7 +88,7 @@ class _Static:
         return f"static {self.value!r}"
 
 
-# --- Identity of a converted program -------------------------------------------------
+# --- Identity of a converted program ----------------------------------------------
 #
 # A `Closure` keeps its jaxpr as static (treedef) data, so the jit cache sees it. To
 # make a second conversion of the same function hit that cache, each fresh jaxpr is
@@ -178,15 +178,16 @@ def _canonical_jaxpr(fn, jaxpr, signature):
         previous = _canon_by_fn.get(id(fn))
         if previous is not None and previous[0]() is fn and previous[1] == loose:
             return previous[2]
+        fn_id = id(fn)
         try:
-            ref = weakref.ref(fn, lambda _, key=id(fn): _canon_by_fn.pop(key, None))
+            ref = weakref.ref(fn, lambda _: _canon_by_fn.pop(fn_id, None))
         except TypeError:  # not weak-referenceable: no reuse
             return jaxpr
         _canon_by_fn[id(fn)] = (ref, loose, jaxpr)
         return jaxpr
 
 
-# --- Public API ------------------------------------------------------------------------
+# --- Public API ---------------------------------------------------------------------
 
 
 class Closure(eqx.Module):
