@@ -1,10 +1,51 @@
 """solverkit: ODE solvers in JAX whose vector fields may close over anything."""
 
+from ._adjoint import (
+    AbstractAdjoint as AbstractAdjoint,
+    DirectAdjoint as DirectAdjoint,
+    RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint,
+)
 from ._closure import (
     Closure as Closure,
     closure_convert as closure_convert,
     is_closure_converted as is_closure_converted,
 )
+from ._controller import (
+    AbstractStepSizeController as AbstractStepSizeController,
+    ConstantStepSize as ConstantStepSize,
+    PIDController as PIDController,
+    StepTo as StepTo,
+)
+from ._event import Event as Event
+from ._integrate import diffeqsolve as diffeqsolve
+from ._interpolation import DenseInterpolation as DenseInterpolation
+from ._progress import (
+    AbstractProgressMeter as AbstractProgressMeter,
+    NoProgressMeter as NoProgressMeter,
+    TextProgressMeter as TextProgressMeter,
+    TqdmProgressMeter as TqdmProgressMeter,
+)
+from ._saveat import save_y as save_y, SaveAt as SaveAt
+from ._solution import (
+    is_event as is_event,
+    is_okay as is_okay,
+    is_successful as is_successful,
+    RESULTS as RESULTS,
+    Solution as Solution,
+)
+from ._solver import (
+    AbstractRungeKutta as AbstractRungeKutta,
+    AbstractSolver as AbstractSolver,
+    Bosh3 as Bosh3,
+    Dopri5 as Dopri5,
+    Dopri8 as Dopri8,
+    Euler as Euler,
+    Heun as Heun,
+    Midpoint as Midpoint,
+    Ralston as Ralston,
+    Tsit5 as Tsit5,
+)
+from ._term import ODETerm as ODETerm
 
 
 __version__ = "0.1.0"

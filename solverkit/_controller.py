@@ -1,0 +1,260 @@
+"""Step-size controllers: `ConstantStepSize`, `StepTo`, `PIDController`.
+
+Controllers work in the loop's internal time, which always increases (a backwards
+solve is run forwards in `-t`).
+"""
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from ._solution import RESULTS
+
+
+def rms_norm(x: PyTree) -> Array:
+    """Root mean square of every element of every leaf (complex: of the modulus)."""
+    leaves = [jnp.abs(leaf) for leaf in jtu.tree_leaves(x)]
+    if not leaves:
+        return jnp.asarray(0.0)
+    size = sum(leaf.size for leaf in leaves)
+    total = sum(
+        jnp.sum(leaf.astype(jnp.result_type(float, leaf)) ** 2) for leaf in leaves
+    )
+    return jnp.sqrt(total / size)
+
+
+class AbstractStepSizeController(eqx.Module):
+    """Base class: chooses the first step, then accepts/rejects and sizes each step."""
+
+    @abc.abstractmethod
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order) -> tuple[Any, Any]:
+        """**Returns:** `(end of the first step, controller state)`."""
+
+    @abc.abstractmethod
+    def adapt_step_size(
+        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+    ):
+        """**Returns:** `(keep_step, next_t0, next_t1, made_jump, state, result)`."""
+
+    def check(self, solver, dt0) -> None:
+        """Raise a `ValueError` before tracing if the controller can't be used so."""
+
+
+class ConstantStepSize(AbstractStepSizeController):
+    """Steps of the constant size `dt0`."""
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        return t0 + dt0, dt0
+
+    def adapt_step_size(
+        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+    ):
+        dt = controller_state
+        return True, t1, t1 + dt, False, dt, RESULTS.successful
+
+    def check(self, solver, dt0) -> None:
+        if dt0 is None:
+            raise ValueError(
+                "ConstantStepSize needs a step size: pass `dt0` to diffeqsolve (dt0=None "
+                "chooses it automatically only with an adaptive controller such as "
+                "PIDController)."
+            )
+
+
+class StepTo(AbstractStepSizeController):
+    """Steps exactly to the times `ts` (which must start at `t0` and end at `t1`).
+
+    **Arguments:**
+
+    - `ts`: increasing (or, for a backwards solve, decreasing) times.
+    """
+
+    ts: Any = eqx.field(converter=jnp.asarray)
+
+    def __check_init__(self):
+        if jnp.ndim(self.ts) != 1 or self.ts.shape[0] < 2:
+            raise ValueError("StepTo(ts) needs a 1-D array of at least two times.")
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        del dt0
+        ts = self._internal(t0, t1)
+        return ts[1], jnp.asarray(2, jnp.int32)
+
+    def _internal(self, t0, t1):
+        direction = jnp.where(t1 >= t0, 1, -1).astype(t0.dtype)
+        return self.ts.astype(t0.dtype) * direction
+
+    def adapt_step_size(
+        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+    ):
+        raise NotImplementedError  # replaced in the loop by `adapt_step_to`
+
+    def check(self, solver, dt0) -> None:
+        if dt0 is not None:
+            raise ValueError("StepTo(ts) chooses every step: pass `dt0=None`.")
+        try:
+            ts = np.asarray(self.ts)
+        except Exception:  # traced
+            return
+        d = np.diff(ts)
+        if not (np.all(d > 0) or np.all(d < 0)):
+            raise ValueError("StepTo(ts): `ts` must be strictly monotonic.")
+
+
+def _initial_step(func, t0, y0, args, error_order, rtol, atol, norm):
+    """Hairer, Norsett & Wanner (1993), II.4: a first step from two evaluations."""
+    scale = jtu.tree_map(lambda y: atol + jnp.abs(y) * rtol, y0)
+    div = lambda a, s: a / s.astype(a.dtype)
+    f0 = func(t0, y0, args)
+    d0 = norm(jtu.tree_map(div, y0, scale))
+    d1 = norm(jtu.tree_map(div, f0, scale))
+    small = (d0 < 1e-5) | (d1 < 1e-5)
+    h0 = jnp.where(small, 1e-6, 0.01 * d0 / jnp.where(small, 1, d1)).astype(t0.dtype)
+    y1 = jtu.tree_map(lambda y, f: y + jnp.asarray(h0, y.dtype) * f, y0, f0)
+    f1 = func(t0 + h0, y1, args)
+    d2 = norm(jtu.tree_map(lambda a, b, s: div(a - b, s), f1, f0, scale)) / h0
+    max_d = jnp.maximum(d1, d2)
+    h1 = jnp.where(
+        max_d <= 1e-15,
+        jnp.maximum(1e-6, h0 * 1e-3),
+        (0.01 / jnp.where(max_d <= 1e-15, 1, max_d)) ** (1 / error_order),
+    )
+    return lax.stop_gradient(jnp.minimum(100 * h0, h1).astype(t0.dtype))
+
+
+class PIDController(AbstractStepSizeController):
+    """Adaptive steps from an embedded error estimate, by a PID controller on the
+    logarithm of the error (an I-controller by default).
+
+    **Arguments:**
+
+    - `rtol`, `atol`: relative and absolute tolerance (positive).
+    - `pcoeff`, `icoeff`, `dcoeff`: proportional, integral, derivative coefficients.
+    - `dtmin`, `dtmax`: bounds on the step size.
+    - `force_dtmin`: at `dtmin`, keep stepping (True) or stop with
+        `RESULTS.dt_min_reached` (False).
+    - `safety`, `factormin`, `factormax`: the step grows by at most `factormax`, shrinks
+        by at most `factormin`, and aims at `safety` times the ideal size.
+    - `norm`: norm of the scaled error (RMS by default).
+    - `error_order`: override the solver's error order.
+    """
+
+    rtol: float
+    atol: float
+    pcoeff: float = 0
+    icoeff: float = 1
+    dcoeff: float = 0
+    dtmin: float | None = None
+    dtmax: float | None = None
+    force_dtmin: bool = True
+    safety: float = 0.9
+    factormin: float = 0.2
+    factormax: float = 10.0
+    norm: Callable[[PyTree], Array] = rms_norm
+    error_order: float | None = None
+
+    def __check_init__(self):
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if isinstance(value, (int, float, np.ndarray, np.generic)) and not (
+                np.all(np.asarray(value) >= 0)
+            ):
+                raise ValueError(f"PIDController: `{name}` must be >= 0, got {value}.")
+        if _concrete(self.rtol) == 0 and _concrete(self.atol) == 0:
+            raise ValueError("PIDController: `rtol` and `atol` can't both be zero.")
+
+    def check(self, solver, dt0) -> None:
+        if self.error_order is None and solver.error_order(None) is None:
+            raise ValueError(
+                f"{type(solver).__name__} has no error estimate, so it can't be used "
+                "with PIDController: use ConstantStepSize, or a solver with an "
+                "embedded error estimate (Tsit5, Dopri5, Bosh3, Heun, ...)."
+            )
+
+    def _order(self, error_order):
+        return self.error_order if self.error_order is not None else error_order
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        if dt0 is None:
+            dt0 = _initial_step(
+                func,
+                t0,
+                y0,
+                args,
+                self._order(error_order),
+                self.rtol,
+                self.atol,
+                self.norm,
+            )
+            if self.dtmax is not None:
+                dt0 = jnp.minimum(dt0, self.dtmax)
+            if self.dtmin is not None:
+                dt0 = jnp.maximum(dt0, self.dtmin)
+        one = jnp.ones((), t0.dtype)
+        return t0 + dt0, (one, one, jnp.asarray(False))
+
+    def adapt_step_size(
+        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+    ):
+        prev, prev_prev, at_dtmin = controller_state
+        order = self._order(error_order)
+
+        def scale(e, a, b):
+            b = jnp.where(jnp.isfinite(b), b, a)
+            tol = self.atol + jnp.maximum(jnp.abs(a), jnp.abs(b)) * self.rtol
+            return e / jnp.asarray(tol, dtype=jnp.abs(e).dtype)
+
+        err = self.norm(jtu.tree_map(scale, y_error, y0, y1_candidate))
+        err = lax.stop_gradient(jnp.where(jnp.isfinite(err), err, jnp.inf))
+        keep = err < 1
+        if self.dtmin is not None:
+            keep = keep | at_dtmin
+        inv = (1 / err).astype(t0.dtype)
+        c1 = (self.icoeff + self.pcoeff + self.dcoeff) / order
+        c2 = -(self.pcoeff + 2 * self.dcoeff) / order
+        c3 = self.dcoeff / order
+        factor = self.safety * inv**c1
+        if c2 != 0:
+            factor = factor * prev**c2
+        if c3 != 0:
+            factor = factor * prev_prev**c3
+        factor = jnp.clip(
+            factor,
+            jnp.where(keep, 1, self.factormin),
+            jnp.where(keep, self.factormax, self.safety),
+        )
+        factor = lax.stop_gradient(factor)
+        dt = (t1 - t0) * factor
+        inv = jnp.where((inv == 0) | jnp.isinf(inv), 1, inv)
+        result = RESULTS.successful
+        if self.dtmax is not None:
+            dt = jnp.minimum(dt, self.dtmax)
+        if self.dtmin is not None:
+            if not self.force_dtmin:
+                result = RESULTS.where(
+                    dt < self.dtmin, RESULTS.dt_min_reached, RESULTS.successful
+                )
+            dt = jnp.where(at_dtmin & (factor == 1), self.dtmin, dt)
+            at_dtmin = dt <= self.dtmin
+            dt = jnp.maximum(dt, self.dtmin)
+        next_t0 = jnp.where(keep, t1, t0)
+        state = (
+            jnp.where(keep, inv, prev),
+            jnp.where(keep, prev, prev_prev),
+            jnp.asarray(at_dtmin),
+        )
+        return keep, next_t0, next_t0 + dt, False, state, result
+
+
+def _concrete(x):
+    try:
+        return float(np.max(np.asarray(x)))
+    except Exception:
+        return 1.0

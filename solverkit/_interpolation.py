@@ -1,0 +1,49 @@
+"""Dense output: the solution between the steps of a solve."""
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PyTree
+
+from ._solver import AbstractSolver
+
+
+class DenseInterpolation(eqx.Module):
+    """The solution of a solve at any time in `[t0, t1]`, from each accepted step's
+    own dense output (cubic Hermite for solvers without one).
+
+    Made by `diffeqsolve(..., saveat=SaveAt(dense=True))`; use
+    `Solution.evaluate` / `Solution.derivative`.
+    """
+
+    ts: Array  # internal times of the step boundaries, padded with inf
+    infos: PyTree  # per-step dense information, stacked
+    num_steps: Array  # number of accepted steps
+    direction: Array | None
+    solver: AbstractSolver
+
+    def _evaluate(self, t) -> PyTree:
+        tau = t if self.direction is None else self.direction * t
+        tau = jnp.asarray(tau, self.ts.dtype)
+        last = jnp.maximum(self.num_steps - 1, 0)
+        index = jnp.clip(jnp.searchsorted(self.ts, tau, side="left") - 1, 0, last)
+        info = jtu.tree_map(
+            lambda b: lax.dynamic_index_in_dim(b, index, keepdims=False), self.infos
+        )
+        return self.solver.interpolate(info, self.ts[index], self.ts[index + 1], tau)
+
+    def evaluate(self, t0, t1=None) -> PyTree:
+        """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""
+        if t1 is not None:
+            return jtu.tree_map(
+                lambda a, b: a - b, self._evaluate(t1), self._evaluate(t0)
+            )
+        return self._evaluate(t0)
+
+    def derivative(self, t) -> PyTree:
+        """`dy/dt` at `t`."""
+        t = jnp.asarray(t, self.ts.dtype)
+        _, dy = jax.jvp(self._evaluate, (t,), (jnp.ones_like(t),))
+        return dy

@@ -1,0 +1,499 @@
+"""The step loop: step, accept or reject, save, detect events.
+
+Knows nothing of adjoints: an adjoint supplies the function that runs
+`body(params, carry)` while `cond(params, carry)` holds (see `_adjoint.py`). Every user
+value reaches the loop through `Problem`, an explicit operand.
+"""
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from ._closure import Closure
+from ._controller import AbstractStepSizeController, StepTo
+from ._progress import AbstractProgressMeter
+from ._solution import RESULTS
+from ._solver import AbstractSolver
+
+
+_SUCCESS = int(RESULTS.successful.code)
+_EVENT = int(RESULTS.event_occurred.code)
+_MAX_STEPS = int(RESULTS.max_steps_reached.code)
+_NONFINITE = int(RESULTS.nonfinite.code)
+
+
+class VectorField(eqx.Module):
+    """The converted vector field, run in internal time `tau = direction * t`, which
+    always increases."""
+
+    closure: Closure
+    direction: Array | None  # None: forwards in time
+
+    def to_user(self, tau):
+        return tau if self.direction is None else self.direction * tau
+
+    def vf(self, tau, y, args):
+        out = self.closure(self.to_user(tau), y, args)
+        if self.direction is None:
+            return out
+        return jtu.tree_map(lambda o: o * self.direction.astype(o.dtype), out)
+
+
+class Problem(eqx.Module):
+    """Everything a solve needs, as one pytree (arrays are its leaves)."""
+
+    solver: AbstractSolver
+    controller: AbstractStepSizeController
+    term: VectorField
+    args: PyTree
+    y0: PyTree
+    t0: Array  # internal time
+    t1: Array  # internal time
+    dt0: Array | None  # internal time (positive)
+    save_ts: Array | None  # internal times
+    save_fn: Closure
+    save_t0: bool = eqx.field(static=True)
+    save_t1: bool = eqx.field(static=True)
+    every: int = eqx.field(static=True)
+    dense: bool = eqx.field(static=True)
+    conds: PyTree | None  # pytree of Closures (t, y, args) -> value, or None
+    event_direction: bool | None = eqx.field(static=True)
+    root_finder: Any
+    max_steps: int = eqx.field(static=True)
+    meter: AbstractProgressMeter
+
+    @property
+    def error_order(self):
+        return self.solver.error_order(self.term)
+
+
+class Carry(NamedTuple):
+    t: Array
+    tnext: Array
+    y: PyTree
+    solver_state: PyTree
+    controller_state: PyTree
+    num_steps: Array
+    num_accepted: Array
+    num_rejected: Array
+    result: Array
+    cond_values: PyTree  # event conditions at (t, y), or None
+    event_mask: PyTree  # which conditions fired, or None
+    last: Any  # (start time, dense info) of the last accepted step, or None
+
+
+def _where(pred, a, b):
+    return jtu.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _all_finite(tree) -> Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jtu.tree_leaves(tree)]
+    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
+
+
+def _real_conds(problem: Problem) -> list[bool]:
+    """For each event condition leaf: is it real-valued (True) or boolean (False)?"""
+    return [
+        not jnp.issubdtype(c.out_struct.dtype, jnp.bool_)
+        for c in jtu.tree_leaves(
+            problem.conds, is_leaf=lambda x: isinstance(x, Closure)
+        )
+    ]
+
+
+def _eval_conds(problem: Problem, tau, y):
+    t = problem.term.to_user(tau)
+    return jtu.tree_map(
+        lambda c: c(t, y, problem.args),
+        problem.conds,
+        is_leaf=lambda x: isinstance(x, Closure),
+    )
+
+
+def _fired(problem: Problem, before, after) -> PyTree:
+    def leaf(b, a):
+        if jnp.issubdtype(a.dtype, jnp.bool_):
+            return a
+        up = (b < 0) & (a >= 0)
+        down = (b > 0) & (a <= 0)
+        if problem.event_direction is None:
+            return up | down
+        return up if problem.event_direction else down
+
+    return jtu.tree_map(leaf, before, after)
+
+
+def _save_value(problem: Problem, tau, y):
+    return problem.save_fn(problem.term.to_user(tau), y, problem.args)
+
+
+def _inf_like(struct, lead: tuple[int, ...]):
+    def leaf(s):
+        shape = lead + tuple(s.shape)
+        if jnp.issubdtype(s.dtype, jnp.inexact):
+            return jnp.full(shape, jnp.inf, s.dtype)
+        return jnp.zeros(shape, s.dtype)
+
+    return jtu.tree_map(leaf, struct)
+
+
+def init(problem: Problem) -> tuple[Carry, dict]:
+    """The loop's initial carry and (empty, `inf`-filled) save buffers."""
+    term, solver, controller = problem.term, problem.solver, problem.controller
+    t0, y0, args = problem.t0, problem.y0, problem.args
+    tnext, cstate = controller.init(
+        term, t0, problem.t1, y0, problem.dt0, args, term.vf, problem.error_order
+    )
+    tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
+    fstate = solver.init(term, t0, problem.t1, y0, args)
+    zero = jnp.asarray(0, jnp.int32)
+    if problem.conds is None:
+        cond_values = event_mask = None
+        last = None
+    else:
+        cond_values = _eval_conds(problem, t0, y0)
+        event_mask = jtu.tree_map(lambda _: jnp.asarray(False), cond_values)
+        last = None
+        if any(_real_conds(problem)):
+            _, _, info, _, _ = eqx.filter_eval_shape(
+                solver.step, term, t0, problem.t1, y0, args, fstate
+            )
+            last = (t0, jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), info))
+    carry = Carry(
+        t=t0,
+        tnext=tnext,
+        y=y0,
+        solver_state=fstate,
+        controller_state=cstate,
+        num_steps=zero,
+        num_accepted=zero,
+        num_rejected=zero,
+        result=jnp.asarray(_SUCCESS, jnp.int32),
+        cond_values=cond_values,
+        event_mask=event_mask,
+        last=last,
+    )
+    out_struct = problem.save_fn.out_struct
+    bufs = {}
+    if problem.save_ts is not None:
+        bufs["ts_ys"] = _inf_like(out_struct, (problem.save_ts.shape[0],))
+    if problem.every:
+        rows = problem.max_steps // problem.every
+        bufs["steps_ts"] = jnp.full((rows,), jnp.inf, t0.dtype)
+        bufs["steps_ys"] = _inf_like(out_struct, (rows,))
+    if problem.dense:
+        _, _, info, _, _ = eqx.filter_eval_shape(
+            solver.step, term, t0, problem.t1, y0, args, fstate
+        )
+        bufs["dense_ts"] = jnp.full((problem.max_steps + 1,), jnp.inf, t0.dtype)
+        bufs["dense_info"] = jtu.tree_map(
+            lambda s: jnp.zeros((problem.max_steps,) + s.shape, s.dtype), info
+        )
+    return carry, bufs
+
+
+def cond(problem: Problem, carry: Carry) -> Array:
+    """Whether the loop goes on."""
+    return (
+        (carry.t < problem.t1)
+        & (carry.result == _SUCCESS)
+        & (carry.num_steps < problem.max_steps)
+    )
+
+
+def _step_to(controller: StepTo, problem: Problem, t1, cstate):
+    ts = controller._internal(problem.t0, problem.t1)
+    index = cstate
+    nxt = ts[jnp.minimum(index, ts.shape[0] - 1)]
+    return True, t1, nxt, index + 1
+
+
+def step(problem: Problem, carry: Carry) -> tuple[Carry, dict]:
+    """One attempted step. Returns the new carry and what this step saves."""
+    term, solver, controller = problem.term, problem.solver, problem.controller
+    args = problem.args
+    t0 = carry.t
+    t1 = jnp.minimum(carry.tnext, problem.t1)
+    y1, y_error, info, fstate1, _ = solver.step(
+        term, t0, t1, carry.y, args, carry.solver_state
+    )
+    if isinstance(controller, StepTo):
+        keep, next_t0, next_t1, cstate = _step_to(
+            controller, problem, t1, carry.controller_state
+        )
+        cresult = jnp.asarray(_SUCCESS, jnp.int32)
+    else:
+        keep, next_t0, next_t1, _, cstate, cres = controller.adapt_step_size(
+            t0,
+            t1,
+            carry.y,
+            y1,
+            args,
+            y_error,
+            problem.error_order,
+            carry.controller_state,
+        )
+        cresult = jnp.asarray(cres.code, jnp.int32)
+    keep = jnp.asarray(keep)
+    # Land exactly on t1 rather than leave a sliver of a step behind.
+    eps = jnp.finfo(t0.dtype).eps
+    close = next_t1 >= problem.t1 - 100 * eps * jnp.maximum(1, jnp.abs(problem.t1))
+    next_t1 = jnp.where(close, problem.t1, next_t1)
+    finite = _all_finite(y1)
+    result = jnp.where(keep & ~finite, _NONFINITE, cresult)
+    result = jnp.where(carry.result == _SUCCESS, result, carry.result)
+    y = _where(keep, y1, carry.y)
+    fstate = _where(keep, fstate1, carry.solver_state)
+    cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last
+    if problem.conds is not None:
+        new_values = _eval_conds(problem, t1, y1)
+        fired = _fired(problem, carry.cond_values, new_values)
+        fired = jtu.tree_map(lambda f: f & keep & finite, fired)
+        any_fired = jnp.stack(jtu.tree_leaves(fired)).any()
+        result = jnp.where(any_fired & (result == _SUCCESS), _EVENT, result)
+        cond_values = _where(keep, new_values, carry.cond_values)
+        event_mask = fired
+        if last is not None:
+            last = _where(keep, (t0, info), last)
+    num_accepted = carry.num_accepted + keep.astype(jnp.int32)
+    new = Carry(
+        t=jnp.where(keep, t1, t0),
+        tnext=next_t1,
+        y=y,
+        solver_state=fstate,
+        controller_state=cstate,
+        num_steps=carry.num_steps + 1,
+        num_accepted=num_accepted,
+        num_rejected=carry.num_rejected + (~keep).astype(jnp.int32),
+        result=result,
+        cond_values=cond_values,
+        event_mask=event_mask,
+        last=last,
+    )
+    return new, dict(keep=keep, t0=t0, t1=t1, y1=y1, info=info)
+
+
+def write(problem: Problem, carry: Carry, out: dict, bufs: dict) -> dict:
+    """Write what an accepted step saves into the buffers; each row is written once."""
+    keep, t0, t1, info = out["keep"], out["t0"], out["t1"], out["info"]
+    bufs = dict(bufs)
+    if problem.save_ts is not None:
+        ts = problem.save_ts
+        rows = keep & (ts > t0) & (ts <= t1)
+
+        def at(tau):
+            y = problem.solver.interpolate(info, t0, t1, tau)
+            return _save_value(problem, tau, y)
+
+        values = jax.vmap(at)(ts)
+        bufs["ts_ys"] = jtu.tree_map(
+            lambda v, b: jnp.where(rows.reshape((-1,) + (1,) * (v.ndim - 1)), v, b),
+            values,
+            bufs["ts_ys"],
+        )
+    if problem.every:
+        n = problem.every
+        k = carry.num_accepted  # after this step
+        save = keep & (k % n == 0)
+        row = jnp.maximum(k // n - 1, 0)
+        value = _save_value(problem, t1, out["y1"])
+        bufs["steps_ts"] = _set_row(bufs["steps_ts"], row, save, t1)
+        bufs["steps_ys"] = jtu.tree_map(
+            lambda b, v: _set_row(b, row, save, v), bufs["steps_ys"], value
+        )
+    if problem.dense:
+        row = jnp.maximum(carry.num_accepted - 1, 0)
+        bufs["dense_ts"] = _set_row(bufs["dense_ts"], row + 1, keep, t1)
+        bufs["dense_info"] = jtu.tree_map(
+            lambda b, v: _set_row(b, row, keep, v), bufs["dense_info"], info
+        )
+    return bufs
+
+
+def _set_row(buf, row, pred, value):
+    old = lax.dynamic_index_in_dim(buf, row, keepdims=False)
+    return lax.dynamic_update_index_in_dim(buf, jnp.where(pred, value, old), row, 0)
+
+
+def body(problem: Problem, state: tuple[Carry, dict]) -> tuple[Carry, dict]:
+    """One iteration of the loop: a step, then its saves."""
+    carry, bufs = state
+    new, out = step(problem, carry)
+    return new, write(problem, new, out, bufs)
+
+
+class Progress(NamedTuple):
+    """Host callbacks that drive the progress meter from the forward loop only."""
+
+    tick: Any  # carry -> None
+    done: Any  # () -> None
+
+
+def progress(problem: Problem) -> Progress | None:
+    meter = problem.meter
+    token = meter.start()
+    if token is None:
+        return None
+    span = problem.t1 - problem.t0
+    span = jnp.where(span == 0, 1, span)
+    every = meter.refresh_steps  # pyright: ignore
+
+    def tick(carry):
+        fraction = (carry.t - problem.t0) / span
+        lax.cond(
+            carry.num_steps % every == 0,
+            lambda: meter.callback(token, fraction),
+            lambda: None,
+        )
+
+    return Progress(tick, lambda: meter.callback(token, jnp.ones_like(problem.t0)))
+
+
+def run_while(problem: Problem, state):
+    """The loop as a plain `lax.while_loop` (not reverse-differentiable)."""
+    meter = progress(problem)
+
+    def loop_body(state):
+        state = body(problem, state)
+        if meter is not None:
+            meter.tick(state[0])
+        return state
+
+    state = lax.while_loop(lambda s: cond(problem, s[0]), loop_body, state)
+    if meter is not None:
+        meter.done()
+    return state
+
+
+# --- After the loop ------------------------------------------------------------------
+
+
+def _bisect(g, a, b, ga, iterations: int):
+    def it(_, state):
+        a, b, ga = state
+        m = (a + b) / 2
+        gm = g(m)
+        same = jnp.sign(gm) == jnp.sign(ga)
+        return jnp.where(same, m, a), jnp.where(same, b, m), jnp.where(same, gm, ga)
+
+    a, b, _ = lax.fori_loop(0, iterations, it, (a, b, ga))
+    return (a + b) / 2
+
+
+def locate_event(problem: Problem, carry: Carry):
+    """For a fired real-valued condition, find the crossing on the last step's dense
+    output. The event time is differentiable by the implicit function theorem."""
+    if carry.last is None:
+        return carry.t, carry.y
+    tstart, info = carry.last
+    tend = carry.t
+    solver = problem.solver
+    is_real = _real_conds(problem)
+    leaves = jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
+    fired = jtu.tree_leaves(carry.event_mask)
+    event = carry.result == _EVENT
+    iterations = 64 if tend.dtype == jnp.float64 else 32
+    t_star = tend
+    for closure, real, f in zip(leaves, is_real, fired):
+        if not real:
+            continue
+
+        def g(tau, closure=closure):
+            y = solver.interpolate(info, tstart, tend, tau)
+            return closure(problem.term.to_user(tau), y, problem.args)
+
+        active = event & f
+        a = lax.stop_gradient(jnp.where(active, tstart, tend - 1))
+        b = lax.stop_gradient(tend)
+        if problem.root_finder is None:
+            root = _bisect(g, a, b, g(a), iterations)
+        else:
+            root = _optx_root(g, problem.root_finder, a, b)
+        root = lax.stop_gradient(jnp.where(active, root, tend))
+        # One Newton step at the root: the value stays, the derivative becomes the
+        # implicit-function-theorem one, -(dg/dp) / (dg/dt).
+        g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
+        dg_dt = lax.stop_gradient(jnp.where(dg_dt == 0, 1, dg_dt))
+        root = root - jnp.where(active, g_root / dg_dt.astype(root.dtype), 0)
+        t_star = jnp.where(active, jnp.minimum(t_star, root), t_star)
+    y_star = solver.interpolate(info, tstart, tend, t_star)
+    y = _where(event, y_star, carry.y)
+    return jnp.where(event, t_star, tend), y
+
+
+def _optx_root(g, root_finder, a, b):
+    import optimistix as optx  # only when the user passes an optimistix root finder
+
+    sol = optx.root_find(
+        lambda tau, _: g(tau), root_finder, (a + b) / 2, throw=False, max_steps=64
+    )
+    return jnp.clip(sol.value, a, b)
+
+
+class Outputs(NamedTuple):
+    t_end: Array
+    y_end: PyTree
+    ts: Any
+    ys: Any
+    carry: Carry
+    bufs: dict
+    result: Array
+
+
+def finish(problem: Problem, carry: Carry, bufs: dict) -> Outputs:
+    """Turn the final carry and buffers into the saved outputs (internal time)."""
+    result = jnp.where(
+        (carry.result == _SUCCESS) & (carry.t < problem.t1), _MAX_STEPS, carry.result
+    )
+    t_end, y_end = carry.t, carry.y
+    if problem.conds is not None:
+        t_end, y_end = locate_event(problem, carry._replace(result=result))
+    pieces_t, pieces_y = [], []
+
+    def one(tau, y):
+        value = _save_value(problem, tau, y)
+        return tau[None], jtu.tree_map(lambda v: v[None], value)
+
+    if problem.save_t0:
+        t, y = one(problem.t0, problem.y0)
+        pieces_t.append(t)
+        pieces_y.append(y)
+    if problem.save_ts is not None:
+        ts = problem.save_ts
+        at_start = ts <= problem.t0
+        start_value = jax.vmap(lambda tau: _save_value(problem, tau, problem.y0))(ts)
+        reached = ts <= t_end
+        ys = jtu.tree_map(
+            lambda s, b: _mask_rows(at_start, s, _mask_rows(reached, b, jnp.inf)),
+            start_value,
+            bufs["ts_ys"],
+        )
+        pieces_t.append(jnp.where(reached | at_start, ts, jnp.inf))
+        pieces_y.append(ys)
+    if problem.every:
+        pieces_t.append(bufs["steps_ts"])
+        pieces_y.append(bufs["steps_ys"])
+    if problem.save_t1:
+        t, y = one(t_end, y_end)
+        pieces_t.append(t)
+        pieces_y.append(y)
+    if pieces_t:
+        ts = jnp.concatenate(pieces_t)
+        ys = jtu.tree_map(lambda *p: jnp.concatenate(p), *pieces_y)
+    else:
+        ts = ys = None
+    return Outputs(t_end, y_end, ts, ys, carry, bufs, result)
+
+
+def _mask_rows(rows, v, other):
+    """Rows of `v` where `rows`, else `other` (an array or a scalar such as inf)."""
+    if np.ndim(other) == 0:
+        fill = other if jnp.issubdtype(v.dtype, jnp.inexact) else 0
+        other = jnp.full(v.shape, fill, v.dtype)
+    return jnp.where(rows.reshape((-1,) + (1,) * (v.ndim - 1)), v, other)

@@ -1,0 +1,164 @@
+"""`RESULTS`, the outcome of a solve, and `Solution`, what a solve returns."""
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, PyTree
+
+
+class Result(eqx.Module):
+    """One outcome of a solve (an item of [`solverkit.RESULTS`][]); a pytree holding an
+    integer code, so it can be returned from `jit` and batched by `vmap`."""
+
+    code: Any
+
+    def __eq__(self, other) -> Bool[Array, "..."]:  # pyright: ignore
+        if not isinstance(other, Result):
+            return NotImplemented
+        return jnp.asarray(self.code) == jnp.asarray(other.code)
+
+    def __ne__(self, other) -> Bool[Array, "..."]:  # pyright: ignore
+        if not isinstance(other, Result):
+            return NotImplemented
+        return jnp.asarray(self.code) != jnp.asarray(other.code)
+
+    def message(self) -> str:
+        """The text of a concrete, unbatched result."""
+        return RESULTS.messages[int(np.asarray(self.code))]
+
+
+class _Results:
+    """Enumerates the outcomes of a solve.
+
+    `successful`, `event_occurred` (a terminating event fired; also a success),
+    `max_steps_reached`, `dt_min_reached`, `nonfinite`, `internal_error`.
+    Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.
+    """
+
+    _names = (
+        "successful",
+        "event_occurred",
+        "max_steps_reached",
+        "dt_min_reached",
+        "nonfinite",
+        "internal_error",
+    )
+    messages = (
+        "",
+        "A terminating event occurred.",
+        "The maximum number of solver steps was reached. Try increasing "
+        "`max_steps`, loosening the tolerances, or using a stiff solver.",
+        "The step size fell below `dtmin`. Lower `dtmin`, loosen the tolerances, or "
+        "use `PIDController(..., force_dtmin=True)` to keep stepping at `dtmin`.",
+        "The solution became non-finite (NaN or inf). The problem may blow up, or "
+        "the step size may be too large: try an adaptive step size controller or a "
+        "smaller `dt0`.",
+        "An internal error occurred in solverkit; please report it.",
+    )
+
+    def __init__(self):
+        for code, name in enumerate(self._names):
+            setattr(self, name, Result(np.int32(code)))
+
+    def where(self, pred, a: Result, b: Result) -> Result:
+        """`a` where `pred` else `b`."""
+        return Result(jnp.where(pred, a.code, b.code))
+
+    def __iter__(self):
+        return iter(getattr(self, name) for name in self._names)
+
+    def __getitem__(self, name: str) -> Result:
+        return getattr(self, name)
+
+    def __repr__(self):
+        return f"RESULTS({', '.join(self._names)})"
+
+
+RESULTS = _Results()
+
+
+def is_okay(result: Result) -> Bool[Array, "..."]:
+    """Whether a result is a success (including a terminating event)."""
+    return (result == RESULTS.successful) | (result == RESULTS.event_occurred)
+
+
+def is_successful(result: Result) -> Bool[Array, "..."]:
+    """Whether a result is `RESULTS.successful`."""
+    return result == RESULTS.successful
+
+
+def is_event(result: Result) -> Bool[Array, "..."]:
+    """Whether a terminating event occurred."""
+    return result == RESULTS.event_occurred
+
+
+class Solution(eqx.Module):
+    """What [`solverkit.diffeqsolve`][] returns.
+
+    **Attributes:**
+
+    - `t0`, `t1`: the interval solved over (`t1` is the event time if an event fired).
+    - `ts`: the times at which the solution was saved (padded with `inf`), or `None`.
+    - `ys`: the saved values, one row per entry of `ts`, or `None`.
+    - `stats`: `num_steps`, `num_accepted_steps`, `num_rejected_steps`, `max_steps`.
+    - `result`: a [`solverkit.RESULTS`][] item.
+    - `event_mask`: with an event, which of its conditions fired; else `None`.
+    - `made_jump`, `solver_state`, `controller_state`: final internal states (`None`
+        unless requested); kept for compatibility with diffrax.
+    - `interpolation`: dense output, if `SaveAt(dense=True)`.
+    """
+
+    t0: Any
+    t1: Any
+    ts: Any
+    ys: PyTree | None
+    stats: dict[str, Any]
+    result: Result
+    event_mask: PyTree | None = None
+    made_jump: Any = None
+    solver_state: PyTree | None = None
+    controller_state: PyTree | None = None
+    interpolation: Any = None
+
+    def evaluate(self, t0, t1=None, left: bool = True) -> PyTree:
+        """The dense solution at `t0`, or `y(t1) - y(t0)` when `t1` is given.
+
+        **Arguments:**
+
+        - `t0`: time to evaluate at.
+        - `t1`: optional second time.
+        - `left`: kept for diffrax compatibility (ODE solutions are continuous).
+
+        **Returns:**
+
+        A pytree with the structure of `y0`.
+        """
+        del left
+        if self.interpolation is None:
+            raise ValueError(
+                "Solution.evaluate needs a dense solution: pass "
+                "`saveat=SaveAt(dense=True)` to diffeqsolve."
+            )
+        return self.interpolation.evaluate(t0, t1)
+
+    def derivative(self, t, left: bool = True) -> PyTree:
+        """The time derivative of the dense solution at `t`.
+
+        **Arguments:**
+
+        - `t`: time to evaluate at.
+        - `left`: kept for diffrax compatibility.
+
+        **Returns:**
+
+        A pytree with the structure of `y0`.
+        """
+        del left
+        if self.interpolation is None:
+            raise ValueError(
+                "Solution.derivative needs a dense solution: pass "
+                "`saveat=SaveAt(dense=True)` to diffeqsolve."
+            )
+        return self.interpolation.derivative(t)

@@ -1,0 +1,133 @@
+"""Explicit Runge-Kutta solvers: one generic step reading a Butcher tableau."""
+
+from typing import ClassVar
+
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from ._base import AbstractSolver, axpy, hermite, successful
+from ._tableau import (
+    BOSH3,
+    ButcherTableau,
+    DOPRI5,
+    DOPRI8,
+    EULER,
+    HEUN,
+    MIDPOINT,
+    RALSTON,
+    TSIT5,
+)
+
+
+class AbstractRungeKutta(AbstractSolver):
+    """An explicit Runge-Kutta method defined by its `tableau`.
+
+    The solver state is the vector field at the current point, so the first stage is
+    never evaluated twice (first-same-as-last for FSAL tableaux; for the others the
+    evaluation at the end of a step is the next step's first stage, and dense output
+    uses it).
+    """
+
+    tableau: ClassVar[ButcherTableau]
+
+    def order(self, terms) -> int:
+        return self.tableau.order
+
+    def error_order(self, terms) -> float | None:
+        if self.tableau.embedded_order is None:
+            return None
+        return min(self.tableau.order, self.tableau.embedded_order) + 1
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+        del made_jump
+        tab = self.tableau
+        h = t1 - t0
+        ks = [solver_state]
+        num_stages = len(tab.c)
+        for i in range(1, num_stages):
+            yi = axpy(y0, h, list(zip(tab.a[i, :i], ks)))
+            ks.append(terms.vf(t0 + tab.c[i] * h, yi, args))
+        if tab.fsal:
+            y1 = yi  # pyright: ignore
+            f1 = ks[-1]
+        else:
+            y1 = axpy(y0, h, list(zip(tab.b, ks)))
+            f1 = terms.vf(t1, y1, args)
+        if tab.b_err is None:
+            y_error = None
+        else:
+            zero = jtu.tree_map(jnp.zeros_like, y0)
+            y_error = axpy(zero, h, list(zip(tab.b_err, ks)))
+        if tab.dense is None or tab.extra_c is not None:
+            dense_info = dict(y0=y0, y1=y1, f0=solver_state, f1=f1)
+        else:
+            dense_info = dict(y0=y0, y1=y1, k=tuple(ks))
+        return y1, y_error, dense_info, f1, successful
+
+    def interpolate(self, dense_info, t0, t1, t):
+        h = t1 - t0
+        theta = (t - t0) / jnp.where(h == 0, 1, h)
+        if "k" not in dense_info:
+            return hermite(dense_info, h, theta)
+        dense = self.tableau.dense
+        powers = np.arange(1, dense.shape[1] + 1)
+
+        def leaf(y0, *ks):
+            th = jnp.asarray(theta, dtype=y0.dtype)
+            weights = jnp.asarray(dense, dtype=y0.dtype) @ th ** powers.astype(
+                y0.real.dtype
+            )
+            acc = sum(weights[i] * k for i, k in enumerate(ks))
+            return y0 + jnp.asarray(h, dtype=y0.dtype) * acc
+
+        return jtu.tree_map(leaf, dense_info["y0"], *dense_info["k"])
+
+
+class Euler(AbstractRungeKutta):
+    """Explicit Euler: first order, no error estimate (use `ConstantStepSize`)."""
+
+    tableau: ClassVar[ButcherTableau] = EULER
+
+
+class Heun(AbstractRungeKutta):
+    """Heun's method: second order, with an embedded Euler error estimate."""
+
+    tableau: ClassVar[ButcherTableau] = HEUN
+
+
+class Midpoint(AbstractRungeKutta):
+    """Explicit midpoint method: second order, embedded Euler error estimate."""
+
+    tableau: ClassVar[ButcherTableau] = MIDPOINT
+
+
+class Ralston(AbstractRungeKutta):
+    """Ralston's method: second order with minimal truncation error."""
+
+    tableau: ClassVar[ButcherTableau] = RALSTON
+
+
+class Bosh3(AbstractRungeKutta):
+    """Bogacki-Shampine 3(2): third order, FSAL."""
+
+    tableau: ClassVar[ButcherTableau] = BOSH3
+
+
+class Tsit5(AbstractRungeKutta):
+    """Tsitouras 5(4): fifth order, FSAL, with its own fourth-order dense output.
+    A good default for non-stiff problems."""
+
+    tableau: ClassVar[ButcherTableau] = TSIT5
+
+
+class Dopri5(AbstractRungeKutta):
+    """Dormand-Prince 5(4): fifth order, FSAL, fourth-order dense output."""
+
+    tableau: ClassVar[ButcherTableau] = DOPRI5
+
+
+class Dopri8(AbstractRungeKutta):
+    """Dormand-Prince 8(5,3): eighth order, for tight tolerances."""
+
+    tableau: ClassVar[ButcherTableau] = DOPRI8
