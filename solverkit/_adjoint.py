@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _loop
 from ._loop import Outputs, Problem
+from ._unvmap import unvmap_any, while_loop
 
 
 def _zeros_cotangent(x):
@@ -91,20 +92,19 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
             lambda x: jnp.zeros((slots,) + jnp.shape(x), x.dtype), carry
         )
 
-        def body(state):
+        def body(state, active):
             carry, bufs, store, i = state
+            save = active & (i % segment == 0)
             store = jtu.tree_map(
-                lambda s, x: _loop._set_row(s, i // segment, i % segment == 0, x),
-                store,
-                carry,
+                lambda s, x: _loop._set_row(s, i // segment, save, x), store, carry
             )
-            carry, bufs = _loop.body(problem, (carry, bufs))
+            carry, bufs = _loop.body(problem, (carry, bufs), active)
             if meter is not None:
                 meter.tick(carry)
-            return carry, bufs, store, i + 1
+            return carry, bufs, store, i + active.astype(jnp.int32)
 
         init = (carry, bufs, store, jnp.asarray(0, jnp.int32))
-        carry, bufs, store, n = lax.while_loop(
+        carry, bufs, store, n = while_loop(
             lambda s: _loop.cond(problem, s[0]), body, init
         )
         if meter is not None:
@@ -138,43 +138,48 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
                 lambda x: jnp.zeros((segment,) + jnp.shape(x), x.dtype), first
             )
 
-            def body(state):
+            def body(state, active):
                 carry, seg, j = state
                 seg = jtu.tree_map(
-                    lambda s, x: lax.dynamic_update_index_in_dim(s, x, j, 0), seg, carry
+                    lambda s, x: _loop._set_row(s, j, active, x), seg, carry
                 )
-                carry, _ = _loop.step(problem, carry)
-                return carry, seg, j + 1
+                new, _ = _loop.step(problem, carry)
+                carry = _loop._where(active, new, carry)
+                return carry, seg, j + active.astype(jnp.int32)
 
-            _, seg, _ = lax.while_loop(
+            _, seg, _ = while_loop(
                 lambda s: s[2] < length, body, (first, seg, jnp.asarray(0, jnp.int32))
             )
             return seg
 
-        def segment_body(state):
+        def segment_body(state, active):
             s, ct_p, ct_c = state
-            start = s * segment
-            length = jnp.minimum(segment, n - start)
+            start = jnp.maximum(s, 0) * segment
+            length = jnp.where(active, jnp.minimum(segment, n - start), 0)
             seg = recompute(p_diff, start, length)
 
-            def back(state):
+            def back(state, active):
                 j, ct_p, ct_c = state
                 carry = jtu.tree_map(
-                    lambda b: lax.dynamic_index_in_dim(b, j, keepdims=False), seg
+                    lambda b: lax.dynamic_index_in_dim(
+                        b, jnp.maximum(j, 0), keepdims=False
+                    ),
+                    seg,
                 )
                 dp, dc = vjp_step(p_diff, carry, ct_c)
-                ct_p = jtu.tree_map(jnp.add, ct_p, dp)
-                return j - 1, ct_p, dc
+                ct_p = jtu.tree_map(lambda a, b: a + jnp.where(active, b, 0), ct_p, dp)
+                ct_c = _loop._where(active, dc, ct_c)
+                return j - active.astype(jnp.int32), ct_p, ct_c
 
-            _, ct_p, ct_c = lax.while_loop(
+            _, ct_p, ct_c = while_loop(
                 lambda st: st[0] >= 0, back, (length - 1, ct_p, ct_c)
             )
-            return s - 1, ct_p, ct_c
+            return s - active.astype(jnp.int32), ct_p, ct_c
 
         ct_p0 = jtu.tree_map(jnp.zeros_like, p_diff)
         ct_c0 = eqx.filter(ct_carry, diff_mask)
         last = (n + segment - 1) // segment - 1
-        _, ct_p, ct_c = lax.while_loop(
+        _, ct_p, ct_c = while_loop(
             lambda st: st[0] >= 0, segment_body, (last, ct_p0, ct_c0)
         )
         ct_dynamic = jtu.tree_map(
@@ -210,7 +215,10 @@ class DirectAdjoint(AbstractAdjoint):
         def body(state, _):
             active = _loop.cond(problem, state[0])
             state = lax.cond(
-                active, lambda s: _loop.body(problem, s), lambda s: s, state
+                unvmap_any(active),
+                lambda s: _loop.body(problem, s, active),
+                lambda s: s,
+                state,
             )
             return state, None
 

@@ -20,6 +20,7 @@ from ._controller import AbstractStepSizeController, StepTo
 from ._progress import AbstractProgressMeter
 from ._solution import RESULTS
 from ._solver import AbstractSolver
+from ._unvmap import while_loop
 
 
 _SUCCESS = int(RESULTS.successful.code)
@@ -321,10 +322,13 @@ def _set_row(buf, row, pred, value):
     return lax.dynamic_update_index_in_dim(buf, jnp.where(pred, value, old), row, 0)
 
 
-def body(problem: Problem, state: tuple[Carry, dict]) -> tuple[Carry, dict]:
-    """One iteration of the loop: a step, then its saves."""
+def body(problem: Problem, state: tuple[Carry, dict], active=True):
+    """One iteration of the loop: a step, then its saves. Where `active` is False
+    (a finished batch element) nothing changes."""
     carry, bufs = state
     new, out = step(problem, carry)
+    out["keep"] = out["keep"] & active
+    new = _where(active, new, carry)
     return new, write(problem, new, out, bufs)
 
 
@@ -359,13 +363,13 @@ def run_while(problem: Problem, state):
     """The loop as a plain `lax.while_loop` (not reverse-differentiable)."""
     meter = progress(problem)
 
-    def loop_body(state):
-        state = body(problem, state)
+    def loop_body(state, active):
+        state = body(problem, state, active)
         if meter is not None:
             meter.tick(state[0])
         return state
 
-    state = lax.while_loop(lambda s: cond(problem, s[0]), loop_body, state)
+    state = while_loop(lambda s: cond(problem, s[0]), loop_body, state)
     if meter is not None:
         meter.done()
     return state
