@@ -2,6 +2,7 @@
 
 from ._adjoint import (
     AbstractAdjoint as AbstractAdjoint,
+    BacksolveAdjoint as BacksolveAdjoint,
     DirectAdjoint as DirectAdjoint,
     RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint,
 )

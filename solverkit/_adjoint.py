@@ -16,7 +16,10 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _loop
+from ._closure import closure_convert
 from ._loop import Outputs, Problem
+from ._progress import NoProgressMeter
+from ._saveat import save_y
 from ._unvmap import unvmap_any, while_loop
 
 
@@ -68,7 +71,12 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
                 )
             segment = max(1, -(-problem.max_steps // self.checkpoints))
         slots = -(-problem.max_steps // segment)
-        carry, bufs = checkpointed_while(problem, carry, bufs, segment, slots)
+        try:
+            carry, bufs = checkpointed_while(problem, carry, bufs, segment, slots)
+        except TypeError as e:
+            if _isforward_mode_error(e):
+                raise forward_mode_error("RecursiveCheckpointAdjoint", e) from None
+            raise
         return _loop.finish(problem, carry, bufs)
 
 
@@ -224,3 +232,223 @@ class DirectAdjoint(AbstractAdjoint):
 
         (carry, bufs), _ = lax.scan(body, (carry, bufs), None, length=problem.max_steps)
         return _loop.finish(problem, carry, bufs)
+
+
+def forward_mode_error(adjoint: str, error: Exception) -> Exception:
+    return TypeError(
+        f"{adjoint} supports reverse-mode differentiation (jax.grad, jax.vjp) only; "
+        "for forward mode (jax.jvp, jax.jacfwd) use `adjoint=DirectAdjoint()`. "
+        f"(JAX said: {error})"
+    )
+
+
+def _isforward_mode_error(error: Exception) -> bool:
+    text = str(error)
+    return "custom_vjp" in text and ("forward-mode" in text or "jvp" in text)
+
+
+def _augmented(tau, state, aux):
+    """The adjoint system of `dy/dtau = g(tau, y, theta)` in the outer internal time:
+    `dy = g`, `da = -a dg/dy`, `dtheta_bar = -a dg/dtheta`."""
+    term, args = aux
+    y, a, _ = state
+    theta, rest = eqx.partition((term, args), eqx.is_inexact_array)
+
+    def g(theta, y):
+        term, args = eqx.combine(theta, rest)
+        return term.vf(tau, y, args)
+
+    fy, pullback = jax.vjp(g, theta, y)
+    g_theta, g_y = pullback(a)
+    neg = lambda x: jtu.tree_map(jnp.negative, x)
+    return fy, neg(g_y), neg(g_theta)
+
+
+def _dot(a, b):
+    leaves = [
+        jnp.sum((x * y).real).astype(jnp.result_type(float))
+        for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+    ]
+    return sum(leaves) if leaves else jnp.asarray(0.0)
+
+
+class BacksolveAdjoint(AbstractAdjoint):
+    """Optimise-then-discretise: solve the continuous adjoint equations backwards in
+    time, in constant memory.
+
+    Differentiates with respect to `y0`, `args`, **every floating-point value the
+    vector field closes over**, `t0`, `t1` and `SaveAt(ts=...)`. Supports
+    `SaveAt(t0=..., t1=..., ts=...)` with the default `fn`; no events, `steps` or
+    `dense`. Gradients are accurate to about the solve's tolerance (not to machine
+    precision, as with `RecursiveCheckpointAdjoint`). Reverse mode only.
+
+    **Arguments:**
+
+    - `solver`: solver for the backward solve (default: the forward one).
+    - `stepsize_controller`: controller for the backward solve (default: the
+        forward one).
+    """
+
+    solver: object = None
+    stepsize_controller: object = None
+
+    def check(self, problem: Problem) -> None:
+        unsupported = []
+        if problem.every:
+            unsupported.append("SaveAt(steps=...)")
+        if problem.dense:
+            unsupported.append("SaveAt(dense=True)")
+        if problem.conds is not None:
+            unsupported.append("events")
+        if problem.save_fn.jaxpr is not _identity_jaxpr(problem, save_y):
+            unsupported.append("SaveAt(fn=...)")
+        if unsupported:
+            raise ValueError(
+                "BacksolveAdjoint does not support "
+                + ", ".join(unsupported)
+                + "; use RecursiveCheckpointAdjoint() instead."
+            )
+
+    def loop(self, problem: Problem) -> Outputs:
+        dynamic, static = eqx.partition(problem, eqx.is_array)
+        adjoint = self
+
+        def forward(dynamic):
+            problem = eqx.combine(dynamic, static)
+            carry, bufs = _loop.init(problem)
+            carry, bufs = _loop.run_while(problem, (carry, bufs))
+            return _loop.finish(problem, carry, bufs)
+
+        @jax.custom_vjp
+        def run(dynamic):
+            return forward(dynamic)
+
+        def fwd(dynamic):
+            out = forward(dynamic)
+            return out, (dynamic, out)
+
+        def bwd(residuals, ct_out):
+            dynamic, out = residuals
+            problem = eqx.combine(dynamic, static)
+            ct = adjoint._backward(problem, out, ct_out.ys)
+            return (ct,)
+
+        run.defvjp(fwd, bwd)
+        try:
+            return run(dynamic)
+        except TypeError as e:
+            if _isforward_mode_error(e):
+                raise forward_mode_error("BacksolveAdjoint", e) from None
+            raise
+
+    def _solve_back(self, problem: Problem, aux, state, ta, tb):
+        """Integrate the augmented state from internal time `ta` back to `tb`."""
+        solver = problem.solver if self.solver is None else self.solver
+        controller = (
+            problem.controller
+            if self.stepsize_controller is None
+            else self.stepsize_controller
+        )
+        neg_ta = -ta
+        closure = closure_convert(_augmented, neg_ta, state, aux)
+        identity = closure_convert(lambda t, y, args: y, neg_ta, state, aux)
+        inner = Problem(
+            solver=solver,
+            controller=controller,
+            term=_loop.VectorField(closure, -jnp.ones_like(ta)),
+            args=aux,
+            y0=state,
+            t0=neg_ta,
+            t1=-tb,
+            dt0=problem.dt0,
+            save_ts=None,
+            save_fn=identity,
+            save_t0=False,
+            save_t1=False,
+            every=0,
+            dense=False,
+            conds=None,
+            event_direction=None,
+            root_finder=None,
+            max_steps=problem.max_steps,
+            meter=NoProgressMeter(),
+        )
+        carry, bufs = _loop.init(inner)
+        carry, _ = _loop.run_while(inner, (carry, bufs))
+        failed = (carry.t < inner.t1) | (carry.result != _loop._SUCCESS)
+        y = eqx.error_if(
+            carry.y,
+            failed,
+            "BacksolveAdjoint: the backward (adjoint) solve failed, so no gradient "
+            "can be given. Increase `max_steps` or pass BacksolveAdjoint("
+            "stepsize_controller=...) with looser tolerances.",
+        )
+        return y
+
+    def _backward(self, problem: Problem, out: Outputs, ct_ys):
+        aux = (problem.term, problem.args)
+        theta, _ = eqx.partition(aux, eqx.is_inexact_array)
+        g = lambda tau, y: problem.term.vf(tau, y, problem.args)
+        rows_t0 = 1 if problem.save_t0 else 0
+        num_ts = 0 if problem.save_ts is None else problem.save_ts.shape[0]
+        take = lambda tree, i: jtu.tree_map(lambda x: x[i], tree)
+        zeros_y = jtu.tree_map(jnp.zeros_like, problem.y0)
+        ct_y1 = take(ct_ys, rows_t0 + num_ts) if problem.save_t1 else zeros_y
+        T = out.t_end
+        ct_T = _dot(ct_y1, g(T, out.y_end)) if problem.save_t1 else jnp.zeros_like(T)
+        a = ct_y1
+        theta_bar = jtu.tree_map(jnp.zeros_like, theta)
+        y = out.y_end
+        t_cur = T
+        ct_ts = None
+        if num_ts:
+            ts = problem.save_ts
+
+            def segment(k, state):
+                i = num_ts - 1 - k
+                y, a, theta_bar, t_cur, ct_ts = state
+                t_i = ts[i]
+                y, a, theta_bar = self._solve_back(
+                    problem, aux, (y, a, theta_bar), t_cur, t_i
+                )
+                y = take(out.ys, rows_t0 + i)  # restart from the saved forward value
+                ct_row = take(ct_ys, rows_t0 + i)
+                a = jtu.tree_map(jnp.add, a, ct_row)
+                ct_ts = ct_ts.at[i].set(_dot(ct_row, g(t_i, y)).astype(ts.dtype))
+                return y, a, theta_bar, t_i, ct_ts
+
+            state = (y, a, theta_bar, t_cur, jnp.zeros_like(ts))
+            y, a, theta_bar, t_cur, ct_ts = lax.fori_loop(0, num_ts, segment, state)
+        y, a, theta_bar = self._solve_back(
+            problem, aux, (y, a, theta_bar), t_cur, problem.t0
+        )
+        ct_t0 = -_dot(a, g(problem.t0, problem.y0))
+        if problem.save_t0:
+            a = jtu.tree_map(jnp.add, a, take(ct_ys, 0))
+        dynamic, _ = eqx.partition(problem, eqx.is_array)
+        ct = jtu.tree_map(_zeros_cotangent, dynamic)
+        ct_aux = jtu.tree_map(
+            lambda c, x: _zeros_cotangent(x) if c is None else c,
+            theta_bar,
+            eqx.partition(aux, eqx.is_array)[0],
+            is_leaf=lambda x: x is None,
+        )
+        ct = eqx.tree_at(
+            lambda p: (p.y0, p.t0, p.t1),
+            ct,
+            (a, ct_t0.astype(problem.t0.dtype), ct_T.astype(problem.t1.dtype)),
+        )
+        ct = _replace_subtrees(ct, ct_aux)
+        if ct_ts is not None:
+            ct = eqx.tree_at(lambda p: p.save_ts, ct, ct_ts)
+        return ct
+
+
+def _replace_subtrees(ct, ct_aux):
+    term, args = ct_aux
+    ct = eqx.tree_at(lambda p: p.term, ct, term, is_leaf=lambda x: x is None)
+    return eqx.tree_at(lambda p: p.args, ct, args, is_leaf=lambda x: x is None)
+
+
+def _identity_jaxpr(problem: Problem, save_y):
+    return closure_convert(save_y, problem.t0, problem.y0, problem.args).jaxpr

@@ -9,7 +9,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._adjoint import AbstractAdjoint, RecursiveCheckpointAdjoint
+from ._adjoint import (
+    AbstractAdjoint,
+    forward_mode_error,
+    is_forward_mode_error,
+    RecursiveCheckpointAdjoint,
+)
 from ._closure import Closure, closure_convert
 from ._controller import AbstractStepSizeController, ConstantStepSize, StepTo
 from ._event import Event
@@ -20,6 +25,7 @@ from ._saveat import SaveAt
 from ._solution import Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import ODETerm
+from ._unvmap import unvmap_any, unvmap_max
 
 
 def _concrete(x):
@@ -231,7 +237,14 @@ def diffeqsolve(
         meter=progress_meter,
     )
     adjoint.check(problem)
-    return _solve(problem, adjoint, throw, saveat.solver_state, saveat.controller_state)
+    try:
+        return _solve(
+            problem, adjoint, throw, saveat.solver_state, saveat.controller_state
+        )
+    except TypeError as e:
+        if is_forward_mode_error(e):
+            raise forward_mode_error(type(adjoint).__name__, e) from None
+        raise
 
 
 _MESSAGES = [r.message() or "successful" for r in RESULTS]
@@ -253,8 +266,10 @@ def _solve(problem: Problem, adjoint, throw, keep_solver_state, keep_controller_
         failed = (result != RESULTS.successful.code) & (
             result != RESULTS.event_occurred.code
         )
+        # Unbatched and non-differentiated, as equinox's error machinery needs.
+        index = unvmap_max(jnp.where(failed, result, 0))
         ts, ys, t_end = eqx.branched_error_if(
-            (ts, ys, t_end), failed, result, _MESSAGES
+            (ts, ys, t_end), unvmap_any(failed), index, _MESSAGES
         )
     interpolation = None
     if problem.dense:

@@ -53,3 +53,29 @@ def while_loop(cond, body, state):
     return jax.lax.while_loop(
         lambda s: unvmap_any(cond(s)), lambda s: body(s, cond(s)), state
     )
+
+
+unvmap_max_p = Primitive("solverkit_unvmap_max")
+
+
+def _max(x):
+    return jnp.max(x)
+
+
+unvmap_max_p.def_impl(_max)
+unvmap_max_p.def_abstract_eval(lambda x: jax.core.ShapedArray((), x.dtype))
+mlir.register_lowering(unvmap_max_p, mlir.lower_fun(_max, multiple_results=False))
+batching.primitive_batchers[unvmap_max_p] = lambda args, dims: (
+    unvmap_max_p.bind(*args),
+    None,
+)
+ad.primitive_jvps[unvmap_max_p] = lambda primals, tangents: (
+    unvmap_max_p.bind(*primals),
+    np.zeros((), dtype=jax.dtypes.float0),
+)
+
+
+def unvmap_max(x) -> jax.Array:
+    """`jnp.max(x)` over `x` and over every `vmap` batch axis (integers); never
+    batched, never differentiated."""
+    return unvmap_max_p.bind(jnp.asarray(x))
