@@ -74,7 +74,7 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
         try:
             carry, bufs = checkpointed_while(problem, carry, bufs, segment, slots)
         except TypeError as e:
-            if _isforward_mode_error(e):
+            if is_forward_mode_error(e):
                 raise forward_mode_error("RecursiveCheckpointAdjoint", e) from None
             raise
         return _loop.finish(problem, carry, bufs)
@@ -242,7 +242,7 @@ def forward_mode_error(adjoint: str, error: Exception) -> Exception:
     )
 
 
-def _isforward_mode_error(error: Exception) -> bool:
+def is_forward_mode_error(error: Exception) -> bool:
     text = str(error)
     return "custom_vjp" in text and ("forward-mode" in text or "jvp" in text)
 
@@ -337,7 +337,7 @@ class BacksolveAdjoint(AbstractAdjoint):
         try:
             return run(dynamic)
         except TypeError as e:
-            if _isforward_mode_error(e):
+            if is_forward_mode_error(e):
                 raise forward_mode_error("BacksolveAdjoint", e) from None
             raise
 

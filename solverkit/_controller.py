@@ -62,9 +62,9 @@ class ConstantStepSize(AbstractStepSizeController):
     def check(self, solver, dt0) -> None:
         if dt0 is None:
             raise ValueError(
-                "ConstantStepSize needs a step size: pass `dt0` to diffeqsolve (dt0=None "
-                "chooses it automatically only with an adaptive controller such as "
-                "PIDController)."
+                "ConstantStepSize needs a step size: pass `dt0` to diffeqsolve "
+                "(dt0=None chooses it automatically only with an adaptive controller "
+                "such as PIDController)."
             )
 
 

@@ -168,7 +168,8 @@ def diffeqsolve(
             raise ValueError("`dt0` must be non-zero.")
         if (c1 - c0) * cdt < 0:
             raise ValueError(
-                f"`dt0` must have the sign of `t1 - t0`: got t0={c0}, t1={c1}, dt0={cdt}."
+                "`dt0` must have the sign of `t1 - t0`: got "
+                f"t0={c0}, t1={c1}, dt0={cdt}."
             )
     if c0 is not None and c1 is not None:
         direction = None if c1 >= c0 else jnp.asarray(-1, dtype)
@@ -188,8 +189,8 @@ def diffeqsolve(
             lo, hi = min(c0, c1), max(c0, c1)
             if cts.min() < lo or cts.max() > hi:
                 raise ValueError(
-                    f"SaveAt(ts=...) must lie within [t0, t1] = [{c0}, {c1}]; got times "
-                    f"from {cts.min()} to {cts.max()}."
+                    f"SaveAt(ts=...) must lie within [t0, t1] = [{c0}, {c1}]; got "
+                    f"times from {cts.min()} to {cts.max()}."
                 )
             if cts.size > 1 and np.any(np.diff(cts) * (c1 - c0) < 0):
                 raise ValueError(
