@@ -11,6 +11,10 @@ Conventions, for a step of size `h` from `(t0, y0)` with stages `k_0 ... k_{s-1}
   embedded method `b_hat` (its sign never matters to a norm);
 - dense output: `y(t0 + θh) = y0 + h Σ_i k_i Σ_j dense[i, j] θ**(j + 1)`, where `k`
   includes the `e` extra stages (`extra_c`, `extra_a`) after the `s` main ones.
+
+The error estimates are the ones diffrax uses for the solver of the same name, so
+step sequences agree with diffrax at equal tolerances. `DOPRI8` is the method diffrax
+calls Dopri8 (Prince--Dormand RK8(7)13M); Hairer's DOP853 is `DOP853`.
 """
 
 import dataclasses
@@ -42,7 +46,9 @@ def _check_shape(arr: np.ndarray, shape: tuple[int, ...], name: str) -> None:
         )
 
 
-def _check_close(value: np.ndarray, target: np.ndarray, what: str) -> None:
+def _check_close(
+    value: np.ndarray | float, target: np.ndarray | float, what: str
+) -> None:
     err = float(np.max(np.abs(value - target), initial=0.0))
     if err > _TOL:
         raise ValueError(f"ButcherTableau: {what} (off by {err:.3g}).")
@@ -122,7 +128,7 @@ class ButcherTableau:
                 "ButcherTableau.a must be strictly lower triangular (explicit method)."
             )
         _check_close(self.a.sum(axis=1), self.c, "row sums of `a` must equal `c`")
-        _check_close(self.b.sum(), np.float64(1.0), "`b` must sum to 1")
+        _check_close(self.b.sum(), 1.0, "`b` must sum to 1")
         if isinstance(self.order, bool) or not isinstance(self.order, int):
             raise ValueError("ButcherTableau.order must be an int.")
         if self.order < 1:
@@ -137,9 +143,7 @@ class ButcherTableau:
         if self.b_err is None or self.embedded_order is None:
             return
         _check_shape(self.b_err, self.b.shape, "b_err")
-        _check_close(
-            self.b_err.sum(), np.float64(0.0), "`b_err = b - b_hat` must sum to 0"
-        )
+        _check_close(self.b_err.sum(), 0.0, "`b_err = b - b_hat` must sum to 0")
         order = self.embedded_order
         if isinstance(order, bool) or not isinstance(order, int):
             raise ValueError("ButcherTableau.embedded_order must be an int.")
