@@ -84,12 +84,13 @@ class StepTo(AbstractStepSizeController):
 
     def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
         del dt0
-        ts = self._internal(t0, t1)
+        ts = self.internal(terms, t0.dtype)
         return ts[1], jnp.asarray(2, jnp.int32)
 
-    def _internal(self, t0, t1):
-        direction = jnp.where(t1 >= t0, 1, -1).astype(t0.dtype)
-        return self.ts.astype(t0.dtype) * direction
+    def internal(self, terms, dtype):
+        """The times in the loop's internal (increasing) time; `terms.to_user`
+        multiplies by the direction of integration, which is its own inverse."""
+        return terms.to_user(self.ts.astype(dtype))
 
     def adapt_step_size(
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state

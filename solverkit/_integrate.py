@@ -281,6 +281,7 @@ def _solve(problem: Problem, adjoint, throw, keep_solver_state, keep_controller_
             out.carry.num_accepted,
             direction,
             problem.solver,
+            problem.y0,
         )
     carry = out.carry
     stats = dict(

@@ -23,6 +23,7 @@ class DenseInterpolation(eqx.Module):
     num_steps: Array  # number of accepted steps
     direction: Array | None
     solver: AbstractSolver
+    y0: PyTree  # returned when no step was taken (t0 == t1)
 
     def _evaluate(self, t) -> PyTree:
         tau = t if self.direction is None else self.direction * t
@@ -32,7 +33,11 @@ class DenseInterpolation(eqx.Module):
         info = jtu.tree_map(
             lambda b: lax.dynamic_index_in_dim(b, index, keepdims=False), self.infos
         )
-        return self.solver.interpolate(info, self.ts[index], self.ts[index + 1], tau)
+        t1 = jnp.where(self.num_steps == 0, self.ts[0], self.ts[index + 1])
+        y = self.solver.interpolate(info, self.ts[index], t1, tau)
+        return jtu.tree_map(
+            lambda a, b: jnp.where(self.num_steps == 0, b, a), y, self.y0
+        )
 
     def evaluate(self, t0, t1=None) -> PyTree:
         """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""

@@ -209,7 +209,7 @@ def cond(problem: Problem, carry: Carry) -> Array:
 
 
 def _step_to(controller: StepTo, problem: Problem, t1, cstate):
-    ts = controller._internal(problem.t0, problem.t1)
+    ts = controller.internal(problem.term, problem.t0.dtype)
     index = cstate
     nxt = ts[jnp.minimum(index, ts.shape[0] - 1)]
     return True, t1, nxt, index + 1
