@@ -116,7 +116,7 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
             lambda s: _loop.cond(problem, s[0]), body, init
         )
         if meter is not None:
-            meter.done()
+            meter.done(carry)
         return (carry, bufs), (dynamic, store, n, bufs, carry)
 
     def bwd(residuals, cotangents):

@@ -336,7 +336,7 @@ class Progress(NamedTuple):
     """Host callbacks that drive the progress meter from the forward loop only."""
 
     tick: Any  # carry -> None
-    done: Any  # () -> None
+    done: Any  # carry -> None
 
 
 def progress(problem: Problem) -> Progress | None:
@@ -356,7 +356,11 @@ def progress(problem: Problem) -> Progress | None:
             lambda: None,
         )
 
-    return Progress(tick, lambda: meter.callback(token, jnp.ones_like(problem.t0)))
+    def done(carry):
+        # Depends on the final carry, so the host sees it after every tick.
+        meter.callback(token, jnp.maximum(carry.t - carry.t, 0) + 1)
+
+    return Progress(tick, done)
 
 
 def run_while(problem: Problem, state):
@@ -371,7 +375,7 @@ def run_while(problem: Problem, state):
 
     state = while_loop(lambda s: cond(problem, s[0]), loop_body, state)
     if meter is not None:
-        meter.done()
+        meter.done(state[0])
     return state
 
 

@@ -8,6 +8,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from ._unvmap import unvmap_max
+
 
 _ids = itertools.count()
 _lock = threading.Lock()
@@ -39,12 +41,16 @@ class _HostMeter(AbstractProgressMeter):
         return next(_ids)
 
     def callback(self, token, fraction) -> None:
+        # The slowest batch element, unbatched: one callback (one bar) under vmap.
+        fraction = -unvmap_max(-fraction)
         jax.debug.callback(lambda f: self._update(token, f), fraction)
 
     def _update(self, token, fraction):
         value = float(np.min(np.asarray(fraction)))
         with _lock:
             bar = _open.get(token)
+            if bar is None and value >= 1.0:
+                return  # this bar was already completed by the last step
             if bar is None:
                 bar = self._open()
                 _open[token] = bar
