@@ -6,6 +6,7 @@ This module imports nothing of solverkit, so it can be lifted into another proje
 
 import collections
 import contextlib
+import enum
 import re
 import threading
 import weakref
@@ -104,8 +105,29 @@ _canon_by_text: collections.OrderedDict = collections.OrderedDict()
 _canon_by_fn: dict = {}  # id(fn) -> (weakref to fn, loose key, jaxpr)
 
 
+_VALUE_LIKE = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    np.dtype,
+    np.generic,
+    enum.Enum,
+)
+# Parameter types that are plain values and print in full (mesh and sharding specs).
+_VALUE_LIKE_NAMES = frozenset(
+    {"UnspecifiedValue", "AbstractMesh", "Mesh", "AutoSharding", "PartitionSpec"}
+)
+
+
 def _only_printable(value) -> bool:
-    """Whether a jaxpr (or an equation parameter) is fully described by its print."""
+    """Whether a jaxpr (or an equation parameter) is fully described by its print.
+
+    A whitelist: anything else (a custom_jvp/custom_vjp rule, a host callback, any
+    unknown object) makes the jaxpr comparable by identity only.
+    """
     if isinstance(value, jex.ClosedJaxpr):
         return not value.consts and _only_printable(value.jaxpr)
     if isinstance(value, jex.Jaxpr):
@@ -120,9 +142,9 @@ def _only_printable(value) -> bool:
         return all(_only_printable(v) for v in value)
     if isinstance(value, dict):
         return all(_only_printable(v) for v in value.values())
-    if isinstance(value, type):
+    if isinstance(value, _VALUE_LIKE) or isinstance(value, jax.sharding.Sharding):
         return True
-    return not callable(value)
+    return type(value).__name__ in _VALUE_LIKE_NAMES
 
 
 class _Program:
@@ -175,15 +197,21 @@ def _canonical_jaxpr(fn, jaxpr, signature):
                 _canon_by_text.popitem(last=False)
             return jaxpr
         loose = (signature, _ADDRESS.sub("", text))
-        previous = _canon_by_fn.get(id(fn))
-        if previous is not None and previous[0]() is fn and previous[1] == loose:
+        # A bound method is made afresh on each attribute access: key it by its
+        # object and function instead.
+        target = getattr(fn, "__self__", None)
+        func = getattr(fn, "__func__", None)
+        if target is None or func is None:
+            target, func = fn, None
+        key = (id(target), id(func))
+        previous = _canon_by_fn.get(key)
+        if previous is not None and previous[0]() is target and previous[1] == loose:
             return previous[2]
-        fn_id = id(fn)
         try:
-            ref = weakref.ref(fn, lambda _: _canon_by_fn.pop(fn_id, None))
+            ref = weakref.ref(target, lambda _: _canon_by_fn.pop(key, None))
         except TypeError:  # not weak-referenceable: no reuse
             return jaxpr
-        _canon_by_fn[id(fn)] = (ref, loose, jaxpr)
+        _canon_by_fn[key] = (ref, loose, jaxpr)
         return jaxpr
 
 

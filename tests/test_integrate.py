@@ -1,0 +1,673 @@
+"""`diffeqsolve` against references: convergence orders, DETEST problems against scipy
+and diffrax, backwards solves, pytree / complex / integer states, step-size controllers,
+`jit` / `vmap`, and no recompilation on a second call."""
+
+import functools
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.integrate
+from helpers import (
+    ADAPTIVE_SOLVERS,
+    ALL_SOLVERS,
+    assert_tree_allclose,
+    count_compiles,
+    float64,
+)
+
+import solverkit as sk
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    with float64():
+        yield
+
+
+# --- Convergence order --------------------------------------------------------------
+
+# y' = cos(t) A y with A = [[-0.2, 1], [-1, -0.2]]: non-autonomous (so every stage's
+# node c_i matters), linear, and exactly y(t) = expm(sin(t) A) y0.
+_A = np.array([[-0.2, 1.0], [-1.0, -0.2]])
+
+
+def _linear_vf(t, y, args):
+    return jnp.cos(t) * (jnp.asarray(_A) @ y)
+
+
+def _linear_exact(t, y0):
+    s = np.sin(t)
+    rot = np.array([[np.cos(s), np.sin(s)], [-np.sin(s), np.cos(s)]])
+    return np.exp(-0.2 * s) * rot @ np.asarray(y0)
+
+
+# Numbers of steps, chosen per order so the error is asymptotic yet above round-off.
+_STEPS = {1: [64, 128, 256, 512], 2: [32, 64, 128, 256], 3: [8, 16, 32, 64]}
+_STEPS.update({5: [8, 12, 16, 24], 8: [2, 3, 4, 6]})
+
+
+@pytest.mark.parametrize("solver_cls, order, _", ALL_SOLVERS)
+def test_convergence_order(solver_cls, order, _):
+    assert solver_cls().order(None) == order
+    t1 = 2.0
+    y0 = jnp.array([1.0, 0.5])
+    dts = jnp.array([t1 / n for n in _STEPS[order]])
+
+    def final(dt):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(_linear_vf), solver_cls(), 0.0, t1, dt, y0, max_steps=512
+        )
+        return sol.ys[-1]
+
+    ys = jax.vmap(final)(dts)
+    errors = np.linalg.norm(np.asarray(ys) - _linear_exact(t1, y0), axis=-1)
+    assert np.all(errors > 1e-14), errors  # above round-off: the fit means something
+    slope = np.polyfit(np.log(np.asarray(dts)), np.log(errors), 1)[0]
+    # Tsit5 is tuned so its leading error terms are tiny: it shows order ~6 before the
+    # asymptotic regime, hence the one-sided tolerance above.
+    assert order - 0.3 < slope < order + 1.2, (slope, errors)
+
+
+@pytest.mark.parametrize("solver_cls", ADAPTIVE_SOLVERS)
+def test_error_order(solver_cls):
+    # The embedded estimate has local order min(p, p_hat) + 1.
+    error_order = solver_cls().error_order(None)
+    assert error_order is not None and 2 <= error_order <= solver_cls().order(None) + 1
+    assert sk.Euler().error_order(None) is None
+
+
+# --- DETEST problems against scipy DOP853 and diffrax --------------------------------
+# (Hull, Enright, Fellen & Sedgwick 1972.) The four scalar A problems share one vector
+# field, selected by `args`, so that one compiled solve (vmapped) serves all four.
+
+
+def _a_problems(t, y, index, xp):
+    a1 = -y
+    a2 = -(y**3) / 2
+    a3 = y * xp.cos(t)
+    a4 = y / 4 * (1 - y / 20)
+    return xp.stack([a1, a2, a3, a4])[index]
+
+
+def _b1(t, y, args, xp):
+    return xp.stack([2 * (y[0] - y[0] * y[1]), -(y[1] - y[0] * y[1])])
+
+
+def _b5(t, y, args, xp):
+    return xp.stack([y[1] * y[2], -y[0] * y[2], -0.51 * y[0] * y[1]])
+
+
+def _c1(t, y, args, xp):
+    return xp.concatenate([-y[:1], y[:-2] - y[1:-1], y[-2:-1]])
+
+
+def _d3(t, y, args, xp):
+    r3 = (y[0] ** 2 + y[1] ** 2) ** 1.5
+    return xp.stack([y[2], y[3], -y[0] / r3, -y[1] / r3])
+
+
+_E = 0.5  # orbit eccentricity (D3)
+DETEST = {
+    "A": (_a_problems, [[1.0]] * 4),  # A1-A4, batched over args = 0..3
+    "B1": (_b1, [1.0, 3.0]),
+    "B5": (_b5, [0.0, 1.0, 1.0]),
+    "C1": (_c1, [1.0] + [0.0] * 9),
+    "D3": (_d3, [1 - _E, 0.0, 0.0, np.sqrt((1 + _E) / (1 - _E))]),
+}
+DETEST_T1 = 20.0
+DETEST_CASES = [
+    ("A", "Tsit5", 1e-8),
+    ("B1", "Tsit5", 1e-8),
+    ("B5", "Tsit5", 1e-8),
+    ("C1", "Tsit5", 1e-8),
+    ("D3", "Tsit5", 1e-8),
+    ("A", "Dopri5", 1e-8),
+    ("B1", "Dopri5", 1e-8),
+    ("A", "Dopri8", 1e-10),
+    ("C1", "Dopri8", 1e-10),
+    ("D3", "Dopri8", 1e-10),
+]
+
+
+def _batch(name):
+    """The problem's `(y0s, args)`, with a leading batch axis."""
+    f, y0 = DETEST[name]
+    if name == "A":
+        return np.asarray(y0), np.arange(4)
+    return np.asarray(y0)[None], np.zeros(1, int)
+
+
+@functools.cache
+def _reference(name):
+    f, _ = DETEST[name]
+    out = []
+    for y0, args in zip(*_batch(name)):
+        sol = scipy.integrate.solve_ivp(
+            lambda t, y: f(t, y, args, np),
+            (0.0, DETEST_T1),
+            y0,
+            method="DOP853",
+            rtol=1e-12,
+            atol=1e-12,
+        )
+        assert sol.success
+        out.append(sol.y[:, -1])
+    return np.stack(out)
+
+
+def _detest_solve(lib, name, solver, tol):
+    f, _ = DETEST[name]
+    y0s, index = _batch(name)
+
+    def solve(y0, args):
+        sol = lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: f(t, y, args, jnp)),
+            getattr(lib, solver)(),
+            0.0,
+            DETEST_T1,
+            0.1,
+            y0,
+            args,
+            stepsize_controller=lib.PIDController(rtol=tol, atol=tol),
+            max_steps=2048,
+        )
+        return sol.ys[-1], sol.stats["num_steps"]
+
+    ys, steps = jax.vmap(solve)(jnp.asarray(y0s), jnp.asarray(index))
+    return np.asarray(ys), np.asarray(steps)
+
+
+_solverkit = functools.cache(functools.partial(_detest_solve, sk))
+
+
+@pytest.mark.parametrize("name, solver, tol", DETEST_CASES)
+def test_detest_against_scipy(name, solver, tol):
+    ys, _ = _solverkit(name, solver, tol)
+    ref = _reference(name)
+    # The global error on [0, 20] is a modest multiple of the local tolerance.
+    scale = np.maximum(1, np.abs(ref))
+    assert np.max(np.abs(ys - ref) / scale) < 300 * tol, (ys, ref)
+
+
+@pytest.mark.parametrize(
+    "name, solver, tol",
+    [("A", "Tsit5", 1e-8), ("B1", "Dopri5", 1e-8), ("D3", "Dopri8", 1e-10)],
+)
+def test_detest_against_diffrax(name, solver, tol):
+    ys, steps = _solverkit(name, solver, tol)
+    dys, dsteps = _detest_solve(diffrax, name, solver, tol)
+    # Same tableaux, same controller: the same answer, far below the tolerance.
+    assert np.max(np.abs(ys - dys) / np.maximum(1, np.abs(dys))) < 10 * tol
+    assert np.all(np.abs(steps - dsteps) <= np.maximum(1, 0.02 * dsteps)), (
+        steps,
+        dsteps,
+    )
+
+
+# --- Backwards in time ----------------------------------------------------------------
+
+
+def _rotation(t, y, args):
+    return jnp.stack([y[1], -y[0]])
+
+
+def _rotation_exact(t):
+    return np.array([np.cos(t), -np.sin(t)])
+
+
+def test_backwards_against_analytic():
+    ts = jnp.array([0.0, -0.5, -2.0])
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_rotation),
+        sk.Tsit5(),
+        0.0,
+        -2.0,
+        -0.01,
+        jnp.array([1.0, 0.0]),
+        saveat=sk.SaveAt(t0=True, ts=ts, t1=True),
+        stepsize_controller=sk.PIDController(rtol=1e-9, atol=1e-9),
+    )
+    np.testing.assert_allclose(sol.ts, [0.0, 0.0, -0.5, -2.0, -2.0])
+    expected = np.stack([_rotation_exact(t) for t in np.asarray(sol.ts)])
+    np.testing.assert_allclose(sol.ys, expected, atol=1e-7)
+    assert float(sol.t0) == 0.0 and float(sol.t1) == -2.0
+    assert sol.result == sk.RESULTS.successful
+
+
+def test_backwards_is_forwards_in_reversed_time():
+    # Solving y' = f(t, y) from 1 down to -3 is solving z' = -f(-s, z) from -1 up to 3.
+    def f(t, y, args):
+        return jnp.stack([y[1] * jnp.cos(t), -y[0]])
+
+    kw = dict(
+        saveat=sk.SaveAt(steps=True),
+        stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6),
+        max_steps=256,
+    )
+    y0 = jnp.array([1.0, 0.0])
+    back = sk.diffeqsolve(sk.ODETerm(f), sk.Dopri5(), 1.0, -3.0, -0.1, y0, **kw)
+    fwd = sk.diffeqsolve(
+        sk.ODETerm(lambda s, z, args: -f(-s, z, args)),
+        sk.Dopri5(),
+        -1.0,
+        3.0,
+        0.1,
+        y0,
+        **kw,
+    )
+    n = int(back.stats["num_accepted_steps"])
+    assert int(back.stats["num_steps"]) == int(fwd.stats["num_steps"])
+    assert n == int(fwd.stats["num_accepted_steps"]) and n > 5
+    np.testing.assert_allclose(back.ts[:n], -fwd.ts[:n], rtol=1e-12)
+    np.testing.assert_allclose(back.ys[:n], fwd.ys[:n], rtol=1e-12, atol=1e-12)
+    assert np.all(np.isinf(np.asarray(back.ts[n:])))
+
+
+# --- Kinds of state ----------------------------------------------------------------
+
+
+def test_pytree_state():
+    def vf(t, y, args):
+        return {"a": -y["a"], "b": (2 * y["b"][0], -3 * y["b"][1])}
+
+    y0 = {"a": jnp.ones((2, 3)), "b": (jnp.array(0.5), jnp.arange(3.0))}
+    sol = sk.diffeqsolve(
+        sk.ODETerm(vf),
+        sk.Tsit5(),
+        0.0,
+        1.0,
+        0.05,
+        y0,
+        saveat=sk.SaveAt(t0=True, t1=True),
+        stepsize_controller=sk.PIDController(rtol=1e-9, atol=1e-9),
+    )
+    expected = {
+        "a": np.stack([np.ones((2, 3)), np.full((2, 3), np.exp(-1))]),
+        "b": (
+            np.array([0.5, 0.5 * np.exp(2)]),
+            np.stack([np.arange(3.0), np.arange(3.0) * np.exp(-3)]),
+        ),
+    }
+    assert_tree_allclose(sol.ys, expected, rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "controller", [sk.ConstantStepSize(), sk.PIDController(rtol=1e-8, atol=1e-8)]
+)
+def test_complex_state(controller):
+    # y' = (i - 0.1) y: the error estimate and step control must use |.|.
+    lam = 1j - 0.1
+    y0 = jnp.array([1.0 + 0.0j, 0.5j])
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: lam * y),
+        sk.Dopri5(),
+        0.0,
+        3.0,
+        0.01,
+        y0,
+        stepsize_controller=controller,
+    )
+    assert sol.ys.dtype == jnp.complex128
+    np.testing.assert_allclose(sol.ys[-1], np.asarray(y0) * np.exp(3 * lam), atol=1e-7)
+
+
+def test_integer_y0_is_promoted():
+    y0 = {"x": jnp.array([1, 2]), "n": 3}
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: {"x": -y["x"], "n": -y["n"]}),
+        sk.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+    )
+    assert sol.ys["x"].dtype == jnp.float64
+    assert sol.ys["n"].dtype == jnp.float64
+    np.testing.assert_allclose(sol.ys["x"][-1], np.array([1, 2]) * np.exp(-1), 1e-6)
+    np.testing.assert_allclose(sol.ys["n"][-1], 3 * np.exp(-1), rtol=1e-6)
+
+
+# The rotation from y0 = (1, 1), at t = 1.
+_ROTATED_ONES = [np.cos(1) + np.sin(1), np.cos(1) - np.sin(1)]
+
+
+def test_float32_state():
+    kw = dict(stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5))
+    with jax.enable_x64(False):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(_rotation), sk.Tsit5(), 0.0, 1.0, 0.1, jnp.ones(2), **kw
+        )
+    assert sol.ys.dtype == jnp.float32
+    np.testing.assert_allclose(
+        sol.ys[-1], [np.cos(1) + np.sin(1), np.cos(1) - np.sin(1)], rtol=1e-4
+    )
+
+
+def test_float32_state_under_x64():
+    # A float32 y0 with float64 times (x64 on) must work: diffrax promotes it to
+    # float64; keeping float32 would be fine too.
+    y0 = jnp.ones(2, jnp.float32)
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_rotation),
+        sk.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+        stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5),
+    )
+    assert sol.ys.dtype in (jnp.float32, jnp.float64)
+    np.testing.assert_allclose(
+        sol.ys[-1], [np.cos(1) + np.sin(1), np.cos(1) - np.sin(1)], rtol=1e-4
+    )
+
+
+def test_t0_equals_t1():
+    y0 = jnp.array([1.0, 2.0])
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -y),
+        sk.Tsit5(),
+        1.0,
+        1.0,
+        0.1,
+        y0,
+        saveat=sk.SaveAt(t0=True, t1=True, dense=True),
+        stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6),
+    )
+    np.testing.assert_allclose(sol.ys, np.stack([y0, y0]))
+    np.testing.assert_allclose(sol.ts, [1.0, 1.0])
+    assert int(sol.stats["num_steps"]) == 0
+    assert sol.result == sk.RESULTS.successful
+    np.testing.assert_allclose(sol.evaluate(1.0), y0)
+
+
+# --- Step-size controllers ----------------------------------------------------------
+
+
+def test_step_to_is_euler_on_the_grid():
+    grid = np.array([0.0, 0.1, 0.15, 0.4, 0.45, 1.0])
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_linear_vf),
+        sk.Euler(),
+        0.0,
+        1.0,
+        None,
+        jnp.array([1.0, 0.5]),
+        saveat=sk.SaveAt(steps=True),
+        stepsize_controller=sk.StepTo(grid),
+        max_steps=8,
+    )
+    y = np.array([1.0, 0.5])
+    expected = []
+    for a, b in zip(grid[:-1], grid[1:]):
+        y = y + (b - a) * np.cos(a) * (_A @ y)
+        expected.append(y)
+    np.testing.assert_allclose(sol.ts[:5], grid[1:])
+    assert np.all(np.isinf(np.asarray(sol.ts[5:])))
+    np.testing.assert_allclose(sol.ys[:5], np.stack(expected), rtol=1e-12)
+    assert int(sol.stats["num_steps"]) == 5
+
+
+def test_step_to_backwards():
+    grid = np.array([1.0, 0.7, 0.2, -0.5])
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_rotation),
+        sk.Dopri8(),
+        1.0,
+        -0.5,
+        None,
+        jnp.asarray(_rotation_exact(1.0)),
+        saveat=sk.SaveAt(steps=True),
+        stepsize_controller=sk.StepTo(grid),
+        max_steps=3,
+    )
+    np.testing.assert_allclose(sol.ts, grid[1:])
+    expected = np.stack([_rotation_exact(t) for t in grid[1:]])
+    np.testing.assert_allclose(sol.ys, expected, atol=1e-6)
+
+
+def _pid_steps(controller, dt0=0.01, solver=sk.Tsit5(), t1=10.0):
+    return sk.diffeqsolve(
+        sk.ODETerm(_b1_vf),
+        solver,
+        0.0,
+        t1,
+        dt0,
+        jnp.array([1.0, 3.0]),
+        saveat=sk.SaveAt(steps=True),
+        stepsize_controller=controller,
+        max_steps=1024,
+        throw=False,
+    )
+
+
+def _b1_vf(t, y, args):
+    return _b1(t, y, args, jnp)
+
+
+def _accepted_steps(sol):
+    ts = np.asarray(sol.ts)
+    ts = np.concatenate([[0.0], ts[np.isfinite(ts)]])
+    return np.diff(ts)
+
+
+def _hairer_wanner_dt0(f, y0, rtol, atol, order):
+    """The initial step of Hairer, Norsett & Wanner (1993), II.4, in NumPy."""
+    rms = lambda x: np.sqrt(np.mean(np.abs(x) ** 2))
+    scale = atol + np.abs(y0) * rtol
+    f0 = f(0.0, y0)
+    d0, d1 = rms(y0 / scale), rms(f0 / scale)
+    h0 = 1e-6 if min(d0, d1) < 1e-5 else 0.01 * d0 / d1
+    d2 = rms((f(h0, y0 + h0 * f0) - f0) / scale) / h0
+    h1 = (0.01 / max(d1, d2)) ** (1 / order)
+    return min(100 * h0, h1)
+
+
+def test_dt0_none():
+    ours = _pid_steps(sk.PIDController(rtol=1e-6, atol=1e-6), dt0=None)
+    y0 = np.array([1.0, 3.0])
+    dt0 = _hairer_wanner_dt0(
+        lambda t, y: _b1(t, y, None, np), y0, 1e-6, 1e-6, sk.Tsit5().error_order(None)
+    )
+    # The first attempted step is the Hairer-Wanner estimate; if it is accepted it is
+    # the first saved step.
+    assert ours.result == sk.RESULTS.successful
+    first = _accepted_steps(ours)[0]
+    assert first == pytest.approx(dt0, rel=1e-9) or first < dt0
+    # And the solve agrees with one from a given dt0.
+    given = _pid_steps(sk.PIDController(rtol=1e-6, atol=1e-6), dt0=dt0)
+    np.testing.assert_allclose(ours.ys, given.ys, rtol=1e-12)
+
+
+def test_pid_dtmax():
+    sol = _pid_steps(sk.PIDController(rtol=1e-4, atol=1e-4, dtmax=0.05))
+    steps = _accepted_steps(sol)
+    assert sol.result == sk.RESULTS.successful
+    assert np.all(steps <= 0.05 + 1e-12)
+    assert len(steps) >= 200  # 10 / 0.05
+
+
+def test_pid_dtmin_forced():
+    # Tolerances so tight that the controller wants far smaller steps than dtmin.
+    sol = _pid_steps(
+        sk.PIDController(rtol=1e-13, atol=1e-13, dtmin=0.05, force_dtmin=True), t1=1.0
+    )
+    steps = _accepted_steps(sol)
+    assert sol.result == sk.RESULTS.successful
+    assert np.all(steps[:-1] >= 0.05 - 1e-12)
+    assert len(steps) <= 21
+    assert int(sol.stats["num_rejected_steps"]) <= 1
+
+
+def test_pid_dtmin_not_forced():
+    sol = _pid_steps(
+        sk.PIDController(rtol=1e-13, atol=1e-13, dtmin=0.05, force_dtmin=False), t1=1.0
+    )
+    assert sol.result == sk.RESULTS.dt_min_reached
+
+
+def test_pid_coefficients_match_diffrax():
+    coeffs = dict(pcoeff=0.2, icoeff=0.4, dcoeff=0.1)
+    ours = _pid_steps(sk.PIDController(rtol=1e-6, atol=1e-6, **coeffs))
+    theirs = diffrax.diffeqsolve(
+        diffrax.ODETerm(_b1_vf),
+        diffrax.Tsit5(),
+        0.0,
+        10.0,
+        0.01,
+        jnp.array([1.0, 3.0]),
+        saveat=diffrax.SaveAt(t1=True),
+        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-6, **coeffs),
+        max_steps=1024,
+    )
+    assert ours.result == sk.RESULTS.successful
+    y1 = np.asarray(ours.ys)[int(ours.stats["num_accepted_steps"]) - 1]
+    np.testing.assert_allclose(y1, theirs.ys[-1], rtol=1e-6)
+    n, m = int(ours.stats["num_steps"]), int(theirs.stats["num_steps"])
+    assert abs(n - m) <= max(1, 0.02 * m), (n, m)
+    r, s = (
+        int(ours.stats["num_rejected_steps"]),
+        int(theirs.stats["num_rejected_steps"]),
+    )
+    assert abs(r - s) <= max(1, 0.1 * s), (r, s)
+
+
+def test_pid_factormax_and_safety():
+    # A first step far too small: growth is limited by factormax per step.
+    sol = _pid_steps(
+        sk.PIDController(rtol=1e-3, atol=1e-3, factormax=2.0), dt0=1e-6, t1=1.0
+    )
+    steps = _accepted_steps(sol)
+    ratios = steps[1:-1] / steps[:-2]
+    assert np.all(ratios <= 2.0 + 1e-9)
+    assert np.any(ratios > 1.9)
+
+
+# --- jit, vmap, and no recompilation ------------------------------------------------
+
+
+def _decay(t, y, args):
+    return -args["k"] * y + args["c"]
+
+
+def _decay_exact(t, y0, k, c):
+    return c / k + (y0 - c / k) * np.exp(-k * t)
+
+
+_decay_controller = sk.PIDController(rtol=1e-8, atol=1e-8)
+
+
+@jax.jit
+def _decay_solve(y0, k, c, t1):
+    return sk.diffeqsolve(
+        sk.ODETerm(_decay),
+        sk.Tsit5(),
+        0.0,
+        t1,
+        0.1,
+        y0,
+        {"k": k, "c": c},
+        stepsize_controller=_decay_controller,
+        max_steps=256,
+    ).ys[-1]
+
+
+def test_vmap_over_y0_args_t1():
+    y0 = jnp.array([[1.0], [2.0], [-1.0]])
+    k = jnp.array([0.5, 1.0, 2.0])
+    c = jnp.array([0.0, 1.0, -0.5])
+    t1 = jnp.array([0.5, 1.0, 3.0])
+    out = jax.vmap(_decay_solve)(y0, k, c, t1)
+    expected = _decay_exact(
+        np.asarray(t1)[:, None], np.asarray(y0), k[:, None], c[:, None]
+    )
+    np.testing.assert_allclose(out, expected, rtol=1e-7)
+    # in_axes None for some: a batch of y0 against shared args.
+    out = jax.vmap(_decay_solve, in_axes=(0, None, None, None))(y0, 1.0, 0.5, 2.0)
+    np.testing.assert_allclose(out, _decay_exact(2.0, np.asarray(y0), 1.0, 0.5), 1e-7)
+
+
+def test_vmap_matches_loop_over_problems():
+    y0 = jnp.array([[1.0], [2.0]])
+    k = jnp.array([0.5, 3.0])
+    c = jnp.array([0.2, 0.0])
+    t1 = jnp.array([2.0, 1.0])
+    batched = jax.vmap(_decay_solve)(y0, k, c, t1)
+    single = [_decay_solve(y0[i], k[i], c[i], t1[i]) for i in range(2)]
+    np.testing.assert_allclose(batched, np.stack(single), rtol=1e-12)
+
+
+def test_no_recompile_on_new_values_under_jit():
+    args = (jnp.array([1.0]), jnp.asarray(1.0), jnp.asarray(0.0), jnp.asarray(1.0))
+    _decay_solve(*args).block_until_ready()
+    y0 = jnp.array([3.0])
+    with count_compiles() as counter:
+        out = _decay_solve(y0, 2.0, 1.0, 1.5).block_until_ready()
+    assert counter.count == 0
+    np.testing.assert_allclose(out, _decay_exact(1.5, 3.0, 2.0, 1.0), rtol=1e-7)
+
+
+def _solve_decay_unjitted(y0, k, c):
+    return sk.diffeqsolve(
+        sk.ODETerm(_decay),
+        sk.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+        {"k": k, "c": c},
+        stepsize_controller=_decay_controller,
+        max_steps=256,
+    )
+
+
+def test_no_recompile_on_new_values_without_jit():
+    # (Python scalars in `args` are static, as in diffrax: pass arrays.)
+    one, zero = jnp.asarray(1.0), jnp.asarray(0.0)
+    _solve_decay_unjitted(jnp.array([1.0]), one, zero).ys.block_until_ready()
+    y0, k, c = jnp.array([2.0]), jnp.asarray(3.0), jnp.asarray(0.5)
+    with count_compiles() as counter:
+        sol = _solve_decay_unjitted(y0, k, c)
+        sol.ys.block_until_ready()
+    assert counter.count == 0
+    np.testing.assert_allclose(sol.ys[-1], _decay_exact(1.0, 2.0, 3.0, 0.5), 1e-7)
+
+
+def test_no_recompile_for_new_closure_over_new_value():
+    # A fresh vector field closing over a new array each call (e.g. in a Python loop
+    # over parameter values) must not recompile.
+    def solve(theta):
+        return sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -theta * y),
+            sk.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.array([1.0]),
+            stepsize_controller=_decay_controller,
+            max_steps=256,
+        ).ys
+
+    solve(jnp.asarray(1.0)).block_until_ready()
+    theta = jnp.asarray(2.0)
+    with count_compiles() as counter:
+        out = solve(theta).block_until_ready()
+    assert counter.count == 0
+    np.testing.assert_allclose(out[-1], np.exp(-2.0), rtol=1e-7)
+
+
+def test_new_function_does_recompile_and_is_right():
+    # Two vector fields with the same signature but different code must not share a
+    # compiled program.
+    def solve(vf):
+        return sk.diffeqsolve(
+            sk.ODETerm(vf), sk.Tsit5(), 0.0, 1.0, 0.1, jnp.array([1.0]), max_steps=64
+        ).ys[-1]
+
+    a = solve(lambda t, y, args: -y)
+    b = solve(lambda t, y, args: y)
+    np.testing.assert_allclose(a, np.exp(-1.0), rtol=1e-6)
+    np.testing.assert_allclose(b, np.exp(1.0), rtol=1e-6)

@@ -1,0 +1,398 @@
+"""What a solve saves (`SaveAt`, dense output), events, and progress meters, against
+analytic solutions."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optimistix as optx
+import pytest
+from helpers import assert_tree_allclose, float64
+
+import solverkit as sk
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    with float64():
+        yield
+
+
+# y'' = -y as a first-order system: y(t) = (cos t, -sin t) from (1, 0).
+def _rotation(t, y, args):
+    return jnp.stack([y[1], -y[0]])
+
+
+def _exact(t):
+    t = np.asarray(t)
+    return np.stack([np.cos(t), -np.sin(t)], axis=-1)
+
+
+_Y0 = np.array([1.0, 0.0])  # made a JAX array inside the float64 context
+_PID = sk.PIDController(rtol=1e-9, atol=1e-9)
+
+
+def _solve(saveat, t0=0.0, t1=3.0, dt0=0.1, solver=sk.Tsit5(), **kw):
+    kw.setdefault("stepsize_controller", _PID)
+    kw.setdefault("max_steps", 512)
+    return sk.diffeqsolve(
+        sk.ODETerm(_rotation),
+        solver,
+        t0,
+        t1,
+        dt0,
+        jnp.asarray(_Y0),
+        saveat=saveat,
+        **kw,
+    )
+
+
+# --- SaveAt -------------------------------------------------------------------------
+
+
+def test_t0_ts_t1_and_dense():
+    ts = jnp.array([0.0, 0.3, 1.0, 2.5, 3.0])
+    sol = _solve(sk.SaveAt(t0=True, ts=ts, t1=True, dense=True))
+    expected_ts = np.concatenate([[0.0], np.asarray(ts), [3.0]])
+    np.testing.assert_allclose(sol.ts, expected_ts)
+    np.testing.assert_allclose(sol.ys, _exact(expected_ts), atol=1e-8)
+    assert float(sol.t0) == 0.0 and float(sol.t1) == 3.0
+    # Dense output: every point, its derivative, and differences.
+    grid = np.linspace(0.0, 3.0, 37)
+    values = jax.vmap(sol.evaluate)(jnp.asarray(grid))
+    np.testing.assert_allclose(values, _exact(grid), atol=1e-7)
+    derivs = jax.vmap(sol.derivative)(jnp.asarray(grid))
+    np.testing.assert_allclose(
+        derivs, np.stack([-np.sin(grid), -np.cos(grid)], -1), atol=1e-6
+    )
+    np.testing.assert_allclose(
+        sol.evaluate(0.5, 2.0), _exact(2.0) - _exact(0.5), atol=1e-7
+    )
+    # The dense solution passes through the step ends exactly.
+    np.testing.assert_allclose(sol.evaluate(3.0), sol.ys[-1], rtol=1e-12)
+
+
+def test_default_saveat_is_t1():
+    sol = _solve(sk.SaveAt(t1=True))
+    default = sk.diffeqsolve(
+        sk.ODETerm(_rotation),
+        sk.Tsit5(),
+        0.0,
+        3.0,
+        0.1,
+        jnp.asarray(_Y0),
+        stepsize_controller=_PID,
+        max_steps=512,
+    )
+    assert sol.ts.shape == (1,) and sol.ys.shape == (1, 2)
+    np.testing.assert_allclose(default.ys, sol.ys)
+    np.testing.assert_allclose(sol.ys[0], _exact(3.0), atol=1e-8)
+    with pytest.raises(ValueError, match="dense"):
+        sol.evaluate(1.0)
+
+
+def test_steps_true_and_every_n():
+    every = _solve(sk.SaveAt(steps=True), max_steps=64)
+    third = _solve(sk.SaveAt(steps=3), max_steps=64)
+    n = int(every.stats["num_accepted_steps"])
+    assert every.ts.shape == (64,) and third.ts.shape == (64 // 3,)
+    assert np.all(np.isfinite(np.asarray(every.ts[:n])))
+    assert np.all(np.isinf(np.asarray(every.ts[n:])))
+    assert np.all(np.isinf(np.asarray(every.ys[n:])))
+    np.testing.assert_allclose(every.ts[n - 1], 3.0)
+    assert np.all(np.diff(np.asarray(every.ts[:n])) > 0)
+    np.testing.assert_allclose(every.ys[:n], _exact(every.ts[:n]), atol=1e-8)
+    # Every third accepted step: rows 2, 5, 8, ... of the every-step save.
+    m = n // 3
+    np.testing.assert_allclose(third.ts[:m], every.ts[2 : 3 * m : 3])
+    np.testing.assert_allclose(third.ys[:m], every.ys[2 : 3 * m : 3])
+    assert np.all(np.isinf(np.asarray(third.ts[m:])))
+
+
+def test_fn_pytree_output():
+    def fn(t, y, args):
+        return {"energy": y[0] ** 2 + y[1] ** 2, "t": t, "first": y[:1]}
+
+    ts = jnp.array([0.5, 1.5])
+    sol = _solve(sk.SaveAt(t0=True, ts=ts, t1=True, fn=fn))
+    times = np.array([0.0, 0.5, 1.5, 3.0])
+    np.testing.assert_allclose(sol.ts, times)
+    expected = {
+        "energy": np.ones(4),
+        "first": _exact(times)[:, :1],
+        "t": times,
+    }
+    assert_tree_allclose(sol.ys, expected, atol=1e-8)
+
+
+@pytest.mark.parametrize("solver", [sk.Bosh3(), sk.Heun()])
+def test_dense_hermite(solver):
+    # Solvers without their own dense output interpolate by cubic Hermite.
+    sol = _solve(
+        sk.SaveAt(dense=True),
+        solver=solver,
+        stepsize_controller=sk.PIDController(rtol=1e-7, atol=1e-7),
+        max_steps=2048,
+        t1=1.0,
+    )
+    grid = np.linspace(0.0, 1.0, 23)
+    values = jax.vmap(sol.evaluate)(jnp.asarray(grid))
+    np.testing.assert_allclose(values, _exact(grid), atol=1e-5)
+
+
+def test_dense_and_ts_backwards():
+    ts = jnp.array([0.0, -1.0, -2.0])
+    sol = _solve(sk.SaveAt(ts=ts, dense=True), t1=-2.0, dt0=-0.1)
+    np.testing.assert_allclose(sol.ts, ts)
+    np.testing.assert_allclose(sol.ys, _exact(ts), atol=1e-8)
+    grid = np.linspace(-2.0, 0.0, 11)
+    np.testing.assert_allclose(
+        jax.vmap(sol.evaluate)(jnp.asarray(grid)), _exact(grid), atol=1e-7
+    )
+    np.testing.assert_allclose(
+        sol.derivative(-1.0), [-np.sin(-1.0), -np.cos(-1.0)], atol=1e-6
+    )
+
+
+def test_unreached_ts_padded_with_inf():
+    ts = jnp.array([0.5, 1.0, 2.9])
+    sol = _solve(
+        sk.SaveAt(ts=ts, t1=True),
+        stepsize_controller=sk.ConstantStepSize(),
+        max_steps=12,
+        throw=False,
+    )
+    assert sol.result == sk.RESULTS.max_steps_reached
+    # 12 steps of 0.1 reach t = 1.2: ts 0.5 and 1.0 saved, 2.9 not.
+    np.testing.assert_allclose(sol.ts[:2], [0.5, 1.0])
+    np.testing.assert_allclose(sol.ys[:2], _exact([0.5, 1.0]), atol=1e-8)
+    assert np.isinf(float(sol.ts[2])) and np.all(np.isinf(np.asarray(sol.ys[2])))
+    np.testing.assert_allclose(float(sol.t1), 1.2)
+    np.testing.assert_allclose(sol.ys[-1], _exact(1.2), atol=1e-8)
+
+
+def test_vmap_over_save_times():
+    @jax.vmap
+    def at(ts):
+        return _solve(sk.SaveAt(ts=ts)).ys
+
+    ts = jnp.array([[0.1, 0.2], [1.0, 2.9]])
+    np.testing.assert_allclose(at(ts), _exact(ts), atol=1e-8)
+
+
+# --- Events -------------------------------------------------------------------------
+
+# y' = -theta * y from y0: y falls through the level 0.3 at t* = log(y0 / 0.3) / theta.
+
+
+def _decay(t, y, theta):
+    return -theta * y
+
+
+def _t_star(y0, theta):
+    return np.log(y0 / 0.3) / theta
+
+
+def _event_solve(y0, theta, cond_fn, direction=None, root_finder=None, **kw):
+    kw.setdefault("stepsize_controller", sk.PIDController(rtol=1e-8, atol=1e-8))
+    return sk.diffeqsolve(
+        sk.ODETerm(_decay),
+        sk.Tsit5(),
+        0.0,
+        10.0,
+        0.1,
+        y0,
+        theta,
+        event=sk.Event(cond_fn, root_finder=root_finder, direction=direction),
+        max_steps=256,
+        **kw,
+    )
+
+
+def _real_cond(t, y, theta):
+    return y - 0.3
+
+
+def _bool_cond(t, y, theta):
+    return y < 0.3
+
+
+def test_boolean_event_stops_after_the_crossing_step():
+    sol = _event_solve(jnp.asarray(1.0), jnp.asarray(2.0), _bool_cond)
+    t_star = _t_star(1.0, 2.0)
+    assert sol.result == sk.RESULTS.event_occurred
+    assert sk.is_okay(sol.result) and sk.is_event(sol.result)
+    assert bool(sol.event_mask)
+    t1 = float(sol.t1)
+    # Ends at the end of the first step whose end satisfies the condition.
+    assert t_star <= t1 < t_star + 0.5
+    np.testing.assert_allclose(sol.ts, [t1])
+    np.testing.assert_allclose(sol.ys[0], np.exp(-2.0 * t1), rtol=1e-6)
+    assert float(sol.ys[0]) < 0.3
+
+
+def test_real_event_located_exactly():
+    sol = _event_solve(jnp.asarray(1.0), jnp.asarray(2.0), _real_cond)
+    assert sol.result == sk.RESULTS.event_occurred
+    np.testing.assert_allclose(float(sol.t1), _t_star(1.0, 2.0), rtol=1e-7)
+    np.testing.assert_allclose(float(sol.ys[0]), 0.3, rtol=1e-7)
+
+
+def test_real_event_with_optimistix_root_finder():
+    sol = _event_solve(
+        jnp.asarray(1.0),
+        jnp.asarray(2.0),
+        _real_cond,
+        root_finder=optx.Newton(rtol=1e-10, atol=1e-10),
+    )
+    np.testing.assert_allclose(float(sol.t1), _t_star(1.0, 2.0), rtol=1e-7)
+
+
+def test_event_direction():
+    # y[0] = cos t crosses zero downwards at pi/2 and upwards at 3 pi/2.
+    def cond(t, y, args):
+        return y[0]
+
+    kw = dict(t1=6.0, saveat=sk.SaveAt(t1=True))
+    down = _solve(event=sk.Event(cond, direction=False), **kw)
+    up = _solve(event=sk.Event(cond, direction=True), **kw)
+    either = _solve(event=sk.Event(cond), **kw)
+    np.testing.assert_allclose(float(down.t1), np.pi / 2, rtol=1e-8)
+    np.testing.assert_allclose(float(up.t1), 3 * np.pi / 2, rtol=1e-8)
+    np.testing.assert_allclose(float(either.t1), np.pi / 2, rtol=1e-8)
+    np.testing.assert_allclose(up.ys[0], _exact(3 * np.pi / 2), atol=1e-8)
+
+
+def test_event_pytree_of_conditions():
+    # "late" (real) fires at t = 2.0, "early" (bool) once t >= 1.0 after a step.
+    conds = {
+        "late": lambda t, y, args: t - 2.0,
+        "early": (lambda t, y, args: t >= 1.0,),
+    }
+    sol = _solve(sk.SaveAt(t1=True), event=sk.Event(conds), dt0=0.25)
+    assert sol.result == sk.RESULTS.event_occurred
+    assert jax.tree_util.tree_structure(sol.event_mask) == (
+        jax.tree_util.tree_structure(conds)
+    )
+    assert not bool(sol.event_mask["late"]) and bool(sol.event_mask["early"][0])
+    t1 = float(sol.t1)
+    assert 1.0 <= t1 < 2.0
+    # Only the real-valued condition fires first when the boolean one is later.
+    conds = {"late": lambda t, y, args: t >= 2.5, "early": lambda t, y, args: t - 1.3}
+    sol = _solve(sk.SaveAt(t1=True), event=sk.Event(conds), dt0=0.25)
+    assert bool(sol.event_mask["early"]) and not bool(sol.event_mask["late"])
+    np.testing.assert_allclose(float(sol.t1), 1.3, rtol=1e-10)
+    np.testing.assert_allclose(sol.ys[0], _exact(1.3), atol=1e-8)
+
+
+def test_event_that_never_fires():
+    sol = _event_solve(jnp.asarray(0.2), jnp.asarray(2.0), _real_cond)
+    assert sol.result == sk.RESULTS.successful
+    assert not bool(sol.event_mask)
+    assert float(sol.t1) == 10.0
+
+
+_event_time = jax.jit(lambda y0, theta: _event_solve(y0, theta, _real_cond).t1)
+
+
+def test_event_under_vmap():
+    y0 = jnp.array([1.0, 2.0, 0.2])
+    theta = jnp.array([2.0, 0.5, 1.0])
+    t1 = jax.vmap(_event_time)(y0, theta)
+    expected = [_t_star(1.0, 2.0), _t_star(2.0, 0.5), 10.0]
+    np.testing.assert_allclose(t1, expected, rtol=1e-7)
+
+
+def test_event_time_gradient():
+    # t* = log(y0 / 0.3) / theta: dt*/dy0 = 1 / (theta y0), dt*/dtheta = -t* / theta.
+    y0, theta = 1.5, 0.8
+    g_y0, g_theta = jax.grad(_event_time, argnums=(0, 1))(
+        jnp.asarray(y0), jnp.asarray(theta)
+    )
+    t_star = _t_star(y0, theta)
+    np.testing.assert_allclose(g_y0, 1 / (theta * y0), rtol=1e-5)
+    np.testing.assert_allclose(g_theta, -t_star / theta, rtol=1e-5)
+    # And against central finite differences of the (located) event time.
+    eps = 1e-5
+    fd = (
+        _event_time(jnp.asarray(y0), jnp.asarray(theta + eps))
+        - _event_time(jnp.asarray(y0), jnp.asarray(theta - eps))
+    ) / (2 * eps)
+    np.testing.assert_allclose(g_theta, fd, rtol=1e-4)
+
+
+def test_state_at_event_gradient():
+    # y(t*) = 0.3 whatever theta and y0: its gradient is zero; y at a fixed earlier
+    # time is not affected by the event.
+    def final(theta):
+        sol = _event_solve(jnp.asarray(1.5), theta, _real_cond)
+        return sol.ys[0]
+
+    np.testing.assert_allclose(jax.grad(final)(jnp.asarray(0.8)), 0.0, atol=1e-6)
+
+
+# --- Progress meters ----------------------------------------------------------------
+
+
+_PERCENT = re.compile(r"^(\d+\.\d\d)%$")
+
+
+def _percentages(text):
+    values = []
+    for line in text.splitlines():
+        match = _PERCENT.match(line.strip())
+        if match:
+            values.append(float(match.group(1)))
+    return values
+
+
+def _meter_solve(y0, meter):
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -y),
+        sk.Euler(),
+        0.0,
+        1.0,
+        0.01,
+        y0,
+        progress_meter=meter,
+        max_steps=128,
+    ).ys
+
+
+def test_text_progress_meter(capsys):
+    _meter_solve(jnp.array([1.0]), sk.TextProgressMeter()).block_until_ready()
+    jax.effects_barrier()
+    values = _percentages(capsys.readouterr().out)
+    assert len(values) >= 3, values
+    assert values == sorted(values)
+    assert values[-1] == 100.0
+
+
+def test_text_progress_meter_under_vmap_shows_one_bar(capsys):
+    jax.vmap(lambda y: _meter_solve(y, sk.TextProgressMeter()))(
+        jnp.ones((4, 1))
+    ).block_until_ready()
+    jax.effects_barrier()
+    values = _percentages(capsys.readouterr().out)
+    assert values.count(100.0) == 1, values
+    assert values == sorted(values)
+
+
+def test_text_progress_meter_under_jit_and_grad(capsys):
+    grad = jax.jit(jax.grad(lambda y: _meter_solve(y, sk.TextProgressMeter()).sum()))(
+        jnp.array([1.0])
+    )
+    jax.effects_barrier()
+    np.testing.assert_allclose(grad, [0.99**100], rtol=1e-10)
+    values = _percentages(capsys.readouterr().out)
+    assert values and values[-1] == 100.0
+
+
+def test_tqdm_progress_meter(capsys):
+    pytest.importorskip("tqdm")
+    out = _meter_solve(jnp.array([1.0]), sk.TqdmProgressMeter())
+    jax.effects_barrier()
+    np.testing.assert_allclose(out[-1], [0.99**100], rtol=1e-10)
+    err = capsys.readouterr().err
+    assert "100" in err
