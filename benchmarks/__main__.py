@@ -1,0 +1,298 @@
+"""`python -m benchmarks`: run the benchmark cases and write the results."""
+
+import argparse
+import datetime
+import importlib.metadata
+import math
+import os
+import pathlib
+import platform
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+from . import report
+from .cases import Case, CASES, load_peers, PEERS, Reference, Task
+from .harness import first_line, max_abs_error, measure, precision, Record
+
+
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _deadlines(text: str) -> dict[str | None, float]:
+    """`"100"` -> {None: 100.0}; `"lorenz=200,neural_ode=80"` -> per case."""
+    out: dict[str | None, float] = {}
+    for item in _csv(text):
+        name, _, seconds = item.rpartition("=")
+        out[name or None] = float(seconds)
+    return out
+
+
+def spread(sizes: list[int]) -> list[int]:
+    """Sizes in the order they run: the smallest, the largest, then the middle ones
+    by bisection, so that a --deadline leaves a coarser sweep, not a truncated one."""
+    sizes = sorted(set(sizes))
+    order = [0, len(sizes) - 1] if len(sizes) > 1 else [0]
+    spans = [(0, len(sizes) - 1)]
+    while spans:
+        lo, hi = spans.pop(0)
+        if hi - lo > 1:
+            mid = (lo + hi) // 2
+            order.append(mid)
+            spans += [(lo, mid), (mid, hi)]
+    return [sizes[i] for i in order]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run solverkit and its peers on the same problems, in one process.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes: a CPU smoke run (< 3 min)"
+    )
+    parser.add_argument(
+        "--cases",
+        type=_csv,
+        default=list(CASES),
+        help=f"comma list of cases (default: all of {','.join(CASES)})",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=lambda s: [int(x) for x in _csv(s)],
+        default=None,
+        help="comma list of ensemble sizes for every case (default: per case and "
+        "device; see README)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=_csv,
+        default=None,
+        help="comma list of variants to run, e.g. forward,grad-backsolve "
+        "(default: all; see README)",
+    )
+    parser.add_argument(
+        "--peers",
+        type=_csv,
+        default=None,
+        help=f"comma list of libraries (default: {','.join(PEERS)}; with --quick "
+        "solverkit,diffrax); missing ones are skipped with a note",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="output folder (default: benchmarks/results/<device-kind>/)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs after the first call (default 5, 3 with --quick)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=60.0,
+        help="seconds: once one size of a (case, variant, library) series takes "
+        "longer than this (first call + repeats), its larger sizes are skipped",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=_deadlines,
+        default={},
+        help="seconds per case, as one number for every case or as "
+        "case=seconds,...: once a case has run this long, its tasks not yet "
+        "started are skipped",
+    )
+    args = parser.parse_args(argv)
+    if not args.cases:
+        parser.error("--cases: name at least one case")
+    for names, flag in ((args.cases, "--cases"), (args.deadline, "--deadline")):
+        unknown = [c for c in names if c is not None and c not in CASES]
+        if unknown:
+            parser.error(f"{flag}: unknown case(s) {unknown}; known: {list(CASES)}")
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 5
+    if args.peers is None:
+        args.peers = ["solverkit", "diffrax"] if args.quick else list(PEERS)
+    return args
+
+
+def device_slug() -> str:
+    """The device kind as a folder name, e.g. `cpu` or `nvidia-h200`."""
+    kind = jax.devices()[0].device_kind
+    return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def metadata(args: argparse.Namespace, profile: str, missing: dict[str, str]) -> dict:
+    packages = (
+        "jax",
+        "jaxlib",
+        "solverkit",
+        "diffrax",
+        "equinox",
+        "gradsolve",
+        "torchdiffeq",
+    )
+    return {
+        "device_kind": jax.devices()[0].device_kind,
+        "platform": jax.default_backend(),
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in packages},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python -m benchmarks " + shlex.join(sys.argv[1:]),
+        "profile": profile,
+        "repeats": args.repeats,
+        "missing_peers": missing,
+    }
+
+
+def run_task(
+    task: Task,
+    record: Record,
+    reference: Reference | None,
+    repeats: int,
+    repeat_budget_s: float,
+) -> None:
+    """Build and measure one task into `record`; a failure becomes its status."""
+    try:
+        with precision(task.dtype):
+            result = measure(task.make(), repeats, record, repeat_budget_s)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run a case is a result
+        for field in (
+            "first_call_s",
+            "run_median_s",
+            "run_min_s",
+            "run_max_s",
+            "memory_bytes",
+            "steps",
+        ):
+            setattr(record, field, None)
+        record.status = "error" if task.library == "solverkit" else "unsupported"
+        record.note = first_line(e)
+        return
+    if reference is None:
+        record.note = "no reference"
+        return
+    try:
+        want = reference.values[task.compare]
+        record.max_abs_error = max_abs_error(result, want, reference.rows)
+    except Exception as e:  # noqa: BLE001
+        record.note = f"error check failed: {first_line(e)}"
+
+
+def _references(case: Case, sizes: list[int]) -> dict[int, Reference | None]:
+    """Every size's reference, computed before any timing (timing clears JAX's
+    caches, and the reference compiles once for all sizes)."""
+    references: dict[int, Reference | None] = {}
+    for size in sizes:
+        try:
+            references[size] = case.reference(size)
+        except Exception as e:  # noqa: BLE001
+            print(
+                f"note: {case.name} N={size}: no reference ({first_line(e)})",
+                file=sys.stderr,
+            )
+            references[size] = None
+    return references
+
+
+def _grad_size(sizes: list[int]) -> int:
+    """With --quick, gradients run at one size: the largest one up to 1024."""
+    return max([s for s in sizes if s <= 1024] or [min(sizes)])
+
+
+def run_case(
+    case: Case,
+    sizes: list[int],
+    libs: dict[str, Any],
+    args: argparse.Namespace,
+    records: list[Record],
+    progress: Callable[[str], None],
+) -> None:
+    """Run every task of `case` at every size, appending a `Record` for each."""
+    seconds = args.deadline.get(case.name, args.deadline.get(None, math.inf))
+    deadline = time.monotonic() + seconds
+    repeat_budget = 2.0 if args.quick else 10.0
+    too_slow: dict[tuple[str, str], int] = {}  # (variant, library) -> size past budget
+    progress(f"{case.name}: references")
+    references = _references(case, sizes)
+    for size in spread(sizes):
+        tasks = case.tasks(size, libs)
+        variants = list(dict.fromkeys(t.variant for t in tasks))
+        for task in sorted(tasks, key=lambda t: variants.index(t.variant)):
+            if args.variants is not None and task.variant not in args.variants:
+                continue
+            if args.quick and not args.sizes and "grad" in task.variant:
+                if size != _grad_size(sizes):
+                    continue
+            progress(f"{case.name} N={size} {task.variant} {task.library}")
+            record = Record(case.name, task.variant, size, task.library, task.dtype)
+            records.append(record)
+            slow = too_slow.get((task.variant, task.library))
+            if time.monotonic() > deadline:
+                record.status = "skipped"
+                record.note = f"past --deadline ({seconds:g} s for this case)"
+            elif slow is not None and size > slow:
+                record.status = "skipped"
+                record.note = f"N={slow} took over --budget {args.budget:g} s"
+            else:
+                run_task(task, record, references[size], args.repeats, repeat_budget)
+                spent = (record.first_call_s or 0) + (
+                    record.run_median_s or 0
+                ) * record.repeats
+                if spent > args.budget:
+                    too_slow[task.variant, task.library] = min(size, slow or size)
+
+
+def main(argv: list[str] | None = None) -> list[Record]:
+    """Run the suite; write and print the results. Returns the rows."""
+    args = parse_args(argv)
+    jax.config.update("jax_enable_compilation_cache", False)  # first calls are cold
+    on_cpu = jax.default_backend() == "cpu"
+    profile = "quick" if args.quick else ("cpu" if on_cpu else "gpu")
+    libs, missing = load_peers(args.peers)
+    for name, why in missing.items():
+        print(f"note: {name} skipped ({why})", file=sys.stderr)
+    out = args.out or pathlib.Path(__file__).parent / "results" / device_slug()
+    meta = metadata(args, profile, missing)
+    descriptions = {name: CASES[name].description for name in args.cases}
+
+    records: list[Record] = []
+    bar = tqdm(args.cases, desc="cases", unit="case", file=sys.stderr)
+    for name in bar:
+        case = CASES[name]
+        run_case(
+            case,
+            args.sizes or case.sizes[profile],
+            libs,
+            args,
+            records,
+            bar.set_postfix_str,
+        )
+        text = report.write_all(out, meta, records, descriptions)  # partial results
+    bar.close()
+    print(text)
+    print(f"wrote {out}/results.json, results.md and plots", file=sys.stderr)
+    return records
+
+
+if __name__ == "__main__":
+    main()
