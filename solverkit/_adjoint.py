@@ -131,7 +131,9 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
 
             def f(p_diff, c_diff):
                 problem = eqx.combine(p_diff, p_rest, static)
-                new, new_bufs = _loop.body(problem, (eqx.combine(c_diff, c_rest), bufs))
+                new, new_bufs = _loop.body(
+                    problem, (eqx.combine(c_diff, c_rest), bufs), differentiable=True
+                )
                 return eqx.filter(new, diff_mask), eqx.filter(
                     new_bufs, eqx.is_inexact_array
                 )
@@ -224,7 +226,7 @@ class DirectAdjoint(AbstractAdjoint):
             active = _loop.cond(problem, state[0])
             state = lax.cond(
                 unvmap_any(active),
-                lambda s: _loop.body(problem, s, active),
+                lambda s: _loop.body(problem, s, active, differentiable=True),
                 lambda s: s,
                 state,
             )

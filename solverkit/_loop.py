@@ -280,24 +280,32 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, dict]:
     return new, dict(keep=keep, t0=t0, t1=t1, y1=y1, info=info)
 
 
-def write(problem: Problem, carry: Carry, out: dict, bufs: dict) -> dict:
-    """Write what an accepted step saves into the buffers; each row is written once."""
+def write(
+    problem: Problem, carry: Carry, out: dict, bufs: dict, differentiable: bool = False
+) -> dict:
+    """Write what an accepted step saves into the buffers; each row is written once.
+
+    Save times inside the step are written one row at a time by a short loop; with
+    `differentiable=True` (for reverse-mode autodiff of one step) every row is
+    computed and masked instead, which costs `len(ts)` interpolations.
+    """
     keep, t0, t1, info = out["keep"], out["t0"], out["t1"], out["info"]
     bufs = dict(bufs)
     if problem.save_ts is not None:
         ts = problem.save_ts
-        rows = keep & (ts > t0) & (ts <= t1)
 
         def at(tau):
             y = problem.solver.interpolate(info, t0, t1, tau)
             return _save_value(problem, tau, y)
 
-        values = jax.vmap(at)(ts)
-        bufs["ts_ys"] = jtu.tree_map(
-            lambda v, b: jnp.where(rows.reshape((-1,) + (1,) * (v.ndim - 1)), v, b),
-            values,
-            bufs["ts_ys"],
-        )
+        if differentiable:
+            rows = keep & (ts > t0) & (ts <= t1)
+            values = jax.vmap(at)(ts)
+            bufs["ts_ys"] = jtu.tree_map(
+                lambda v, b: _mask_rows(rows, v, b), values, bufs["ts_ys"]
+            )
+        else:
+            bufs["ts_ys"] = _write_rows(ts, t0, t1, keep, at, bufs["ts_ys"])
     if problem.every:
         n = problem.every
         k = carry.num_accepted  # after this step
@@ -317,19 +325,42 @@ def write(problem: Problem, carry: Carry, out: dict, bufs: dict) -> dict:
     return bufs
 
 
+def _write_rows(ts, t0, t1, keep, at, buf):
+    """Write `at(ts[i])` into row `i` for every `t0 < ts[i] <= t1`."""
+    last = ts.shape[0] - 1
+    lo = jnp.searchsorted(ts, t0, side="right").astype(jnp.int32)
+    hi = jnp.searchsorted(ts, t1, side="right").astype(jnp.int32)
+    hi = jnp.where(keep, hi, lo)
+
+    def body(state, active):
+        i, buf = state
+        value = at(ts[jnp.minimum(i, last)])
+        index = jnp.minimum(i, last)
+        buf = jtu.tree_map(lambda b, v: _set_row(b, index, active, v), buf, value)
+        return i + active.astype(jnp.int32), buf
+
+    _, buf = while_loop(lambda s: s[0] < hi, body, (lo, buf))
+    return buf
+
+
 def _set_row(buf, row, pred, value):
     old = lax.dynamic_index_in_dim(buf, row, keepdims=False)
     return lax.dynamic_update_index_in_dim(buf, jnp.where(pred, value, old), row, 0)
 
 
-def body(problem: Problem, state: tuple[Carry, dict], active=True):
+def body(
+    problem: Problem,
+    state: tuple[Carry, dict],
+    active=True,
+    differentiable: bool = False,
+):
     """One iteration of the loop: a step, then its saves. Where `active` is False
     (a finished batch element) nothing changes."""
     carry, bufs = state
     new, out = step(problem, carry)
     out["keep"] = out["keep"] & active
     new = _where(active, new, carry)
-    return new, write(problem, new, out, bufs)
+    return new, write(problem, new, out, bufs, differentiable)
 
 
 class Progress(NamedTuple):
