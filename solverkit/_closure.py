@@ -63,10 +63,23 @@ def _struct(x) -> jax.ShapeDtypeStruct:
 def _as_array(value, aval):
     """A const as a JAX array of the constvar's dtype; tracers are left as they are."""
     if isinstance(value, jax.core.Tracer):
-        return value
+        # A fresh tracer whose primal is an array: an autodiff tracer may carry a
+        # Python scalar as its primal, which custom rules would not see as an array.
+        return jnp.array(value, copy=True)
     if isinstance(value, jax.Array):
         return value
     return jnp.asarray(value, dtype=aval.dtype)
+
+
+def _scalar_fits(value, dtype) -> bool:
+    """Whether a Python scalar converts to `dtype` without losing its kind."""
+    if isinstance(value, bool):
+        return jnp.issubdtype(dtype, jnp.bool_)
+    if isinstance(value, int):
+        return jnp.issubdtype(dtype, jnp.number)
+    if isinstance(value, float):
+        return jnp.issubdtype(dtype, jnp.inexact)
+    return jnp.issubdtype(dtype, jnp.complexfloating)
 
 
 class _Static:
@@ -266,6 +279,11 @@ class Closure(eqx.Module):
                     )
                 continue
             if isinstance(leaf, (bool, int, float, complex)) and spec.shape == ():
+                if not _scalar_fits(leaf, spec.dtype):
+                    raise ValueError(
+                        f"Closure argument leaf {i}: expected an array of dtype "
+                        f"{spec.dtype}, got the Python {type(leaf).__name__} {leaf!r}."
+                    )
                 leaf = jnp.asarray(leaf, dtype=spec.dtype)
             shape = np.shape(leaf)
             dtype = getattr(leaf, "dtype", None)
