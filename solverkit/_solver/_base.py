@@ -25,7 +25,7 @@ def axpy(y, h, terms):
     def leaf(y_leaf, *ks):
         acc = None
         for (c, _), k in zip(terms, ks):
-            term = c * k
+            term = float(c) * k
             acc = term if acc is None else acc + term
         return y_leaf + jnp.asarray(h, dtype=y_leaf.dtype) * acc
 

@@ -47,7 +47,7 @@ class AbstractRungeKutta(AbstractSolver):
         num_stages = len(tab.c)
         for i in range(1, num_stages):
             yi = axpy(y0, h, list(zip(tab.a[i, :i], ks)))
-            ks.append(terms.vf(t0 + tab.c[i] * h, yi, args))
+            ks.append(terms.vf(t0 + float(tab.c[i]) * h, yi, args))
         if tab.fsal:
             y1 = yi  # pyright: ignore
             f1 = ks[-1]
