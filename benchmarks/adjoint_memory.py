@@ -55,8 +55,9 @@ def main() -> None:
             row = measure(steps, name)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| adjoint | " + " | ".join(f"{s} steps" for s in args.steps.split(",")) + " |")
-    print("|---|" + "---|" * len(args.steps.split(",")))
+    sizes = args.steps.split(",")
+    print("\n| adjoint | " + " | ".join(f"{s} steps" for s in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
     for name in ADJOINTS:
         cells = [
             f"{r['temp_bytes'] / 1024:.0f} KiB" for r in rows if r["adjoint"] == name
