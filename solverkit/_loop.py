@@ -358,8 +358,9 @@ def body(
     (a finished batch element) nothing changes."""
     carry, bufs = state
     new, out = step(problem, carry)
-    out["keep"] = out["keep"] & active
-    new = _where(active, new, carry)
+    if active is not True:
+        out["keep"] = out["keep"] & active
+        new = _where(active, new, carry)
     return new, write(problem, new, out, bufs, differentiable)
 
 

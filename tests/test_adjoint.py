@@ -1,0 +1,301 @@
+"""Gradients through `diffeqsolve`: `RecursiveCheckpointAdjoint` against
+`DirectAdjoint`, finite differences and analytic derivatives (float64); forward mode
+through `DirectAdjoint`; few checkpoints; and every way of holding a value in the
+vector field under `jit`, `vmap`, `grad`, `vmap(grad)` and `grad(vmap)`."""
+
+import equinox as eqx
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from helpers import assert_tree_allclose, count_compiles, finite_difference, float64
+
+import solverkit as sk
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    with float64():
+        yield
+
+
+RCA = sk.RecursiveCheckpointAdjoint()
+DIRECT = sk.DirectAdjoint()
+
+# --- Lotka-Volterra: gradients w.r.t. y0, args and t1 --------------------------------
+
+
+def _lotka_volterra(t, y, args):
+    a, b, c, d = args[0], args[1], args[2], args[3]
+    return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
+
+
+_SAVE_TS = np.array([0.5, 1.0, 1.7])
+
+
+def _lv_loss(params, adjoint, closed=False):
+    """The parameters go through `args`, or (`closed=True`) are closed over."""
+    y0, args, t1 = params
+    if closed:
+        vf, args = (lambda t, y, _: _lotka_volterra(t, y, params[1])), None
+    else:
+        vf = _lotka_volterra
+    sol = sk.diffeqsolve(
+        sk.ODETerm(vf),
+        sk.Tsit5(),
+        0.0,
+        t1,
+        0.05,
+        y0,
+        args,
+        saveat=sk.SaveAt(ts=jnp.asarray(_SAVE_TS), t1=True),
+        stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        adjoint=adjoint,
+        max_steps=512,
+    )
+    weights = jnp.arange(1.0, 5.0)[:, None]
+    return jnp.sum(weights * sol.ys**2)
+
+
+_lv_value = jax.jit(lambda p: _lv_loss(p, RCA))
+_lv_grad_rca = jax.jit(jax.grad(lambda p: _lv_loss(p, RCA, closed=True)))
+_lv_grad_direct = jax.jit(jax.grad(lambda p: _lv_loss(p, DIRECT)))
+
+
+def _lv_params():
+    return (jnp.array([1.0, 0.5]), jnp.array([1.1, 0.4, 0.9, 0.6]), jnp.asarray(2.0))
+
+
+def test_gradients_agree_across_adjoints_and_finite_differences():
+    # Checkpointed adjoint with the parameters closed over, direct adjoint with them
+    # in `args`, and finite differences: all agree.
+    params = _lv_params()
+    g_rca = _lv_grad_rca(params)
+    g_direct = _lv_grad_direct(params)
+    assert_tree_allclose(g_rca, g_direct, rtol=1e-9, atol=1e-12)
+    # Finite differences of the forward solve, leaf by leaf.
+    flat, unflatten = jax.flatten_util.ravel_pytree(params)
+    fd = finite_difference(lambda x: _lv_value(unflatten(x)), flat, eps=1e-5)
+    np.testing.assert_allclose(jax.flatten_util.ravel_pytree(g_rca)[0], fd, rtol=1e-5)
+    # d/dt1 of the loss is 2 * 4 * y(t1) . f(t1, y(t1)) (only the t1 row moves).
+    y0, args, t1 = params
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_lotka_volterra),
+        sk.Tsit5(),
+        0.0,
+        t1,
+        0.05,
+        y0,
+        args,
+        stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        max_steps=512,
+    )
+    y1 = sol.ys[-1]
+    dt1 = 8 * jnp.dot(y1, _lotka_volterra(t1, y1, args))
+    np.testing.assert_allclose(g_rca[2], dt1, rtol=1e-6)
+
+
+def test_grad_under_jit_does_not_recompile():
+    params = _lv_params()
+    _lv_grad_rca(params)
+    new = jtu.tree_map(lambda x: x * 1.01, params)
+    with count_compiles() as counter:
+        jax.block_until_ready(_lv_grad_rca(new))
+    assert counter.count == 0
+
+
+def test_forward_mode_through_direct_adjoint():
+    # jax.jacfwd (a vmap of jax.jvp) w.r.t. y0, args and t1 at once, against the
+    # reverse-mode gradient.
+    params = _lv_params()
+    jac = jax.jit(jax.jacfwd(lambda p: _lv_loss(p, DIRECT)))(params)
+    assert_tree_allclose(jac, _lv_grad_rca(params), rtol=1e-9, atol=1e-12)
+
+
+# --- Few checkpoints ------------------------------------------------------------------
+
+
+def _euler_final(theta, adjoint):
+    # 37 Euler steps of y' = -theta y (sin t + 1.5), max_steps 40: a segment boundary
+    # falls mid-solve, and the last segment is partly used.
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -args * y * (jnp.sin(t) + 1.5)),
+        sk.Euler(),
+        0.0,
+        3.7,
+        0.1,
+        jnp.array([1.0, 2.0]),
+        theta,
+        adjoint=adjoint,
+        max_steps=40,
+    )
+    return jnp.sum(sol.ys[-1] ** 2)
+
+
+def _euler_reference_grad(theta, n=37, dt=0.1):
+    """Forward-mode derivative of the same 37 Euler steps, by hand."""
+    y, dy = np.array([1.0, 2.0]), np.zeros(2)
+    for i in range(n):
+        s = np.sin(i * dt) + 1.5
+        y, dy = y - dt * theta * s * y, dy - dt * s * (y + theta * dy)
+    return 2 * np.dot(y, dy)
+
+
+@pytest.mark.parametrize("checkpoints", [1, 3])
+def test_few_checkpoints(checkpoints):
+    adjoint = sk.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
+    got = eqx.filter_jit(jax.grad(_euler_final))(jnp.asarray(0.7), adjoint)
+    np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
+
+
+# --- Closed-over values of every kind, under every transformation --------------------
+
+
+def _decay_final(theta, y0, t1=1.0):
+    """y' = -theta y, with theta closed over; y(t1) = y0 exp(-theta t1)."""
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -theta * y),
+        sk.Tsit5(),
+        0.0,
+        t1,
+        0.05,
+        y0,
+        max_steps=64,
+    )
+    return sol.ys[-1]
+
+
+def test_vmap_grad_closed_over_float_and_t1_analytic():
+    # d/dtheta y0 exp(-theta t1) = -t1 y0 exp(-theta t1), batched over theta and t1.
+    thetas = jnp.array([0.5, 1.0, 2.0])
+    t1s = jnp.array([0.5, 1.0, 1.5])
+    grads = jax.jit(
+        jax.vmap(jax.grad(lambda th, t1: _decay_final(th, jnp.asarray(3.0), t1)))
+    )(thetas, t1s)
+    th, t1 = np.asarray(thetas), np.asarray(t1s)
+    np.testing.assert_allclose(grads, -3.0 * t1 * np.exp(-th * t1), rtol=1e-7)
+
+
+class _Model(eqx.Module):
+    """Everything a vector field can hold: a float being differentiated, a row of a
+    parameter table chosen by an int, a bool mask, a PRNG key and an MLP."""
+
+    theta: jax.Array
+    table: jax.Array
+    mlp: eqx.nn.MLP
+
+
+def _rhs(t, y, theta, row, mask, noise, mlp):
+    decay = -theta * row * y
+    return jnp.where(mask, decay, 0.1 * y) + noise + 0.1 * mlp(y)
+
+
+def _closed_solve(model, index, mask, key, y0, adjoint):
+    row = model.table[index]  # an int (vmapped) picks a row: closed over
+    noise = 0.1 * jax.random.normal(key, (2,))  # drawn from a closed-over key
+
+    def vf(t, y, args):
+        return _rhs(t, y, model.theta, row, mask, noise, model.mlp)
+
+    sol = sk.diffeqsolve(
+        sk.ODETerm(vf), sk.Heun(), 0.0, 1.0, 0.1, y0, adjoint=adjoint, max_steps=16
+    )
+    return sol.ys[-1]
+
+
+def _args_solve(model, index, mask, key, y0, adjoint):
+    # The reference: the same model, every value passed through `args`.
+    args = (
+        model.theta,
+        model.table[index],
+        mask,
+        0.1 * jax.random.normal(key, (2,)),
+        model.mlp,
+    )
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: _rhs(t, y, *args)),
+        sk.Heun(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+        args,
+        adjoint=adjoint,
+        max_steps=16,
+    )
+    return sol.ys[-1]
+
+
+def _model_and_batch():
+    model = _Model(
+        theta=jnp.asarray(0.9),
+        table=jnp.array([[1.0, 2.0], [0.5, 0.1], [3.0, 1.0]]),
+        mlp=eqx.nn.MLP(2, 2, 8, 1, key=jax.random.key(0)),
+    )
+    batch = (
+        jnp.array([2, 0, 1, 2]),
+        jnp.array([[True, True], [True, False], [False, True], [True, True]]),
+        jax.random.split(jax.random.key(1), 4),
+        jnp.array([[1.0, 0.5], [0.2, 1.0], [1.0, 1.0], [-1.0, 0.3]]),
+    )
+    return model, batch
+
+
+def _batched_loss(solve, adjoint):
+    def loss(model, batch):
+        ys = jax.vmap(lambda i, m, k, y0: solve(model, i, m, k, y0, adjoint))(*batch)
+        return jnp.sum(ys**2)
+
+    return loss
+
+
+# The reference gradient: values through `args`, direct adjoint (shared, compiled once).
+_reference_grad = eqx.filter_jit(eqx.filter_grad(_batched_loss(_args_solve, DIRECT)))
+
+
+def test_jit_vmap_closed_over_everything():
+    model, batch = _model_and_batch()
+    closed = eqx.filter_jit(
+        jax.vmap(lambda i, m, k, y0: _closed_solve(model, i, m, k, y0, RCA))
+    )(*batch)
+    reference = eqx.filter_jit(
+        jax.vmap(lambda i, m, k, y0: _args_solve(model, i, m, k, y0, DIRECT))
+    )(*batch)
+    np.testing.assert_allclose(closed, reference, rtol=1e-12)
+    # The masks and rows matter: the batch elements differ from each other.
+    assert len({tuple(np.round(np.asarray(r), 6)) for r in closed}) == 4
+
+
+def test_grad_vmap_closed_over_everything():
+    model, batch = _model_and_batch()
+    grad = eqx.filter_jit(eqx.filter_grad(_batched_loss(_closed_solve, RCA)))(
+        model, batch
+    )
+    reference = _reference_grad(model, batch)
+    assert_tree_allclose(grad, reference, rtol=1e-9, atol=1e-12)
+    assert float(jnp.abs(grad.theta)) > 1e-3
+    # Row 2 is used unmasked; rows 0 and 1 each have one masked-out entry.
+    nonzero = np.abs(np.asarray(grad.table)) > 1e-8
+    np.testing.assert_array_equal(nonzero, [[True, False], [False, True], [True, True]])
+
+
+def test_vmap_grad_closed_over_everything():
+    model, batch = _model_and_batch()
+
+    def per_element(i, m, k, y0):
+        def loss(model):
+            return jnp.sum(_closed_solve(model, i, m, k, y0, DIRECT) ** 2)
+
+        return eqx.filter_grad(loss)(model)
+
+    grads = eqx.filter_jit(jax.vmap(per_element))(*batch)
+    summed = jtu.tree_map(lambda g: jnp.sum(g, axis=0), grads)
+    reference = _reference_grad(model, batch)
+    assert_tree_allclose(
+        eqx.filter(summed, eqx.is_inexact_array),
+        eqx.filter(reference, eqx.is_inexact_array),
+        rtol=1e-9,
+        atol=1e-12,
+    )
