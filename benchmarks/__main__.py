@@ -9,6 +9,7 @@ import pathlib
 import platform
 import re
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -139,7 +140,26 @@ def _version(package: str) -> str | None:
         return None
 
 
-def metadata(args: argparse.Namespace, profile: str, missing: dict[str, str]) -> dict:
+def _commit() -> str | None:
+    """The repository's commit (with `+` if the tree has changes), if git can say."""
+    root = pathlib.Path(__file__).parent.parent
+    try:
+        git = ["git", "-C", str(root)]
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return None
+    return (head + ("+" if dirty else "")) or None
+
+
+def metadata(
+    argv: list[str], args: argparse.Namespace, profile: str, missing: dict[str, str]
+) -> dict:
+    """What ran where: device, versions, commit, command, settings."""
     packages = (
         "jax",
         "jaxlib",
@@ -157,7 +177,8 @@ def metadata(args: argparse.Namespace, profile: str, missing: dict[str, str]) ->
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in packages},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python -m benchmarks " + shlex.join(sys.argv[1:]),
+        "commit": _commit(),
+        "command": "python -m benchmarks " + shlex.join(argv),
         "profile": profile,
         "repeats": args.repeats,
         "missing_peers": missing,
@@ -219,6 +240,28 @@ def _grad_size(sizes: list[int]) -> int:
     return max([s for s in sizes if s <= 1024] or [min(sizes)])
 
 
+def plan(
+    case: Case, sizes: list[int], libs: dict[str, Any], args: argparse.Namespace
+) -> list[tuple[int, Task]]:
+    """The (size, task) pairs to run, in order: sizes spread (see `spread`), and at
+    each size the libraries of one variant one after the other."""
+    out = []
+    for size in spread(sizes):
+        tasks = case.tasks(size, libs)
+        variants = list(dict.fromkeys(t.variant for t in tasks))
+        for task in sorted(tasks, key=lambda t: variants.index(t.variant)):
+            if args.variants is not None and task.variant not in args.variants:
+                continue
+            if args.quick and args.variants is None and case.quick_variants:
+                if task.variant not in case.quick_variants:
+                    continue
+            if args.quick and not args.sizes and "grad" in task.variant:
+                if size != _grad_size(sizes):
+                    continue
+            out.append((size, task))
+    return out
+
+
 def run_case(
     case: Case,
     sizes: list[int],
@@ -227,39 +270,32 @@ def run_case(
     records: list[Record],
     progress: Callable[[str], None],
 ) -> None:
-    """Run every task of `case` at every size, appending a `Record` for each."""
+    """Run every planned task of `case`, appending a `Record` for each."""
     seconds = args.deadline.get(case.name, args.deadline.get(None, math.inf))
     deadline = time.monotonic() + seconds
     repeat_budget = 2.0 if args.quick else 10.0
     too_slow: dict[tuple[str, str], int] = {}  # (variant, library) -> size past budget
+    todo = plan(case, sizes, libs, args)
     progress(f"{case.name}: references")
-    references = _references(case, sizes)
-    for size in spread(sizes):
-        tasks = case.tasks(size, libs)
-        variants = list(dict.fromkeys(t.variant for t in tasks))
-        for task in sorted(tasks, key=lambda t: variants.index(t.variant)):
-            if args.variants is not None and task.variant not in args.variants:
-                continue
-            if args.quick and not args.sizes and "grad" in task.variant:
-                if size != _grad_size(sizes):
-                    continue
-            progress(f"{case.name} N={size} {task.variant} {task.library}")
-            record = Record(case.name, task.variant, size, task.library, task.dtype)
-            records.append(record)
-            slow = too_slow.get((task.variant, task.library))
-            if time.monotonic() > deadline:
-                record.status = "skipped"
-                record.note = f"past --deadline ({seconds:g} s for this case)"
-            elif slow is not None and size > slow:
-                record.status = "skipped"
-                record.note = f"N={slow} took over --budget {args.budget:g} s"
-            else:
-                run_task(task, record, references[size], args.repeats, repeat_budget)
-                spent = (record.first_call_s or 0) + (
-                    record.run_median_s or 0
-                ) * record.repeats
-                if spent > args.budget:
-                    too_slow[task.variant, task.library] = min(size, slow or size)
+    references = _references(case, sorted({size for size, _ in todo}))
+    for size, task in todo:
+        progress(f"{case.name} N={size} {task.variant} {task.library}")
+        record = Record(case.name, task.variant, size, task.library, task.dtype)
+        records.append(record)
+        slow = too_slow.get((task.variant, task.library))
+        if time.monotonic() > deadline:
+            record.status = "skipped"
+            record.note = f"past --deadline ({seconds:g} s for this case)"
+        elif slow is not None and size > slow:
+            record.status = "skipped"
+            record.note = f"N={slow} took over --budget {args.budget:g} s"
+        else:
+            run_task(task, record, references[size], args.repeats, repeat_budget)
+            spent = (record.first_call_s or 0) + (
+                record.run_median_s or 0
+            ) * record.repeats
+            if spent > args.budget:
+                too_slow[task.variant, task.library] = min(size, slow or size)
 
 
 def main(argv: list[str] | None = None) -> list[Record]:
@@ -272,7 +308,7 @@ def main(argv: list[str] | None = None) -> list[Record]:
     for name, why in missing.items():
         print(f"note: {name} skipped ({why})", file=sys.stderr)
     out = args.out or pathlib.Path(__file__).parent / "results" / device_slug()
-    meta = metadata(args, profile, missing)
+    meta = metadata(sys.argv[1:] if argv is None else argv, args, profile, missing)
     descriptions = {name: CASES[name].description for name in args.cases}
 
     records: list[Record] = []

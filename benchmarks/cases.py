@@ -6,7 +6,8 @@ their parameters; diffrax receives them through `args` (the only way its
 `BacksolveAdjoint` accepts them), plus a `diffrax-closure` row that closes over them
 as solverkit does, to show where diffrax refuses. gradsolve runs its own
 record-and-replay engines. References are diffrax solves in float64 at
-rtol = atol = 1e-10, on at most `REFERENCE_ROWS` trajectories of the ensemble.
+rtol = atol = 1e-10 (of the forward sensitivity equations where the parameters are
+few), on at most `REFERENCE_ROWS` trajectories of the ensemble.
 """
 
 import dataclasses
@@ -14,6 +15,7 @@ import importlib
 import os
 import statistics
 import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -106,22 +108,33 @@ class Reference:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A benchmark problem: its ensemble sizes per profile, how to build its tasks
-    for one size, and its reference solution for one size."""
+    for one size, its reference solution for one size, and the variants that
+    `--quick` runs (`None`: all)."""
 
     name: str
     description: str
     sizes: dict[str, list[int]]  # profile ("quick", "cpu", "gpu") -> sizes
     tasks: Callable[[int, dict[str, Any]], list[Task]]
     reference: Callable[[int], Reference]
+    quick_variants: tuple[str, ...] | None = None
 
 
 # ---------------------------------------------------------------- shared helpers
 
 
-def _final(lib: Any, field: Callable, y0: Any, args: Any, **kw: Any) -> tuple:
-    """Solve with a diffrax-API library; return `(final state, number of steps)`."""
-    solver = kw.pop("solver")
-    t1, dt0 = kw.pop("t1"), kw.pop("dt0")
+def _final(
+    lib: Any,
+    field: Callable,
+    y0: Any,
+    args: Any,
+    *,
+    solver: Any,
+    t1: float,
+    dt0: float,
+    **kw: Any,
+) -> tuple:
+    """Solve from t = 0 to `t1` with a library of diffrax's API (`kw`: the rest of
+    `diffeqsolve`'s keywords); return `(final state, number of steps)`."""
     sol = lib.diffeqsolve(lib.ODETerm(field), solver, 0.0, t1, dt0, y0, args, **kw)
     return jax.tree_util.tree_map(lambda a: a[-1], sol.ys), sol.stats["num_steps"]
 
@@ -188,18 +201,10 @@ def _sensitivity_reference(
 
 
 def _gradsolve_problem(f_jax: Callable, dim: int, t1: float) -> Any:
-    """A gradsolve problem object (its duck-typed protocol)."""
-
-    class Problem:
-        name = "solverkit_benchmark"
-        is_stiff = False
-
-        def f_jax(self, t, y, p):
-            return f_jax(t, y, p)
-
-    problem = Problem()
-    problem.dim, problem.t0, problem.t1 = dim, 0.0, t1
-    return problem
+    """A gradsolve problem (its protocol is duck-typed: these six attributes)."""
+    return types.SimpleNamespace(
+        name="solverkit_benchmark", dim=dim, t0=0.0, t1=t1, is_stiff=False, f_jax=f_jax
+    )
 
 
 def _gradsolve_device() -> str:
@@ -709,6 +714,7 @@ CASES = {
             },
             lotka_volterra_tasks,
             lotka_volterra_reference,
+            ("forward", "grad-checkpoint", "grad-backsolve", "grad-record-replay"),
         ),
         Case(
             "lorenz",
@@ -716,12 +722,13 @@ CASES = {
             "Tsit5; fixed dt=1e-3 (float32) and PID rtol=atol=1e-8 (float64); loss = "
             "sum of squared final states, gradient w.r.t. rho",
             {
-                "quick": [8, 64, 512, 4096],
+                "quick": [16, 256, 4096],
                 "cpu": _lorenz_sizes(2**16),
                 "gpu": _lorenz_sizes(2**24),
             },
             lorenz_tasks,
             lorenz_reference,
+            ("fixed-forward", "adaptive-forward", "adaptive-grad"),
         ),
         Case(
             "neural_ode",
@@ -731,6 +738,7 @@ CASES = {
             {"quick": [256], "cpu": [256], "gpu": [256, 4096, 65536]},
             neural_ode_tasks,
             neural_ode_reference,
+            ("grad-backsolve", "grad-record-replay"),
         ),
     )
 }

@@ -96,7 +96,8 @@ def markdown(meta: dict[str, Any], records: list[Record], cases: dict[str, str])
     lines = [
         f"# Benchmarks on {meta['device_kind']} ({meta['platform']})",
         "",
-        f"`{meta['command']}`; jax {meta['versions'].get('jax')}, "
+        f"`{meta['command']}` at commit {meta.get('commit')}; "
+        f"jax {meta['versions'].get('jax')}, "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if k != "jax" and v)
         + f"; {meta['date']}.",
         "",

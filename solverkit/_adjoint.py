@@ -20,6 +20,7 @@ from ._closure import closure_convert
 from ._loop import Outputs, Problem
 from ._progress import NoProgressMeter
 from ._saveat import save_y
+from ._select import where
 from ._unvmap import unvmap_any, while_loop
 
 
@@ -165,7 +166,7 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
         def segment_body(state, active):
             s, ct_p, ct_c = state
             start = jnp.maximum(s, 0) * segment
-            length = jnp.where(active, jnp.minimum(segment, n - start), 0)
+            length = where(active, jnp.minimum(segment, n - start), 0)
             seg = recompute(p_diff, start, length)
 
             def back(state, active):
@@ -177,7 +178,7 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
                     seg,
                 )
                 dp, dc = vjp_step(p_diff, carry, ct_c)
-                ct_p = jtu.tree_map(lambda a, b: a + jnp.where(active, b, 0), ct_p, dp)
+                ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
                 ct_c = _loop._where(active, dc, ct_c)
                 return j - active.astype(jnp.int32), ct_p, ct_c
 
@@ -212,27 +213,36 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
 
 
 class DirectAdjoint(AbstractAdjoint):
-    """Differentiate straight through a loop bounded by `max_steps` (a `lax.scan`).
+    """Differentiate straight through a loop bounded by `max_steps`.
 
-    Supports forward mode (`jax.jvp`, `jax.jacfwd`) as well as reverse mode. Its cost
-    and memory grow with `max_steps`, not with the steps taken: prefer
-    `RecursiveCheckpointAdjoint` for reverse mode.
+    The loop is a `lax.scan` over blocks of `ceil(sqrt(max_steps))` steps; each block
+    is checkpointed (recomputed in the backward pass) and skipped entirely once every
+    batch element has finished. Supports forward mode (`jax.jvp`, `jax.jacfwd`) as
+    well as reverse mode; memory grows like `sqrt(max_steps)` loop states (save
+    buffers included). Prefer `RecursiveCheckpointAdjoint` for reverse mode.
     """
 
     def loop(self, problem: Problem) -> Outputs:
         carry, bufs = _loop.init(problem)
+        block = max(1, math.isqrt(problem.max_steps - 1) + 1)
+        blocks = -(-problem.max_steps // block)
 
-        def body(state, _):
+        def step(state, _):
             active = _loop.cond(problem, state[0])
+            return _loop.body(problem, state, active, differentiable=True), None
+
+        @jax.checkpoint
+        def run_block(state, _):
+            running = unvmap_any(_loop.cond(problem, state[0]))
             state = lax.cond(
-                unvmap_any(active),
-                lambda s: _loop.body(problem, s, active, differentiable=True),
+                running,
+                lambda s: lax.scan(step, s, None, length=block)[0],
                 lambda s: s,
                 state,
             )
             return state, None
 
-        (carry, bufs), _ = lax.scan(body, (carry, bufs), None, length=problem.max_steps)
+        (carry, bufs), _ = lax.scan(run_block, (carry, bufs), None, length=blocks)
         return _loop.finish(problem, carry, bufs)
 
 

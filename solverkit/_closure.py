@@ -340,6 +340,15 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
         _as_array(c, v.aval) for c, v in zip(closed_jaxpr.consts, jaxpr.constvars)
     )
     out_tree = jtu.tree_structure(out_struct)
+    # From the jaxpr's output types: make_jaxpr(return_shape=True) drops weak types on
+    # older JAX.
+    out_struct = jtu.tree_unflatten(
+        out_tree,
+        [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+            for a in closed_jaxpr.out_avals
+        ],
+    )
     signature = (in_tree, tuple(_spec_key(s) for s in in_specs), out_tree)
     jaxpr = _canonical_jaxpr(fn, jaxpr, signature)
     program = _Program(jaxpr, in_tree, in_specs, out_tree, out_struct, signature)

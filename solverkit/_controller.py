@@ -15,6 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._select import where
 from ._solution import RESULTS
 
 
@@ -117,15 +118,15 @@ def _initial_step(func, t0, y0, args, error_order, rtol, atol, norm):
     d0 = norm(jtu.tree_map(div, y0, scale))
     d1 = norm(jtu.tree_map(div, f0, scale))
     small = (d0 < 1e-5) | (d1 < 1e-5)
-    h0 = jnp.where(small, 1e-6, 0.01 * d0 / jnp.where(small, 1, d1)).astype(t0.dtype)
+    h0 = where(small, 1e-6, 0.01 * d0 / where(small, 1, d1)).astype(t0.dtype)
     y1 = jtu.tree_map(lambda y, f: y + jnp.asarray(h0, y.dtype) * f, y0, f0)
     f1 = func(t0 + h0, y1, args)
     d2 = norm(jtu.tree_map(lambda a, b, s: div(a - b, s), f1, f0, scale)) / h0
     max_d = jnp.maximum(d1, d2)
-    h1 = jnp.where(
+    h1 = where(
         max_d <= 1e-15,
         jnp.maximum(1e-6, h0 * 1e-3),
-        (0.01 / jnp.where(max_d <= 1e-15, 1, max_d)) ** (1 / error_order),
+        (0.01 / where(max_d <= 1e-15, 1, max_d)) ** (1 / error_order),
     )
     return lax.stop_gradient(jnp.minimum(100 * h0, h1).astype(t0.dtype))
 
@@ -208,12 +209,12 @@ class PIDController(AbstractStepSizeController):
         order = self._order(error_order)
 
         def scale(e, a, b):
-            b = jnp.where(jnp.isfinite(b), b, a)
+            b = where(jnp.isfinite(b), b, a)
             tol = self.atol + jnp.maximum(jnp.abs(a), jnp.abs(b)) * self.rtol
             return e / jnp.asarray(tol, dtype=jnp.abs(e).dtype)
 
         err = self.norm(jtu.tree_map(scale, y_error, y0, y1_candidate))
-        err = lax.stop_gradient(jnp.where(jnp.isfinite(err), err, jnp.inf))
+        err = lax.stop_gradient(where(jnp.isfinite(err), err, jnp.inf))
         keep = err < 1
         if self.dtmin is not None:
             keep = keep | at_dtmin
@@ -228,12 +229,12 @@ class PIDController(AbstractStepSizeController):
             factor = factor * prev_prev**c3
         factor = jnp.clip(
             factor,
-            jnp.where(keep, 1, self.factormin),
-            jnp.where(keep, self.factormax, self.safety),
+            where(keep, 1, self.factormin),
+            where(keep, self.factormax, self.safety),
         )
         factor = lax.stop_gradient(factor)
         dt = (t1 - t0) * factor
-        inv = jnp.where((inv == 0) | jnp.isinf(inv), 1, inv)
+        inv = where((inv == 0) | jnp.isinf(inv), 1, inv)
         result = RESULTS.successful
         if self.dtmax is not None:
             dt = jnp.minimum(dt, self.dtmax)
@@ -242,13 +243,13 @@ class PIDController(AbstractStepSizeController):
                 result = RESULTS.where(
                     dt < self.dtmin, RESULTS.dt_min_reached, RESULTS.successful
                 )
-            dt = jnp.where(at_dtmin & (factor == 1), self.dtmin, dt)
+            dt = where(at_dtmin & (factor == 1), self.dtmin, dt)
             at_dtmin = dt <= self.dtmin
             dt = jnp.maximum(dt, self.dtmin)
-        next_t0 = jnp.where(keep, t1, t0)
+        next_t0 = where(keep, t1, t0)
         state = (
-            jnp.where(keep, inv, prev),
-            jnp.where(keep, prev, prev_prev),
+            where(keep, inv, prev),
+            where(keep, prev, prev_prev),
             jnp.asarray(at_dtmin),
         )
         return keep, next_t0, next_t0 + dt, False, state, result

@@ -22,6 +22,7 @@ from ._interpolation import DenseInterpolation
 from ._loop import Problem, VectorField
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import SaveAt
+from ._select import where
 from ._solution import Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import ODETerm
@@ -174,7 +175,7 @@ def diffeqsolve(
     if c0 is not None and c1 is not None:
         direction = None if c1 >= c0 else jnp.asarray(-1, dtype)
     else:
-        direction = jnp.where(t1 >= t0, 1, -1).astype(dtype)
+        direction = where(t1 >= t0, 1, -1).astype(dtype)
     sign = (lambda x: x) if direction is None else (lambda x: direction * x)
 
     y0 = _as_state(y0)
@@ -260,7 +261,7 @@ def _solve(problem: Problem, adjoint, throw, keep_solver_state, keep_controller_
     def user(tau):
         if direction is None:
             return tau
-        return jnp.where(jnp.isfinite(tau), direction * tau, tau)
+        return where(jnp.isfinite(tau), direction * tau, tau)
 
     ts, ys, t_end, result = out.ts, out.ys, out.t_end, out.result
     if throw:
@@ -268,7 +269,7 @@ def _solve(problem: Problem, adjoint, throw, keep_solver_state, keep_controller_
             result != RESULTS.event_occurred.code
         )
         # Unbatched and non-differentiated, as equinox's error machinery needs.
-        index = unvmap_max(jnp.where(failed, result, 0))
+        index = unvmap_max(where(failed, result, 0))
         ts, ys, t_end = eqx.branched_error_if(
             (ts, ys, t_end), unvmap_any(failed), index, _MESSAGES
         )

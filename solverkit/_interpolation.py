@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
+from ._select import where
 from ._solver import AbstractSolver
 
 
@@ -33,11 +34,9 @@ class DenseInterpolation(eqx.Module):
         info = jtu.tree_map(
             lambda b: lax.dynamic_index_in_dim(b, index, keepdims=False), self.infos
         )
-        t1 = jnp.where(self.num_steps == 0, self.ts[0], self.ts[index + 1])
+        t1 = where(self.num_steps == 0, self.ts[0], self.ts[index + 1])
         y = self.solver.interpolate(info, self.ts[index], t1, tau)
-        return jtu.tree_map(
-            lambda a, b: jnp.where(self.num_steps == 0, b, a), y, self.y0
-        )
+        return jtu.tree_map(lambda a, b: where(self.num_steps == 0, b, a), y, self.y0)
 
     def evaluate(self, t0, t1=None) -> PyTree:
         """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""

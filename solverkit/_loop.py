@@ -18,6 +18,7 @@ from jaxtyping import Array, PyTree
 from ._closure import Closure
 from ._controller import AbstractStepSizeController, StepTo
 from ._progress import AbstractProgressMeter
+from ._select import where
 from ._solution import RESULTS
 from ._solver import AbstractSolver
 from ._unvmap import while_loop
@@ -90,7 +91,7 @@ class Carry(NamedTuple):
 
 
 def _where(pred, a, b):
-    return jtu.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
+    return jtu.tree_map(lambda x, y: where(pred, x, y), a, b)
 
 
 def _all_finite(tree) -> Array:
@@ -245,10 +246,10 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, dict]:
     # Land exactly on t1 rather than leave a sliver of a step behind.
     eps = jnp.finfo(t0.dtype).eps
     close = next_t1 >= problem.t1 - 100 * eps * jnp.maximum(1, jnp.abs(problem.t1))
-    next_t1 = jnp.where(close, problem.t1, next_t1)
+    next_t1 = where(close, problem.t1, next_t1)
     finite = _all_finite(y1)
-    result = jnp.where(keep & ~finite, _NONFINITE, cresult)
-    result = jnp.where(carry.result == _SUCCESS, result, carry.result)
+    result = where(keep & ~finite, _NONFINITE, cresult)
+    result = where(carry.result == _SUCCESS, result, carry.result)
     y = _where(keep, y1, carry.y)
     fstate = _where(keep, fstate1, carry.solver_state)
     cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last
@@ -257,14 +258,14 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, dict]:
         fired = _fired(problem, carry.cond_values, new_values)
         fired = jtu.tree_map(lambda f: f & keep & finite, fired)
         any_fired = jnp.stack(jtu.tree_leaves(fired)).any()
-        result = jnp.where(any_fired & (result == _SUCCESS), _EVENT, result)
+        result = where(any_fired & (result == _SUCCESS), _EVENT, result)
         cond_values = _where(keep, new_values, carry.cond_values)
         event_mask = fired
         if last is not None:
             last = _where(keep, (t0, info), last)
     num_accepted = carry.num_accepted + keep.astype(jnp.int32)
     new = Carry(
-        t=jnp.where(keep, t1, t0),
+        t=where(keep, t1, t0),
         tnext=next_t1,
         y=y,
         solver_state=fstate,
@@ -330,7 +331,7 @@ def _write_rows(ts, t0, t1, keep, at, buf):
     last = ts.shape[0] - 1
     lo = jnp.searchsorted(ts, t0, side="right").astype(jnp.int32)
     hi = jnp.searchsorted(ts, t1, side="right").astype(jnp.int32)
-    hi = jnp.where(keep, hi, lo)
+    hi = where(keep, hi, lo)
 
     def body(state, active):
         i, buf = state
@@ -345,7 +346,7 @@ def _write_rows(ts, t0, t1, keep, at, buf):
 
 def _set_row(buf, row, pred, value):
     old = lax.dynamic_index_in_dim(buf, row, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buf, jnp.where(pred, value, old), row, 0)
+    return lax.dynamic_update_index_in_dim(buf, where(pred, value, old), row, 0)
 
 
 def body(
@@ -377,7 +378,7 @@ def progress(problem: Problem) -> Progress | None:
     if token is None:
         return None
     span = problem.t1 - problem.t0
-    span = jnp.where(span == 0, 1, span)
+    span = where(span == 0, 1, span)
     every = meter.refresh_steps  # pyright: ignore
 
     def tick(carry):
@@ -420,7 +421,7 @@ def _bisect(g, a, b, ga, iterations: int):
         m = (a + b) / 2
         gm = g(m)
         same = jnp.sign(gm) == jnp.sign(ga)
-        return jnp.where(same, m, a), jnp.where(same, b, m), jnp.where(same, gm, ga)
+        return where(same, m, a), where(same, b, m), where(same, gm, ga)
 
     a, b, _ = lax.fori_loop(0, iterations, it, (a, b, ga))
     return (a + b) / 2
@@ -449,22 +450,22 @@ def locate_event(problem: Problem, carry: Carry):
             return closure(problem.term.to_user(tau), y, problem.args)
 
         active = event & f
-        a = lax.stop_gradient(jnp.where(active, tstart, tend - 1))
+        a = lax.stop_gradient(where(active, tstart, tend - 1))
         b = lax.stop_gradient(tend)
         if problem.root_finder is None:
             root = _bisect(g, a, b, g(a), iterations)
         else:
             root = _optx_root(g, problem.root_finder, a, b)
-        root = lax.stop_gradient(jnp.where(active, root, tend))
+        root = lax.stop_gradient(where(active, root, tend))
         # One Newton step at the root: the value stays, the derivative becomes the
         # implicit-function-theorem one, -(dg/dp) / (dg/dt).
         g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
-        dg_dt = lax.stop_gradient(jnp.where(dg_dt == 0, 1, dg_dt))
-        root = root - jnp.where(active, g_root / dg_dt.astype(root.dtype), 0)
-        t_star = jnp.where(active, jnp.minimum(t_star, root), t_star)
+        dg_dt = lax.stop_gradient(where(dg_dt == 0, 1, dg_dt))
+        root = root - where(active, g_root / dg_dt.astype(root.dtype), 0)
+        t_star = where(active, jnp.minimum(t_star, root), t_star)
     y_star = solver.interpolate(info, tstart, tend, t_star)
     y = _where(event, y_star, carry.y)
-    return jnp.where(event, t_star, tend), y
+    return where(event, t_star, tend), y
 
 
 def _optx_root(g, root_finder, a, b):
@@ -488,7 +489,7 @@ class Outputs(NamedTuple):
 
 def finish(problem: Problem, carry: Carry, bufs: dict) -> Outputs:
     """Turn the final carry and buffers into the saved outputs (internal time)."""
-    result = jnp.where(
+    result = where(
         (carry.result == _SUCCESS) & (carry.t < problem.t1), _MAX_STEPS, carry.result
     )
     t_end, y_end = carry.t, carry.y
@@ -514,7 +515,7 @@ def finish(problem: Problem, carry: Carry, bufs: dict) -> Outputs:
             start_value,
             bufs["ts_ys"],
         )
-        pieces_t.append(jnp.where(reached | at_start, ts, jnp.inf))
+        pieces_t.append(where(reached | at_start, ts, jnp.inf))
         pieces_y.append(ys)
     if problem.every:
         pieces_t.append(bufs["steps_ts"])
@@ -536,4 +537,4 @@ def _mask_rows(rows, v, other):
     if np.ndim(other) == 0:
         fill = other if jnp.issubdtype(v.dtype, jnp.inexact) else 0
         other = jnp.full(v.shape, fill, v.dtype)
-    return jnp.where(rows.reshape((-1,) + (1,) * (v.ndim - 1)), v, other)
+    return where(rows.reshape((-1,) + (1,) * (v.ndim - 1)), v, other)

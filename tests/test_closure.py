@@ -353,7 +353,6 @@ _TRACES = (
     "vmap_grad",
     "jit_vmap",
     "grad_vmap",
-    "vmap_jvp",
 )
 
 
@@ -364,7 +363,7 @@ def _run_trace(trace: str, names) -> dict:
     the three agree when conversion is right. All routes go through one transform
     (one compilation under jit).
     """
-    batched = trace in ("vmap", "vmap_grad", "jit_vmap", "grad_vmap", "vmap_jvp")
+    batched = trace in ("vmap", "vmap_grad", "jit_vmap", "grad_vmap")
     batch = _BATCH if batched else None
     vals = {
         route: {n: _value(n, 10 * i + j, batch) for j, n in enumerate(names)}
@@ -391,18 +390,14 @@ def _run_trace(trace: str, names) -> dict:
         return jax.jvp(
             lambda f: all_modes(_merge(f, rest)), (floats,), (_ones(floats),)
         )
-    if trace == "vmap_jvp":
-
-        def jvp_one(v):
-            f, r = _split(v)
-            return jax.jvp(lambda f: all_modes(_merge(f, r)), (f,), (_ones(f),))
-
-        return jax.vmap(jvp_one)(vals)
     if trace == "linearize":
         out, lin = jax.linearize(lambda f: all_modes(_merge(f, rest)), floats)
         return {"primal": out, "tangent": lin(_ones(floats))}
     result = {}
-    for mode in _MODES:
+    # Under the nestings, "eval" would repeat "closed" (a Closure call is eval_jaxpr
+    # on the flat arguments) at the price of a third gradient: "grad" keeps it.
+    modes = _MODES if trace == "grad" else ("direct", "closed")
+    for mode in modes:
         run = one_mode(mode)
         if trace == "grad":
             result[mode] = jax.grad(lambda f: _loss(run(_merge(f, rest))))(floats)
@@ -422,9 +417,11 @@ def _run_trace(trace: str, names) -> dict:
 
 
 def _assert_modes_agree(result):
-    if isinstance(result, dict) and set(result) == set(_MODES):
+    if isinstance(result, dict) and "direct" in result:
+        assert set(result) in ({"direct", "closed"}, set(_MODES)), set(result)
         _assert_tree_equal(result["closed"], result["direct"])
-        _assert_tree_equal(result["eval"], result["direct"])
+        if "eval" in result:
+            _assert_tree_equal(result["eval"], result["direct"])
     elif isinstance(result, dict):
         for part in result.values():
             _assert_modes_agree(part)
@@ -446,18 +443,17 @@ def test_every_route_and_dtype_under(trace):
 
 
 def test_random_draws():
-    """Random numbers drawn from closed-over new-style and raw keys, under vmap."""
+    """Random bits drawn from a closed-over key, under vmap and jit."""
     keys = jax.random.split(jax.random.key(0), 2)
-    raw = jax.random.split(jax.random.PRNGKey(1), 2)
     y = jnp.asarray(_Y)
 
-    def draw(k, r):
-        fn = lambda z: jax.random.normal(k, (3,)) * z + jax.random.uniform(r, (3,))
+    def draw(k):
+        fn = lambda z: jax.random.bits(k, (3,)) * (z > 0)
         closed = sk.closure_convert(fn, y)
-        assert _avals(closed.consts) == _avals([k, r])
+        assert _avals(closed.consts) == _avals([k])
         return fn(y), closed(y), _flat_call(closed, y)
 
-    direct, closed, flat = jax.jit(jax.vmap(draw))(keys, raw)
+    direct, closed, flat = jax.jit(jax.vmap(draw))(keys)
     _assert_tree_equal(closed, direct)
     _assert_tree_equal(flat, direct)
     assert not np.array_equal(direct[0], direct[1])
@@ -872,63 +868,81 @@ def test_filter_custom_vjp_python_float_primal():
 
 
 def _closure_and_fn(th, n, key):
+    """A Closure over a float vector, an int and a key, and its function."""
     fn = lambda y: y * th + (n + jax.random.key_data(key)[0] % 5).astype(jnp.float32)
     return sk.closure_convert(fn, jnp.asarray(_Y)), fn
 
 
-def _repeat(fn, y, times):
-    for _ in range(times):
-        y = fn(y)
-    return y
+def _reference(ths, ns, keys, ys):
+    """NumPy value of `_closure_and_fn(th, n, key)[1](y)`, batched over everything."""
+    offsets = np.asarray(jax.random.key_data(keys))[..., 0] % 5
+    offset = (np.asarray(ns) + offsets).astype(np.float32)
+    return np.asarray(ys) * np.asarray(ths) + offset[..., None]
+
+
+def _stacked_closures(size: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ths = jnp.asarray(rng.normal(size=(size, 3)), jnp.float32)
+    ns = jnp.arange(size, dtype=jnp.int32)
+    keys = jax.random.split(jax.random.key(seed), size)
+    stacked = jax.vmap(lambda th, n, k: _closure_and_fn(th, n, k)[0])(ths, ns, keys)
+    ys = jnp.asarray(rng.normal(size=(size, 3)), jnp.float32)
+    return stacked, (ths, ns, keys), ys
 
 
 def test_while_loop():
-    th, n, key = jnp.asarray([0.5, 1.0, -0.5]), jnp.int32(2), jax.random.key(0)
+    """A Closure in the carry of a while_loop, converted under jit and under vmap."""
+    key = jax.random.key(0)
+    y0 = jnp.asarray(_Y)
 
     def run(th, n):
-        closed, fn = _closure_and_fn(th, n, key)
+        closed, _ = _closure_and_fn(th, n, key)
 
         def body(carry):
             c, y, i = carry
             return c, c(y), i + 1
 
-        _, out, _ = lax.while_loop(
-            lambda c: c[2] < 3, body, (closed, jnp.asarray(_Y), 0)
-        )
-        return out, _repeat(fn, jnp.asarray(_Y), 3)
+        return lax.while_loop(lambda c: c[2] < 3, body, (closed, y0, 0))[1]
 
-    for transform in (lambda f: f, jax.jit, jax.vmap):
-        args = (
-            (th, n)
-            if transform is not jax.vmap
-            else (jnp.stack([th, 2 * th]), n + jnp.arange(2, dtype=jnp.int32))
-        )
-        got, want = transform(run)(*args)
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    def three_steps(th, n):
+        y = np.asarray(y0)
+        for _ in range(3):
+            y = _reference(th, n, key, y)
+        return y
+
+    th, n = jnp.asarray([0.5, 1.0, -0.5]), jnp.int32(2)
+    np.testing.assert_allclose(jax.jit(run)(th, n), three_steps(th, n), rtol=1e-6)
+    ths = jnp.stack([th, 2 * th])
+    ns = n + jnp.arange(2, dtype=jnp.int32)  # a vmapped integer, closed over
+    got = jax.vmap(run)(ths, ns)
+    for i in range(2):
+        np.testing.assert_allclose(got[i], three_steps(ths[i], ns[i]), rtol=1e-6)
 
 
 def test_scan_carry_and_xs():
-    ths = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
-    ns = jnp.arange(4, dtype=jnp.int32)
-    keys = jax.random.split(jax.random.key(0), 4)
-    stacked = jax.vmap(lambda th, n, k: _closure_and_fn(th, n, k)[0])(ths, ns, keys)
+    """Stacked Closures as the xs of a scan, and a Closure in its carry."""
+    stacked, (ths, ns, keys), _ = _stacked_closures(4)
     assert stacked.consts[0].shape[0] == 4
 
     def step(y, c):
-        return c(y), jnp.sum(c(y))
+        y = c(y)
+        return y, y
 
-    final, sums = lax.scan(step, jnp.asarray(_Y), stacked)
-    y = jnp.asarray(_Y)
+    final, ys = jax.jit(lambda c, y: lax.scan(step, y, c))(stacked, jnp.asarray(_Y))
+    y = np.asarray(_Y)
     for i in range(4):
-        y = _closure_and_fn(ths[i], ns[i], keys[i])[1](y)
-        np.testing.assert_allclose(sums[i], jnp.sum(y), rtol=1e-5)
+        y = _reference(ths[i], ns[i], keys[i], y)
+        np.testing.assert_allclose(ys[i], y, rtol=1e-5)
     np.testing.assert_allclose(final, y, rtol=1e-5)
-    # As carry.
-    closed, fn = _closure_and_fn(ths[0], ns[1], keys[2])
+
+    closed, _ = _closure_and_fn(ths[0], ns[0], keys[0])
     (_, out), _ = lax.scan(
-        lambda c, _: ((c[0], c[0](c[1])), None), (closed, y), length=3
+        lambda c, _: ((c[0], c[0](c[1])), None), (closed, jnp.asarray(_Y)), length=3
     )
-    np.testing.assert_allclose(out, _repeat(fn, y, 3), rtol=1e-5)
+    want = np.asarray(_Y)
+    for _ in range(3):
+        want = _reference(ths[0], ns[0], keys[0], want)
+    np.testing.assert_allclose(out, want, rtol=1e-5)
 
 
 def test_checkpoint():
@@ -942,35 +956,33 @@ def test_checkpoint():
         return jnp.sum(fn(y) ** 2)
 
     th = jnp.asarray([0.5, 1.0, -0.5])
-    np.testing.assert_allclose(loss(th, True), loss(th, False), rtol=1e-6)
-    np.testing.assert_allclose(
-        jax.grad(loss)(th, True), jax.grad(loss)(th, False), rtol=1e-6
-    )
+    both = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (value, grad), (want_value, want_grad) = both(th, True), both(th, False)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-6)
 
 
 def test_vmap_over_consts():
-    ths = jnp.asarray([[0.5, 1.0, -0.5], [1.0, 2.0, 3.0]])
-    ns = jnp.asarray([1, 5], jnp.int32)
-    keys = jax.random.split(jax.random.key(0), 2)
-    stacked = jax.vmap(lambda th, n, k: _closure_and_fn(th, n, k)[0])(ths, ns, keys)
-    ys = jnp.stack([jnp.asarray(_Y), 2 * jnp.asarray(_Y)])
-    want = jnp.stack(
-        [_closure_and_fn(ths[i], ns[i], keys[i])[1](ys[i]) for i in range(2)]
-    )
-    np.testing.assert_allclose(
-        jax.vmap(lambda c, y: c(y))(stacked, ys), want, rtol=1e-6
-    )
-    np.testing.assert_allclose(
-        eqx.filter_vmap(lambda c, y: c(y))(stacked, ys), want, rtol=1e-6
-    )
-    want0 = jnp.stack(
-        [_closure_and_fn(ths[i], ns[i], keys[i])[1](ys[0]) for i in range(2)]
-    )
-    got0 = jax.vmap(lambda c, y: c(y), in_axes=(0, None))(stacked, ys[0])
-    np.testing.assert_allclose(got0, want0, rtol=1e-6)
-    # An unbatched Closure with a batched argument.
+    """vmap and eqx.filter_vmap over a batch of Closures (batched consts)."""
+    stacked, (ths, ns, keys), ys = _stacked_closures(2)
     closed, fn = _closure_and_fn(ths[0], ns[0], keys[0])
-    np.testing.assert_allclose(jax.vmap(closed)(ys), jax.vmap(fn)(ys), rtol=1e-6)
+
+    @jax.jit
+    def variants(stacked, closed, ys):
+        return (
+            jax.vmap(lambda c, y: c(y))(stacked, ys),
+            eqx.filter_vmap(lambda c, y: c(y))(stacked, ys),
+            jax.vmap(lambda c, y: c(y), in_axes=(0, None))(stacked, ys[0]),
+            jax.vmap(closed)(ys),  # an unbatched Closure, batched argument
+        )
+
+    both, filtered, one_y, unbatched = variants(stacked, closed, ys)
+    np.testing.assert_allclose(both, _reference(ths, ns, keys, ys), rtol=1e-6)
+    np.testing.assert_allclose(filtered, both, rtol=1e-6)
+    np.testing.assert_allclose(one_y, _reference(ths, ns, keys, ys[0]), rtol=1e-6)
+    np.testing.assert_allclose(
+        unbatched, _reference(ths[0], ns[0], keys[0], ys), rtol=1e-6
+    )
 
 
 _VMA_CHECKS = "check_vma" in inspect.signature(_shard_map()).parameters
@@ -1006,28 +1018,19 @@ def test_shard_map(checked):
     `checked` keeps shard_map's default replication / varying-axes checks on.
     """
     shard_map = functools.partial(_shard_map(), **_shard_map_options(checked))
-    devices = np.array(jax.devices())
-    mesh = Mesh(devices, ("x",))
-    size = 2 * len(devices)
-    rng = np.random.default_rng(0)
-    ths = jnp.asarray(rng.normal(size=(size, 3)), jnp.float32)
-    ns = jnp.arange(size, dtype=jnp.int32)
-    keys = jax.random.split(jax.random.key(0), size)
-    stacked = jax.vmap(lambda th, n, k: _closure_and_fn(th, n, k)[0])(ths, ns, keys)
-    ys = jnp.asarray(rng.normal(size=(size, 3)), jnp.float32)
-
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    size = 2 * len(jax.devices())
+    stacked, (ths, ns, keys), ys = _stacked_closures(size)
     batched = shard_map(
         jax.vmap(lambda c, y: c(y)),
         mesh=mesh,
         in_specs=(P("x"), P("x")),
         out_specs=P("x"),
     )
-    want = jnp.stack(
-        [_closure_and_fn(ths[i], ns[i], keys[i])[1](ys[i]) for i in range(size)]
+    np.testing.assert_allclose(
+        jax.jit(batched)(stacked, ys), _reference(ths, ns, keys, ys), rtol=1e-5
     )
-    np.testing.assert_allclose(jax.jit(batched)(stacked, ys), want, rtol=1e-5)
-
-    closed, fn = _closure_and_fn(ths[0], ns[0], keys[0])
+    closed, _ = _closure_and_fn(ths[0], ns[0], keys[0])
     replicated = shard_map(
         jax.vmap(lambda c, y: c(y), in_axes=(None, 0)),
         mesh=mesh,
@@ -1035,7 +1038,9 @@ def test_shard_map(checked):
         out_specs=P("x"),
     )
     np.testing.assert_allclose(
-        jax.jit(replicated)(closed, ys), jax.vmap(fn)(ys), rtol=1e-5
+        jax.jit(replicated)(closed, ys),
+        _reference(ths[0], ns[0], keys[0], ys),
+        rtol=1e-5,
     )
 
 
@@ -1241,7 +1246,7 @@ def _use_leaf(v, y):
 _leaf_specs = st.builds(
     _LeafSpec,
     st.sampled_from(_DTYPES),
-    st.sampled_from([(), (3,), (2, 3)]),
+    st.sampled_from([(), (3,)]),
     st.integers(0, 2**16),
 )
 _trees = st.recursive(
@@ -1251,12 +1256,12 @@ _trees = st.recursive(
         | st.tuples(children, children)
         | st.dictionaries(st.sampled_from("abc"), children, min_size=1, max_size=3)
     ),
-    max_leaves=6,
+    max_leaves=4,
 )
 
 
 @hypothesis.settings(
-    max_examples=10,
+    max_examples=6,
     deadline=None,
     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
 )

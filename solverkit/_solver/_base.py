@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .._select import where
 from .._solution import RESULTS
 from .._term import ODETerm
 
@@ -74,7 +75,7 @@ class AbstractSolver(eqx.Module):
     def interpolate(self, dense_info, t0, t1, t) -> PyTree:
         """Evaluate the dense output of one step `[t0, t1]` at `t` (cubic Hermite)."""
         h = t1 - t0
-        theta = (t - t0) / jnp.where(h == 0, 1, h)
+        theta = (t - t0) / where(h == 0, 1, h)
         return hermite(dense_info, h, theta)
 
 

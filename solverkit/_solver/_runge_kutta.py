@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._select import where
 from ._base import AbstractSolver, axpy, hermite, successful
 from ._tableau import (
     BOSH3,
@@ -67,7 +68,7 @@ class AbstractRungeKutta(AbstractSolver):
 
     def interpolate(self, dense_info, t0, t1, t):
         h = t1 - t0
-        theta = (t - t0) / jnp.where(h == 0, 1, h)
+        theta = (t - t0) / where(h == 0, 1, h)
         if "k" not in dense_info:
             return hermite(dense_info, h, theta)
         dense = self.tableau.dense

@@ -1,0 +1,53 @@
+"""Smoke test of the benchmark suite: one tiny case end to end, in a subprocess (the
+suite clears JAX's caches, which must not slow the rest of the test run)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_benchmarks_smoke(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "results"
+    command = [
+        sys.executable, "-m", "benchmarks",
+        "--cases", "lotka_volterra", "--sizes", "8", "--repeats", "1",
+        "--peers", "solverkit,diffrax", "--variants", "forward,grad-backsolve",
+        "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    for name in ("results.json", "results.md", "lotka_volterra.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "lotka_volterra.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    data = json.loads((out / "results.json").read_text())
+    rows = {(r["variant"], r["library"]): r for r in data["results"]}
+    assert set(rows) == {
+        ("forward", "solverkit"),
+        ("forward", "diffrax"),
+        ("grad-backsolve", "solverkit"),
+        ("grad-backsolve", "diffrax"),
+        ("grad-backsolve", "diffrax-closure"),
+    }
+    for key in [k for k in rows if k[1] != "diffrax-closure"]:
+        row = rows[key]
+        assert row["status"] == "ok", (key, row["note"])
+        assert row["first_call_s"] > 0 and row["run_median_s"] > 0
+        assert row["steps"] > 0
+        assert row["max_abs_error"] < 1e-2, (key, row["max_abs_error"])
+    # diffrax cannot backsolve through a closure: reported, not dropped.
+    closure = rows[("grad-backsolve", "diffrax-closure")]
+    assert closure["status"] == "unsupported" and closure["note"]
+    assert rows[("forward", "solverkit")]["run_ratio_vs_diffrax"] is not None
+
+    table = (out / "results.md").read_text()
+    assert "| forward | 8 | solverkit |" in table
+    assert "unsupported" in table
+    assert "| forward | 8 | solverkit |" in proc.stdout  # the table is printed
