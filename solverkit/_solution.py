@@ -136,12 +136,7 @@ class Solution(eqx.Module):
         A pytree with the structure of `y0`.
         """
         del left
-        if self.interpolation is None:
-            raise ValueError(
-                "Solution.evaluate needs a dense solution: pass "
-                "`saveat=SaveAt(dense=True)` to diffeqsolve."
-            )
-        return self.interpolation.evaluate(t0, t1)
+        return self._dense("evaluate").evaluate(t0, t1)
 
     def derivative(self, t, left: bool = True) -> PyTree:
         """The time derivative of the dense solution at `t`.
@@ -156,9 +151,12 @@ class Solution(eqx.Module):
         A pytree with the structure of `y0`.
         """
         del left
+        return self._dense("derivative").derivative(t)
+
+    def _dense(self, method: str):
         if self.interpolation is None:
             raise ValueError(
-                "Solution.derivative needs a dense solution: pass "
+                f"Solution.{method} needs a dense solution: pass "
                 "`saveat=SaveAt(dense=True)` to diffeqsolve."
             )
-        return self.interpolation.derivative(t)
+        return self.interpolation
