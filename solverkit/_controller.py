@@ -15,6 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._reduce import sum_all
 from ._select import where
 from ._solution import RESULTS
 
@@ -26,7 +27,7 @@ def rms_norm(x: PyTree) -> Array:
         return jnp.asarray(0.0)
     size = sum(leaf.size for leaf in leaves)
     total = sum(
-        jnp.sum(leaf.astype(jnp.result_type(float, leaf)) ** 2) for leaf in leaves
+        sum_all(leaf.astype(jnp.result_type(float, leaf)) ** 2) for leaf in leaves
     )
     return jnp.sqrt(total / size)
 
@@ -49,16 +50,33 @@ class AbstractStepSizeController(eqx.Module):
 
 
 class ConstantStepSize(AbstractStepSizeController):
-    """Steps of the constant size `dt0`."""
+    """Steps of the constant size `dt0`.
+
+    Step ends are computed as fractions of the interval, `t0 + (t1 - t0) * k / n` with
+    `n = ceil((t1 - t0) / dt0)`, not by adding `dt0` up, so rounding errors do not
+    accumulate into an extra sliver of a step (as diffrax does). With `t1 = inf` the
+    steps are `dt0` apart.
+    """
 
     def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
-        return t0 + dt0, dt0
+        dt0 = jnp.asarray(dt0, t0.dtype)
+        finite = jnp.isfinite(t1)
+        # `nextafter`: a `dt0` that divides the interval up to rounding gives `n`
+        # steps, not `n + 1`.
+        n = jnp.ceil((t1 - t0) / jnp.nextafter(dt0, jnp.inf))
+        n = where(finite, jnp.where(finite, n, 0).astype(jnp.int32), -1)
+        end = where(finite, t1, dt0)  # the end, or with `t1 = inf` the step size
+        return t0 + dt0, (jnp.asarray(1, jnp.int32), n, t0, end)
 
     def adapt_step_size(
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
     ):
-        dt = controller_state
-        return True, t1, t1 + dt, False, dt, RESULTS.successful
+        done, n, start, end = controller_state
+        done = done + 1  # steps completed once the next one is taken
+        fraction = done.astype(start.dtype) / jnp.maximum(n, 1).astype(start.dtype)
+        nxt = where(done >= n, end, start + (end - start) * fraction)
+        nxt = where(n >= 0, nxt, t1 + end)
+        return True, t1, nxt, False, (done, n, start, end), RESULTS.successful
 
     def check(self, solver, dt0) -> None:
         if dt0 is None:

@@ -387,6 +387,53 @@ def test_t0_equals_t1():
 # --- Step-size controllers ----------------------------------------------------------
 
 
+def test_constant_steps_do_not_accumulate_rounding():
+    # 0.01 is not a float32 number: summing it 4000 times overshoots or undershoots
+    # 40 and leaves a sliver of a step; step ends are fractions of the interval.
+    def solve(t1, dt0):
+        return sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -y),
+            sk.Euler(),
+            0.0,
+            t1,
+            dt0,
+            jnp.float32(1.0),
+            saveat=sk.SaveAt(steps=True),
+            max_steps=4096,
+        )
+
+    sol = solve(40.0, 0.01)
+    assert int(sol.stats["num_steps"]) == 4000
+    assert float(sol.ts[3999]) == 40.0
+    # A step that doesn't divide the interval: ceil((t1 - t0) / dt0) steps, as diffrax.
+    sol = solve(1.0, 0.3)
+    assert int(sol.stats["num_steps"]) == 4
+    assert float(sol.ts[3]) == 1.0
+
+
+def test_constant_steps_under_vmap_report_nonfinite_per_element():
+    # A non-finite value doesn't stop a fixed-step solve (it runs on to t1, as in
+    # diffrax) but is reported in `result`, per batch element.
+    def solve(rate):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: jnp.where(t > 0.5, rate, 1.0) * -y),
+            sk.Heun(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.ones(2),
+            throw=False,
+        )
+        return sol.ys[-1], sol.result.code, sol.stats["num_steps"]
+
+    ys, results, steps = jax.jit(jax.vmap(solve))(jnp.array([1.0, jnp.nan, 2.0]))
+    codes = [int(sk.RESULTS.successful.code), int(sk.RESULTS.nonfinite.code)]
+    assert results.tolist() == [codes[0], codes[1], codes[0]]
+    assert steps.tolist() == [10, 10, 10]
+    np.testing.assert_allclose(ys[0], np.exp(-1.0) * np.ones(2), rtol=1e-2)
+    assert np.all(np.isnan(ys[1]))
+
+
 def test_step_to_is_euler_on_the_grid():
     grid = np.array([0.0, 0.1, 0.15, 0.4, 0.45, 1.0])
     sol = sk.diffeqsolve(
