@@ -113,6 +113,8 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
             return carry, bufs, store, i + active.astype(jnp.int32)
 
         init = (carry, bufs, store, jnp.asarray(0, jnp.int32))
+        if _loop.adaptive(problem):
+            init = _loop.batch_like(carry.num_steps, init)
         carry, bufs, store, n = while_loop(
             lambda s: _loop.cond(problem, s[0]), body, init
         )
@@ -126,6 +128,7 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
         diff_mask = jtu.tree_map(eqx.is_inexact_array, final)
         p_diff, p_rest = eqx.partition(dynamic, eqx.is_inexact_array)
         ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
+        batch = _loop.adaptive(static)  # the controller is static
 
         def vjp_step(p_diff, carry, ct_next):
             c_diff, c_rest = eqx.partition(carry, diff_mask)
@@ -158,9 +161,10 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
                 carry = _loop._where(active, new, carry)
                 return carry, seg, j + active.astype(jnp.int32)
 
-            _, seg, _ = while_loop(
-                lambda s: s[2] < length, body, (first, seg, jnp.asarray(0, jnp.int32))
-            )
+            init = (first, seg, jnp.asarray(0, jnp.int32))
+            if batch:
+                init = _loop.batch_like(length, init)
+            _, seg, _ = while_loop(lambda s: s[2] < length, body, init)
             return seg
 
         def segment_body(state, active):
@@ -182,17 +186,19 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
                 ct_c = _loop._where(active, dc, ct_c)
                 return j - active.astype(jnp.int32), ct_p, ct_c
 
-            _, ct_p, ct_c = while_loop(
-                lambda st: st[0] >= 0, back, (length - 1, ct_p, ct_c)
-            )
+            init = (length - 1, ct_p, ct_c)
+            if batch:
+                init = _loop.batch_like(length, init)
+            _, ct_p, ct_c = while_loop(lambda st: st[0] >= 0, back, init)
             return s - active.astype(jnp.int32), ct_p, ct_c
 
         ct_p0 = jtu.tree_map(jnp.zeros_like, p_diff)
         ct_c0 = eqx.filter(ct_carry, diff_mask)
         last = (n + segment - 1) // segment - 1
-        _, ct_p, ct_c = while_loop(
-            lambda st: st[0] >= 0, segment_body, (last, ct_p0, ct_c0)
-        )
+        init = (last, ct_p0, ct_c0)
+        if batch:
+            init = _loop.batch_like(n, init)
+        _, ct_p, ct_c = while_loop(lambda st: st[0] >= 0, segment_body, init)
         ct_dynamic = jtu.tree_map(
             lambda c, x: _zeros_cotangent(x) if c is None else c,
             eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)),

@@ -145,24 +145,29 @@ def _inf_like(struct, lead: tuple[int, ...]):
     return jtu.tree_map(leaf, struct)
 
 
-def _batched_like_inputs(problem: Problem, carry: Carry) -> Carry:
-    """`carry`, unchanged in value, but batched under `vmap` wherever the problem is.
+def batch_like(sources, tree):
+    """`tree`, unchanged in value, but batched under `vmap` wherever `sources` is.
 
-    With adaptive steps every part of the carry depends on the state, so the loop
+    With adaptive steps every part of a loop's carry depends on the state, so the loop
     body batches all of it. Batching it from the start lets `vmap` of the loop settle
     which parts are batched in one pass over the body instead of several, which
-    shortens tracing.
+    shortens tracing (most of all for the nested loops of the backward passes).
     """
     leaves = [
         x
-        for x in jtu.tree_leaves(eqx.filter(problem, eqx.is_array))
+        for x in jtu.tree_leaves(eqx.filter(sources, eqx.is_array))
         if x.size and (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_)
     ]
     if not leaves:
-        return carry
-    # Any predicate computed from every input will do: both branches are equal.
+        return tree
+    # Any predicate computed from every source will do: both branches are equal.
     marker = and_all([jnp.reshape(x, (-1,))[0] == 0 for x in leaves])
-    return jtu.tree_map(lambda x: where(marker, x, x), carry)
+    return jtu.tree_map(lambda x: where(marker, x, x), tree)
+
+
+def adaptive(problem: Problem) -> bool:
+    """Whether the step sequence depends on the state (see `batch_like`)."""
+    return not isinstance(problem.controller, (ConstantStepSize, StepTo))
 
 
 def init(problem: Problem) -> tuple[Carry, dict]:
@@ -201,8 +206,8 @@ def init(problem: Problem) -> tuple[Carry, dict]:
         event_mask=event_mask,
         last=last,
     )
-    if not isinstance(controller, (ConstantStepSize, StepTo)):
-        carry = _batched_like_inputs(problem, carry)
+    if adaptive(problem):
+        carry = batch_like(problem, carry)
     out_struct = problem.save_fn.out_struct
     bufs = {}
     if problem.save_ts is not None:
