@@ -373,7 +373,9 @@ class BacksolveAdjoint(AbstractAdjoint):
         inner = Problem(
             solver=solver,
             controller=controller,
-            term=_loop.VectorField(closure, -jnp.ones_like(ta)),
+            # The adjoint system is large (a vector field and its vjp): its stages
+            # run in a loop, which compiles faster and, measured, runs no slower.
+            term=_loop.VectorField(closure, -jnp.ones_like(ta), loop_stages=True),
             args=aux,
             y0=state,
             t0=neg_ta,

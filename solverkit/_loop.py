@@ -37,6 +37,8 @@ class VectorField(eqx.Module):
 
     closure: Closure
     direction: Array | None  # None: forwards in time
+    # Runge-Kutta stages in a loop (the field traced once): for large fields.
+    loop_stages: bool = eqx.field(static=True, default=False)
 
     def to_user(self, tau):
         return tau if self.direction is None else self.direction * tau

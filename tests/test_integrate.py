@@ -715,3 +715,25 @@ def test_new_function_does_recompile_and_is_right():
     b = solve(lambda t, y, args: y)
     np.testing.assert_allclose(a, np.exp(-1.0), rtol=1e-6)
     np.testing.assert_allclose(b, np.exp(1.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("solver_cls", [cls for cls, _, _ in ALL_SOLVERS])
+def test_stages_in_a_loop_match_unrolled(solver_cls):
+    # The backward solve of BacksolveAdjoint runs the stages in a loop: same numbers.
+    from solverkit._loop import VectorField
+
+    y0 = {"a": jnp.array([1.0, 0.5]), "b": jnp.asarray(0.3)}
+    vf = lambda t, y, args: {"a": jnp.cos(t) * (_A @ y["a"]), "b": -y["b"] * t}
+    t0, t1 = jnp.asarray(0.1), jnp.asarray(0.3)
+    closure = sk.closure_convert(vf, t0, y0, None)
+    solver = solver_cls()
+    out = []
+    for loop in (False, True):
+        term = VectorField(closure, None, loop_stages=loop)
+        f0 = solver.init(term, t0, t1, y0, None)
+        out.append(solver.step(term, t0, t1, y0, None, f0))
+    (y_u, err_u, dense_u, f_u, _), (y_l, err_l, dense_l, f_l, _) = out
+    assert_tree_allclose(y_l, y_u, rtol=1e-6, atol=1e-7)
+    assert_tree_allclose(f_l, f_u, rtol=1e-6, atol=1e-7)
+    assert_tree_allclose(err_l, err_u, rtol=1e-5, atol=1e-7)
+    assert_tree_allclose(dense_l, dense_u, rtol=1e-6, atol=1e-7)

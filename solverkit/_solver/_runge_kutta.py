@@ -2,6 +2,7 @@
 
 from typing import ClassVar
 
+import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -44,11 +45,15 @@ class AbstractRungeKutta(AbstractSolver):
         del made_jump
         tab = self.tableau
         h = t1 - t0
-        ks = [solver_state]
         num_stages = len(tab.c)
-        for i in range(1, num_stages):
-            yi = axpy(y0, h, list(zip(tab.a[i, :i], ks)))
-            ks.append(terms.vf(t0 + float(tab.c[i]) * h, yi, args))
+        if getattr(terms, "loop_stages", False):
+            ks = _stages_in_a_loop(tab, terms, t0, h, y0, args, solver_state)
+            yi = axpy(y0, h, list(zip(tab.a[-1], ks)))
+        else:
+            ks = [solver_state]
+            for i in range(1, num_stages):
+                yi = axpy(y0, h, list(zip(tab.a[i, :i], ks)))
+                ks.append(terms.vf(t0 + float(tab.c[i]) * h, yi, args))
         if tab.fsal:
             y1 = yi  # pyright: ignore
             f1 = ks[-1]
@@ -83,6 +88,32 @@ class AbstractRungeKutta(AbstractSolver):
             return y0 + jnp.asarray(h, dtype=y0.dtype) * acc
 
         return jtu.tree_map(leaf, dense_info["y0"], *dense_info["k"])
+
+
+def _stages_in_a_loop(tab, terms, t0, h, y0, args, f0) -> list:
+    """The stages `k_0 ... k_{s-1}` computed by a `fori_loop` over stages, so that the
+    vector field is traced and compiled once rather than once per stage. Slower to
+    run for a cheap vector field, faster to compile for a large one (used for the
+    adjoint system of `BacksolveAdjoint`)."""
+    num_stages = len(tab.c)
+    a = np.asarray(tab.a)
+    c = np.asarray(tab.c)
+
+    def body(i, stacked):
+        def leaf(y, k):
+            coeffs = jnp.asarray(a, y.dtype)[i]
+            return y + jnp.asarray(h, y.dtype) * jnp.tensordot(coeffs, k, axes=1)
+
+        yi = jtu.tree_map(leaf, y0, stacked)
+        ti = t0 + jnp.asarray(c, h.dtype)[i] * h
+        fi = terms.vf(ti, yi, args)
+        return jtu.tree_map(lambda k, f: k.at[i].set(f), stacked, fi)
+
+    stacked = jtu.tree_map(
+        lambda f: jnp.zeros((num_stages,) + f.shape, f.dtype).at[0].set(f), f0
+    )
+    stacked = lax.fori_loop(1, num_stages, body, stacked)
+    return [jtu.tree_map(lambda k: k[j], stacked) for j in range(num_stages)]
 
 
 class Euler(AbstractRungeKutta):
