@@ -113,7 +113,9 @@ def diffeqsolve(
     - `event`: an optional [`solverkit.Event`][] that terminates the solve.
     - `max_steps`: the most steps to take (a positive int).
     - `throw`: raise on failure (a `RuntimeError` subclass; under `vmap`, if any batch
-        element fails); with `False` check `Solution.result` instead.
+        element fails); with `False` check `Solution.result` instead. A non-finite
+        state ends an adaptive solve there; with fixed steps (`ConstantStepSize`,
+        `StepTo`) and no event the solve runs on to `t1` and reports it in `result`.
     - `progress_meter`: `NoProgressMeter()`, `TextProgressMeter()` or
         `TqdmProgressMeter()`.
     - `solver_state`, `controller_state`, `made_jump`: accepted for diffrax
