@@ -113,9 +113,10 @@ def diffeqsolve(
     - `event`: an optional [`solverkit.Event`][] that terminates the solve.
     - `max_steps`: the most steps to take (a positive int).
     - `throw`: raise on failure (a `RuntimeError` subclass; under `vmap`, if any batch
-        element fails); with `False` check `Solution.result` instead. A non-finite
-        state ends an adaptive solve there; with fixed steps (`ConstantStepSize`,
-        `StepTo`) and no event the solve runs on to `t1` and reports it in `result`.
+        element fails); with `False` check `Solution.result` instead. With fixed
+        steps (`ConstantStepSize`, `StepTo`) a non-finite state is reported as
+        `RESULTS.nonfinite`; without an event the solve still runs on to `t1`. An
+        adaptive controller rejects such steps instead.
     - `progress_meter`: `NoProgressMeter()`, `TextProgressMeter()` or
         `TqdmProgressMeter()`.
     - `solver_state`, `controller_state`, `made_jump`: accepted for diffrax
