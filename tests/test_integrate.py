@@ -737,3 +737,23 @@ def test_stages_in_a_loop_match_unrolled(solver_cls):
     assert_tree_allclose(f_l, f_u, rtol=1e-6, atol=1e-7)
     assert_tree_allclose(err_l, err_u, rtol=1e-5, atol=1e-7)
     assert_tree_allclose(dense_l, dense_u, rtol=1e-6, atol=1e-7)
+
+
+def test_small_reductions_match_numpy():
+    # The error norm and the finiteness check reduce small arrays element by element
+    # (solverkit/_reduce.py); they must agree with the ordinary reductions, batched too.
+    from solverkit._reduce import all_true, sum_all
+
+    rng = np.random.default_rng(0)
+    for shape in [(), (0,), (1,), (2,), (3,), (4,), (2, 3), (8,), (9,), (3, 4)]:
+        x = rng.normal(size=(5,) + shape)
+        np.testing.assert_allclose(
+            jax.vmap(sum_all)(jnp.asarray(x)),
+            x.reshape(5, -1).sum(axis=1),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+        mask = x > -1.0
+        np.testing.assert_array_equal(
+            jax.vmap(all_true)(jnp.asarray(mask)), mask.reshape(5, -1).all(axis=1)
+        )
