@@ -239,8 +239,7 @@ def cond(problem: Problem, carry: Carry) -> Array:
     cheaper.
     """
     going = (carry.t < problem.t1) & (carry.num_steps < problem.max_steps)
-    fixed = isinstance(problem.controller, (ConstantStepSize, StepTo))
-    if fixed and problem.conds is None:
+    if not adaptive(problem) and problem.conds is None:
         return going
     return going & (carry.result == _SUCCESS)
 

@@ -48,7 +48,8 @@ class AbstractRungeKutta(AbstractSolver):
         num_stages = len(tab.c)
         if getattr(terms, "loop_stages", False):
             ks = _stages_in_a_loop(tab, terms, t0, h, y0, args, solver_state)
-            yi = axpy(y0, h, list(zip(tab.a[-1], ks)))
+            if tab.fsal:  # the last stage's argument is the solution
+                yi = axpy(y0, h, list(zip(tab.a[-1], ks)))
         else:
             ks = [solver_state]
             for i in range(1, num_stages):
