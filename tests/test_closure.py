@@ -665,6 +665,86 @@ def test_io_callback_effects():
     assert len(calls) == 2
 
 
+def _equation_keys(jaxpr):
+    return [(e.primitive, tuple(map(id, e.invars)), str(e.params)) for e in jaxpr.eqns]
+
+
+def test_repeated_equations_merged():
+    """`y[0]` written three times is sliced once: the merged jaxpr gives the same
+    values and gradients, and its reverse mode has one pad per slice (the reason for
+    merging, see `_closure._cse`)."""
+    p = jnp.array([1.5, 1.0, 3.0, 1.0])
+
+    def field(y):
+        return jnp.stack(
+            [p[0] * y[0] - p[1] * y[0] * y[1], p[3] * y[0] * y[1] - p[2] * y[1]]
+        )
+
+    y = jnp.array([0.7, 1.3])
+    closed = sk.closure_convert(field, y)
+    keys = _equation_keys(closed.jaxpr)
+    assert len(keys) == len(set(keys))
+    assert len(closed.jaxpr.eqns) < len(jax.make_jaxpr(field)(y).jaxpr.eqns)
+    np.testing.assert_allclose(closed(y), field(y))
+    np.testing.assert_allclose(jax.jacrev(closed)(y), jax.jacrev(field)(y))
+    loss = lambda c, y: jnp.sum(c(y) ** 2)
+    grad_c = jax.grad(loss)(closed, y).consts
+    np.testing.assert_allclose(
+        grad_c[0],
+        jax.grad(
+            lambda q: jnp.sum(
+                jnp.stack(
+                    [q[0] * y[0] - q[1] * y[0] * y[1], q[3] * y[0] * y[1] - q[2] * y[1]]
+                )
+                ** 2
+            )
+        )(p),
+        rtol=1e-6,
+    )
+    pads = str(jax.make_jaxpr(jax.grad(lambda y: jnp.sum(closed(y))))(y)).count(
+        "= pad["
+    )
+    assert pads == 2
+
+
+def test_repeated_equations_merged_inside_jit():
+    field = jax.jit(lambda y: jnp.stack([y[0] * y[1] - y[0], y[0] * y[1]]))
+    y = jnp.array([0.7, 1.3])
+    closed = sk.closure_convert(lambda y: field(y) * field(y), y)
+    (call,) = [e for e in closed.jaxpr.eqns if "jaxpr" in e.params]
+    inner = call.params["jaxpr"].jaxpr
+    keys = _equation_keys(inner)
+    assert len(keys) == len(set(keys))
+    (unmerged,) = jax.make_jaxpr(field)(y).eqns
+    assert len(inner.eqns) < len(unmerged.params["jaxpr"].jaxpr.eqns)
+    np.testing.assert_allclose(closed(y), field(y) ** 2)
+    np.testing.assert_allclose(
+        jax.jacrev(closed)(y), jax.jacrev(lambda y: field(y) ** 2)(y)
+    )
+
+
+def test_repeated_effects_and_random_draws_kept():
+    """Equations with effects are never merged; equal random draws from one key are
+    equal anyway, and draws from split keys stay distinct."""
+    seen = []
+    key = jax.random.key(0)
+
+    def fn(y):
+        jax.debug.callback(lambda v: seen.append(1), y)
+        jax.debug.callback(lambda v: seen.append(1), y)
+        a = jax.random.normal(key, ())
+        b = jax.random.normal(jax.random.split(key)[1], ())
+        return y + a, y + b, y + jax.random.normal(key, ())
+
+    y = jnp.float32(1.0)
+    closed = sk.closure_convert(fn, y)
+    out = closed(y)
+    jax.effects_barrier()
+    assert len(seen) == 2
+    np.testing.assert_allclose(out, fn(y))
+    assert out[0] != out[1] and out[0] == out[2]
+
+
 # --- Calling with wrong arguments ---------------------------------------------------
 
 
