@@ -2,6 +2,7 @@
 
 from ._adjoint import (
     AbstractAdjoint as AbstractAdjoint,
+    adjoint_rms_seminorm as adjoint_rms_seminorm,
     BacksolveAdjoint as BacksolveAdjoint,
     DirectAdjoint as DirectAdjoint,
     RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint,
@@ -17,7 +18,7 @@ from ._controller import (
     PIDController as PIDController,
     StepTo as StepTo,
 )
-from ._event import Event as Event
+from ._event import Event as Event, steady_state_event as steady_state_event
 from ._integrate import diffeqsolve as diffeqsolve
 from ._interpolation import DenseInterpolation as DenseInterpolation
 from ._progress import (
@@ -26,7 +27,7 @@ from ._progress import (
     TextProgressMeter as TextProgressMeter,
     TqdmProgressMeter as TqdmProgressMeter,
 )
-from ._saveat import save_y as save_y, SaveAt as SaveAt
+from ._saveat import save_y as save_y, SaveAt as SaveAt, SubSaveAt as SubSaveAt
 from ._solution import (
     is_event as is_event,
     is_okay as is_okay,
@@ -35,6 +36,8 @@ from ._solution import (
     Solution as Solution,
 )
 from ._solver import (
+    AbstractAdaptiveSolver as AbstractAdaptiveSolver,
+    AbstractERK as AbstractERK,
     AbstractRungeKutta as AbstractRungeKutta,
     AbstractSolver as AbstractSolver,
     Bosh3 as Bosh3,

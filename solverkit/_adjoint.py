@@ -6,6 +6,7 @@ closure-converted vector field, is an explicit operand of every `custom_vjp` and
 """
 
 import abc
+import functools
 import math
 
 import equinox as eqx
@@ -17,11 +18,25 @@ import numpy as np
 
 from . import _loop
 from ._closure import closure_convert
+from ._controller import rms_norm
+from ._errors import UnsupportedError
 from ._loop import Outputs, Problem
 from ._progress import NoProgressMeter
 from ._saveat import save_y
 from ._select import where
 from ._unvmap import unvmap_any, while_loop
+
+
+def _standard_promotion(fn):
+    """Trace `fn` (a backward pass, traced after `diffeqsolve` has returned) with
+    standard dtype promotion, as `diffeqsolve` traces the forward pass."""
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        with jax.numpy_dtype_promotion("standard"):
+            return fn(*args)
+
+    return wrapper
 
 
 def _zeros_cotangent(x):
@@ -63,6 +78,9 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
 
     def loop(self, problem: Problem) -> Outputs:
         carry, bufs = _loop.init(problem)
+        if problem.max_steps is None:
+            carry, bufs = _not_reverse_differentiable(problem, carry, bufs)
+            return _loop.finish(problem, carry, bufs)
         if self.checkpoints is None:
             segment = max(1, math.isqrt(problem.max_steps - 1) + 1)
         else:
@@ -79,6 +97,29 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
                 raise forward_mode_error("RecursiveCheckpointAdjoint", e) from None
             raise
         return _loop.finish(problem, carry, bufs)
+
+
+def _not_reverse_differentiable(problem: Problem, carry, bufs):
+    """`_loop.run_while`, with a clear error for reverse-mode autodiff: with
+    `max_steps=None` there is no bound on the memory checkpoints would need."""
+    dynamic, static = eqx.partition(problem, eqx.is_array)
+
+    @jax.custom_vjp
+    def run(dynamic, carry, bufs):
+        return _loop.run_while(eqx.combine(dynamic, static), (carry, bufs))
+
+    def fwd(dynamic, carry, bufs):
+        return run(dynamic, carry, bufs), None
+
+    def bwd(residuals, cotangents):
+        raise UnsupportedError(
+            "RecursiveCheckpointAdjoint can't differentiate a solve with "
+            "`max_steps=None` in reverse mode (its checkpoints need a bound): pass "
+            "an int `max_steps`, or use BacksolveAdjoint()."
+        )
+
+    run.defvjp(fwd, bwd)
+    return run(dynamic, carry, bufs)
 
 
 def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
@@ -107,14 +148,17 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
             store = jtu.tree_map(
                 lambda s, x: _loop._set_row(s, i // segment, save, x), store, carry
             )
+            before = carry
             carry, bufs = _loop.body(problem, (carry, bufs), active)
             if meter is not None:
-                meter.tick(carry)
+                meter.tick(before, carry)
             return carry, bufs, store, i + active.astype(jnp.int32)
 
         init = (carry, bufs, store, jnp.asarray(0, jnp.int32))
         if _loop.adaptive(problem):
             init = _loop.batch_like(carry.num_steps, init)
+        if meter is not None:
+            meter.start(carry)
         carry, bufs, store, n = while_loop(
             lambda s: _loop.cond(problem, s[0]), body, init
         )
@@ -122,6 +166,7 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
             meter.done(carry)
         return (carry, bufs), (dynamic, store, n, bufs, carry)
 
+    @_standard_promotion
     def bwd(residuals, cotangents):
         dynamic, store, n, bufs, final = residuals
         ct_carry, ct_bufs = cotangents
@@ -228,6 +273,14 @@ class DirectAdjoint(AbstractAdjoint):
     buffers included). Prefer `RecursiveCheckpointAdjoint` for reverse mode.
     """
 
+    def check(self, problem: Problem) -> None:
+        if problem.max_steps is None:
+            raise UnsupportedError(
+                "DirectAdjoint needs an int `max_steps` (it loops over a bounded "
+                "number of steps): pass an int `max_steps`, or use "
+                "BacksolveAdjoint() for an unbounded solve."
+            )
+
     def loop(self, problem: Problem) -> Outputs:
         carry, bufs = _loop.init(problem)
         block = max(1, math.isqrt(problem.max_steps - 1) + 1)
@@ -285,6 +338,30 @@ def _augmented(tau, state, aux):
     return fy, neg(g_y), neg(g_theta)
 
 
+def adjoint_rms_seminorm(x) -> jax.Array:
+    """A norm for the step-size controller of [`solverkit.BacksolveAdjoint`][] that
+    measures only the state and its adjoint, not the parameter cotangents being
+    accumulated: the backward solve then takes fewer steps (Kidger, Chen and Lyons,
+    "Hey, that's not an ODE", ICML 2021). Use as `BacksolveAdjoint(
+    stepsize_controller=PIDController(..., norm=adjoint_rms_seminorm))`.
+
+    **Arguments:**
+
+    - `x`: the augmented state `(y, a, parameter cotangents...)`.
+
+    **Returns:**
+
+    The RMS norm of `(y, a)`.
+    """
+    if not isinstance(x, tuple) or len(x) < 3:
+        raise ValueError(
+            "adjoint_rms_seminorm is a norm for the adjoint system of "
+            "BacksolveAdjoint (a tuple (y, a, parameter cotangents)); got "
+            f"{jtu.tree_structure(x)}."
+        )
+    return rms_norm((x[0], x[1]))
+
+
 def _dot(a, b):
     leaves = [
         jnp.sum((x * y).real).astype(jnp.result_type(float))
@@ -315,16 +392,19 @@ class BacksolveAdjoint(AbstractAdjoint):
 
     def check(self, problem: Problem) -> None:
         unsupported = []
+        if len(problem.saves) != 1:
+            unsupported.append("SaveAt(subs=...) with several SubSaveAts")
         if problem.every:
             unsupported.append("SaveAt(steps=...)")
         if problem.dense:
             unsupported.append("SaveAt(dense=True)")
         if problem.conds is not None:
             unsupported.append("events")
-        if problem.save_fn.jaxpr is not _identity_jaxpr(problem, save_y):
+        identity = _identity_jaxpr(problem, save_y)
+        if any(save.fn.jaxpr is not identity for save in problem.saves):
             unsupported.append("SaveAt(fn=...)")
         if unsupported:
-            raise ValueError(
+            raise UnsupportedError(
                 "BacksolveAdjoint does not support "
                 + ", ".join(unsupported)
                 + "; use RecursiveCheckpointAdjoint() instead."
@@ -348,6 +428,7 @@ class BacksolveAdjoint(AbstractAdjoint):
             out = forward(dynamic)
             return out, (dynamic, out)
 
+        @_standard_promotion
         def bwd(residuals, ct_out):
             dynamic, out = residuals
             problem = eqx.combine(dynamic, static)
@@ -372,7 +453,6 @@ class BacksolveAdjoint(AbstractAdjoint):
         )
         neg_ta = -ta
         closure = closure_convert(_augmented, neg_ta, state, aux)
-        identity = closure_convert(lambda t, y, args: y, neg_ta, state, aux)
         # The adjoint system's vector field (a field and its vjp) is large. For a
         # small augmented state its Runge-Kutta stages run in a loop, which compiles
         # faster and runs as fast (measured: LV, 8 numbers per trajectory); for a
@@ -388,11 +468,8 @@ class BacksolveAdjoint(AbstractAdjoint):
             t0=neg_ta,
             t1=-tb,
             dt0=problem.dt0,
-            save_ts=None,
-            save_fn=identity,
-            save_t0=False,
-            save_t1=False,
-            every=0,
+            saves=(),
+            save_tree=jtu.tree_structure(None),
             dense=False,
             conds=None,
             event_direction=None,
@@ -416,20 +493,21 @@ class BacksolveAdjoint(AbstractAdjoint):
         aux = (problem.term, problem.args)
         theta, _ = eqx.partition(aux, eqx.is_inexact_array)
         g = lambda tau, y: problem.term.vf(tau, y, problem.args)
-        rows_t0 = 1 if problem.save_t0 else 0
-        num_ts = 0 if problem.save_ts is None else problem.save_ts.shape[0]
+        (save,) = problem.saves
+        rows_t0 = 1 if save.t0 else 0
+        num_ts = 0 if save.ts is None else save.ts.shape[0]
         take = lambda tree, i: jtu.tree_map(lambda x: x[i], tree)
         zeros_y = jtu.tree_map(jnp.zeros_like, problem.y0)
-        ct_y1 = take(ct_ys, rows_t0 + num_ts) if problem.save_t1 else zeros_y
+        ct_y1 = take(ct_ys, rows_t0 + num_ts) if save.t1 else zeros_y
         T = out.t_end
-        ct_T = _dot(ct_y1, g(T, out.y_end)) if problem.save_t1 else jnp.zeros_like(T)
+        ct_T = _dot(ct_y1, g(T, out.y_end)) if save.t1 else jnp.zeros_like(T)
         a = ct_y1
         theta_bar = jtu.tree_map(jnp.zeros_like, theta)
         y = out.y_end
         t_cur = T
         ct_ts = None
         if num_ts:
-            ts = problem.save_ts
+            ts = save.ts
 
             def segment(k, state):
                 i = num_ts - 1 - k
@@ -450,7 +528,7 @@ class BacksolveAdjoint(AbstractAdjoint):
             problem, aux, (y, a, theta_bar), t_cur, problem.t0
         )
         ct_t0 = -_dot(a, g(problem.t0, problem.y0))
-        if problem.save_t0:
+        if save.t0:
             a = jtu.tree_map(jnp.add, a, take(ct_ys, 0))
         dynamic, _ = eqx.partition(problem, eqx.is_array)
         ct = jtu.tree_map(_zeros_cotangent, dynamic)
@@ -467,7 +545,7 @@ class BacksolveAdjoint(AbstractAdjoint):
         )
         ct = _replace_subtrees(ct, ct_aux)
         if ct_ts is not None:
-            ct = eqx.tree_at(lambda p: p.save_ts, ct, ct_ts)
+            ct = eqx.tree_at(lambda p: p.saves[0].ts, ct, ct_ts)
         return ct
 
 

@@ -374,6 +374,11 @@ class Closure(eqx.Module):
                 )
             flat.append(leaf)
         out = _eval_jaxpr(program.jaxpr, self.consts, *flat)
+        # A constant output comes back as a Python scalar: make it an array.
+        out = [
+            o if isinstance(o, jax.Array) else jnp.asarray(o, dtype=s.dtype)
+            for o, s in zip(out, jtu.tree_leaves(program.out_struct))
+        ]
         return jtu.tree_unflatten(program.out_tree, out)
 
 

@@ -15,6 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._errors import BadInputError
 from ._reduce import sum_all
 from ._select import where
 from ._solution import RESULTS
@@ -22,8 +23,8 @@ from ._solution import RESULTS
 
 def rms_norm(x: PyTree) -> Array:
     """Root mean square of every element of every leaf (complex: of the modulus)."""
-    leaves = [jnp.abs(leaf) for leaf in jtu.tree_leaves(x)]
-    if not leaves:
+    leaves = [jnp.abs(leaf) for leaf in jtu.tree_leaves(x) if jnp.size(leaf)]
+    if not leaves:  # nothing to measure (an empty state): no error
         return jnp.asarray(0.0)
     size = sum(leaf.size for leaf in leaves)
     total = sum(
@@ -125,7 +126,7 @@ class StepTo(AbstractStepSizeController):
             return
         d = np.diff(ts)
         if not (np.all(d > 0) or np.all(d < 0)):
-            raise ValueError("StepTo(ts): `ts` must be strictly monotonic.")
+            raise BadInputError("StepTo(ts): `ts` must be strictly monotonic.")
 
 
 def _initial_step(func, t0, y0, args, error_order, rtol, atol, norm):

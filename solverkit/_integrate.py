@@ -1,9 +1,11 @@
 """`diffeqsolve`: check the inputs, convert the vector field, hand over to the adjoint,
 build the `Solution`."""
 
+import warnings
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -17,11 +19,12 @@ from ._adjoint import (
 )
 from ._closure import Closure, closure_convert
 from ._controller import AbstractStepSizeController, ConstantStepSize, StepTo
-from ._event import Event
+from ._errors import BadInputError
+from ._event import Event, with_context
 from ._interpolation import DenseInterpolation
-from ._loop import Problem, VectorField
+from ._loop import Problem, Save, VectorField
 from ._progress import AbstractProgressMeter, NoProgressMeter
-from ._saveat import SaveAt
+from ._saveat import is_sub, SaveAt
 from ._select import where
 from ._solution import Result, RESULTS, Solution
 from ._solver import AbstractSolver
@@ -70,6 +73,26 @@ def _check_output(closure: Closure, y0, what: str) -> None:
             )
 
 
+def _save_times(ts, dtype, c0, c1, sign):
+    """`SubSaveAt.ts` in internal time, checked against `[t0, t1]` where known."""
+    if ts is None:
+        return None
+    ts = jnp.asarray(ts, dtype)
+    cts = _concrete(ts)
+    if cts is not None and c0 is not None and c1 is not None and cts.size:
+        lo, hi = min(c0, c1), max(c0, c1)
+        if cts.min() < lo or cts.max() > hi:
+            raise BadInputError(
+                f"SaveAt(ts=...) must lie within [t0, t1] = [{c0}, {c1}]; got "
+                f"times from {cts.min()} to {cts.max()}."
+            )
+        if cts.size > 1 and np.any(np.diff(cts) * (c1 - c0) < 0):
+            raise BadInputError(
+                "SaveAt(ts=...) must run in the direction from t0 to t1."
+            )
+    return sign(ts)
+
+
 def diffeqsolve(
     terms: ODETerm,
     solver: AbstractSolver,
@@ -111,7 +134,9 @@ def diffeqsolve(
     - `adjoint`: how to differentiate: `RecursiveCheckpointAdjoint()` (default),
         `BacksolveAdjoint()` or `DirectAdjoint()`.
     - `event`: an optional [`solverkit.Event`][] that terminates the solve.
-    - `max_steps`: the most steps to take (a positive int).
+    - `max_steps`: the most steps to take (a positive int), or `None` for no bound
+        (not with `SaveAt(steps=...)` or `SaveAt(dense=True)`, nor for reverse mode
+        through `RecursiveCheckpointAdjoint`).
     - `throw`: raise on failure (a `RuntimeError` subclass; under `vmap`, if any batch
         element fails); with `False` check `Solution.result` instead. With fixed
         steps (`ConstantStepSize`, `StepTo`) a non-finite state is reported as
@@ -141,16 +166,20 @@ def diffeqsolve(
         )
     if not isinstance(adjoint, AbstractAdjoint):
         raise TypeError(f"`adjoint` must be a solverkit adjoint, got {adjoint!r}.")
-    if (
+    if max_steps is not None and (
         isinstance(max_steps, bool)
         or not isinstance(max_steps, (int, np.integer))
         or max_steps < 1
     ):
-        raise ValueError(f"`max_steps` must be a positive integer, got {max_steps!r}.")
+        raise ValueError(
+            f"`max_steps` must be a positive integer or None, got {max_steps!r}."
+        )
+    if made_jump is False:
+        made_jump = None  # no jump: the default
     if any(x is not None for x in (solver_state, controller_state, made_jump)):
         raise ValueError(
             "solverkit does not resume from `solver_state`, `controller_state` or "
-            "`made_jump`: pass None."
+            "`made_jump`: pass None (or `made_jump=False`)."
         )
     stepsize_controller.check(solver, dt0)
 
@@ -161,7 +190,8 @@ def diffeqsolve(
             raise ValueError(
                 f"`{name}` must be a scalar, got shape {jnp.shape(value)}."
             )
-    dtype = jnp.result_type(*time_inputs, float)
+    with jax.numpy_dtype_promotion("standard"):
+        dtype = jnp.result_type(*time_inputs, float)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"Times must be real, got dtype {dtype}.")
     t0 = jnp.asarray(t0, dtype)
@@ -182,42 +212,72 @@ def diffeqsolve(
     sign = (lambda x: x) if direction is None else (lambda x: direction * x)
 
     y0 = _as_state(y0)
+    if any(jnp.iscomplexobj(y) for y in jtu.tree_leaves(y0)):
+        warnings.warn(
+            "Complex dtype in `y0`: solverkit integrates complex states; adaptive "
+            "steps measure the modulus of the error, and autodiff follows JAX's "
+            "conventions for complex numbers.",
+            UserWarning,
+            stacklevel=2,
+        )
     closure = closure_convert(terms.vector_field, t0, y0, args)
     _check_output(closure, y0, "vector field")
 
-    save_ts = None
-    if saveat.ts is not None:
-        ts = jnp.asarray(saveat.ts, dtype)
-        cts = _concrete(ts)
-        if cts is not None and c0 is not None and c1 is not None and cts.size:
-            lo, hi = min(c0, c1), max(c0, c1)
-            if cts.min() < lo or cts.max() > hi:
-                raise ValueError(
-                    f"SaveAt(ts=...) must lie within [t0, t1] = [{c0}, {c1}]; got "
-                    f"times from {cts.min()} to {cts.max()}."
-                )
-            if cts.size > 1 and np.any(np.diff(cts) * (c1 - c0) < 0):
-                raise ValueError(
-                    "SaveAt(ts=...) must run in the direction from t0 to t1."
-                )
-        save_ts = sign(ts)
+    subs, save_tree = jtu.tree_flatten(saveat.subs, is_leaf=is_sub)
+    saves = tuple(
+        Save(
+            ts=_save_times(sub.ts, dtype, c0, c1, sign),
+            fn=closure_convert(sub.fn, t0, y0, args),
+            t0=bool(sub.t0),
+            t1=bool(sub.t1),
+            every=sub.every,
+        )
+        for sub in subs
+    )
+    if max_steps is None and (saveat.dense or any(s.every for s in saves)):
+        raise ValueError(
+            "`max_steps=None` can't be used with SaveAt(steps=...) or "
+            "SaveAt(dense=True), whose buffers have `max_steps` rows: pass an int."
+        )
     if isinstance(stepsize_controller, StepTo):
         cts = _concrete(stepsize_controller.ts)
         if cts is not None and c0 is not None and c1 is not None:
             if cts[0] != c0 or cts[-1] != c1:
-                raise ValueError("StepTo(ts): `ts` must start at t0 and end at t1.")
-    save_fn = closure_convert(saveat.fn, t0, y0, args)
+                raise BadInputError("StepTo(ts): `ts` must start at t0 and end at t1.")
 
     conds = None
     if event is not None:
         if not isinstance(event, Event):
             raise TypeError(f"`event` must be an Event, got {type(event).__name__}.")
-        conds = jtu.tree_map(lambda f: closure_convert(f, t0, y0, args), event.cond_fn)
+        context = dict(
+            terms=terms,
+            solver=solver,
+            t0=t0,
+            t1=t1,
+            dt0=dt0,
+            saveat=saveat,
+            stepsize_controller=stepsize_controller,
+            max_steps=max_steps,
+        )
+        conds = jtu.tree_map(
+            lambda f: closure_convert(with_context(f, **context), t0, y0, args),
+            event.cond_fn,
+            is_leaf=callable,
+        )
         for c in jtu.tree_leaves(conds, is_leaf=lambda x: isinstance(x, Closure)):
-            if jnp.shape(c.out_struct) != ():
+            out = c.out_struct
+            if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
                 raise ValueError(
                     "An Event's cond_fn must return a scalar (boolean or real), got "
-                    f"shape {jnp.shape(c.out_struct)}."
+                    f"{out}."
+                )
+            if not (
+                jnp.issubdtype(out.dtype, jnp.bool_)
+                or jnp.issubdtype(out.dtype, jnp.floating)
+            ):
+                raise ValueError(
+                    "An Event's cond_fn must return a boolean or a float, got "
+                    f"{out.dtype}."
                 )
     dt0_internal = None if dt0 is None else sign(jnp.asarray(dt0, dtype))
     problem = Problem(
@@ -229,23 +289,24 @@ def diffeqsolve(
         t0=sign(t0),
         t1=sign(t1),
         dt0=dt0_internal,
-        save_ts=save_ts,
-        save_fn=save_fn,
-        save_t0=saveat.t0,
-        save_t1=saveat.t1,
-        every=saveat.every,
+        saves=saves,
+        save_tree=save_tree,
         dense=saveat.dense,
         conds=conds,
-        event_direction=None if event is None else event.direction,
+        event_direction=None if event is None else tuple(event.directions()),
         root_finder=None if event is None else event.root_finder,
-        max_steps=int(max_steps),
+        max_steps=None if max_steps is None else int(max_steps),
         meter=progress_meter,
     )
     adjoint.check(problem)
     try:
-        return _solve(
-            problem, adjoint, throw, saveat.solver_state, saveat.controller_state
-        )
+        keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
+        # The engine mixes dtypes on purpose (float64 times with float32 states,
+        # complex states with real tolerances) and casts where it must, so it is
+        # traced with standard promotion whatever the user's setting; the user's own
+        # functions were traced (converted) above, under theirs.
+        with jax.numpy_dtype_promotion("standard"):
+            return _solve(problem, adjoint, throw, keep)
     except TypeError as e:
         if is_forward_mode_error(e):
             raise forward_mode_error(type(adjoint).__name__, e) from None
@@ -256,7 +317,8 @@ _MESSAGES = [r.message() or "successful" for r in RESULTS]
 
 
 @eqx.filter_jit
-def _solve(problem: Problem, adjoint, throw, keep_solver_state, keep_controller_state):
+def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
+    keep_solver_state, keep_controller_state, keep_made_jump = keep
     out = adjoint.loop(problem)
     term = problem.term
     direction = term.direction
@@ -297,12 +359,12 @@ def _solve(problem: Problem, adjoint, throw, keep_solver_state, keep_controller_
     return Solution(
         t0=term.to_user(problem.t0),
         t1=term.to_user(t_end),
-        ts=None if ts is None else user(ts),
+        ts=jtu.tree_map(user, ts),
         ys=ys,
         stats=stats,
         result=Result(result),
         event_mask=carry.event_mask,
-        made_jump=None,
+        made_jump=False if keep_made_jump else None,  # no jumps in an ODE
         solver_state=carry.solver_state if keep_solver_state else None,
         controller_state=carry.controller_state if keep_controller_state else None,
         interpolation=interpolation,

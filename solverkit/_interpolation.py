@@ -40,14 +40,16 @@ class DenseInterpolation(eqx.Module):
 
     def evaluate(self, t0, t1=None) -> PyTree:
         """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""
-        if t1 is not None:
-            return jtu.tree_map(
-                lambda a, b: a - b, self._evaluate(t1), self._evaluate(t0)
-            )
-        return self._evaluate(t0)
+        with jax.numpy_dtype_promotion("standard"):  # see `diffeqsolve`
+            if t1 is not None:
+                return jtu.tree_map(
+                    lambda a, b: a - b, self._evaluate(t1), self._evaluate(t0)
+                )
+            return self._evaluate(t0)
 
     def derivative(self, t) -> PyTree:
         """`dy/dt` at `t`."""
-        t = jnp.asarray(t, self.ts.dtype)
-        _, dy = jax.jvp(self._evaluate, (t,), (jnp.ones_like(t),))
-        return dy
+        with jax.numpy_dtype_promotion("standard"):
+            t = jnp.asarray(t, self.ts.dtype)
+            _, dy = jax.jvp(self._evaluate, (t,), (jnp.ones_like(t),))
+            return dy

@@ -22,7 +22,7 @@ from ._reduce import all_true, and_all, or_all
 from ._select import where
 from ._solution import RESULTS
 from ._solver import AbstractSolver
-from ._unvmap import while_loop
+from ._unvmap import unvmap_max, while_loop
 
 
 _SUCCESS = int(RESULTS.successful.code)
@@ -61,21 +61,49 @@ class Problem(eqx.Module):
     t0: Array  # internal time
     t1: Array  # internal time
     dt0: Array | None  # internal time (positive)
-    save_ts: Array | None  # internal times
-    save_fn: Closure
-    save_t0: bool = eqx.field(static=True)
-    save_t1: bool = eqx.field(static=True)
-    every: int = eqx.field(static=True)
+    saves: tuple["Save", ...]  # one per SubSaveAt
+    save_tree: Any = eqx.field(static=True)  # the SubSaveAt pytree's structure
     dense: bool = eqx.field(static=True)
     conds: PyTree | None  # pytree of Closures (t, y, args) -> value, or None
-    event_direction: bool | None = eqx.field(static=True)
+    event_direction: tuple | None = eqx.field(static=True)  # one per condition
     root_finder: Any
-    max_steps: int = eqx.field(static=True)
+    max_steps: int | None = eqx.field(static=True)
     meter: AbstractProgressMeter
 
     @property
     def error_order(self):
         return self.solver.error_order(self.term)
+
+    @property
+    def every(self) -> bool:
+        """Whether any output is saved at steps."""
+        return any(save.every for save in self.saves)
+
+
+class Save(eqx.Module):
+    """One `SubSaveAt`, in internal time, with its `fn` converted.
+
+    Its rows are laid out as diffrax lays them out: `t0`, then the `ts` and step
+    saves in time order, then `t1` (unless the last step save is the final point),
+    then `inf` padding.
+    """
+
+    ts: Array | None  # internal times
+    fn: Closure
+    t0: bool = eqx.field(static=True)
+    t1: bool = eqx.field(static=True)
+    every: int = eqx.field(static=True)
+
+    def step_rows(self, max_steps: int) -> int:
+        return max_steps // self.every if self.every else 0
+
+    def t1_row(self, max_steps: int) -> bool:
+        """Whether `t1` needs a row of its own (else it may take a free step row)."""
+        return self.t1 and (self.every == 0 or max_steps % self.every != 0)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.t0 or self.t1 or self.every) and self.ts is None
 
 
 class Carry(NamedTuple):
@@ -121,20 +149,29 @@ def _eval_conds(problem: Problem, tau, y):
 
 
 def _fired(problem: Problem, before, after) -> PyTree:
-    def leaf(b, a):
+    """Which conditions fired over a step: a boolean one when it is true, a real one
+    when its sign changes (in its direction), as diffrax decides."""
+
+    def leaf(b, a, direction):
         if jnp.issubdtype(a.dtype, jnp.bool_):
             return a
-        up = (b < 0) & (a >= 0)
-        down = (b > 0) & (a <= 0)
-        if problem.event_direction is None:
-            return up | down
-        return up if problem.event_direction else down
+        sb, sa = jnp.sign(b), jnp.sign(a)
+        if direction is None:
+            return sb != sa
+        if direction:
+            return (sb <= 0) & (sa > 0)
+        return (sb > 0) & (sa <= 0)
 
-    return jtu.tree_map(leaf, before, after)
+    leaves, tree = jtu.tree_flatten(after)
+    fired = [
+        leaf(b, a, d)
+        for b, a, d in zip(jtu.tree_leaves(before), leaves, problem.event_direction)
+    ]
+    return jtu.tree_unflatten(tree, fired)
 
 
-def _save_value(problem: Problem, tau, y):
-    return problem.save_fn(problem.term.to_user(tau), y, problem.args)
+def _save_value(problem: Problem, save: Save, tau, y):
+    return save.fn(problem.term.to_user(tau), y, problem.args)
 
 
 def _inf_like(struct, lead: tuple[int, ...]):
@@ -210,14 +247,17 @@ def init(problem: Problem) -> tuple[Carry, dict]:
     )
     if adaptive(problem):
         carry = batch_like(problem, carry)
-    out_struct = problem.save_fn.out_struct
-    bufs = {}
-    if problem.save_ts is not None:
-        bufs["ts_ys"] = _inf_like(out_struct, (problem.save_ts.shape[0],))
-    if problem.every:
-        rows = problem.max_steps // problem.every
-        bufs["steps_ts"] = jnp.full((rows,), jnp.inf, t0.dtype)
-        bufs["steps_ys"] = _inf_like(out_struct, (rows,))
+    bufs: dict = {"saves": []}
+    for save in problem.saves:
+        out_struct = save.fn.out_struct
+        buf = {}
+        if save.ts is not None:
+            buf["ts_ys"] = _inf_like(out_struct, (save.ts.shape[0],))
+        if save.every:
+            rows = save.step_rows(problem.max_steps)
+            buf["steps_ts"] = jnp.full((rows,), jnp.inf, t0.dtype)
+            buf["steps_ys"] = _inf_like(out_struct, (rows,))
+        bufs["saves"].append(buf)
     if problem.dense:
         _, _, info, _, _ = eqx.filter_eval_shape(
             solver.step, term, t0, problem.t1, y0, args, fstate
@@ -238,7 +278,9 @@ def cond(problem: Problem, carry: Carry) -> Array:
     `vmap` the time and the step counters stay unbatched, which makes each step
     cheaper.
     """
-    going = (carry.t < problem.t1) & (carry.num_steps < problem.max_steps)
+    going = carry.t < problem.t1
+    if problem.max_steps is not None:
+        going = going & (carry.num_steps < problem.max_steps)
     if not adaptive(problem) and problem.conds is None:
         return going
     return going & (carry.result == _SUCCESS)
@@ -325,33 +367,12 @@ def write(
     `differentiable=True` (for reverse-mode autodiff of one step) every row is
     computed and masked instead, which costs `len(ts)` interpolations.
     """
-    keep, t0, t1, info = out["keep"], out["t0"], out["t1"], out["info"]
+    keep, t1, info = out["keep"], out["t1"], out["info"]
     bufs = dict(bufs)
-    if problem.save_ts is not None:
-        ts = problem.save_ts
-
-        def at(tau):
-            y = problem.solver.interpolate(info, t0, t1, tau)
-            return _save_value(problem, tau, y)
-
-        if differentiable:
-            rows = keep & (ts > t0) & (ts <= t1)
-            values = jax.vmap(at)(ts)
-            bufs["ts_ys"] = jtu.tree_map(
-                lambda v, b: _mask_rows(rows, v, b), values, bufs["ts_ys"]
-            )
-        else:
-            bufs["ts_ys"] = _write_rows(ts, t0, t1, keep, at, bufs["ts_ys"])
-    if problem.every:
-        n = problem.every
-        k = carry.num_accepted  # after this step
-        save = keep & (k % n == 0)
-        row = jnp.maximum(k // n - 1, 0)
-        value = _save_value(problem, t1, out["y1"])
-        bufs["steps_ts"] = _set_row(bufs["steps_ts"], row, save, t1)
-        bufs["steps_ys"] = jtu.tree_map(
-            lambda b, v: _set_row(b, row, save, v), bufs["steps_ys"], value
-        )
+    bufs["saves"] = [
+        _write_save(problem, save, carry, out, buf, differentiable)
+        for save, buf in zip(problem.saves, bufs["saves"])
+    ]
     if problem.dense:
         row = jnp.maximum(carry.num_accepted - 1, 0)
         bufs["dense_ts"] = _set_row(bufs["dense_ts"], row + 1, keep, t1)
@@ -359,6 +380,39 @@ def write(
             lambda b, v: _set_row(b, row, keep, v), bufs["dense_info"], info
         )
     return bufs
+
+
+def _write_save(
+    problem, save: Save, carry: Carry, out: dict, buf: dict, differentiable
+):
+    keep, t0, t1, info = out["keep"], out["t0"], out["t1"], out["info"]
+    buf = dict(buf)
+    if save.ts is not None:
+        ts = save.ts
+
+        def at(tau):
+            y = problem.solver.interpolate(info, t0, t1, tau)
+            return _save_value(problem, save, tau, y)
+
+        if differentiable:
+            rows = keep & (ts > t0) & (ts <= t1)
+            values = jax.vmap(at)(ts)
+            buf["ts_ys"] = jtu.tree_map(
+                lambda v, b: _mask_rows(rows, v, b), values, buf["ts_ys"]
+            )
+        else:
+            buf["ts_ys"] = _write_rows(ts, t0, t1, keep, at, buf["ts_ys"])
+    if save.every:
+        n = save.every
+        k = carry.num_accepted  # after this step
+        hit = keep & (k % n == 0)
+        row = jnp.maximum(k // n - 1, 0)
+        value = _save_value(problem, save, t1, out["y1"])
+        buf["steps_ts"] = _set_row(buf["steps_ts"], row, hit, t1)
+        buf["steps_ys"] = jtu.tree_map(
+            lambda b, v: _set_row(b, row, hit, v), buf["steps_ys"], value
+        )
+    return buf
 
 
 def _write_rows(ts, t0, t1, keep, at, buf):
@@ -403,7 +457,8 @@ def body(
 class Progress(NamedTuple):
     """Host callbacks that drive the progress meter from the forward loop only."""
 
-    tick: Any  # carry -> None
+    start: Any  # carry -> None
+    tick: Any  # (carry before, carry after) -> None
     done: Any  # carry -> None
 
 
@@ -414,13 +469,19 @@ def progress(problem: Problem) -> Progress | None:
         return None
     span = problem.t1 - problem.t0
     span = where(span == 0, 1, span)
-    every = meter.refresh_steps  # pyright: ignore
 
-    def tick(carry):
-        fraction = (carry.t - problem.t0) / span
+    def fraction(carry):
+        # The slowest batch element, unbatched.
+        return -unvmap_max(-(carry.t - problem.t0) / span)
+
+    def start(carry):
+        meter.callback(token, jnp.minimum(fraction(carry), 0))
+
+    def tick(before, after):
+        f = fraction(after)
         lax.cond(
-            carry.num_steps % every == 0,
-            lambda: meter.callback(token, fraction),
+            meter.wants(unvmap_max(after.num_steps), fraction(before), f) & (f < 1),
+            lambda: meter.callback(token, f),
             lambda: None,
         )
 
@@ -428,7 +489,7 @@ def progress(problem: Problem) -> Progress | None:
         # Depends on the final carry, so the host sees it after every tick.
         meter.callback(token, jnp.maximum(carry.t - carry.t, 0) + 1)
 
-    return Progress(tick, done)
+    return Progress(start, tick, done)
 
 
 def run_while(problem: Problem, state):
@@ -436,11 +497,13 @@ def run_while(problem: Problem, state):
     meter = progress(problem)
 
     def loop_body(state, active):
-        state = body(problem, state, active)
+        new = body(problem, state, active)
         if meter is not None:
-            meter.tick(state[0])
-        return state
+            meter.tick(state[0], new[0])
+        return new
 
+    if meter is not None:
+        meter.start(state[0])
     state = while_loop(lambda s: cond(problem, s[0]), loop_body, state)
     if meter is not None:
         meter.done(state[0])
@@ -530,41 +593,79 @@ def finish(problem: Problem, carry: Carry, bufs: dict) -> Outputs:
     t_end, y_end = carry.t, carry.y
     if problem.conds is not None:
         t_end, y_end = locate_event(problem, carry._replace(result=result))
-    pieces_t, pieces_y = [], []
-
-    def one(tau, y):
-        value = _save_value(problem, tau, y)
-        return tau[None], jtu.tree_map(lambda v: v[None], value)
-
-    if problem.save_t0:
-        t, y = one(problem.t0, problem.y0)
-        pieces_t.append(t)
-        pieces_y.append(y)
-    if problem.save_ts is not None:
-        ts = problem.save_ts
-        at_start = ts <= problem.t0
-        start_value = jax.vmap(lambda tau: _save_value(problem, tau, problem.y0))(ts)
-        reached = ts <= t_end
-        ys = jtu.tree_map(
-            lambda s, b: _mask_rows(at_start, s, _mask_rows(reached, b, jnp.inf)),
-            start_value,
-            bufs["ts_ys"],
-        )
-        pieces_t.append(where(reached | at_start, ts, jnp.inf))
-        pieces_y.append(ys)
-    if problem.every:
-        pieces_t.append(bufs["steps_ts"])
-        pieces_y.append(bufs["steps_ys"])
-    if problem.save_t1:
-        t, y = one(t_end, y_end)
-        pieces_t.append(t)
-        pieces_y.append(y)
-    if pieces_t:
-        ts = jnp.concatenate(pieces_t)
-        ys = jtu.tree_map(lambda *p: jnp.concatenate(p), *pieces_y)
-    else:
-        ts = ys = None
+    outs = [
+        _finish_save(problem, save, buf, carry, t_end, y_end)
+        for save, buf in zip(problem.saves, bufs["saves"])
+    ]
+    ts = jtu.tree_unflatten(problem.save_tree, [o[0] for o in outs])
+    ys = jtu.tree_unflatten(problem.save_tree, [o[1] for o in outs])
     return Outputs(t_end, y_end, ts, ys, carry, bufs, result)
+
+
+def _finish_save(problem: Problem, save: Save, buf: dict, carry: Carry, t_end, y_end):
+    """The rows of one `Save` (see its docstring), or `(None, None)`."""
+    if save.empty:
+        return None, None
+    t_dtype = problem.t0.dtype
+    struct = save.fn.out_struct
+    times = [jnp.zeros((0,), t_dtype)]
+    values = [_inf_like(struct, (0,))]
+    if save.ts is not None:
+        ts = save.ts
+        at_start = ts <= problem.t0
+        start = jax.vmap(lambda tau: _save_value(problem, save, tau, problem.y0))(ts)
+        # Rows past the end: not reached, or past a located event.
+        written = ts <= t_end
+        times.append(where(written | at_start, ts, jnp.inf))
+        values.append(
+            jtu.tree_map(
+                lambda s, b: _mask_rows(at_start, s, _mask_rows(written, b, jnp.inf)),
+                start,
+                buf["ts_ys"],
+            )
+        )
+    if save.every:
+        valid = buf["steps_ts"] <= t_end
+        times.append(where(valid, buf["steps_ts"], jnp.inf))
+        values.append(
+            jtu.tree_map(lambda b: _mask_rows(valid, b, jnp.inf), buf["steps_ys"])
+        )
+    ts = jnp.concatenate(times)
+    ys = jtu.tree_map(lambda *p: jnp.concatenate(p), *values)
+    if save.ts is not None and save.every:  # interleave, in time order
+        order = jnp.argsort(ts, stable=True)
+        ts = ts[order]
+        ys = jtu.tree_map(lambda v: v[order], ys)
+    if save.t1 or save.every:
+        # The final point goes after the last row: for `t1`, unless the last step
+        # save is the final point already; and always where a located event
+        # removed that step save.
+        if save.every == 0:
+            by_steps = jnp.asarray(False)
+        elif save.every == 1:
+            by_steps = carry.num_accepted > 0
+        else:
+            by_steps = (carry.num_accepted % save.every == 0) & (carry.num_accepted > 0)
+        removed = by_steps & (carry.t > t_end)
+        put = removed | (save.t1 & ~by_steps)
+        if save.t1_row(problem.max_steps):
+            ts = jnp.concatenate([ts, jnp.full((1,), jnp.inf, t_dtype)])
+            ys = jtu.tree_map(
+                lambda v: jnp.concatenate(
+                    [v, _inf_like(jax.ShapeDtypeStruct(v.shape[1:], v.dtype), (1,))]
+                ),
+                ys,
+            )
+        if ts.shape[0]:
+            index = jnp.minimum(jnp.sum(jnp.isfinite(ts)), ts.shape[0] - 1)
+            value = _save_value(problem, save, t_end, y_end)
+            ts = _set_row(ts, index, put, t_end)
+            ys = jtu.tree_map(lambda b, v: _set_row(b, index, put, v), ys, value)
+    if save.t0:
+        value = _save_value(problem, save, problem.t0, problem.y0)
+        ts = jnp.concatenate([problem.t0[None], ts])
+        ys = jtu.tree_map(lambda v, b: jnp.concatenate([v[None], b]), value, ys)
+    return ts, ys
 
 
 def _mask_rows(rows, v, other):

@@ -6,6 +6,7 @@ import threading
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._unvmap import unvmap_max
@@ -35,8 +36,6 @@ class NoProgressMeter(AbstractProgressMeter):
 
 
 class _HostMeter(AbstractProgressMeter):
-    refresh_steps: int = eqx.field(default=10, static=True)
-
     def start(self):
         return next(_ids)
 
@@ -45,40 +44,61 @@ class _HostMeter(AbstractProgressMeter):
         fraction = -unvmap_max(-fraction)
         jax.debug.callback(lambda f: self._update(token, f), fraction)
 
+    def wants(self, num_steps, before, after):
+        """Whether to refresh after a step (unbatched; `before`/`after` are the
+        slowest element's fractions before and after it)."""
+        raise NotImplementedError
+
     def _update(self, token, fraction):
         value = float(np.min(np.asarray(fraction)))
         with _lock:
             bar = _open.get(token)
-            if bar is None and value >= 1.0:
-                return  # this bar was already completed by the last step
             if bar is None:
                 bar = self._open()
                 _open[token] = bar
-            self._show(bar, value)
+                if value <= 0.0:
+                    return  # opening the bar shows the start
             if value >= 1.0:
                 self._close(bar)
                 del _open[token]
+            else:
+                self._show(bar, value)
 
 
 class TextProgressMeter(_HostMeter):
-    """Prints the progress as a percentage, every 10%.
+    """Prints the progress as a percentage: `0.00%` at the start, a line each time
+    it has grown by another `minimum_increase`, and `100.00%` at the end.
 
     **Arguments:**
 
-    - `refresh_steps`: update every this many steps.
+    - `minimum_increase`: the least increase (a fraction of the interval) worth a
+        new line (default 0.02, every 2%).
     """
 
+    minimum_increase: float = eqx.field(default=0.02, static=True)
+
+    def __check_init__(self):
+        if not 0 < self.minimum_increase <= 1:
+            raise ValueError(
+                "TextProgressMeter(minimum_increase=...) must be in (0, 1], got "
+                f"{self.minimum_increase!r}."
+            )
+
+    def wants(self, num_steps, before, after):
+        step = self.minimum_increase
+        return jnp.floor(after / step) > jnp.floor(before / step)
+
     def _open(self):
-        return [-1]
+        print("0.00%", file=sys.stdout, flush=True)
+        return [0.0]
 
     def _show(self, bar, value):
-        tenth = int(value * 10)
-        if tenth > bar[0]:
-            bar[0] = tenth
+        if value > bar[0]:
+            bar[0] = value
             print(f"{100 * value:.2f}%", file=sys.stdout, flush=True)
 
     def _close(self, bar):
-        pass
+        print("100.00%", file=sys.stdout, flush=True)
 
 
 class TqdmProgressMeter(_HostMeter):
@@ -86,8 +106,20 @@ class TqdmProgressMeter(_HostMeter):
 
     **Arguments:**
 
-    - `refresh_steps`: update every this many steps.
+    - `refresh_steps`: refresh the bar every this many steps (default 20).
     """
+
+    refresh_steps: int = eqx.field(default=20, static=True)
+
+    def __check_init__(self):
+        if self.refresh_steps < 1:
+            raise ValueError(
+                "TqdmProgressMeter(refresh_steps=...) must be >= 1, got "
+                f"{self.refresh_steps!r}."
+            )
+
+    def wants(self, num_steps, before, after):
+        return num_steps % self.refresh_steps == 0
 
     def _open(self):
         import tqdm  # optional dependency, imported when a bar is shown
@@ -95,8 +127,10 @@ class TqdmProgressMeter(_HostMeter):
         return tqdm.tqdm(total=100, unit="%", bar_format="{l_bar}{bar}| {n:.2f}/100%")
 
     def _show(self, bar, value):
-        bar.n = 100 * value
+        bar.n = round(100 * value, 2)
         bar.refresh()
 
     def _close(self, bar):
+        bar.n = 100.0
+        bar.refresh()
         bar.close()

@@ -28,6 +28,12 @@ class Result(eqx.Module):
         """The text of a concrete, unbatched result."""
         return RESULTS.messages[int(np.asarray(self.code))]
 
+    @property
+    def _value(self):
+        # The integer code, under the name equinox's enumerations give it (diffrax's
+        # RESULTS is one).
+        return self.code
+
 
 class _Results:
     """Enumerates the outcomes of a solve.
@@ -69,8 +75,15 @@ class _Results:
     def __iter__(self):
         return iter(getattr(self, name) for name in self._names)
 
-    def __getitem__(self, name: str) -> Result:
-        return getattr(self, name)
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, key: "str | Result") -> "Result | str":
+        """`RESULTS["name"]` is that result; `RESULTS[result]` is its message (of a
+        concrete, unbatched result), as with diffrax."""
+        if isinstance(key, Result):
+            return key.message()
+        return getattr(self, key)
 
     def __repr__(self):
         return f"RESULTS({', '.join(self._names)})"

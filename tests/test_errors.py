@@ -101,8 +101,10 @@ def test_saveat_steps():
     for steps in (0, -2, 1.5):
         with pytest.raises(ValueError, match="steps"):
             sk.SaveAt(steps=steps)
-    with pytest.raises(ValueError):
-        sk.SaveAt(ts=jnp.array([0.5]), steps=True)
+    with pytest.raises(ValueError, match="either"):
+        sk.SaveAt(t1=True, subs=sk.SubSaveAt(t0=True))
+    with pytest.raises(ValueError, match="pytree of SubSaveAts"):
+        sk.SaveAt(subs=[sk.SubSaveAt(t0=True), 1.0])
 
 
 @pytest.mark.parametrize(

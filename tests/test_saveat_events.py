@@ -171,12 +171,87 @@ def test_unreached_ts_padded_with_inf():
         throw=False,
     )
     assert sol.result == sk.RESULTS.max_steps_reached
-    # 12 steps of 0.1 reach t = 1.2: ts 0.5 and 1.0 saved, 2.9 not.
-    np.testing.assert_allclose(sol.ts[:2], [0.5, 1.0])
-    np.testing.assert_allclose(sol.ys[:2], _exact([0.5, 1.0]), atol=1e-8)
-    assert np.isinf(float(sol.ts[2])) and np.all(np.isinf(np.asarray(sol.ys[2])))
+    # 12 steps of 0.1 reach t = 1.2: ts 0.5 and 1.0 saved, 2.9 not. As in diffrax,
+    # the final point follows the saved rows and the padding comes last.
+    np.testing.assert_allclose(sol.ts[:3], [0.5, 1.0, 1.2])
+    np.testing.assert_allclose(sol.ys[:3], _exact([0.5, 1.0, 1.2]), atol=1e-8)
+    assert np.isinf(float(sol.ts[3])) and np.all(np.isinf(np.asarray(sol.ys[3])))
     np.testing.assert_allclose(float(sol.t1), 1.2)
-    np.testing.assert_allclose(sol.ys[-1], _exact(1.2), atol=1e-8)
+
+
+_LAYOUTS = {
+    "ts+steps+t0+t1": lambda lib: lib.SaveAt(
+        ts=jnp.array([0.25, 0.5]), steps=True, t0=True, t1=True
+    ),
+    "ts+steps=2+t1": lambda lib: lib.SaveAt(
+        ts=jnp.array([0.25, 0.5]), steps=2, t1=True
+    ),
+    "steps+t1": lambda lib: lib.SaveAt(steps=True, t1=True),
+    "steps=3+t1": lambda lib: lib.SaveAt(steps=3, t1=True),
+    "steps=3": lambda lib: lib.SaveAt(steps=3),
+    "subs": lambda lib: lib.SaveAt(
+        subs=[
+            lib.SubSaveAt(ts=jnp.array([0.1, 0.9]), t1=True, fn=lambda t, y, a: y[0]),
+            {"steps": lib.SubSaveAt(steps=True, t0=True)},
+        ]
+    ),
+}
+
+
+@pytest.mark.parametrize("event", [False, True], ids=["no-event", "event"])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_rows_laid_out_as_diffrax(layout, event):
+    """Rows in time order (ts and step saves interleaved), the final point after
+    them, padding last; an event removes rows past it."""
+    import diffrax
+
+    def run(lib):
+        kw = {}
+        if event:
+            root = optx.Newton(rtol=1e-10, atol=1e-10)
+            kw["event"] = lib.Event(lambda t, y, args, **_: y[0] - 0.55, root)
+        sol = lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: -y),
+            lib.Tsit5(),
+            0.0,
+            1.0,
+            0.3,
+            jnp.array([1.0, 2.0]),
+            saveat=_LAYOUTS[layout](lib),
+            max_steps=8,
+            **kw,
+        )
+        return sol.ts, sol.ys
+
+    (ts, ys), (ref_ts, ref_ys) = run(sk), run(diffrax)
+    assert jax.tree.structure(ts) == jax.tree.structure(ref_ts)
+    assert_tree_allclose(ts, ref_ts, atol=1e-6)
+    assert_tree_allclose(ys, ref_ys, atol=1e-6)
+
+
+def test_subs_under_jit_vmap_grad():
+    saveat = sk.SaveAt(
+        subs=(sk.SubSaveAt(ts=jnp.linspace(0.0, 1.0, 5)), sk.SubSaveAt(t1=True))
+    )
+
+    def loss(k):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -k * y),
+            sk.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.asarray(1.0),
+            saveat=saveat,
+        )
+        (_, ys_ts), (_, ys_t1) = zip(sol.ts, sol.ys)
+        return jnp.sum(ys_ts) + ys_t1[0]
+
+    ks = jnp.array([0.5, 1.0])
+    grads = jax.jit(jax.vmap(jax.grad(loss)))(ks)
+    ts = np.linspace(0.0, 1.0, 5)
+    exact = [-np.sum(ts * np.exp(-k * ts)) - np.exp(-k) for k in (0.5, 1.0)]
+    np.testing.assert_allclose(grads, exact, rtol=1e-6)
 
 
 def test_vmap_over_save_times():

@@ -1,5 +1,9 @@
-from ._base import AbstractSolver as AbstractSolver
+from ._base import (
+    AbstractAdaptiveSolver as AbstractAdaptiveSolver,
+    AbstractSolver as AbstractSolver,
+)
 from ._runge_kutta import (
+    AbstractERK as AbstractERK,
     AbstractRungeKutta as AbstractRungeKutta,
     Bosh3 as Bosh3,
     Dopri5 as Dopri5,

@@ -95,3 +95,8 @@ def hermite(info, h, theta):
 
 
 successful = RESULTS.successful
+
+
+class AbstractAdaptiveSolver(AbstractSolver):
+    """Base class of the solvers with an embedded error estimate, which can be used
+    with an adaptive controller such as `PIDController`."""

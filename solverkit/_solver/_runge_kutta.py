@@ -8,7 +8,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._select import where
-from ._base import AbstractSolver, axpy, hermite, successful
+from ._base import AbstractAdaptiveSolver, AbstractSolver, axpy, hermite, successful
 from ._tableau import (
     BOSH3,
     ButcherTableau,
@@ -91,6 +91,10 @@ class AbstractRungeKutta(AbstractSolver):
         return jtu.tree_map(leaf, dense_info["y0"], *dense_info["k"])
 
 
+class AbstractERK(AbstractRungeKutta, AbstractAdaptiveSolver):
+    """An explicit Runge-Kutta method with an embedded error estimate."""
+
+
 def _stages_in_a_loop(tab, terms, t0, h, y0, args, f0) -> list:
     """The stages `k_0 ... k_{s-1}` computed by a `fori_loop` over stages, so that the
     vector field is traced and compiled once rather than once per stage. Slower to
@@ -123,44 +127,44 @@ class Euler(AbstractRungeKutta):
     tableau: ClassVar[ButcherTableau] = EULER
 
 
-class Heun(AbstractRungeKutta):
+class Heun(AbstractERK):
     """Heun's method: second order, with an embedded Euler error estimate."""
 
     tableau: ClassVar[ButcherTableau] = HEUN
 
 
-class Midpoint(AbstractRungeKutta):
+class Midpoint(AbstractERK):
     """Explicit midpoint method: second order, embedded Euler error estimate."""
 
     tableau: ClassVar[ButcherTableau] = MIDPOINT
 
 
-class Ralston(AbstractRungeKutta):
+class Ralston(AbstractERK):
     """Ralston's method: second order with minimal truncation error."""
 
     tableau: ClassVar[ButcherTableau] = RALSTON
 
 
-class Bosh3(AbstractRungeKutta):
+class Bosh3(AbstractERK):
     """Bogacki-Shampine 3(2): third order, FSAL."""
 
     tableau: ClassVar[ButcherTableau] = BOSH3
 
 
-class Tsit5(AbstractRungeKutta):
+class Tsit5(AbstractERK):
     """Tsitouras 5(4): fifth order, FSAL, with its own fourth-order dense output.
     A good default for non-stiff problems."""
 
     tableau: ClassVar[ButcherTableau] = TSIT5
 
 
-class Dopri5(AbstractRungeKutta):
+class Dopri5(AbstractERK):
     """Dormand-Prince 5(4): fifth order, FSAL, fourth-order dense output."""
 
     tableau: ClassVar[ButcherTableau] = DOPRI5
 
 
-class Dopri8(AbstractRungeKutta):
+class Dopri8(AbstractERK):
     """Dormand-Prince 8(5,3): eighth order, for tight tolerances."""
 
     tableau: ClassVar[ButcherTableau] = DOPRI8
