@@ -48,6 +48,22 @@ def _zeros_cotangent(x):
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
+def _parameters(tree):
+    """Filter spec of the leaves of `tree` to differentiate: its inexact arrays,
+    except the time direction of a `VectorField` (a sign: its derivative is zero, and
+    carrying its cotangent would only cost work, and backward steps)."""
+
+    def spec(x):
+        if not isinstance(x, _loop.VectorField):
+            return eqx.is_inexact_array(x)
+        out = jtu.tree_map(eqx.is_inexact_array, x)
+        if x.direction is None:
+            return out
+        return eqx.tree_at(lambda v: v.direction, out, False)
+
+    return jtu.tree_map(spec, tree, is_leaf=lambda x: isinstance(x, _loop.VectorField))
+
+
 class AbstractAdjoint(eqx.Module):
     """Base class of the adjoints."""
 
@@ -171,7 +187,7 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
         dynamic, store, n, bufs, final = residuals
         ct_carry, ct_bufs = cotangents
         diff_mask = jtu.tree_map(eqx.is_inexact_array, final)
-        p_diff, p_rest = eqx.partition(dynamic, eqx.is_inexact_array)
+        p_diff, p_rest = eqx.partition(dynamic, _parameters(dynamic))
         ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
         batch = _loop.adaptive(static)  # the controller is static
 
@@ -326,7 +342,7 @@ def _augmented(tau, state, aux):
     `dy = g`, `da = -a dg/dy`, `dtheta_bar = -a dg/dtheta`."""
     term, args = aux
     y, a, _ = state
-    theta, rest = eqx.partition((term, args), eqx.is_inexact_array)
+    theta, rest = eqx.partition((term, args), _parameters((term, args)))
 
     def g(theta, y):
         term, args = eqx.combine(theta, rest)
@@ -491,7 +507,7 @@ class BacksolveAdjoint(AbstractAdjoint):
 
     def _backward(self, problem: Problem, out: Outputs, ct_ys):
         aux = (problem.term, problem.args)
-        theta, _ = eqx.partition(aux, eqx.is_inexact_array)
+        theta, _ = eqx.partition(aux, _parameters(aux))
         g = lambda tau, y: problem.term.vf(tau, y, problem.args)
         (save,) = problem.saves
         rows_t0 = 1 if save.t0 else 0

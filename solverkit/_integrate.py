@@ -194,9 +194,11 @@ def diffeqsolve(
         dtype = jnp.result_type(*time_inputs, float)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"Times must be real, got dtype {dtype}.")
+    # Read known values before `jnp.asarray`, which under `jit` makes even a Python
+    # float a tracer (a traced direction would cost a differentiated parameter).
+    c0, c1, cdt = _concrete(t0), _concrete(t1), _concrete(dt0)
     t0 = jnp.asarray(t0, dtype)
     t1 = jnp.asarray(t1, dtype)
-    c0, c1, cdt = _concrete(t0), _concrete(t1), _concrete(dt0)
     if cdt is not None and c0 is not None and c1 is not None:
         if cdt == 0 and c0 != c1:
             raise ValueError("`dt0` must be non-zero.")
