@@ -17,8 +17,9 @@ class Event(eqx.Module):
 
     - `cond_fn`: `cond_fn(t, y, args, **kwargs)`, or a pytree of such functions,
         each returning a scalar. A boolean-valued one fires when it returns `True`
-        after a step; a real-valued one fires when it crosses zero, and the solve then
-        ends exactly at the crossing, located on the dense interpolant. The keyword
+        after a step (or at `t0`, which ends the solve there); a real-valued one
+        fires when it crosses zero, and the solve then ends exactly at the crossing,
+        located on the dense interpolant. The keyword
         arguments are diffrax's (`terms`, `solver`, `t0`, `t1`, `dt0`, `saveat`,
         `stepsize_controller`, `max_steps`): all of them for a `**kwargs`, else
         those it names.

@@ -224,7 +224,13 @@ def init(problem: Problem) -> tuple[Carry, dict]:
         last = None
     else:
         cond_values = _eval_conds(problem, t0, y0)
-        event_mask = jtu.tree_map(lambda _: jnp.asarray(False), cond_values)
+        # A boolean condition already true at t0 ends the solve there, before any
+        # step (as in diffrax); a real-valued one needs a sign change first.
+        event_mask = [
+            jnp.asarray(False) if real else jnp.asarray(value)
+            for real, value in zip(_real_conds(problem), jtu.tree_leaves(cond_values))
+        ]
+        event_mask = jtu.tree_unflatten(jtu.tree_structure(cond_values), event_mask)
         last = None
         if any(_real_conds(problem)):
             _, _, info, _, _ = eqx.filter_eval_shape(
@@ -245,6 +251,9 @@ def init(problem: Problem) -> tuple[Carry, dict]:
         event_mask=event_mask,
         last=last,
     )
+    if event_mask is not None:
+        at_t0 = or_all(jtu.tree_leaves(event_mask))
+        carry = carry._replace(result=where(at_t0, _EVENT, _SUCCESS).astype(jnp.int32))
     if adaptive(problem):
         carry = batch_like(problem, carry)
     bufs: dict = {"saves": []}
@@ -539,6 +548,7 @@ def locate_event(problem: Problem, carry: Carry):
     event = carry.result == _EVENT
     iterations = 64 if tend.dtype == jnp.float64 else 32
     t_star = tend
+    located = jnp.asarray(False)  # whether a real-valued condition fired
     for closure, real, f in zip(leaves, is_real, fired):
         if not real:
             continue
@@ -561,8 +571,11 @@ def locate_event(problem: Problem, carry: Carry):
         dg_dt = lax.stop_gradient(where(dg_dt == 0, 1, dg_dt))
         root = root - where(active, g_root / dg_dt.astype(root.dtype), 0)
         t_star = where(active, jnp.minimum(t_star, root), t_star)
+        located = located | active
+    # Only then is the last step's dense output meaningful (a boolean condition may
+    # have fired at t0, before any step).
     y_star = solver.interpolate(info, tstart, tend, t_star)
-    y = _where(event, y_star, carry.y)
+    y = _where(located, y_star, carry.y)
     return where(event, t_star, tend), y
 
 

@@ -476,3 +476,42 @@ def test_tqdm_progress_meter(capsys):
     np.testing.assert_allclose(out[-1], [0.99**100], rtol=1e-10)
     err = capsys.readouterr().err
     assert "100" in err
+
+
+def test_boolean_event_true_at_t0_ends_before_any_step():
+    # As in diffrax: a boolean condition that holds at t0 ends the solve there, with
+    # no step, and a real-valued condition beside it does not move the end point.
+    import diffrax
+
+    def solve(lib, c):
+        event = lib.Event(
+            {
+                "bool": lambda t, y, args, **kw: y[1] < c,
+                "real": lambda t, y, args, **kw: y[0] - 3.0,
+            }
+        )
+        sol = lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: jnp.ones(2)),
+            lib.Tsit5(),
+            0.0,
+            10.0,
+            1.0,
+            jnp.array([1.0, -0.1]),
+            event=event,
+            saveat=lib.SaveAt(t0=True, t1=True, ts=jnp.array([0.5, 2.0])),
+        )
+        return sol.ts, sol.ys, sol.event_mask, sol.stats["num_steps"]
+
+    with float64():
+        ours = jax.jit(lambda c: solve(sk, c))(0.0)
+        assert_tree_allclose(ours, solve(diffrax, 0.0), rtol=1e-12)
+        # With c = -1 the boolean never holds and the real event ends the solve at
+        # t = 2 (diffrax, without a root finder, would stop at the step's end).
+        ts, ys, mask, steps = jax.vmap(lambda c: solve(sk, c))(jnp.array([0.0, -1.0]))
+        assert steps.tolist()[0] == 0 and steps.tolist()[1] > 0
+        last = [int(np.max(np.nonzero(np.isfinite(t))[0])) for t in ts]  # final point
+        assert ts[0, last[0]] == 0.0
+        np.testing.assert_allclose(ys[0, last[0]], [1.0, -0.1])
+        np.testing.assert_allclose(ts[1, last[1]], 2.0, rtol=1e-12)
+        np.testing.assert_allclose(ys[1, last[1]], [3.0, 1.9], rtol=1e-10)
+        assert mask["bool"].tolist() == [True, False]
