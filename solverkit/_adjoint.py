@@ -159,7 +159,7 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
         )
 
         def body(state, active):
-            carry, bufs, store, i = state
+            carry, bufs, store, i, shown = state
             save = active & (i % segment == 0)
             store = jtu.tree_map(
                 lambda s, x: _loop._set_row(s, i // segment, save, x), store, carry
@@ -167,16 +167,15 @@ def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
             before = carry
             carry, bufs = _loop.body(problem, (carry, bufs), active)
             if meter is not None:
-                meter.tick(before, carry)
-            return carry, bufs, store, i + active.astype(jnp.int32)
+                shown = meter.tick(shown, before, carry)
+            return carry, bufs, store, i + active.astype(jnp.int32), shown
 
         init = (carry, bufs, store, jnp.asarray(0, jnp.int32))
         if _loop.adaptive(problem):
             init = _loop.batch_like(carry.num_steps, init)
-        if meter is not None:
-            meter.start(carry)
-        carry, bufs, store, n = while_loop(
-            lambda s: _loop.cond(problem, s[0]), body, init
+        shown = None if meter is None else meter.start(carry)
+        carry, bufs, store, n, _ = while_loop(
+            lambda s: _loop.cond(problem, s[0]), body, init + (shown,)
         )
         if meter is not None:
             meter.done(carry)

@@ -466,8 +466,8 @@ def body(
 class Progress(NamedTuple):
     """Host callbacks that drive the progress meter from the forward loop only."""
 
-    start: Any  # carry -> None
-    tick: Any  # (carry before, carry after) -> None
+    start: Any  # carry -> meter state
+    tick: Any  # (meter state, carry before, carry after) -> meter state
     done: Any  # carry -> None
 
 
@@ -484,15 +484,16 @@ def progress(problem: Problem) -> Progress | None:
         return -unvmap_max(-(carry.t - problem.t0) / span)
 
     def start(carry):
-        meter.callback(token, jnp.minimum(fraction(carry), 0))
+        f = jnp.minimum(fraction(carry), 0)
+        meter.callback(token, f)
+        return f  # the fraction last shown (unbatched)
 
-    def tick(before, after):
+    def tick(shown, before, after):
         f = fraction(after)
-        lax.cond(
-            meter.wants(unvmap_max(after.num_steps), fraction(before), f) & (f < 1),
-            lambda: meter.callback(token, f),
-            lambda: None,
-        )
+        shown = unvmap_max(shown)  # unbatched, also where the loop batched it
+        show = meter.wants(unvmap_max(after.num_steps), shown, f) & (f < 1)
+        lax.cond(show, lambda: meter.callback(token, f), lambda: None)
+        return where(show, f, shown)
 
     def done(carry):
         # Depends on the final carry, so the host sees it after every tick.
@@ -506,14 +507,14 @@ def run_while(problem: Problem, state):
     meter = progress(problem)
 
     def loop_body(state, active):
+        state, shown = state
         new = body(problem, state, active)
         if meter is not None:
-            meter.tick(state[0], new[0])
-        return new
+            shown = meter.tick(shown, state[0], new[0])
+        return new, shown
 
-    if meter is not None:
-        meter.start(state[0])
-    state = while_loop(lambda s: cond(problem, s[0]), loop_body, state)
+    shown = None if meter is None else meter.start(state[0])
+    state, _ = while_loop(lambda s: cond(problem, s[0][0]), loop_body, (state, shown))
     if meter is not None:
         meter.done(state[0])
     return state

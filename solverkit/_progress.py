@@ -6,7 +6,6 @@ import threading
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._unvmap import unvmap_max
@@ -44,9 +43,9 @@ class _HostMeter(AbstractProgressMeter):
         fraction = -unvmap_max(-fraction)
         jax.debug.callback(lambda f: self._update(token, f), fraction)
 
-    def wants(self, num_steps, before, after):
-        """Whether to refresh after a step (unbatched; `before`/`after` are the
-        slowest element's fractions before and after it)."""
+    def wants(self, num_steps, shown, now):
+        """Whether to refresh after a step (unbatched; `shown` is the fraction last
+        shown, `now` the slowest element's fraction after the step)."""
         raise NotImplementedError
 
     def _update(self, token, fraction):
@@ -67,7 +66,8 @@ class _HostMeter(AbstractProgressMeter):
 
 class TextProgressMeter(_HostMeter):
     """Prints the progress as a percentage: `0.00%` at the start, a line each time
-    it has grown by another `minimum_increase`, and `100.00%` at the end.
+    it has grown by more than `minimum_increase` since the last line, and `100.00%`
+    at the end (the same lines as diffrax's).
 
     **Arguments:**
 
@@ -84,9 +84,8 @@ class TextProgressMeter(_HostMeter):
                 f"{self.minimum_increase!r}."
             )
 
-    def wants(self, num_steps, before, after):
-        step = self.minimum_increase
-        return jnp.floor(after / step) > jnp.floor(before / step)
+    def wants(self, num_steps, shown, now):
+        return now - shown > self.minimum_increase
 
     def _open(self):
         print("0.00%", file=sys.stdout, flush=True)
@@ -118,7 +117,7 @@ class TqdmProgressMeter(_HostMeter):
                 f"{self.refresh_steps!r}."
             )
 
-    def wants(self, num_steps, before, after):
+    def wants(self, num_steps, shown, now):
         return num_steps % self.refresh_steps == 0
 
     def _open(self):

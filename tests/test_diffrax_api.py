@@ -474,6 +474,29 @@ def test_text_progress_meter_prints_as_diffrax():
         sk.TextProgressMeter(minimum_increase=0.0)
 
 
+def test_text_meter_prints_the_lines_diffrax_prints():
+    # A new line once the progress has grown by more than `minimum_increase` since
+    # the last line (not on a fixed grid): 0.00%, 10.20%, 20.40%, ... under vmap.
+    def solve(lib, t0):
+        return lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: -0.2 * y),
+            lib.Dopri5(),
+            t0,
+            5.0,
+            0.01,
+            1.0,
+            progress_meter=lib.TextProgressMeter(minimum_increase=0.1),
+        ).ys
+
+    with float64():
+        outputs = [
+            _text_output(jax.vmap(lambda t0: solve(lib, t0)), jnp.arange(3.0))
+            for lib in (sk, diffrax)
+        ]
+    assert outputs[0] == outputs[1]
+    assert outputs[0].split()[:3] == ["0.00%", "10.20%", "20.40%"]
+
+
 def test_tqdm_refreshes_as_diffrax_under_vmap(capfd):
     pytest.importorskip("tqdm")
 
