@@ -14,6 +14,7 @@ from ._closure import (
 )
 from ._controller import (
     AbstractStepSizeController as AbstractStepSizeController,
+    ClipStepSizeController as ClipStepSizeController,
     ConstantStepSize as ConstantStepSize,
     PIDController as PIDController,
     StepTo as StepTo,

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _loop
 from ._closure import closure_convert
-from ._controller import rms_norm
+from ._controller import ClipStepSizeController, rms_norm
 from ._errors import UnsupportedError
 from ._loop import Outputs, Problem
 from ._progress import NoProgressMeter
@@ -466,6 +466,7 @@ class BacksolveAdjoint(AbstractAdjoint):
             if self.stepsize_controller is None
             else self.stepsize_controller
         )
+        controller = _in_forward_time(controller, problem.term)
         neg_ta = -ta
         closure = closure_convert(_augmented, neg_ta, state, aux)
         # The adjoint system's vector field (a field and its vjp) is large. For a
@@ -562,6 +563,18 @@ class BacksolveAdjoint(AbstractAdjoint):
         if ct_ts is not None:
             ct = eqx.tree_at(lambda p: p.saves[0].ts, ct, ct_ts)
         return ct
+
+
+def _in_forward_time(controller, term):
+    """A `ClipStepSizeController`'s times (in user time) put in the forward solve's
+    internal time, which the backward solve's own direction then maps to its own."""
+    if not isinstance(controller, ClipStepSizeController):
+        return controller
+    inner = _in_forward_time(controller.controller, term)
+    move = lambda ts: None if ts is None else term.to_user(ts)
+    return ClipStepSizeController(
+        inner, move(controller.step_ts), move(controller.jump_ts)
+    )
 
 
 def _replace_subtrees(ct, ct_aux):

@@ -1,4 +1,5 @@
-"""Step-size controllers: `ConstantStepSize`, `StepTo`, `PIDController`.
+"""Step-size controllers: `ConstantStepSize`, `StepTo`, `PIDController`,
+`ClipStepSizeController`.
 
 Controllers work in the loop's internal time, which always increases (a backwards
 solve is run forwards in `-t`).
@@ -150,7 +151,18 @@ def _initial_step(func, t0, y0, args, error_order, rtol, atol, norm):
     return lax.stop_gradient(jnp.minimum(100 * h0, h1).astype(t0.dtype))
 
 
-class PIDController(AbstractStepSizeController):
+class _PIDMeta(type(AbstractStepSizeController)):
+    """`PIDController(..., step_ts=..., jump_ts=...)` (diffrax's older spelling)
+    makes `ClipStepSizeController(PIDController(...), step_ts, jump_ts)`."""
+
+    def __call__(cls, *args, step_ts=None, jump_ts=None, **kwargs):
+        controller = super().__call__(*args, **kwargs)
+        if step_ts is None and jump_ts is None:
+            return controller
+        return ClipStepSizeController(controller, step_ts=step_ts, jump_ts=jump_ts)
+
+
+class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
     """Adaptive steps from an embedded error estimate, by a PID controller on the
     logarithm of the error (an I-controller by default).
 
@@ -165,6 +177,9 @@ class PIDController(AbstractStepSizeController):
         by at most `factormin`, and aims at `safety` times the ideal size.
     - `norm`: norm of the scaled error (RMS by default).
     - `error_order`: override the solver's error order.
+
+    As in diffrax, `PIDController(..., step_ts=..., jump_ts=...)` returns a
+    [`solverkit.ClipStepSizeController`][] around the PID controller.
     """
 
     rtol: float
@@ -272,6 +287,113 @@ class PIDController(AbstractStepSizeController):
             jnp.asarray(at_dtmin),
         )
         return keep, next_t0, next_t0 + dt, False, state, result
+
+
+def _times(ts):
+    if ts is None:
+        return None
+    ts = jnp.asarray(ts)
+    if ts.ndim != 1:
+        raise ValueError(
+            f"ClipStepSizeController: times must be a 1-D array, got shape {ts.shape}."
+        )
+    return None if ts.shape[0] == 0 else ts
+
+
+def _next_after(points, t):
+    """The first of the sorted `points` strictly after `t` (`inf` if none)."""
+    index = jnp.searchsorted(points, t, side="right")
+    last = points.shape[0] - 1
+    return where(index > last, jnp.inf, points[jnp.minimum(index, last)])
+
+
+class ClipStepSizeController(AbstractStepSizeController):
+    """Wraps an adaptive controller so that steps also end exactly at given times.
+
+    **Arguments:**
+
+    - `controller`: the adaptive controller to wrap (e.g. a `PIDController`).
+    - `step_ts`: times every solve steps to exactly (e.g. where the vector field
+        changes behaviour).
+    - `jump_ts`: times where the vector field jumps (is discontinuous in `t`): a step
+        ends just before each, and the next starts at it with the vector field
+        evaluated anew, so no step straddles the jump.
+    """
+
+    controller: AbstractStepSizeController
+    step_ts: Any = eqx.field(default=None, converter=_times)
+    jump_ts: Any = eqx.field(default=None, converter=_times)
+
+    def __check_init__(self):
+        if not isinstance(self.controller, (PIDController, ClipStepSizeController)):
+            raise ValueError(
+                "ClipStepSizeController wraps an adaptive controller (PIDController), "
+                f"got {self.controller!r}."
+            )
+
+    # The wrapped controller's settings, e.g. for `steady_state_event`.
+    rtol = property(lambda self: self.controller.rtol)
+    atol = property(lambda self: self.controller.atol)
+    norm = property(lambda self: self.controller.norm)
+
+    def check(self, solver, dt0) -> None:
+        self.controller.check(solver, dt0)
+
+    @property
+    def has_jumps(self) -> bool:
+        """Whether a step may end at a jump (then the loop re-evaluates the field)."""
+        inner = self.controller
+        nested = isinstance(inner, ClipStepSizeController) and inner.has_jumps
+        return self.jump_ts is not None or nested
+
+    def _points(self, terms, dtype):
+        """`step_ts` and `jump_ts` in the loop's internal (increasing) time, sorted."""
+        out = []
+        for ts in (self.step_ts, self.jump_ts):
+            out.append(
+                None if ts is None else jnp.sort(terms.to_user(ts.astype(dtype)))
+            )
+        return tuple(out)
+
+    def _clip(self, t0, t1, points):
+        """The proposed step end `t1` clipped to the next time after `t0`, and the
+        next jump after `t0` (`inf` if none)."""
+        steps, jumps = points
+        jump = jnp.asarray(jnp.inf, t1.dtype)
+        if steps is not None:
+            t1 = jnp.minimum(t1, _next_after(steps, t0).astype(t1.dtype))
+        if jumps is not None:
+            jump = _next_after(jumps, t0).astype(t1.dtype)
+            t1 = jnp.minimum(t1, jump)
+        return t1, jump
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        tnext, inner = self.controller.init(
+            terms, t0, t1, y0, dt0, args, func, error_order
+        )
+        points = self._points(terms, t0.dtype)
+        tnext, jump = self._clip(t0, jnp.asarray(tnext, t0.dtype), points)
+        return tnext, (inner, points, jump)
+
+    def ends_on_jump(self, controller_state, t1) -> Array:
+        """Whether a step ending at `t1` ends at a jump (of any nested wrapper)."""
+        inner, _, jump = controller_state
+        ends = t1 == jump
+        if isinstance(self.controller, ClipStepSizeController):
+            ends = ends | self.controller.ends_on_jump(inner, t1)
+        return ends
+
+    def adapt_step_size(
+        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+    ):
+        inner, points, _ = controller_state
+        keep, next_t0, next_t1, made_jump, inner, result = (
+            self.controller.adapt_step_size(
+                t0, t1, y0, y1_candidate, args, y_error, error_order, inner
+            )
+        )
+        next_t1, jump = self._clip(next_t0, next_t1, points)
+        return keep, next_t0, next_t1, made_jump, (inner, points, jump), result
 
 
 def _concrete(x):

@@ -130,7 +130,8 @@ def diffeqsolve(
         promoted to floating point).
     - `args`: passed to the vector field as its third argument.
     - `saveat`: what to save, a [`solverkit.SaveAt`][].
-    - `stepsize_controller`: `ConstantStepSize()`, `StepTo(ts)` or `PIDController`.
+    - `stepsize_controller`: `ConstantStepSize()`, `StepTo(ts)`, `PIDController`, or
+        a `ClipStepSizeController` around one.
     - `adjoint`: how to differentiate: `RecursiveCheckpointAdjoint()` (default),
         `BacksolveAdjoint()` or `DirectAdjoint()`.
     - `event`: an optional [`solverkit.Event`][] that terminates the solve.
@@ -161,8 +162,9 @@ def diffeqsolve(
         raise TypeError(f"`saveat` must be a SaveAt, got {type(saveat).__name__}.")
     if not isinstance(stepsize_controller, AbstractStepSizeController):
         raise TypeError(
-            "`stepsize_controller` must be ConstantStepSize(), StepTo(ts) or "
-            f"PIDController(...), got {stepsize_controller!r}."
+            "`stepsize_controller` must be ConstantStepSize(), StepTo(ts), "
+            "PIDController(...) or ClipStepSizeController(...), got "
+            f"{stepsize_controller!r}."
         )
     if not isinstance(adjoint, AbstractAdjoint):
         raise TypeError(f"`adjoint` must be a solverkit adjoint, got {adjoint!r}.")

@@ -16,7 +16,12 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._closure import Closure
-from ._controller import AbstractStepSizeController, ConstantStepSize, StepTo
+from ._controller import (
+    AbstractStepSizeController,
+    ClipStepSizeController,
+    ConstantStepSize,
+    StepTo,
+)
 from ._progress import AbstractProgressMeter
 from ._reduce import all_true, and_all, or_all
 from ._select import where
@@ -308,9 +313,21 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, dict]:
     args = problem.args
     t0 = carry.t
     t1 = jnp.minimum(carry.tnext, problem.t1)
+    jumps = isinstance(controller, ClipStepSizeController) and controller.has_jumps
+    t1_solve = t1
+    if jumps:
+        # A step that ends at a jump of the vector field stops just short of it (so
+        # that no stage sees the far side), and the next step starts at the jump with
+        # the field evaluated there.
+        at_jump = controller.ends_on_jump(carry.controller_state, t1)
+        fixed = lax.stop_gradient(t1)
+        below = fixed - jnp.nextafter(fixed, jnp.asarray(-jnp.inf, t1.dtype))
+        t1_solve = where(at_jump, t1 - below, t1)
     y1, y_error, info, fstate1, _ = solver.step(
-        term, t0, t1, carry.y, args, carry.solver_state
+        term, t0, t1_solve, carry.y, args, carry.solver_state
     )
+    if jumps:
+        fstate1 = _where(at_jump, solver.init(term, t1, problem.t1, y1, args), fstate1)
     if isinstance(controller, StepTo):
         keep, next_t0, next_t1, cstate = _step_to(
             controller, problem, t1, carry.controller_state

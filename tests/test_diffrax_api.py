@@ -535,3 +535,103 @@ def test_saveat_subs_fields():
     assert_tree_allclose(flat.ts, jnp.array([0.5]))
     with pytest.raises(AttributeError, match="several"):
         _ = sk.SaveAt(subs=[sub, sub]).ts
+
+
+# --- ClipStepSizeController -----------------------------------------------------------
+
+
+def _switch_solution(t, s):
+    """y' = -y + [t >= s], y(0) = 1."""
+    return jnp.where(t < s, jnp.exp(-t), 1 + (jnp.exp(-s) - 1) * jnp.exp(-(t - s)))
+
+
+def _switch_solve(s, adjoint=sk.RecursiveCheckpointAdjoint(), t0=0.0, t1=2.0, **clip):
+    controller = sk.PIDController(rtol=1e-8, atol=1e-8)
+    if clip:
+        controller = sk.ClipStepSizeController(controller, **clip)
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -y + jnp.where(t < s, 0.0, 1.0)),
+        sk.Tsit5(),
+        t0,
+        t1,
+        None,
+        jnp.asarray(_switch_solution(t0, s)),
+        stepsize_controller=controller,
+        saveat=sk.SaveAt(subs=[sk.SubSaveAt(t1=True), sk.SubSaveAt(steps=True)]),
+        adjoint=adjoint,
+        max_steps=256,
+    )
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_clip_steps_land_on_step_ts_and_jump_ts(backwards):
+    with float64():
+        s = 0.7
+        t0, t1 = (2.0, 0.0) if backwards else (0.0, 2.0)
+        plain = _switch_solve(s, t0=t0, t1=t1)
+        steps = _switch_solve(s, t0=t0, t1=t1, step_ts=jnp.array([0.3, s, 1.9]))
+        jumps = _switch_solve(s, t0=t0, t1=t1, jump_ts=[s])
+        # Backwards, errors grow like exp(t0 - t1); a step across the switch costs
+        # accuracy too.
+        for sol in (plain, steps, jumps):
+            atol = 1e-5 if backwards or sol is plain else 1e-7
+            np.testing.assert_allclose(
+                sol.ys[0][-1], _switch_solution(t1, s), atol=atol
+            )
+        ts = np.asarray(steps.ts[1])
+        for p in (0.3, s, 1.9):
+            assert p in ts
+        # A jump needs no rejected steps to find: fewer steps, as in diffrax.
+        assert jumps.stats["num_steps"] < plain.stats["num_steps"]
+        assert np.any(np.abs(np.asarray(jumps.ts[1]) - s) <= 1e-15)
+
+
+def test_clip_under_jit_vmap_and_grad():
+    with float64():
+        s = jnp.array([0.5, 0.7, 1.1])
+        final = jax.jit(
+            jax.vmap(lambda s: _switch_solve(s, jump_ts=s[None]).ys[0][-1])
+        )(s)
+        np.testing.assert_allclose(final, _switch_solution(2.0, s), atol=1e-7)
+        # The switch time moves the step that ends on it: d y(2)/ds = -exp(s - 2).
+        for clip in ("step_ts", "jump_ts"):
+            grad = jax.jit(
+                jax.vmap(
+                    jax.grad(lambda s: _switch_solve(s, **{clip: s[None]}).ys[0][-1])
+                )
+            )(s)
+            np.testing.assert_allclose(grad, -np.exp(s - 2.0), rtol=1e-5)
+        # BacksolveAdjoint steps to the same times backwards; gradients w.r.t. a
+        # parameter of the field agree with the checkpointed adjoint.
+
+        def loss(k, adjoint):
+            controller = sk.ClipStepSizeController(
+                sk.PIDController(rtol=1e-9, atol=1e-9), jump_ts=[0.7]
+            )
+            return sk.diffeqsolve(
+                sk.ODETerm(lambda t, y, args: -k * y + jnp.where(t < 0.7, 0.0, 1.0)),
+                sk.Tsit5(),
+                0.0,
+                2.0,
+                None,
+                1.0,
+                stepsize_controller=controller,
+                adjoint=adjoint,
+            ).ys[-1]
+
+        g_back = jax.grad(loss)(1.3, sk.BacksolveAdjoint())
+        g_rca = jax.grad(loss)(1.3, sk.RecursiveCheckpointAdjoint())
+        np.testing.assert_allclose(g_back, g_rca, rtol=1e-6)
+
+
+def test_clip_rejects_non_adaptive_controller():
+    # diffrax's older spelling: PIDController(step_ts=..., jump_ts=...) wraps itself.
+    pid = sk.PIDController(rtol=1e-4, atol=1e-6, step_ts=[3.0, 4.0], jump_ts=[3.0])
+    assert isinstance(pid, sk.ClipStepSizeController)
+    assert isinstance(pid.controller, sk.PIDController)
+    assert pid.step_ts.tolist() == [3.0, 4.0] and pid.jump_ts.tolist() == [3.0]
+    assert isinstance(sk.PIDController(rtol=1e-4, atol=1e-6), sk.PIDController)
+    with pytest.raises(ValueError, match="adaptive"):
+        sk.ClipStepSizeController(sk.ConstantStepSize(), step_ts=[1.0])
+    with pytest.raises(ValueError, match="1-D"):
+        sk.ClipStepSizeController(sk.PIDController(rtol=1e-3, atol=1e-3), step_ts=1.0)
