@@ -46,8 +46,10 @@ from ._solver import (
     Dopri8 as Dopri8,
     Euler as Euler,
     Heun as Heun,
+    LeapfrogMidpoint as LeapfrogMidpoint,
     Midpoint as Midpoint,
     Ralston as Ralston,
+    ReversibleHeun as ReversibleHeun,
     Tsit5 as Tsit5,
 )
 from ._term import ODETerm as ODETerm

@@ -2,6 +2,8 @@ from ._base import (
     AbstractAdaptiveSolver as AbstractAdaptiveSolver,
     AbstractSolver as AbstractSolver,
 )
+from ._leapfrog_midpoint import LeapfrogMidpoint as LeapfrogMidpoint
+from ._reversible_heun import ReversibleHeun as ReversibleHeun
 from ._runge_kutta import (
     AbstractERK as AbstractERK,
     AbstractRungeKutta as AbstractRungeKutta,

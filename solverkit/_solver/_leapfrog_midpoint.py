@@ -1,0 +1,34 @@
+"""`LeapfrogMidpoint`: the explicit two-step midpoint (leapfrog) method."""
+
+import jax.tree_util as jtu
+
+from ._base import AbstractSolver, successful
+from ._reversible_heun import linear
+
+
+class LeapfrogMidpoint(AbstractSolver):
+    """The leapfrog (explicit midpoint) method `y_{n+1} = y_{n-1} + (t_{n+1} -
+    t_{n-1}) f(t_n, y_n)`, started by an Euler step: second order, no error estimate
+    (use `ConstantStepSize`). Its state is the previous point. Linear dense output.
+    """
+
+    def order(self, terms) -> int:
+        return 2
+
+    def error_order(self, terms) -> None:
+        return None
+
+    def init(self, terms, t0, t1, y0, args):
+        del terms, t1, args
+        return t0, y0
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+        del made_jump
+        t_prev, y_prev = solver_state
+        f0 = terms.vf(t0, y0, args)
+        span = t1 - t_prev
+        y1 = jtu.tree_map(lambda a, f: a + span.astype(a.dtype) * f, y_prev, f0)
+        return y1, None, dict(y0=y0, y1=y1), (t0, y0), successful
+
+    def interpolate(self, dense_info, t0, t1, t):
+        return linear(dense_info, t0, t1, t)
