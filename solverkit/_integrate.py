@@ -29,7 +29,7 @@ from ._select import where
 from ._solution import Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import ODETerm
-from ._unvmap import unvmap_any, unvmap_max
+from ._unvmap import unvmap_max
 
 
 def _concrete(x):
@@ -337,10 +337,11 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         failed = (result != RESULTS.successful.code) & (
             result != RESULTS.event_occurred.code
         )
-        # Unbatched and non-differentiated, as equinox's error machinery needs.
+        # Unbatched and non-differentiated, as equinox's error machinery needs; one
+        # reduction serves both (failure codes are positive).
         index = unvmap_max(where(failed, result, 0))
         ts, ys, t_end = eqx.branched_error_if(
-            (ts, ys, t_end), unvmap_any(failed), index, _MESSAGES
+            (ts, ys, t_end), index > 0, index, _MESSAGES
         )
     interpolation = None
     if problem.dense:
