@@ -19,7 +19,13 @@ from ._controller import (
     PIDController as PIDController,
     StepTo as StepTo,
 )
-from ._event import Event as Event, steady_state_event as steady_state_event
+from ._event import (
+    AbstractDiscreteTerminatingEvent as AbstractDiscreteTerminatingEvent,
+    DiscreteTerminatingEvent as DiscreteTerminatingEvent,
+    Event as Event,
+    steady_state_event as steady_state_event,
+    SteadyStateEvent as SteadyStateEvent,
+)
 from ._integrate import diffeqsolve as diffeqsolve
 from ._interpolation import DenseInterpolation as DenseInterpolation
 from ._progress import (

@@ -1,4 +1,5 @@
-"""`Event`: stop a solve when a condition fires."""
+"""`Event`: stop a solve when a condition fires (and diffrax's deprecated discrete
+terminating events, turned into one)."""
 
 import functools
 import inspect
@@ -111,3 +112,72 @@ def steady_state_event(rtol=None, atol=None, norm=None) -> Callable:
         return _norm(solver.func(terms, t, y, args)) < _atol + _rtol * _norm(y)
 
     return cond_fn
+
+
+# --- diffrax's deprecated `discrete_terminating_event=` -------------------------------
+
+
+class AbstractDiscreteTerminatingEvent(eqx.Module):
+    """Deprecated (as in diffrax): a condition `event(state, **kwargs)` on the state
+    after each step (`state.y`, `state.tprev`). Use [`solverkit.Event`][]."""
+
+    def __call__(self, state, **kwargs):
+        raise NotImplementedError
+
+
+class DiscreteTerminatingEvent(AbstractDiscreteTerminatingEvent):
+    """Deprecated: `Event(lambda t, y, args, **kw: ...)` instead.
+
+    **Arguments:**
+
+    - `cond_fn`: `cond_fn(state, **kwargs) -> bool`.
+    """
+
+    cond_fn: Callable[..., Any]
+
+    def __call__(self, state, **kwargs):
+        return self.cond_fn(state, **kwargs)
+
+
+class SteadyStateEvent(AbstractDiscreteTerminatingEvent):
+    """Deprecated: `Event(steady_state_event(rtol, atol, norm))` instead.
+
+    **Arguments:**
+
+    - `rtol`, `atol`: default to the step-size controller's.
+    - `norm`: default RMS.
+    """
+
+    rtol: float | None = None
+    atol: float | None = None
+    norm: Callable | None = None
+
+    def __call__(self, state, *, args, **kwargs):
+        from ._controller import rms_norm
+
+        norm = rms_norm if self.norm is None else self.norm
+        return steady_state_event(self.rtol, self.atol, norm)(
+            state.tprev, state.y, args, **kwargs
+        )
+
+
+class _State(eqx.Module):
+    tprev: Any
+    y: Any
+
+
+class _DiscreteAsCondition(eqx.Module):
+    event: AbstractDiscreteTerminatingEvent
+
+    def __call__(self, t, y, args, **kwargs):
+        return self.event(_State(tprev=t, y=y), args=args, **kwargs)
+
+
+def as_event(discrete) -> Event:
+    """A deprecated discrete terminating event as an `Event`."""
+    if not isinstance(discrete, AbstractDiscreteTerminatingEvent):
+        raise TypeError(
+            "`discrete_terminating_event` must be a DiscreteTerminatingEvent or "
+            f"SteadyStateEvent, got {discrete!r}."
+        )
+    return Event(_DiscreteAsCondition(discrete))

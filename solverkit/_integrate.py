@@ -20,7 +20,7 @@ from ._adjoint import (
 from ._closure import Closure, closure_convert
 from ._controller import AbstractStepSizeController, ConstantStepSize, StepTo
 from ._errors import BadInputError
-from ._event import Event, with_context
+from ._event import as_event, Event, with_context
 from ._interpolation import DenseInterpolation
 from ._loop import Problem, Save, VectorField
 from ._progress import AbstractProgressMeter, NoProgressMeter
@@ -112,6 +112,7 @@ def diffeqsolve(
     solver_state: Any = None,
     controller_state: Any = None,
     made_jump: Any = None,
+    discrete_terminating_event: Any = None,
 ) -> Solution:
     """Solve the ODE `dy/dt = f(t, y, args)` from `t0` to `t1`.
 
@@ -147,6 +148,8 @@ def diffeqsolve(
         `TqdmProgressMeter()`.
     - `solver_state`, `controller_state`, `made_jump`: accepted for diffrax
         compatibility; must be `None`.
+    - `discrete_terminating_event`: deprecated (as in diffrax): a
+        `DiscreteTerminatingEvent` or `SteadyStateEvent`; use `event=` instead.
 
     **Returns:**
 
@@ -176,6 +179,18 @@ def diffeqsolve(
         raise ValueError(
             f"`max_steps` must be a positive integer or None, got {max_steps!r}."
         )
+    if discrete_terminating_event is not None:
+        warnings.warn(
+            "`diffeqsolve(..., discrete_terminating_event=...)` is deprecated (as in "
+            "diffrax): pass `event=Event(cond_fn)` instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if event is not None:
+            raise ValueError(
+                "Pass `event=...` or `discrete_terminating_event=...`, not both."
+            )
+        event = as_event(discrete_terminating_event)
     if made_jump is False:
         made_jump = None  # no jump: the default
     if any(x is not None for x in (solver_state, controller_state, made_jump)):

@@ -515,3 +515,50 @@ def test_boolean_event_true_at_t0_ends_before_any_step():
         np.testing.assert_allclose(ts[1, last[1]], 2.0, rtol=1e-12)
         np.testing.assert_allclose(ys[1, last[1]], [3.0, 1.9], rtol=1e-10)
         assert mask["bool"].tolist() == [True, False]
+
+
+def test_deprecated_discrete_terminating_events_as_diffrax():
+    # diffrax's older `discrete_terminating_event=`: a DiscreteTerminatingEvent on
+    # the state after each step, or a SteadyStateEvent; warned, and equal to diffrax.
+    import diffrax
+
+    def solve(lib, event):
+        return lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: -(y - 2.0)),
+            lib.Tsit5(),
+            0.0,
+            jnp.inf,
+            0.1,
+            jnp.array([1.0, 3.0]),
+            stepsize_controller=lib.PIDController(rtol=1e-6, atol=1e-6),
+            discrete_terminating_event=event,
+        )
+
+    with float64():
+        for make in (
+            lambda lib: lib.DiscreteTerminatingEvent(
+                lambda state, **kw: state.tprev > 3
+            ),
+            lambda lib: lib.SteadyStateEvent(rtol=1e-4, atol=1e-4),
+        ):
+            with pytest.warns(Warning, match="discrete_terminating_event"):
+                ours = solve(sk, make(sk))
+            with pytest.warns(Warning, match="discrete_terminating_event"):
+                theirs = solve(diffrax, make(diffrax))
+            assert_tree_allclose(
+                (ours.ts, ours.ys, ours.stats["num_steps"]),
+                (theirs.ts, theirs.ys, theirs.stats["num_steps"]),
+                rtol=1e-12,
+            )
+    with pytest.warns(Warning, match="deprecated"):
+        with pytest.raises(ValueError, match="not both"):
+            sk.diffeqsolve(
+                sk.ODETerm(lambda t, y, args: -y),
+                sk.Tsit5(),
+                0.0,
+                1.0,
+                0.1,
+                1.0,
+                event=sk.Event(lambda t, y, args, **kw: y < 0.5),
+                discrete_terminating_event=sk.SteadyStateEvent(),
+            )
