@@ -327,7 +327,11 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, dict]:
         term, t0, t1_solve, carry.y, args, carry.solver_state
     )
     if jumps:
-        fstate1 = _where(at_jump, solver.init(term, t1, problem.t1, y1, args), fstate1)
+        # Evaluated just past the jump in the direction of travel: on its far side
+        # however the field tests `t` (`t < s` or `t <= s`), forwards or backwards.
+        above = jnp.nextafter(fixed, jnp.asarray(jnp.inf, t1.dtype)) - fixed
+        restart = solver.init(term, t1 + above, problem.t1, y1, args)
+        fstate1 = _where(at_jump, restart, fstate1)
     if isinstance(controller, StepTo):
         keep, next_t0, next_t1, cstate = _step_to(
             controller, problem, t1, carry.controller_state
