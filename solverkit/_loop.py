@@ -317,8 +317,8 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, dict]:
     t1_solve = t1
     if jumps:
         # A step that ends at a jump of the vector field stops just short of it (so
-        # that no stage sees the far side), and the next step starts at the jump with
-        # the field evaluated there.
+        # that no stage sees the far side); the next step starts at the jump with the
+        # field evaluated anew (below).
         at_jump = controller.ends_on_jump(carry.controller_state, t1)
         fixed = lax.stop_gradient(t1)
         below = fixed - jnp.nextafter(fixed, jnp.asarray(-jnp.inf, t1.dtype))

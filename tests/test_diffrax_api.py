@@ -707,3 +707,35 @@ def test_two_stage_state_solvers_second_order_and_differentiable(name):
         eps = 1e-6
         fd = [(final(k + eps, 64) - final(k - eps, 64)) / (2 * eps) for k in ks]
         np.testing.assert_allclose(g_rca, fd, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ReversibleHeun", "LeapfrogMidpoint"])
+def test_two_stage_state_solvers_close_over_every_dtype(name):
+    # A vmapped int index into a differentiated table, a bool mask and a PRNG key,
+    # all closed over, under jit(vmap(grad)): y' = -rate * y has y(1) = exp(-rate).
+    table = jnp.array([0.5, 1.0, 2.0])
+    mask = jnp.array([True, False])
+    noise = jax.random.normal(jax.random.key(0), (2,))
+
+    def final(table, k):
+        def field(t, y, args):
+            rate = table[k] + jnp.where(mask, 0.0, 0.0 * noise)
+            return -rate * y
+
+        return sk.diffeqsolve(
+            sk.ODETerm(field),
+            getattr(sk, name)(),
+            0.0,
+            1.0,
+            1e-3,
+            jnp.ones(2),
+            max_steps=1024,
+        ).ys[-1, 0]
+
+    with float64():
+        ks = jnp.arange(3)
+        grads = jax.jit(jax.vmap(jax.grad(final), in_axes=(None, 0)))(table, ks)
+        # d exp(-table[k]) / d table = -exp(-table[k]) at row k, zero elsewhere.
+        np.testing.assert_allclose(
+            grads, -np.diag(np.exp(-np.asarray(table))), rtol=1e-3, atol=1e-12
+        )
