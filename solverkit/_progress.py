@@ -26,9 +26,6 @@ class AbstractProgressMeter(eqx.Module):
     def callback(self, token, fraction) -> None:
         """Emit the host callback for a fraction in [0, 1] (batched: the minimum)."""
 
-    def _host(self, token, fraction):
-        raise NotImplementedError
-
 
 class NoProgressMeter(AbstractProgressMeter):
     """Shows nothing (the default)."""
