@@ -199,6 +199,7 @@ def diffeqsolve(
             "`made_jump`: pass None (or `made_jump=False`)."
         )
     stepsize_controller.check(solver, dt0)
+    solver = solver.bind_controller_tols(stepsize_controller)
 
     # Times: one floating dtype for t0, t1, dt0 and the save times.
     time_inputs = [t0, t1] + ([] if dt0 is None else [dt0])

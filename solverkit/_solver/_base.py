@@ -53,6 +53,13 @@ class AbstractSolver(eqx.Module):
     def strong_order(self, terms) -> None:
         return None
 
+    def bind_controller_tols(self, stepsize_controller) -> "AbstractSolver":
+        """This solver, with whatever it takes from the step-size controller filled
+        in (an implicit solver's root-finder tolerances); called once by
+        `diffeqsolve` before the solve. The default changes nothing."""
+        del stepsize_controller
+        return self
+
     def func(self, terms, t0, y0, args) -> PyTree:
         """The vector field at `(t0, y0)`."""
         return terms.vf(t0, y0, args)
