@@ -52,11 +52,17 @@ from ._solver import (
     Dopri8 as Dopri8,
     Euler as Euler,
     Heun as Heun,
+    ImplicitEuler as ImplicitEuler,
+    Kvaerno3 as Kvaerno3,
+    Kvaerno4 as Kvaerno4,
+    Kvaerno5 as Kvaerno5,
     LeapfrogMidpoint as LeapfrogMidpoint,
     Midpoint as Midpoint,
     Ralston as Ralston,
     ReversibleHeun as ReversibleHeun,
     Tsit5 as Tsit5,
+    VeryChord as VeryChord,
+    with_stepsize_controller_tols as with_stepsize_controller_tols,
 )
 from ._term import ODETerm as ODETerm
 

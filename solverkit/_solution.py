@@ -39,7 +39,9 @@ class _Results:
     """Enumerates the outcomes of a solve.
 
     `successful`, `event_occurred` (a terminating event fired; also a success),
-    `max_steps_reached`, `dt_min_reached`, `nonfinite`, `internal_error`.
+    `max_steps_reached`, `dt_min_reached`, `nonfinite`, `internal_error`,
+    `implicit_divergence`, `implicit_nonconvergence` (an implicit solver's nonlinear
+    solve failed; adaptive controllers reject the step and retry a smaller one).
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.
     """
 
@@ -50,6 +52,8 @@ class _Results:
         "dt_min_reached",
         "nonfinite",
         "internal_error",
+        "implicit_divergence",
+        "implicit_nonconvergence",
     )
     messages = (
         "",
@@ -62,6 +66,13 @@ class _Results:
         "the step size may be too large: try an adaptive step size controller or a "
         "smaller `dt0`.",
         "An internal error occurred in solverkit; please report it.",
+        "The nonlinear solve of an implicit solver diverged. With an adaptive "
+        "step-size controller the step is retried with a smaller step; with a fixed "
+        "step size, lower `dt0`, or pass a root finder that re-evaluates the "
+        "Jacobian (e.g. `root_finder=optimistix.Newton(rtol=..., atol=...)`).",
+        "The nonlinear solve of an implicit solver did not converge within "
+        "`root_find_max_steps` iterations. Lower `dt0` (with a fixed step size), "
+        "raise `root_find_max_steps`, or loosen the root finder's tolerances.",
     )
 
     def __init__(self):

@@ -2,8 +2,19 @@ from ._base import (
     AbstractAdaptiveSolver as AbstractAdaptiveSolver,
     AbstractSolver as AbstractSolver,
 )
+from ._implicit import (
+    AbstractImplicitRK as AbstractImplicitRK,
+    ImplicitEuler as ImplicitEuler,
+    Kvaerno3 as Kvaerno3,
+    Kvaerno4 as Kvaerno4,
+    Kvaerno5 as Kvaerno5,
+)
 from ._leapfrog_midpoint import LeapfrogMidpoint as LeapfrogMidpoint
 from ._reversible_heun import ReversibleHeun as ReversibleHeun
+from ._root_finder import (
+    VeryChord as VeryChord,
+    with_stepsize_controller_tols as with_stepsize_controller_tols,
+)
 from ._runge_kutta import (
     AbstractERK as AbstractERK,
     AbstractRungeKutta as AbstractRungeKutta,

@@ -1,0 +1,295 @@
+"""Tableaux of the diagonally implicit (ESDIRK) and additive IMEX Runge--Kutta
+methods, as plain NumPy data.
+
+Conventions for a step of size `h` from `(t0, y0)` with `s` stages. Each stage `i`
+solves, for its value `z_i`,
+
+    z_i = y0 + h Σ_{j<i} (a_ex[i, j] kE_j + a_im[i, j] kI_j) + h a_im[i, i] kI_i,
+
+with `kI_j = f_implicit(t0 + c[j] h, z_j)` and `kE_j = f_explicit(t0 + c[j] h, z_j)`
+(for a purely implicit method `a_ex` is `None` and `f_implicit` is the whole field).
+Then `y1 = y0 + h Σ_i (b_ex[i] kE_i + b_im[i] kI_i)`, and the error estimate is
+`h Σ_i (b_err_ex[i] kE_i + b_err_im[i] kI_i)`. Stage 0 is explicit
+(`a_im[0, 0] == 0`, `c[0] == 0`), so `kI_0 = f(t0, y0)` comes from the previous step.
+
+The initial guess of a stage's Newton iteration is `kI_i ≈ Σ_{j<i} predictor[i, j]
+kI_j`: linear interpolation (or extrapolation) in `c` through the two earlier stages
+closest in `c` (see `_predictor`).
+
+Every tableau is checked when built; `tests/test_implicit.py` checks the order
+conditions (B-series, and the coupling conditions of the additive methods).
+"""
+
+import dataclasses
+
+import numpy as np
+
+
+_TOL = 1e-10
+
+
+def _frozen(x, name: str) -> np.ndarray:
+    arr = np.array(x, dtype=np.float64)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"ImplicitTableau.{name} must be finite.")
+    arr.setflags(write=False)
+    return arr
+
+
+def _check_close(value, target, what: str) -> None:
+    err = float(np.max(np.abs(np.asarray(value) - target), initial=0.0))
+    if err > _TOL:
+        raise ValueError(f"ImplicitTableau: {what} (off by {err:.3g}).")
+
+
+def _predictor(c: np.ndarray) -> np.ndarray:
+    """Rows of the Newton initial guess `kI_i ≈ Σ_j p[i, j] kI_j` (see module doc)."""
+    s = c.shape[0]
+    p = np.zeros((s, s))
+    for i in range(1, s):
+        if i == 1:
+            p[1, 0] = 1.0
+            continue
+        order = sorted(range(i), key=lambda j: (abs(c[j] - c[i]), -j))
+        j = order[0]
+        if abs(c[j] - c[i]) < 1e-14:  # a stage at the same time: copy it
+            p[i, j] = 1.0
+            continue
+        others = [m for m in order[1:] if abs(c[m] - c[j]) > 1e-14]
+        if not others:
+            p[i, j] = 1.0
+            continue
+        m = others[0]
+        theta = (c[i] - c[j]) / (c[m] - c[j])
+        if abs(theta) > 2.5:  # too far an extrapolation: hold the nearest value
+            p[i, j] = 1.0
+            continue
+        p[i, j] = 1.0 - theta
+        p[i, m] = theta
+    return p
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImplicitTableau:
+    """An ESDIRK method, or an additive (IMEX) pair with an ESDIRK implicit part.
+
+    Equality and hashing go by identity (each tableau is a module-level constant).
+
+    **Arguments:**
+
+    - `c`: `(s,)` nodes, `c[0] == 0`.
+    - `a_im`: `(s, s)` lower triangular implicit coefficients, `a_im[0, 0] == 0`.
+    - `b_im`: `(s,)` implicit weights.
+    - `b_err_im`: `(s,)` implicit error weights `b_im - b_hat_im`.
+    - `order`, `embedded_order`: orders of the solution and of the embedded method.
+    - `a_ex`, `b_ex`, `b_err_ex`: the explicit part of an additive method (strictly
+        lower triangular `a_ex`); `None` for an implicit method.
+    - `stage_order_c`: whether the rows of `a_ex` must also sum to `c` (always true
+        here; kept as a check).
+
+    **Raises:**
+
+    `ValueError` naming the first inconsistency found.
+    """
+
+    c: np.ndarray
+    a_im: np.ndarray
+    b_im: np.ndarray
+    b_err_im: np.ndarray
+    order: int
+    embedded_order: int
+    a_ex: np.ndarray | None = None
+    b_ex: np.ndarray | None = None
+    b_err_ex: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("c", "a_im", "b_im", "b_err_im", "a_ex", "b_ex", "b_err_ex"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _frozen(value, name))
+        s = self.c.shape[0]
+        for name, shape in (("a_im", (s, s)), ("b_im", (s,)), ("b_err_im", (s,))):
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"ImplicitTableau.{name} must have shape {shape}.")
+        if self.c[0] != 0 or self.a_im[0, 0] != 0:
+            raise ValueError("ImplicitTableau: stage 0 must be explicit at t0.")
+        if np.any(np.triu(self.a_im, k=1) != 0):
+            raise ValueError("ImplicitTableau.a_im must be lower triangular.")
+        if np.any(self.a_im.diagonal()[1:] <= 0):
+            raise ValueError("ImplicitTableau: the diagonal of a_im must be > 0.")
+        _check_close(self.a_im.sum(axis=1), self.c, "rows of a_im must sum to c")
+        _check_close(self.b_im.sum(), 1.0, "b_im must sum to 1")
+        _check_close(self.b_err_im.sum(), 0.0, "b_err_im must sum to 0")
+        if not 1 <= self.embedded_order < self.order or self.order < 1:
+            if not (self.order == 1 and self.embedded_order == 1):
+                raise ValueError("ImplicitTableau: bad order / embedded_order.")
+        if (self.a_ex is None) != (self.b_ex is None) or (self.a_ex is None) != (
+            self.b_err_ex is None
+        ):
+            raise ValueError("ImplicitTableau: give all of a_ex, b_ex, b_err_ex.")
+        if self.a_ex is not None:
+            assert self.b_ex is not None and self.b_err_ex is not None
+            if self.a_ex.shape != (s, s) or np.any(np.triu(self.a_ex) != 0):
+                raise ValueError("ImplicitTableau.a_ex must be strictly lower (s, s).")
+            _check_close(self.a_ex.sum(axis=1), self.c, "rows of a_ex must sum to c")
+            _check_close(self.b_ex.sum(), 1.0, "b_ex must sum to 1")
+            _check_close(self.b_err_ex.sum(), 0.0, "b_err_ex must sum to 0")
+        object.__setattr__(self, "predictor", _frozen(_predictor(self.c), "predictor"))
+
+    @property
+    def num_stages(self) -> int:
+        return self.c.shape[0]
+
+    @property
+    def imex(self) -> bool:
+        return self.a_ex is not None
+
+    @property
+    def stiffly_accurate(self) -> bool:
+        """Whether `y1` is the last stage's value (implicit method, `a_im[-1] == b`)."""
+        return (
+            not self.imex
+            and self.c[-1] == 1
+            and bool(np.all(np.abs(self.a_im[-1] - self.b_im) < 1e-15))
+        )
+
+    @property
+    def diagonals(self) -> tuple[float, ...]:
+        """The distinct diagonal values of the implicit stages (one LU each)."""
+        return tuple(sorted({float(g) for g in self.a_im.diagonal()[1:]}))
+
+
+def _lower(rows, diagonal) -> np.ndarray:
+    """`(s, s)` lower triangular matrix from rows 1 ... s-1 below the diagonal and the
+    diagonal values of rows 1 ... s-1."""
+    s = len(rows) + 1
+    a = np.zeros((s, s))
+    for i, row in enumerate(rows, start=1):
+        a[i, : len(row)] = row
+        a[i, i] = diagonal[i - 1] if np.ndim(diagonal) else diagonal
+    return a
+
+
+def _strict(rows) -> np.ndarray:
+    s = len(rows) + 1
+    a = np.zeros((s, s))
+    for i, row in enumerate(rows, start=1):
+        a[i, : len(row)] = row
+    return a
+
+
+def _root_near(coeffs, guess: float) -> float:
+    """The real root of the polynomial (highest power first) nearest `guess`, to the
+    last bit (Newton polish of `np.roots`)."""
+    roots = np.roots(coeffs)
+    x = float(roots[np.argmin(np.abs(roots - guess))].real)
+    for _ in range(3):
+        x -= np.polyval(coeffs, x) / np.polyval(np.polyder(coeffs), x)
+    return x
+
+
+# ---------------------------------------------------------------------------------
+# Implicit Euler: z1 = y0 + h f(t0 + h, z1); the error estimate is the difference to
+# the trapezoidal rule (with the stage values at hand), `h/2 (f(z1) - f(y0))`.
+
+IMPLICIT_EULER = ImplicitTableau(
+    c=[0.0, 1.0],
+    a_im=_lower([[0.0]], 1.0),
+    b_im=[0.0, 1.0],
+    b_err_im=[-0.5, 0.5],
+    order=1,
+    embedded_order=1,
+)
+
+
+# ---------------------------------------------------------------------------------
+# Kværnø, "Singly diagonally implicit Runge-Kutta methods with an explicit first
+# stage", BIT Numer. Math. 44 (2004) 489-502. Stiffly accurate ESDIRK pairs: the
+# last stage is the solution, the one before it the embedded method (also stiffly
+# accurate), so the error estimate is the difference of the last two stages.
+
+
+def _kvaerno(rows, gamma, c, order) -> ImplicitTableau:
+    a = _lower(rows, gamma)
+    b = a[-1].copy()
+    b_err = b - a[-2]
+    return ImplicitTableau(
+        c=c, a_im=a, b_im=b, b_err_im=b_err, order=order, embedded_order=order - 1
+    )
+
+
+def _kvaerno3() -> ImplicitTableau:
+    # Method 3/2 (4 stages). γ is the root of 6γ³ - 18γ² + 9γ - 1 near 0.4359
+    # (L-stability), printed as 0.43586652150 in the paper.
+    g = _root_near([6.0, -18.0, 9.0, -1.0], 0.4358665215)
+    a31 = (-4 * g**2 + 6 * g - 1) / (4 * g)
+    a32 = (-2 * g + 1) / (4 * g)
+    a41 = (6 * g - 1) / (12 * g)
+    a42 = -1 / ((24 * g - 12) * g)
+    a43 = (-6 * g**2 + 6 * g - 1) / (6 * g - 3)
+    rows = [[g], [a31, a32], [a41, a42, a43]]
+    return _kvaerno(rows, g, [0.0, 2 * g, 1.0, 1.0], 3)
+
+
+def _kvaerno4() -> ImplicitTableau:
+    # Method 4/3 (5 stages), the variant that advances with the 4th-order last
+    # stage; γ ≈ 0.5728160625 is the root of 24γ⁴ - 96γ³ + 72γ² - 16γ + 1 making it
+    # L-stable (the paper prints 0.5728160625).
+    g = _root_near([24.0, -96.0, 72.0, -16.0, 1.0], 0.5728160625)
+
+    def poly(*coeffs):
+        return np.polyval(coeffs, g)
+
+    q = poly(12, -6, 1)
+    a31 = poly(144, -180, 81, -15, 1) * g / q**2
+    a32 = poly(-36, 39, -15, 2) * g / q**2
+    a41 = poly(-144, 396, -330, 117, -18, 1) / (12 * g**2 * poly(12, -9, 2))
+    a42 = poly(72, -126, 69, -15, 1) / (12 * g**2 * poly(3, -1))
+    a43 = (poly(-6, 6, -1) * q**2) / (12 * g**2 * poly(12, -9, 2) * poly(3, -1))
+    a51 = poly(288, -312, 120, -18, 1) / (48 * g**2 * poly(12, -9, 2))
+    a52 = poly(24, -12, 1) / (48 * g**2 * poly(3, -1))
+    a53 = -(q**3) / (48 * g**2 * poly(3, -1) * poly(12, -9, 2) * poly(6, -6, 1))
+    a54 = poly(-24, 36, -12, 1) / poly(24, -24, 4)
+    rows = [[g], [a31, a32], [a41, a42, a43], [a51, a52, a53, a54]]
+    c = [0.0, 2 * g, g + a31 + a32, 1.0, 1.0]
+    return _kvaerno(rows, g, c, 4)
+
+
+def _kvaerno5() -> ImplicitTableau:
+    # Method 5/4 (7 stages), γ = 0.26, coefficients as printed in the paper (Table
+    # of the 5/4 pair; also published in OrdinaryDiffEq.jl's SDIRK tableaux).
+    g = 0.26
+    rows = [
+        [g],
+        [0.13, 0.84033320996790809],
+        [0.22371961478320505, 0.47675532319799699, -0.06470895363112615],
+        [
+            0.16648564323248321,
+            0.10450018841591720,
+            0.03631482272098715,
+            -0.13090704451073998,
+        ],
+        [
+            0.13855640231268224,
+            0.0,
+            -0.04245337201752043,
+            0.02446657898003141,
+            0.61943039072480676,
+        ],
+        [
+            0.13659751177640291,
+            0.0,
+            -0.05496908796538376,
+            -0.04118626728321046,
+            0.62993304899016403,
+            0.06962479448202728,
+        ],
+    ]
+    c = _lower(rows, g).sum(axis=1)
+    c[-2:] = 1.0  # the last two stages are at t0 + h (to rounding in the paper)
+    return _kvaerno(rows, g, c, 5)
+
+
+KVAERNO3 = _kvaerno3()
+KVAERNO4 = _kvaerno4()
+KVAERNO5 = _kvaerno5()

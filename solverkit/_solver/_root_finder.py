@@ -1,0 +1,280 @@
+"""Root finding for the implicit stages: `VeryChord`, `with_stepsize_controller_tols`,
+the simplified Newton iteration, and its derivative by the implicit function theorem.
+
+Each implicit stage solves `G(z) = z - ψ - γh f(t, z) = 0`. The iteration runs under
+`stop_gradient` (a `while_loop` is not reverse-differentiable); `implicit_root` then
+returns the root with the derivative the implicit function theorem gives,
+`dz = -(I - γh ∂f/∂z(t, z))^{-1} ∂G/∂p dp`, using the exact Jacobian at the root,
+so derivatives are exact whatever the iteration did. Every value the vector field
+depends on is an explicit operand of that rule.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import optimistix as optx
+from jaxtyping import Array, PyTree
+
+from .._select import where
+from ._linalg import Factorisation, factorise, jacobian
+
+
+class _UseStepSizeTol:
+    def __repr__(self) -> str:
+        return "<taken from `diffeqsolve(..., stepsize_controller=...)`>"
+
+
+use_stepsize_tol = _UseStepSizeTol()
+
+
+class VeryChord(eqx.Module):
+    """The chord method of the implicit stages: one Jacobian per step (at the start
+    of the step), reused by every stage and every iteration, with one LU
+    factorisation of `I - γh J` per step.
+
+    Convergence follows Hairer & Wanner (Solving ODEs II, IV.8): with the rate
+    `θ = ‖Δ_k‖ / ‖Δ_{k-1}‖`, the iteration has converged when
+    `θ / (1 - θ) ‖Δ_k‖ <= kappa` (norms scaled by `atol + rtol |z|`); it has
+    diverged only when `θ >= 1`, and it gives up early when even at rate `θ` the
+    remaining iterations cannot meet the tolerance. Slow convergence is not
+    divergence.
+
+    **Arguments:**
+
+    - `rtol`, `atol`: tolerances of the iteration (by default those of the step-size
+        controller: `with_stepsize_controller_tols(VeryChord)()`).
+    - `norm`: the norm of the scaled increments (by default the controller's).
+    - `kappa`: the fraction of the tolerance the iteration error must reach.
+    """
+
+    rtol: Any
+    atol: Any
+    norm: Callable[[PyTree], Array] = optx.max_norm
+    kappa: float = 1e-2
+
+
+def with_stepsize_controller_tols(cls: type) -> Callable[..., Any]:
+    """Wrap a root-finder class (`VeryChord`, or an optimistix root finder such as
+    `optimistix.Chord` or `optimistix.Newton`) so that it takes `rtol`, `atol` and
+    `norm` from the step-size controller passed to `diffeqsolve`.
+
+    **Arguments:**
+
+    - `cls`: the class.
+
+    **Returns:**
+
+    A function taking `cls`'s other arguments and returning the root finder.
+    """
+
+    def make(*args, **kwargs):
+        for name in ("rtol", "atol", "norm"):
+            if name in kwargs:
+                raise ValueError(
+                    f"`{name}` is taken from the step-size controller; construct "
+                    f"`{cls.__name__}(..., {name}=...)` directly to set it."
+                )
+        finder = cls(*args, rtol=jnp.inf, atol=jnp.inf, norm=optx.max_norm, **kwargs)
+        return eqx.tree_at(
+            lambda f: (f.rtol, f.atol, f.norm),
+            finder,
+            (use_stepsize_tol, use_stepsize_tol, use_stepsize_tol),
+        )
+
+    return make
+
+
+def bind_tols(root_finder, stepsize_controller, solver_name: str):
+    """`root_finder` with every `use_stepsize_tol` field taken from the controller;
+    a `ValueError` when the controller has no tolerances."""
+    names = [
+        n
+        for n in ("rtol", "atol", "norm")
+        if getattr(root_finder, n, None) is use_stepsize_tol
+    ]
+    if not names:
+        return root_finder
+    if getattr(stepsize_controller, "rtol", None) is None:
+        raise ValueError(
+            f"{solver_name} takes the tolerances of its root finder from the "
+            f"step-size controller, but {type(stepsize_controller).__name__} has "
+            f"none. Pass them, e.g. `{solver_name}(root_finder="
+            "VeryChord(rtol=1e-6, atol=1e-6))`, or use an adaptive controller "
+            "such as `PIDController(rtol=..., atol=...)`."
+        )
+    values = tuple(getattr(stepsize_controller, n) for n in names)
+    return eqx.tree_at(
+        lambda f: tuple(getattr(f, n) for n in names), root_finder, values
+    )
+
+
+# ---------------------------------------------------------------------------------
+# The stage equation and its derivative.
+
+
+class Stage(NamedTuple):
+    """The data of one stage equation `z = psi + gamma_h * f(t, z)`."""
+
+    term: Any  # has .vf(t, y, args)
+    t: Array
+    psi: PyTree
+    gamma_h: Array
+    args: PyTree
+
+
+def residual(z, stage: Stage):
+    """`G(z) = z - psi - γh f(t, z)`."""
+    f = stage.term.vf(stage.t, z, stage.args)
+    return jtu.tree_map(
+        lambda zi, p, fi: zi - p - jnp.asarray(stage.gamma_h, zi.dtype) * fi,
+        z,
+        stage.psi,
+        f,
+    )
+
+
+@eqx.filter_custom_jvp
+def implicit_root(z, stage: Stage):
+    """`z` (a root of `residual(·, stage)`, found without gradients), with the
+    derivative of the exact root with respect to `stage` (implicit function theorem).
+    """
+    return z
+
+
+@implicit_root.def_jvp
+def _implicit_root_jvp(primals, tangents):
+    z, stage = primals
+    _, t_stage = tangents
+    z = lax.stop_gradient(z)
+    if t_stage is None:
+        return z, jtu.tree_map(jnp.zeros_like, z)
+    is_none = lambda x: x is None  # noqa: E731
+    diff = jtu.tree_map(
+        lambda t, s: None if t is None else s, t_stage, stage, is_leaf=is_none
+    )
+    rest = jtu.tree_map(
+        lambda t, s: s if t is None else None, t_stage, stage, is_leaf=is_none
+    )
+    t_diff = jtu.tree_map(lambda t: t, t_stage, is_leaf=is_none)
+
+    def g(d):
+        return residual(z, eqx.combine(d, rest))
+
+    _, dg = jax.jvp(g, (diff,), (t_diff,))
+    jac, _ = jacobian(lambda t, y: stage.term.vf(t, y, stage.args), stage.t, z)
+    lu = factorise(jac, stage.gamma_h)
+    dz = lu.solve(jtu.tree_map(jnp.negative, dg))
+    return z, dz
+
+
+# ---------------------------------------------------------------------------------
+# The simplified Newton (chord) iteration.
+
+SUCCESS, DIVERGED, NOT_CONVERGED = 0, 1, 2
+
+
+def _scaled_norm(delta, z, rtol, atol, norm) -> Array:
+    def leaf(d, zi):
+        scale = atol + rtol * jnp.abs(zi)
+        return d / scale.astype(d.dtype)
+
+    return norm(jtu.tree_map(leaf, delta, z))
+
+
+def _roundoff(delta, z) -> Array:
+    """Whether the increment is at the level of rounding error in every leaf."""
+    small = [
+        jnp.all(jnp.abs(d) <= 100 * jnp.finfo(d.dtype).eps * jnp.abs(zi))
+        for d, zi in zip(jtu.tree_leaves(delta), jtu.tree_leaves(z))
+    ]
+    return jnp.all(jnp.stack(small)) if small else jnp.asarray(True)
+
+
+class _Newton(NamedTuple):
+    k: Array
+    z: PyTree
+    last: Array  # scaled norm of the previous increment
+    eta: Array
+    status: Array  # SUCCESS while iterating or on convergence
+    done: Array
+
+
+def chord(
+    finder: VeryChord,
+    stage: Stage,
+    z0: PyTree,
+    lu: Factorisation,
+    eta0: Array,
+    max_steps: int,
+) -> tuple[PyTree, Array, Array]:
+    """Solve the stage equation by the chord method with the factorised iteration
+    matrix `lu` (no gradients flow through it: see `implicit_root`).
+
+    **Returns:**
+
+    `(z, status, eta)`: the iterate, `SUCCESS`/`DIVERGED`/`NOT_CONVERGED`, and the
+    convergence factor `θ/(1-θ)` to start the next stage's iteration from.
+    """
+    rtol, atol, kappa = finder.rtol, finder.atol, finder.kappa
+    dtype = jnp.result_type(*jtu.tree_leaves(z0))
+    real = jnp.finfo(dtype).dtype
+
+    def body(s: _Newton) -> _Newton:
+        delta = lu.solve(jtu.tree_map(jnp.negative, residual(s.z, stage)))
+        size = _scaled_norm(delta, s.z, rtol, atol, finder.norm).astype(real)
+        z = jtu.tree_map(jnp.add, s.z, delta)
+        first = s.k == 0
+        theta = where(first, 0.0, size / where(s.last > 0, s.last, 1.0))
+        eta = where(first, s.eta, theta / jnp.maximum(1 - theta, 1e-10))
+        finite = jnp.isfinite(size)
+        diverged = ~finite | (~first & (theta >= 1))
+        converged = finite & (
+            (eta * size <= kappa) | (size == 0) | _roundoff(delta, s.z)
+        )
+        remaining = max_steps - s.k - 1
+        hopeless = ~first & (theta**remaining / (1 - theta) * size > kappa)
+        out_of_steps = remaining <= 0
+        failed = ~converged & (diverged | hopeless | out_of_steps)
+        status = where(
+            diverged & ~converged, DIVERGED, where(failed, NOT_CONVERGED, SUCCESS)
+        )
+        return _Newton(
+            s.k + 1,
+            z,
+            size,
+            jnp.where(first, s.eta, eta),
+            status,
+            converged | failed,
+        )
+
+    init = _Newton(
+        jnp.asarray(0),
+        z0,
+        jnp.asarray(1.0, real),
+        jnp.asarray(eta0, real),
+        jnp.asarray(SUCCESS),
+        jnp.asarray(False),
+    )
+    out = lax.while_loop(lambda s: ~s.done, body, init)
+    return out.z, out.status, out.eta
+
+
+def optx_solve(
+    finder, stage: Stage, z0: PyTree, max_steps: int
+) -> tuple[PyTree, Array]:
+    """Solve the stage equation with an optimistix root finder (its own Jacobians).
+
+    **Returns:**
+
+    `(z, status)`.
+    """
+    sol = optx.root_find(residual, finder, z0, stage, max_steps=max_steps, throw=False)
+    ok = sol.result == optx.RESULTS.successful
+    out_of_steps = sol.result == optx.RESULTS.max_steps_reached
+    status = where(ok, SUCCESS, where(out_of_steps, NOT_CONVERGED, DIVERGED))
+    return sol.value, status
