@@ -7,17 +7,19 @@ Per step: the Jacobian of the implicit term is the one carried in the solver sta
 exact derivatives from the implicit function theorem (`_root_finder.implicit_root`).
 """
 
+import functools
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, PyTree
 
 from .._select import where
 from .._solution import RESULTS
-from ._base import AbstractAdaptiveSolver, axpy
+from ._base import AbstractAdaptiveSolver
 from ._implicit_tableau import (
     IMPLICIT_EULER,
     ImplicitTableau,
@@ -116,80 +118,84 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         del made_jump
         tab = self.tableau
         ex, im = self._terms(terms)
+        t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         h = t1 - t0
         state: ImplicitState = solver_state
-        lus = {}
+        lu = None
         if self._uses_chord():
             jac = lax.stop_gradient(state.jac)
-            lus = {g: factorise(jac, g * h) for g in tab.diagonals}
-        k_im, k_ex = [state.f_implicit], [state.f_explicit]
-        status = jnp.asarray(SUCCESS)
-        eta = state.eta
-        z = y0
-        for i in range(1, tab.num_stages):
-            ti = t1 if tab.c[i] == 1 else t0 + float(tab.c[i]) * h
-            pairs = list(zip(tab.a_im[i, :i], k_im))
-            if ex is not None:
-                pairs += list(zip(tab.a_ex[i, :i], k_ex))  # pyright: ignore
-            psi = axpy(y0, h, pairs)
-            gamma = float(tab.a_im[i, i])
-            guess = axpy(psi, gamma * h, list(zip(tab.predictor[i, :i], k_im)))
-            stage = Stage(im, ti, psi, gamma * h, args)
-            z, stage_status, eta = self._solve(stage, guess, lus.get(gamma), eta)
-            status = where(status == SUCCESS, stage_status, status)
-            z = implicit_root(z, stage)
-            k_im.append(
-                jtu.tree_map(
-                    lambda zi, p: (zi - p) / jnp.asarray(gamma * h, zi.dtype), z, psi
-                )
-            )
-            if ex is not None:
-                k_ex.append(ex.vf(ti, z, args))
+            # One LU per distinct diagonal value (one for an ESDIRK method).
+            lus = [factorise(jac, g * h) for g in tab.diagonals]
+            lu = jtu.tree_map(lambda *x: jnp.stack(x), *lus)
+        stack = lambda f: jtu.tree_map(  # noqa: E731
+            lambda x: jnp.zeros((tab.num_stages,) + x.shape, x.dtype).at[0].set(x), f
+        )
+        carry = (
+            stack(state.f_implicit),
+            None if ex is None else stack(state.f_explicit),
+            y0,
+            jnp.asarray(SUCCESS),
+            state.eta,
+        )
+        body = functools.partial(self._stage, ex, im, t0, t1, h, y0, args, lu)
+        k_im, k_ex, z, status, eta = lax.fori_loop(1, tab.num_stages, body, carry)
         return self._finish(terms, t1, y0, h, args, z, k_im, k_ex, status, eta)
 
-    def _solve(self, stage, guess, lu, eta):
+    def _stage(self, ex, im, t0, t1, h, y0, args, lu, i, carry):
+        """Stage `i` of a step: solve for its value, store its slopes."""
+        tab = self.tableau
+        k_im, k_ex, _, status, eta = carry
+        c = jnp.asarray(tab.c, h.dtype)[i]
+        ti = where(c == 1, t1, t0 + c * h)
+        gamma_h = jnp.asarray(tab.a_im.diagonal(), h.dtype)[i] * h
+        psi = _combine(y0, h, [(tab.a_im, k_im), (tab.a_ex, k_ex)], i)
+        guess = _combine(psi, gamma_h, [(tab.predictor, k_im)], i)
+        stage = Stage(im, ti, psi, gamma_h, args)
         if lu is None:
-            z, status = optx_solve(
-                self.root_finder,
-                _nograd(stage),
-                _nograd(guess),
+            z, stage_status = optx_solve(
+                *_nograd((self.root_finder, stage, guess)),
                 self.root_find_max_steps,
             )
-            return z, status, eta
-        eta0 = jnp.maximum(eta, jnp.finfo(eta.dtype).eps) ** 0.8
-        return chord(
-            self.root_finder,
-            _nograd(stage),
-            _nograd(guess),
-            lu,
-            eta0,
-            self.root_find_max_steps,
-        )
+        else:
+            which = jnp.asarray(_lu_index(tab))[i]
+            lu_i = jtu.tree_map(lambda x: x[which], lu)
+            eta0 = jnp.maximum(eta, jnp.finfo(eta.dtype).eps) ** 0.8
+            z, stage_status, eta = chord(
+                *_nograd((self.root_finder, stage, guess, lu_i, eta0)),
+                self.root_find_max_steps,
+                lax.stop_gradient(y0),
+            )
+        status = where(status == SUCCESS, stage_status, status)
+        z = implicit_root(z, stage)
+        # A zero step (an inactive step of a batch or scan) must not divide by zero,
+        # not even in a branch that is masked out, or its gradient is NaN.
+        safe = where(gamma_h == 0, 1, gamma_h)
+        k = jtu.tree_map(lambda zi, p: (zi - p) / safe.astype(zi.dtype), z, psi)
+        k_im = jtu.tree_map(lambda ks, x: ks.at[i].set(x), k_im, k)
+        if ex is not None:
+            f = ex.vf(ti, z, args)
+            k_ex = jtu.tree_map(lambda ks, x: ks.at[i].set(x), k_ex, f)
+        return k_im, k_ex, z, status, eta
 
     def _finish(self, terms, t1, y0, h, args, z, k_im, k_ex, status, eta):
         tab = self.tableau
-        imex = k_ex[0] is not None
+        last = tab.num_stages - 1
+        pick = lambda ks, j: jtu.tree_map(lambda x: x[j], ks)  # noqa: E731
         if tab.stiffly_accurate:
             y1 = z
-            f_implicit1 = k_im[-1]  # = f(t1, y1) at the root
+            f_implicit1 = pick(k_im, last)  # = f(t1, y1) at the root
         else:
-            pairs = list(zip(tab.b_im, k_im))
-            if imex:
-                pairs += list(zip(tab.b_ex, k_ex))  # pyright: ignore
-            y1 = axpy(y0, h, pairs)
+            y1 = _combine(y0, h, [(tab.b_im, k_im), (tab.b_ex, k_ex)])
             f_implicit1 = None
         zero = jtu.tree_map(jnp.zeros_like, y0)
-        pairs = list(zip(tab.b_err_im, k_im))
-        if imex:
-            pairs += list(zip(tab.b_err_ex, k_ex))  # pyright: ignore
-        y_error = axpy(zero, h, pairs)
+        y_error = _combine(zero, h, [(tab.b_err_im, k_im), (tab.b_err_ex, k_ex)])
         ok = status == SUCCESS
         y_error = jtu.tree_map(lambda e: where(ok, e, jnp.inf), y_error)
         new_state = self._start(terms, t1, y1, args, f_implicit1)
         new_state = new_state._replace(eta=eta)
-        f0 = k_im[0] if not imex else _add(k_ex[0], k_im[0])
-        f1 = new_state.f_implicit
-        if imex:
+        f0, f1 = pick(k_im, 0), new_state.f_implicit
+        if k_ex is not None:
+            f0 = _add(pick(k_ex, 0), f0)
             f1 = _add(new_state.f_explicit, f1)
         dense_info = dict(y0=y0, y1=y1, f0=f0, f1=f1)
         result = RESULTS.where(
@@ -202,6 +208,28 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             ),
         )
         return y1, y_error, dense_info, new_state, result
+
+
+def _lu_index(tab: ImplicitTableau) -> np.ndarray:
+    """For each stage, which of the step's LU factorisations it uses."""
+    diag = tab.a_im.diagonal()
+    return np.array([tab.diagonals.index(float(g)) if g else 0 for g in diag])
+
+
+def _combine(y, h, terms, row=None):
+    """`y + h Σ_terms coeffs[row] · stack` leafwise (`coeffs` a NumPy matrix indexed
+    by the traced `row`, or a vector when `row` is None; `None` terms skipped)."""
+    terms = [(c, k) for c, k in terms if c is not None and k is not None]
+
+    def leaf(y_leaf, *stacks):
+        acc = jnp.zeros_like(y_leaf)
+        for (coeffs, _), k in zip(terms, stacks):
+            w = jnp.asarray(coeffs, y_leaf.dtype)
+            w = w if row is None else w[row]
+            acc = acc + jnp.tensordot(w, k, axes=1)
+        return y_leaf + jnp.asarray(h, y_leaf.dtype) * acc
+
+    return jtu.tree_map(leaf, y, *[k for _, k in terms])
 
 
 class ImplicitEuler(AbstractImplicitRK):

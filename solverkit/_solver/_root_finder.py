@@ -211,6 +211,7 @@ def chord(
     lu: Factorisation,
     eta0: Array,
     max_steps: int,
+    ref: PyTree,
 ) -> tuple[PyTree, Array, Array]:
     """Solve the stage equation by the chord method with the factorised iteration
     matrix `lu` (no gradients flow through it: see `implicit_root`).
@@ -226,7 +227,7 @@ def chord(
 
     def body(s: _Newton) -> _Newton:
         delta = lu.solve(jtu.tree_map(jnp.negative, residual(s.z, stage)))
-        size = _scaled_norm(delta, s.z, rtol, atol, finder.norm).astype(real)
+        size = _scaled_norm(delta, ref, rtol, atol, finder.norm).astype(real)
         z = jtu.tree_map(jnp.add, s.z, delta)
         first = s.k == 0
         theta = where(first, 0.0, size / where(s.last > 0, s.last, 1.0))

@@ -1,0 +1,379 @@
+"""Implicit (ESDIRK) and IMEX solvers: tableaux, convergence order, stiff problems
+against scipy's Radau and diffrax, the chord iteration's verdicts, and gradients
+through every adjoint (vector fields closing over a differentiated float, a vmapped
+int index and a bool mask)."""
+
+import functools
+import math
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.integrate
+from helpers import float64
+
+import solverkit as sk
+from solverkit._solver import _root_finder as rf
+from solverkit._solver._implicit import ImplicitState
+from solverkit._solver._implicit_tableau import (
+    IMPLICIT_EULER,
+    KVAERNO3,
+    KVAERNO4,
+    KVAERNO5,
+)
+
+
+IMPLICIT = [
+    (sk.ImplicitEuler, IMPLICIT_EULER),
+    (sk.Kvaerno3, KVAERNO3),
+    (sk.Kvaerno4, KVAERNO4),
+    (sk.Kvaerno5, KVAERNO5),
+]
+TIGHT = sk.VeryChord(rtol=1e-13, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------------
+# Order conditions (Butcher trees; for additive methods every colouring of a tree).
+
+
+@functools.cache
+def trees(n: int) -> tuple[tuple, ...]:
+    """Every rooted tree with `n` nodes, each a sorted tuple of its subtrees."""
+    if n == 1:
+        return ((),)
+    found = set()
+
+    def forests(m: int, smallest: tuple) -> list[tuple]:
+        if m == 0:
+            return [()]
+        out = []
+        for k in range(1, m + 1):
+            for t in trees(k):
+                if (k, t) >= smallest:
+                    out += [(t, *rest) for rest in forests(m - k, (k, t))]
+        return out
+
+    for forest in forests(n - 1, (0, ())):
+        found.add(tuple(sorted(forest)))
+    return tuple(sorted(found))
+
+
+def size(t: tuple) -> int:
+    return 1 + sum(size(u) for u in t)
+
+
+def density(t: tuple) -> int:
+    return size(t) * math.prod(density(u) for u in t)
+
+
+def phi_root(t: tuple, mats: list, colours: tuple) -> tuple[np.ndarray, int]:
+    """(Φ over stages of the subtree, its root colour); pre-order colours."""
+    it = iter(colours)
+
+    def walk(u):
+        colour = next(it)
+        out = np.ones(mats[0].shape[0])
+        for v in u:
+            child, child_colour = walk(v)
+            out = out * (mats[child_colour] @ child)
+        return out, colour
+
+    return walk(t)
+
+
+def order_residual(mats: list, bs: list, order: int) -> float:
+    """Largest violation of the (additive) order conditions up to `order`."""
+    worst = 0.0
+    for n in range(1, order + 1):
+        for t in trees(n):
+            for colours in np.ndindex(*(len(mats),) * n):
+                phi, root = phi_root(t, mats, colours)
+                worst = max(worst, abs(bs[root] @ phi - 1 / density(t)))
+    return worst
+
+
+@pytest.mark.parametrize("cls, tab", IMPLICIT, ids=lambda x: getattr(x, "__name__", ""))
+def test_tableau_order_conditions(cls, tab):
+    assert order_residual([tab.a_im], [tab.b_im], tab.order) < 1e-10
+    assert order_residual([tab.a_im], [tab.b_im], tab.order + 1) > 1e-6
+    b_hat = tab.b_im - tab.b_err_im
+    emb = tab.embedded_order
+    assert order_residual([tab.a_im], [b_hat], emb) < 1e-10
+    if tab.order > 1:  # the order of the embedded method is no higher
+        assert order_residual([tab.a_im], [b_hat], emb + 1) > 1e-8
+    assert tab.stiffly_accurate
+    assert len(tab.diagonals) == 1  # one LU per step
+    # L-stability: the stability function R(z) -> 0 as z -> -inf.
+    a, b = tab.a_im, tab.b_im
+    z = -1e8
+    s = a.shape[0]
+    r = 1 + z * b @ np.linalg.solve(np.eye(s) - z * a, np.ones(s))
+    assert abs(r) < 1e-6
+
+
+# ---------------------------------------------------------------------------------
+# Convergence order on a nonlinear, non-autonomous problem with a known solution,
+# y' = -2 t y^2 (y(0) = 1, y = 1 / (1 + t^2)), and a forced linear component (not
+# stiff at these steps: stiff components show the order reduction of stage order 2).
+
+
+def _field(t, y, args):
+    return jnp.stack([-2 * t * y[0] ** 2, -2.0 * (y[1] - jnp.cos(t))])
+
+
+def _exact(t):
+    y1 = (4 * jnp.cos(t) + 2 * jnp.sin(t) + jnp.exp(-2.0 * t)) / 5
+    return jnp.stack([1 / (1 + t**2), y1])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fixed_solve(solver, dt):
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_field), solver, 0.0, 1.0, dt, jnp.array([1.0, 1.0]), max_steps=64
+    )
+    return sol.ys[-1]
+
+
+@pytest.mark.parametrize("cls", [c for c, _ in IMPLICIT], ids=lambda c: c.__name__)
+def test_convergence_order(cls):
+    with float64():
+        solver = cls(root_finder=TIGHT)
+        dts = np.array([1 / 8, 1 / 12, 1 / 16, 1 / 24, 1 / 32])
+        errors = [
+            float(jnp.max(jnp.abs(_fixed_solve(solver, dt) - _exact(1.0))))
+            for dt in dts
+        ]
+        slope = np.polyfit(np.log(dts), np.log(errors), 1)[0]
+        assert abs(slope - solver.order(None)) < 0.35, (slope, errors)
+
+
+# ---------------------------------------------------------------------------------
+# Stiff problems against scipy's Radau at tight tolerance, and against diffrax.
+
+
+def _rober(t, y, args):
+    # `args` is the array module: jax.numpy in solves, NumPy for scipy.
+    xp = jnp if args is None else args
+    k1, k2, k3 = 0.04, 3e7, 1e4
+    return xp.stack(
+        [
+            -k1 * y[0] + k3 * y[1] * y[2],
+            k1 * y[0] - k2 * y[1] ** 2 - k3 * y[1] * y[2],
+            k2 * y[1] ** 2,
+        ]
+    )
+
+
+def _vdp(t, y, args):
+    xp = jnp if args is None else args
+    mu = 1000.0
+    return xp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
+
+
+def _scipy(fn, t1, y0):
+    # The same field in NumPy (`fn` is written for either), for a fast reference.
+    sol = scipy.integrate.solve_ivp(
+        lambda t, y: np.array(fn(t, y, np), dtype=np.float64),
+        (0.0, t1),
+        np.asarray(y0),
+        method="Radau",
+        rtol=1e-11,
+        atol=1e-13,
+    )
+    return sol.y[:, -1]
+
+
+@pytest.mark.parametrize(
+    "fn, t1, y0, rtol",
+    [(_rober, 1e4, [1.0, 0.0, 0.0], 1e-5), (_vdp, 100.0, [2.0, 0.0], 1e-4)],
+    ids=["rober", "vdp1000"],
+)
+def test_stiff_against_radau(fn, t1, y0, rtol):
+    with float64():
+        sol = sk.diffeqsolve(
+            sk.ODETerm(fn),
+            sk.Kvaerno5(),
+            0.0,
+            t1,
+            1e-6,
+            jnp.array(y0),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-12),
+            max_steps=20_000,
+        )
+        ref = _scipy(fn, t1, y0)
+        np.testing.assert_allclose(np.asarray(sol.ys[-1]), ref, rtol=rtol, atol=1e-9)
+        assert int(sol.stats["num_steps"]) < 2_000
+
+
+def _linear_stiff(t, y, args):
+    a = jnp.array([[-1.0, 0.5], [0.0, -1000.0]])
+    return a @ y + jnp.stack([jnp.sin(t), 0.0])
+
+
+def test_same_as_diffrax():
+    """On a problem where both root finders converge at once, step sequences agree."""
+    with float64():
+        out = {}
+        for lib in (sk, diffrax):
+            sol = lib.diffeqsolve(
+                lib.ODETerm(_linear_stiff),
+                lib.Kvaerno5(),
+                0.0,
+                10.0,
+                1e-3,
+                jnp.array([1.0, 1.0]),
+                stepsize_controller=lib.PIDController(rtol=1e-7, atol=1e-9),
+            )
+            out[lib] = (int(sol.stats["num_steps"]), np.asarray(sol.ys[-1]))
+        steps, ys = out[sk]
+        steps_dfx, ys_dfx = out[diffrax]
+        assert abs(steps - steps_dfx) <= 0.2 * steps_dfx, (steps, steps_dfx)
+        np.testing.assert_allclose(ys, ys_dfx, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------
+# The chord iteration: its verdicts, called on one step directly.
+
+
+def _one_step(jac_scale: float, max_steps: int, h: float = 10.0):
+    """One Kvaerno3 step of y' = -y with the Jacobian in the state scaled by
+    `jac_scale` (so that the chord iteration contracts at a chosen rate)."""
+    term = sk.ODETerm(lambda t, y, args: -y)
+    solver = sk.Kvaerno3(root_finder=sk.VeryChord(rtol=1e-10, atol=1e-10))
+    solver = sk.Kvaerno3(
+        root_finder=solver.root_finder, root_find_max_steps=max_steps
+    )
+    y0 = jnp.array([1.0])
+    state = solver.init(term, 0.0, h, y0, None)
+    state = state._replace(jac=jac_scale * state.jac)
+    return solver.step(term, 0.0, h, y0, None, state)
+
+
+def test_chord_slow_convergence_is_not_divergence():
+    with float64():
+        # With half the Jacobian and γh = 4.4 the iteration contracts by ~0.69.
+        y1, err, _, _, result = _one_step(0.5, 100)
+        assert result == sk.RESULTS.successful
+        np.testing.assert_allclose(np.asarray(y1), np.asarray(_one_step(1.0, 10)[0]))
+        # Too few iterations at that rate: not converged, but never "diverged".
+        *_, result = _one_step(0.5, 3)
+        assert result == sk.RESULTS.implicit_nonconvergence
+        # A fifth of the Jacobian: the iteration grows (rate ~2.4): diverged.
+        _, err, _, _, result = _one_step(0.2, 100)
+        assert result == sk.RESULTS.implicit_divergence
+        assert np.all(np.isinf(np.asarray(err)))
+
+
+def test_results_messages():
+    for name in ("implicit_divergence", "implicit_nonconvergence"):
+        message = sk.RESULTS[sk.RESULTS[name]]
+        assert "implicit" in message and "`" in message
+
+
+# ---------------------------------------------------------------------------------
+# Errors.
+
+
+def test_constant_step_needs_tolerances():
+    term = sk.ODETerm(lambda t, y, args: -y)
+    with pytest.raises(ValueError, match="root_finder=VeryChord"):
+        sk.diffeqsolve(term, sk.Kvaerno5(), 0.0, 1.0, 0.1, jnp.array([1.0]))
+    with pytest.raises(ValueError, match="taken from the step-size controller"):
+        sk.with_stepsize_controller_tols(sk.VeryChord)(rtol=1e-3)
+
+
+def test_root_finder_tolerances_from_controller():
+    solver = sk.Kvaerno5().bind_controller_tols(
+        sk.PIDController(rtol=1e-4, atol=1e-7)
+    )
+    assert solver.root_finder.rtol == 1e-4 and solver.root_finder.atol == 1e-7
+
+
+# ---------------------------------------------------------------------------------
+# Gradients: a field closing over a differentiated float `p`, a vmapped int index
+# and a bool mask; fixed steps so that finite differences see the same steps.
+
+_TABLE = np.array([1.0, 3.0])  # NumPy: float64 inside `float64()`
+
+
+def _loss(p, index, mask, solver, adjoint, controller, dt):
+    def field(t, y, args):
+        rate = p * jnp.asarray(_TABLE)[index] * jnp.where(mask, 20.0, 1.0)
+        return jnp.stack([-rate * (y[0] - jnp.cos(t)), p * y[0] - y[1] ** 2])
+
+    sol = sk.diffeqsolve(
+        sk.ODETerm(field),
+        solver,
+        0.0,
+        1.0,
+        dt,
+        jnp.array([1.0, 0.5]),
+        adjoint=adjoint,
+        stepsize_controller=controller,
+        max_steps=256,
+    )
+    return jnp.sum(sol.ys[-1] ** 2)
+
+
+_FIXED = dict(controller=sk.ConstantStepSize(), dt=0.05)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _grads(p, index, mask, solver, adjoint):
+    loss = functools.partial(_loss, solver=solver, adjoint=adjoint, **_FIXED)
+    return jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0, 0))(p, index, mask)
+
+
+@pytest.mark.parametrize("cls", [sk.ImplicitEuler, sk.Kvaerno5], ids=lambda c: c.__name__)
+def test_gradients_discrete_adjoints(cls):
+    with float64():
+        solver = cls(root_finder=sk.VeryChord(rtol=1e-12, atol=1e-12))
+        p = jnp.asarray(0.7)
+        index = jnp.array([0, 1])
+        mask = jnp.array([True, False])
+        values, g_rc = _grads(p, index, mask, solver, sk.RecursiveCheckpointAdjoint())
+        _, g_direct = _grads(p, index, mask, solver, sk.DirectAdjoint())
+        np.testing.assert_allclose(np.asarray(g_direct), np.asarray(g_rc), rtol=1e-9)
+        eps = 1e-6
+        up, _ = _grads(p + eps, index, mask, solver, sk.RecursiveCheckpointAdjoint())
+        down, _ = _grads(p - eps, index, mask, solver, sk.RecursiveCheckpointAdjoint())
+        fd = (np.asarray(up) - np.asarray(down)) / (2 * eps)
+        np.testing.assert_allclose(np.asarray(g_rc), fd, rtol=1e-6)
+        # Forward mode through DirectAdjoint.
+        loss = functools.partial(
+            _loss, solver=solver, adjoint=sk.DirectAdjoint(), **_FIXED
+        )
+        _, tangent = jax.jvp(lambda q: loss(q, 1, False), (p,), (jnp.asarray(1.0),))
+        np.testing.assert_allclose(float(tangent), float(g_rc[1]), rtol=1e-9)
+
+
+def test_gradients_backsolve():
+    """The continuous adjoint, with an adaptive step, agrees with the discrete one
+    to the tolerance of the solves."""
+    with float64():
+        solver = sk.Kvaerno5()
+        controller = sk.PIDController(rtol=1e-9, atol=1e-9)
+        p = jnp.asarray(0.7)
+
+        def grads(adjoint):
+            loss = functools.partial(
+                _loss, solver=solver, adjoint=adjoint, controller=controller, dt=0.01
+            )
+            fn = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))
+            return jax.jit(fn)(p, jnp.array([0, 1]), jnp.array([True, False]))
+
+        g_back = grads(sk.BacksolveAdjoint())
+        g_rc = grads(sk.RecursiveCheckpointAdjoint())
+        np.testing.assert_allclose(np.asarray(g_back), np.asarray(g_rc), rtol=1e-5)
+
+
+def test_optimistix_root_finder():
+    import optimistix as optx
+
+    with float64():
+        out = []
+        for finder in (optx.Newton(rtol=1e-10, atol=1e-10), TIGHT):
+            out.append(_fixed_solve(sk.Kvaerno3(root_finder=finder), 0.1))
+        np.testing.assert_allclose(np.asarray(out[0]), np.asarray(out[1]), rtol=1e-9)
