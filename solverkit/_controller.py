@@ -323,6 +323,7 @@ class PIDController(AbstractStepSizeController):
     ):
         prev, prev_prev, at_dtmin = controller_state
         order = self._order(error_order)
+        t0, t1 = _times_of(t0, t1)
 
         def scale(e, a, b):
             b = where(jnp.isfinite(b), b, a)
@@ -458,6 +459,7 @@ class ClipStepSizeController(AbstractStepSizeController):
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
     ):
         inner, jump = controller_state
+        t0, t1 = _times_of(t0, t1)
         keep, next_t0, next_t1, made_jump, inner, result = (
             self.controller.adapt_step_size(
                 t0, t1, y0, y1_candidate, args, y_error, error_order, inner
