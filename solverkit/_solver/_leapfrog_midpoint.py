@@ -2,8 +2,8 @@
 
 import jax.tree_util as jtu
 
+from .._local_interpolation import LocalLinearInterpolation
 from ._base import AbstractSolver, successful
-from ._reversible_heun import linear
 
 
 class LeapfrogMidpoint(AbstractSolver):
@@ -11,6 +11,8 @@ class LeapfrogMidpoint(AbstractSolver):
     t_{n-1}) f(t_n, y_n)`, started by an Euler step: second order, no error estimate
     (use `ConstantStepSize`). Its state is the previous point. Linear dense output.
     """
+
+    interpolation_cls = LocalLinearInterpolation
 
     def order(self, terms) -> int:
         return 2
@@ -29,6 +31,3 @@ class LeapfrogMidpoint(AbstractSolver):
         span = t1 - t_prev
         y1 = jtu.tree_map(lambda a, f: a + span.astype(a.dtype) * f, y_prev, f0)
         return y1, None, dict(y0=y0, y1=y1), (t0, y0), successful
-
-    def interpolate(self, dense_info, t0, t1, t):
-        return linear(dense_info, t0, t1, t)

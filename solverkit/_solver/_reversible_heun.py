@@ -2,19 +2,8 @@
 
 import jax.tree_util as jtu
 
-from .._select import where
+from .._local_interpolation import LocalLinearInterpolation
 from ._base import AbstractAdaptiveSolver, successful
-
-
-def linear(dense_info, t0, t1, t):
-    """Linear interpolation between the ends of one step."""
-    h = t1 - t0
-    theta = (t - t0) / where(h == 0, 1, h)
-    return jtu.tree_map(
-        lambda a, b: a + theta.astype(a.dtype) * (b - a),
-        dense_info["y0"],
-        dense_info["y1"],
-    )
 
 
 class ReversibleHeun(AbstractAdaptiveSolver):
@@ -22,6 +11,8 @@ class ReversibleHeun(AbstractAdaptiveSolver):
     error estimate, and algebraically reversible. Its state carries a second copy of
     the solution, `yhat`, besides the vector field. Linear dense output.
     """
+
+    interpolation_cls = LocalLinearInterpolation
 
     def order(self, terms) -> int:
         return 2
@@ -43,6 +34,3 @@ class ReversibleHeun(AbstractAdaptiveSolver):
         y1 = jtu.tree_map(lambda y, a, b: y + cast(y) / 2 * (a + b), y0, f0, f1)
         y_error = jtu.tree_map(lambda a, b: cast(a) / 2 * (b - a), f0, f1)
         return y1, y_error, dict(y0=y0, y1=y1), (yhat1, f1), successful
-
-    def interpolate(self, dense_info, t0, t1, t):
-        return linear(dense_info, t0, t1, t)
