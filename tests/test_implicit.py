@@ -17,9 +17,13 @@ from helpers import float64
 import solverkit as sk
 from solverkit._solver._implicit_tableau import (
     IMPLICIT_EULER,
+    KENCARP3,
+    KENCARP4,
+    KENCARP5,
     KVAERNO3,
     KVAERNO4,
     KVAERNO5,
+    SIL3,
 )
 
 
@@ -29,7 +33,13 @@ IMPLICIT = [
     (sk.Kvaerno4, KVAERNO4),
     (sk.Kvaerno5, KVAERNO5),
 ]
-TIGHT = sk.VeryChord(rtol=1e-13, atol=1e-13)
+IMEX = [
+    (sk.KenCarp3, KENCARP3),
+    (sk.KenCarp4, KENCARP4),
+    (sk.KenCarp5, KENCARP5),
+    (sk.Sil3, SIL3),
+]
+TIGHT = sk.VeryChord(rtol=1e-11, atol=1e-11)
 
 
 # ---------------------------------------------------------------------------------
@@ -111,6 +121,21 @@ def test_tableau_order_conditions(cls, tab):
     assert abs(r) < 1e-6
 
 
+@pytest.mark.parametrize("cls, tab", IMEX, ids=lambda x: getattr(x, "__name__", ""))
+def test_imex_tableau_order_conditions(cls, tab):
+    """Every colouring of every tree: the coupling conditions of additive methods."""
+    mats, bs = [tab.a_ex, tab.a_im], [tab.b_ex, tab.b_im]
+    # KenCarp5's printed rationals satisfy the conditions to ~2e-12.
+    assert order_residual(mats, bs, tab.order) < 1e-11
+    assert order_residual(mats, bs, tab.order + 1) > 1e-6
+    b_hat = [tab.b_ex - tab.b_err_ex, tab.b_im - tab.b_err_im]
+    assert order_residual(mats, b_hat, tab.embedded_order) < 1e-11
+    assert order_residual([tab.a_im], [tab.b_im], tab.order) < 1e-11
+    assert tab.a_im[-1] @ np.ones(tab.num_stages) == pytest.approx(1.0)
+    if cls is not sk.Sil3:
+        assert len(tab.diagonals) == 1
+
+
 # ---------------------------------------------------------------------------------
 # Convergence order on a nonlinear, non-autonomous problem with a known solution,
 # y' = -2 t y^2 (y(0) = 1, y = 1 / (1 + t^2)), and a forced linear component (not
@@ -134,14 +159,34 @@ def _fixed_solve(solver, dt):
     return sol.ys[-1]
 
 
-@pytest.mark.parametrize("cls", [c for c, _ in IMPLICIT], ids=lambda c: c.__name__)
+def _explicit_part(t, y, args):
+    return jnp.stack([-2 * t * y[0] ** 2, jnp.zeros_like(y[1])])
+
+
+def _implicit_part(t, y, args):
+    return jnp.stack([jnp.zeros_like(y[0]), -2.0 * (y[1] - jnp.cos(t))])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fixed_solve_imex(solver, dt):
+    terms = sk.MultiTerm(sk.ODETerm(_explicit_part), sk.ODETerm(_implicit_part))
+    sol = sk.diffeqsolve(
+        terms, solver, 0.0, 1.0, dt, jnp.array([1.0, 1.0]), max_steps=64
+    )
+    return sol.ys[-1]
+
+
+@pytest.mark.parametrize(
+    "cls", [c for c, _ in IMPLICIT + IMEX], ids=lambda c: c.__name__
+)
 def test_convergence_order(cls):
     with float64():
-        solver = cls(root_finder=TIGHT)
+        solver = cls(root_finder=TIGHT, root_find_max_steps=20)
+        imex = isinstance(cls.term_structure, tuple)
+        solve = _fixed_solve_imex if imex else _fixed_solve
         dts = np.array([1 / 8, 1 / 12, 1 / 16, 1 / 24, 1 / 32])
         errors = [
-            float(jnp.max(jnp.abs(_fixed_solve(solver, dt) - _exact(1.0))))
-            for dt in dts
+            float(jnp.max(jnp.abs(solve(solver, dt) - _exact(1.0)))) for dt in dts
         ]
         slope = np.polyfit(np.log(dts), np.log(errors), 1)[0]
         assert abs(slope - solver.order(None)) < 0.35, (slope, errors)
@@ -273,6 +318,19 @@ def test_results_messages():
 # Errors.
 
 
+def test_imex_needs_two_terms():
+    with pytest.raises(ValueError, match="MultiTerm"):
+        sk.diffeqsolve(
+            sk.ODETerm(_field),
+            sk.KenCarp3(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.array([1.0, 1.0]),
+            stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6),
+        )
+
+
 def test_constant_step_needs_tolerances():
     term = sk.ODETerm(lambda t, y, args: -y)
     with pytest.raises(ValueError, match="root_finder=VeryChord"):
@@ -364,5 +422,6 @@ def test_optimistix_root_finder():
     with float64():
         out = []
         for finder in (optx.Newton(rtol=1e-10, atol=1e-10), TIGHT):
-            out.append(_fixed_solve(sk.Kvaerno3(root_finder=finder), 0.1))
+            solver = sk.Kvaerno3(root_finder=finder, root_find_max_steps=20)
+            out.append(_fixed_solve(solver, 1 / 8))  # shares a compile with the above
         np.testing.assert_allclose(np.asarray(out[0]), np.asarray(out[1]), rtol=1e-9)

@@ -5,9 +5,13 @@ from ._base import (
 from ._implicit import (
     AbstractImplicitRK as AbstractImplicitRK,
     ImplicitEuler as ImplicitEuler,
+    KenCarp3 as KenCarp3,
+    KenCarp4 as KenCarp4,
+    KenCarp5 as KenCarp5,
     Kvaerno3 as Kvaerno3,
     Kvaerno4 as Kvaerno4,
     Kvaerno5 as Kvaerno5,
+    Sil3 as Sil3,
 )
 from ._leapfrog_midpoint import LeapfrogMidpoint as LeapfrogMidpoint
 from ._reversible_heun import ReversibleHeun as ReversibleHeun

@@ -19,13 +19,18 @@ from jaxtyping import Array, PyTree
 
 from .._select import where
 from .._solution import RESULTS
+from .._term import ODETerm
 from ._base import AbstractAdaptiveSolver
 from ._implicit_tableau import (
     IMPLICIT_EULER,
     ImplicitTableau,
+    KENCARP3,
+    KENCARP4,
+    KENCARP5,
     KVAERNO3,
     KVAERNO4,
     KVAERNO5,
+    SIL3,
 )
 from ._linalg import factorise, jacobian
 from ._root_finder import (
@@ -298,3 +303,75 @@ class Kvaerno5(AbstractImplicitRK):
         "tolerances." + _KVAERNO_DOC
     )
     tableau: ClassVar[ImplicitTableau] = KVAERNO5
+
+
+_IMEX_DOC = """
+
+    Call with `terms=MultiTerm(ODETerm(explicit_field), ODETerm(implicit_field))`:
+    the first term is treated explicitly, the second (stiff) one implicitly.
+
+    **Arguments:**
+
+    - `root_finder`: solves the implicit stages. By default a `VeryChord` with the
+        step-size controller's tolerances; any optimistix root finder is accepted.
+    - `root_find_max_steps`: iterations before the step is rejected (and retried
+        with a smaller step by an adaptive controller).
+    """
+
+_KENCARP_CITE = """
+
+    ??? cite "Reference"
+
+        Kennedy, C. A., & Carpenter, M. H. (2003). Additive Runge-Kutta schemes for
+        convection-diffusion-reaction equations. Applied Numerical Mathematics,
+        44(1-2), 139-181.
+    """
+
+
+class AbstractIMEX(AbstractImplicitRK):
+    """An additive (IMEX) Runge--Kutta method: `MultiTerm(explicit, implicit)`."""
+
+    term_structure: ClassVar = (ODETerm, ODETerm)
+
+
+class KenCarp3(AbstractIMEX):
+    __doc__ = (
+        "Kennedy & Carpenter's ARK3(2)4L[2]SA: third-order IMEX pair, L-stable "
+        "stiffly accurate ESDIRK implicit part, 4 stages; cubic Hermite dense output."
+        + _IMEX_DOC
+        + _KENCARP_CITE
+    )
+    tableau: ClassVar[ImplicitTableau] = KENCARP3
+
+
+class KenCarp4(AbstractIMEX):
+    __doc__ = (
+        "Kennedy & Carpenter's ARK4(3)6L[2]SA: fourth-order IMEX pair, 6 stages; "
+        "cubic Hermite dense output." + _IMEX_DOC + _KENCARP_CITE
+    )
+    tableau: ClassVar[ImplicitTableau] = KENCARP4
+
+
+class KenCarp5(AbstractIMEX):
+    __doc__ = (
+        "Kennedy & Carpenter's ARK5(4)8L[2]SA: fifth-order IMEX pair, 8 stages; "
+        "cubic Hermite dense output." + _IMEX_DOC + _KENCARP_CITE
+    )
+    tableau: ClassVar[ImplicitTableau] = KENCARP5
+
+
+class Sil3(AbstractIMEX):
+    __doc__ = (
+        "Whitaker & Kar's IMEX method: second order (as an additive pair), 4 stages, "
+        "with a first-order embedded error estimate; three LU factorisations per step "
+        "(its diagonal is not constant); cubic Hermite dense output."
+        + _IMEX_DOC
+        + """
+
+    ??? cite "Reference"
+
+        Whitaker, J. S., & Kar, S. K. (2013). Implicit-explicit Runge-Kutta methods
+        for fast-slow wave problems. Monthly Weather Review, 141(10), 3426-3434.
+    """
+    )
+    tableau: ClassVar[ImplicitTableau] = SIL3
