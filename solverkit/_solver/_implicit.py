@@ -17,6 +17,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from .._local_interpolation import (
+    LocalLinearInterpolation,
+    ThirdOrderHermitePolynomialInterpolation,
+)
 from .._select import where
 from .._solution import RESULTS
 from .._term import ODETerm
@@ -70,6 +74,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
     """An ESDIRK (or IMEX additive) Runge--Kutta method read from its `tableau`."""
 
     tableau: ClassVar[ImplicitTableau]
+    interpolation_cls: ClassVar[Any] = ThirdOrderHermitePolynomialInterpolation
     root_finder: Any = with_stepsize_controller_tols(VeryChord)()
     root_find_max_steps: int = 10
 
@@ -202,7 +207,10 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         if k_ex is not None:
             f0 = _add(pick(k_ex, 0), f0)
             f1 = _add(new_state.f_explicit, f1)
-        dense_info = dict(y0=y0, y1=y1, f0=f0, f1=f1)
+        if self.interpolation_cls is LocalLinearInterpolation:
+            dense_info = dict(y0=y0, y1=y1)
+        else:
+            dense_info = dict(y0=y0, y1=y1, f0=f0, f1=f1)
         result = RESULTS.where(
             status == DIVERGED,
             RESULTS.implicit_divergence,
@@ -250,18 +258,10 @@ class ImplicitEuler(AbstractImplicitRK):
     """
 
     tableau: ClassVar[ImplicitTableau] = IMPLICIT_EULER
+    interpolation_cls: ClassVar[Any] = LocalLinearInterpolation
 
     def error_order(self, terms) -> float | None:
         return 2
-
-    def interpolate(self, dense_info, t0, t1, t):
-        h = t1 - t0
-        theta = (t - t0) / where(h == 0, 1, h)
-        return jtu.tree_map(
-            lambda a, b: a + jnp.asarray(theta, a.dtype) * (b - a),
-            dense_info["y0"],
-            dense_info["y1"],
-        )
 
 
 _KVAERNO_DOC = """
