@@ -2,7 +2,7 @@
 `ImplicitTableau`.
 
 Per step: the Jacobian of the implicit term is the one carried in the solver state
-(taken at the start of the step, so a rejected step's retry reuses it), one LU of
+(taken at the start of the step, so a rejected step's retry reuses it), one inverse of
 `I - γh J` serves every stage and every chord iteration, and each stage's root gets
 exact derivatives from the implicit function theorem (`_root_finder.implicit_root`).
 """
@@ -36,7 +36,7 @@ from ._implicit_tableau import (
     KVAERNO5,
     SIL3,
 )
-from ._linalg import factorise, jacobian
+from ._linalg import invert, jacobian
 from ._root_finder import (
     bind_tols,
     chord,
@@ -131,12 +131,13 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         h = t1 - t0
         state: ImplicitState = solver_state
-        lu = None
+        inv = None
         if self._uses_chord():
             jac = lax.stop_gradient(state.jac)
-            # One LU per distinct diagonal value (one for an ESDIRK method).
-            lus = [factorise(jac, g * h) for g in tab.diagonals]
-            lu = jtu.tree_map(lambda *x: jnp.stack(x), *lus)
+            # One inverse of I - γhJ per distinct diagonal value (one for an ESDIRK
+            # method); a matrix-vector product per chord iteration.
+            invs = [invert(jac, g * h) for g in tab.diagonals]
+            inv = jtu.tree_map(lambda *x: jnp.stack(x), *invs)
         stack = lambda f: jtu.tree_map(  # noqa: E731
             lambda x: jnp.zeros((tab.num_stages,) + x.shape, x.dtype).at[0].set(x), f
         )
@@ -147,11 +148,11 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             jnp.asarray(SUCCESS),
             state.eta,
         )
-        body = functools.partial(self._stage, ex, im, t0, t1, h, y0, args, lu)
+        body = functools.partial(self._stage, ex, im, t0, t1, h, y0, args, inv)
         k_im, k_ex, z, status, eta = lax.fori_loop(1, tab.num_stages, body, carry)
         return self._finish(terms, t1, y0, h, args, z, k_im, k_ex, status, eta)
 
-    def _stage(self, ex, im, t0, t1, h, y0, args, lu, i, carry):
+    def _stage(self, ex, im, t0, t1, h, y0, args, inv, i, carry):
         """Stage `i` of a step: solve for its value, store its slopes."""
         tab = self.tableau
         k_im, k_ex, _, status, eta = carry
@@ -161,17 +162,17 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         psi = _combine(y0, h, [(tab.a_im, k_im), (tab.a_ex, k_ex)], i)
         guess = _combine(psi, gamma_h, [(tab.predictor, k_im)], i)
         stage = Stage(im, ti, psi, gamma_h, args)
-        if lu is None:
+        if inv is None:
             z, stage_status = optx_solve(
                 *_nograd((self.root_finder, stage, guess)),
                 self.root_find_max_steps,
             )
         else:
-            which = jnp.asarray(_lu_index(tab))[i]
-            lu_i = jtu.tree_map(lambda x: x[which], lu)
+            which = jnp.asarray(_inverse_index(tab))[i]
+            inv_i = jtu.tree_map(lambda x: x[which], inv)
             eta0 = jnp.maximum(eta, jnp.finfo(eta.dtype).eps) ** 0.8
             z, stage_status, eta = chord(
-                *_nograd((self.root_finder, stage, guess, lu_i, eta0)),
+                *_nograd((self.root_finder, stage, guess, inv_i, eta0)),
                 self.root_find_max_steps,
                 lax.stop_gradient(y0),
             )
@@ -223,8 +224,8 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         return y1, y_error, dense_info, new_state, result
 
 
-def _lu_index(tab: ImplicitTableau) -> np.ndarray:
-    """For each stage, which of the step's LU factorisations it uses."""
+def _inverse_index(tab: ImplicitTableau) -> np.ndarray:
+    """For each stage, which of the step's inverses it uses."""
     diag = tab.a_im.diagonal()
     return np.array([tab.diagonals.index(float(g)) if g else 0 for g in diag])
 
@@ -363,7 +364,7 @@ class KenCarp5(AbstractIMEX):
 class Sil3(AbstractIMEX):
     __doc__ = (
         "Whitaker & Kar's IMEX method: second order (as an additive pair), 4 stages, "
-        "with a first-order embedded error estimate; three LU factorisations per step "
+        "with a first-order embedded error estimate; three matrix inversions per step "
         "(its diagonal is not constant); cubic Hermite dense output."
         + _IMEX_DOC
         + """

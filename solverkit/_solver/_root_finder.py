@@ -21,7 +21,7 @@ import optimistix as optx
 from jaxtyping import Array, PyTree
 
 from .._select import where
-from ._linalg import Factorisation, factorise, jacobian
+from ._linalg import factorise, Inverse, jacobian
 
 
 class _UseStepSizeTol:
@@ -34,8 +34,8 @@ use_stepsize_tol = _UseStepSizeTol()
 
 class VeryChord(eqx.Module):
     """The chord method of the implicit stages: one Jacobian per step (at the start
-    of the step), reused by every stage and every iteration, with one LU
-    factorisation of `I - γh J` per step.
+    of the step), reused by every stage and every iteration, with one inversion of
+    `I - γh J` per step (each iteration is then a matrix-vector product).
 
     Convergence follows Hairer & Wanner (Solving ODEs II, IV.8): with the rate
     `θ = ‖Δ_k‖ / ‖Δ_{k-1}‖`, the iteration has converged when
@@ -208,13 +208,13 @@ def chord(
     finder: VeryChord,
     stage: Stage,
     z0: PyTree,
-    lu: Factorisation,
+    inverse: Inverse,
     eta0: Array,
     max_steps: int,
     ref: PyTree,
 ) -> tuple[PyTree, Array, Array]:
     """Solve the stage equation by the chord method with the factorised iteration
-    matrix `lu` (no gradients flow through it: see `implicit_root`).
+    matrix `inverse` (no gradients flow through it: see `implicit_root`).
 
     **Returns:**
 
@@ -226,7 +226,7 @@ def chord(
     real = jnp.finfo(dtype).dtype
 
     def body(s: _Newton) -> _Newton:
-        delta = lu.solve(jtu.tree_map(jnp.negative, residual(s.z, stage)))
+        delta = inverse.solve(jtu.tree_map(jnp.negative, residual(s.z, stage)))
         size = _scaled_norm(delta, ref, rtol, atol, finder.norm).astype(real)
         z = jtu.tree_map(jnp.add, s.z, delta)
         first = s.k == 0
