@@ -42,6 +42,7 @@ from ._root_finder import (
     chord,
     DIVERGED,
     implicit_root,
+    is_very_chord,
     NOT_CONVERGED,
     optx_solve,
     Stage,
@@ -101,7 +102,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         return parts[0], parts[1]
 
     def _uses_chord(self) -> bool:
-        return isinstance(self.root_finder, VeryChord)
+        return is_very_chord(self.root_finder)
 
     def _start(self, terms, t, y, args, f_implicit=None) -> ImplicitState:
         ex, im = self._terms(terms)

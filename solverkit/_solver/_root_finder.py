@@ -95,7 +95,7 @@ def bind_tols(root_finder, stepsize_controller, solver_name: str):
     names = [
         n
         for n in ("rtol", "atol", "norm")
-        if getattr(root_finder, n, None) is use_stepsize_tol
+        if _is_sentinel(getattr(root_finder, n, None))
     ]
     if not names:
         return root_finder
@@ -111,6 +111,20 @@ def bind_tols(root_finder, stepsize_controller, solver_name: str):
     return eqx.tree_at(
         lambda f: tuple(getattr(f, n) for n in names), root_finder, values
     )
+
+
+def _is_sentinel(value) -> bool:
+    # Ours, or diffrax's own `use_stepsize_tol` (a diffrax root finder passed in).
+    return value is use_stepsize_tol or type(value).__name__ == "_UseStepSizeTol"
+
+
+def is_very_chord(finder) -> bool:
+    """Whether `finder` is a `VeryChord` (ours or diffrax's, which has the same
+    fields and meaning): run by `chord` with the step's one Jacobian."""
+    if isinstance(finder, VeryChord):
+        return True
+    cls = type(finder)
+    return cls.__name__ == "VeryChord" and cls.__module__.startswith("diffrax")
 
 
 # ---------------------------------------------------------------------------------
