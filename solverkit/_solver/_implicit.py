@@ -176,6 +176,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
                 *_nograd((self.root_finder, stage, guess, inv_i, eta0)),
                 self.root_find_max_steps,
                 lax.stop_gradient(y0),
+                skip=status != SUCCESS,
             )
         status = where(status == SUCCESS, stage_status, status)
         z = implicit_root(z, stage)

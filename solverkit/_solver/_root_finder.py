@@ -226,9 +226,11 @@ def chord(
     eta0: Array,
     max_steps: int,
     ref: PyTree,
+    skip: Array | bool = False,
 ) -> tuple[PyTree, Array, Array]:
-    """Solve the stage equation by the chord method with the factorised iteration
-    matrix `inverse` (no gradients flow through it: see `implicit_root`).
+    """Solve the stage equation by the chord method with the inverted iteration
+    matrix `inverse` (no gradients flow through it: see `implicit_root`). With
+    `skip` (an earlier stage failed: the step will be rejected) it returns `z0`.
 
     **Returns:**
 
@@ -273,7 +275,7 @@ def chord(
         jnp.asarray(1.0, real),
         jnp.asarray(eta0, real),
         jnp.asarray(SUCCESS),
-        jnp.asarray(False),
+        jnp.asarray(skip),
     )
     out = lax.while_loop(lambda s: ~s.done, body, init)
     return out.z, out.status, out.eta
