@@ -48,10 +48,16 @@ def _hoisting_constants():
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+_OUTPUT_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
 def _is_array(x) -> bool:
     return isinstance(x, _ARRAY_TYPES)
+
+
+def _is_output_array(x) -> bool:
+    """Whether an output leaf is traced (as `equinox.is_array`); others are static."""
+    return isinstance(x, _OUTPUT_ARRAY_TYPES)
 
 
 def _struct(x) -> jax.ShapeDtypeStruct:
@@ -163,14 +169,25 @@ def _only_printable(value) -> bool:
 class _Program:
     """Static part of a `Closure`: the jaxpr and the argument/output structure."""
 
-    __slots__ = ("jaxpr", "in_tree", "in_specs", "out_tree", "out_struct", "_key")
+    __slots__ = (
+        "jaxpr",
+        "in_tree",
+        "in_specs",
+        "out_tree",
+        "out_specs",
+        "out_struct",
+        "_key",
+    )
 
-    def __init__(self, jaxpr, in_tree, in_specs, out_tree, out_struct, key):
+    def __init__(self, jaxpr, in_tree, in_specs, out_tree, out_specs, key):
         self.jaxpr = jaxpr
         self.in_tree = in_tree
         self.in_specs = in_specs
         self.out_tree = out_tree
-        self.out_struct = out_struct
+        self.out_specs = out_specs  # per output leaf: ShapeDtypeStruct or _Static
+        self.out_struct = jtu.tree_unflatten(
+            out_tree, [s.value if isinstance(s, _Static) else s for s in out_specs]
+        )
         self._key = key
 
     def __eq__(self, other):
@@ -322,8 +339,14 @@ class Closure(eqx.Module):
 
     - `consts`: tuple of every JAX value the function closes over, as arrays.
     - `jaxpr`: the closed-over-value-free jaxpr, with `consts` as its constvars.
-    - `out_struct`: output pytree of `jax.ShapeDtypeStruct`.
+    - `out_struct`: the output pytree, with a `jax.ShapeDtypeStruct` for each array
+        leaf and each static (non-array) leaf as it is.
     - `effects`: the jaxpr's effects.
+
+    The jaxpr takes the array leaves of the arguments and returns the array leaves of
+    the output, in `jax.tree_util` order with static leaves left out:
+    `jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat_args)` equals
+    `[x for x in jax.tree_util.tree_leaves(fn(*args)) if equinox.is_array(x)]`.
     """
 
     consts: tuple[Any, ...]
@@ -373,13 +396,16 @@ class Closure(eqx.Module):
                     f"{spec.dtype}, got shape {shape} and dtype {dtype}."
                 )
             flat.append(leaf)
-        out = _eval_jaxpr(program.jaxpr, self.consts, *flat)
-        # A constant output comes back as a Python scalar: make it an array.
-        out = [
-            o if isinstance(o, jax.Array) else jnp.asarray(o, dtype=s.dtype)
-            for o, s in zip(out, jtu.tree_leaves(program.out_struct))
-        ]
-        return jtu.tree_unflatten(program.out_tree, out)
+        out = iter(_eval_jaxpr(program.jaxpr, self.consts, *flat))
+        leaves = []
+        for spec in program.out_specs:
+            if isinstance(spec, _Static):
+                leaves.append(spec.value)
+                continue
+            # A constant output comes back as a Python scalar: make it an array.
+            o = next(out)
+            leaves.append(o if isinstance(o, jax.Array) else jnp.asarray(o, spec.dtype))
+        return jtu.tree_unflatten(program.out_tree, leaves)
 
 
 def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
@@ -403,7 +429,9 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
     **Returns:**
 
     A `Closure`, callable with arguments of the example's structure, shapes and
-    dtypes. A `Closure` passed as `fn` is returned unchanged.
+    dtypes. Output leaves that are not arrays (strings, Python scalars) are static,
+    as in `equinox.filter_jit`: they are recorded on conversion and returned
+    unchanged by each call. A `Closure` passed as `fn` is returned unchanged.
     """
     if isinstance(fn, Closure):
         return fn
@@ -412,32 +440,37 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
     leaves, in_tree = jtu.tree_flatten((args, kwargs))
     in_specs = tuple(_struct(x) if _is_array(x) else _Static(x) for x in leaves)
     dynamic = [s for s in in_specs if not isinstance(s, _Static)]
+    traced_out = []  # (treedef, leaves) of fn's output, recorded during the trace
 
     def flat_fn(*flat):
         it = iter(flat)
         full = [s.value if isinstance(s, _Static) else next(it) for s in in_specs]
         call_args, call_kwargs = jtu.tree_unflatten(in_tree, full)
-        return fn(*call_args, **call_kwargs)
+        leaves, tree = jtu.tree_flatten(fn(*call_args, **call_kwargs))
+        traced_out.append((tree, leaves))
+        # Only array leaves are traced; the others are static, as in filter_jit.
+        return [x for x in leaves if _is_output_array(x)]
 
     with _hoisting_constants():
-        closed_jaxpr, out_struct = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+        closed_jaxpr = jax.make_jaxpr(flat_fn)(*dynamic)
     jaxpr = _cse(closed_jaxpr.jaxpr)
     consts = tuple(
         _as_array(c, v.aval) for c, v in zip(closed_jaxpr.consts, jaxpr.constvars)
     )
-    out_tree = jtu.tree_structure(out_struct)
-    # From the jaxpr's output types: make_jaxpr(return_shape=True) drops weak types on
-    # older JAX.
-    out_struct = jtu.tree_unflatten(
-        out_tree,
-        [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-            for a in closed_jaxpr.out_avals
-        ],
+    ((out_tree, out_leaves),) = traced_out
+    # Array leaves' types from the jaxpr's output types: they keep weak types.
+    avals = iter(closed_jaxpr.out_avals)
+    out_specs = tuple(
+        _struct(next(avals)) if _is_output_array(x) else _Static(x) for x in out_leaves
     )
-    signature = (in_tree, tuple(_spec_key(s) for s in in_specs), out_tree)
+    signature = (
+        in_tree,
+        tuple(_spec_key(s) for s in in_specs),
+        out_tree,
+        tuple(_spec_key(s) for s in out_specs),
+    )
     jaxpr = _canonical_jaxpr(fn, jaxpr, signature)
-    program = _Program(jaxpr, in_tree, in_specs, out_tree, out_struct, signature)
+    program = _Program(jaxpr, in_tree, in_specs, out_tree, out_specs, signature)
     return Closure(consts, program)
 
 

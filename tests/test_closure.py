@@ -113,6 +113,13 @@ def _struct_key(s):
     return (tuple(s.shape), str(s.dtype), bool(getattr(s, "weak_type", False)))
 
 
+def _out_key(s):
+    """`_struct_key` of an output struct leaf; a static leaf is its own key."""
+    if isinstance(s, jax.ShapeDtypeStruct):
+        return _struct_key(s)
+    return ("static", type(s), s)
+
+
 def _flat_call(closed: sk.Closure, *args):
     """`fn(*args)` through the seed invariant: eval_jaxpr on the flat arguments."""
     flat = _eval_jaxpr(closed.jaxpr, closed.consts, *jtu.tree_leaves(args))
@@ -586,21 +593,77 @@ def test_out_struct(example):
             "f32": y * jnp.float32(2),
             "int8": (n * 2, n.astype(jnp.bool_)),
             "vec": w + y,
-            "python": 1.5,
+            "numpy": np.float32(2.5),  # a NumPy scalar is an array: traced
+            "python": 1.5,  # Python scalars are static, as in equinox.filter_jit
         }
 
     closed = sk.closure_convert(fn, example)
-    want = jax.eval_shape(fn, example)
+    want = eqx.filter_eval_shape(fn, example)
     assert jtu.tree_structure(closed.out_struct) == jtu.tree_structure(want)
-    got_keys = [_struct_key(s) for s in jtu.tree_leaves(closed.out_struct)]
-    assert got_keys == [_struct_key(s) for s in jtu.tree_leaves(want)]
-    for s in jtu.tree_leaves(closed.out_struct):
-        assert isinstance(s, jax.ShapeDtypeStruct)
+    got_keys = [_out_key(s) for s in jtu.tree_leaves(closed.out_struct)]
+    assert got_keys == [_out_key(s) for s in jtu.tree_leaves(want)]
+    assert closed.out_struct["python"] == 1.5
     if not isinstance(example, jax.ShapeDtypeStruct):
         actual = jtu.tree_leaves(closed(example))
-        assert [(np.shape(a), _dtype(a)) for a in actual] == [
-            (s.shape, s.dtype) for s in jtu.tree_leaves(closed.out_struct)
-        ]
+        assert [_out_key(eqx.filter_eval_shape(lambda: a)) for a in actual] == got_keys
+
+
+def _assert_same_output(got, want):
+    """Same structure; array leaves equal with equal dtypes, static leaves equal."""
+    assert jtu.tree_structure(got) == jtu.tree_structure(want)
+    for g, w in zip(jtu.tree_leaves(got), jtu.tree_leaves(want)):
+        if eqx.is_array(w):
+            assert eqx.is_array(g) and g.dtype == w.dtype
+            np.testing.assert_allclose(g, w)
+        else:
+            assert type(g) is type(w) and g == w
+
+
+def _tagged(y):
+    return {"tag": "T", "y": y * 2, "n": 3, "none": None, "flag": True}
+
+
+def test_static_outputs():
+    """Non-array output leaves are static, as in `equinox.filter_jit`: they come back
+    unchanged, `out_struct` keeps them, and the jaxpr returns only the array leaves."""
+    y = jnp.arange(3.0)
+    closed = sk.closure_convert(_tagged, y)
+    want = eqx.filter_jit(_tagged)(y)
+    _assert_same_output(closed(y), want)
+    got = closed(y)
+    assert got["tag"] == "T" and got["n"] == 3 and got["flag"] is True
+    assert type(got["n"]) is int and got["none"] is None
+    assert closed.out_struct["tag"] == "T" and closed.out_struct["n"] == 3
+    assert closed.out_struct["y"] == jax.ShapeDtypeStruct((3,), jnp.float32)
+    # The invariant: eval_jaxpr returns the array leaves, static leaves left out.
+    flat = _eval_jaxpr(closed.jaxpr, closed.consts, y)
+    arrays = [x for x in jtu.tree_leaves(want) if eqx.is_array(x)]
+    assert len(flat) == len(arrays) == 1
+    np.testing.assert_allclose(flat[0], arrays[0])
+    # Under jit (the Closure as an argument) and vmap (over y, and over a const).
+    _assert_same_output(eqx.filter_jit(lambda c, y: c(y))(closed, y), want)
+    ys = jnp.stack([y, y + 1])
+    batched = eqx.filter_vmap(lambda c, y: c(y), in_axes=(None, 0))(closed, ys)
+    _assert_same_output(batched, eqx.filter_vmap(_tagged)(ys))
+    w = jnp.arange(6.0).reshape(2, 3)
+
+    def converted(w):
+        closed = sk.closure_convert(lambda y: {"tag": "T", "y": y * w}, y)
+        assert closed.out_struct["tag"] == "T"
+        return closed(y)["y"]
+
+    np.testing.assert_allclose(jax.jit(jax.vmap(converted))(w), w * y)
+
+
+def test_static_outputs_are_part_of_identity():
+    """Two programs with equal jaxprs but other static outputs are not equal, so
+    neither takes the other's place in a jit cache."""
+    y = jnp.arange(3.0)
+    first = sk.closure_convert(lambda y: ("T", y * 2), y)
+    second = sk.closure_convert(lambda y: ("U", y * 2), y)
+    assert first.program != second.program
+    call = eqx.filter_jit(lambda c, y: c(y))
+    assert call(first, y)[0] == "T" and call(second, y)[0] == "U"
 
 
 def test_out_struct_under_traces():
