@@ -168,13 +168,22 @@ def main() -> None:
         default=os.environ.get("SOLVERKIT_EXAMPLE_QUICK") == "1",
         help="a few seconds' smoke run (also SOLVERKIT_EXAMPLE_QUICK=1)",
     )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=pathlib.Path, help=argparse.SUPPRESS)
+    worker_options = parser.add_argument_group(
+        "worker (what the launcher starts; run it yourself on each host)"
+    )
+    worker_options.add_argument("--worker", action="store_true")
+    worker_options.add_argument("--process-id", type=int, help="0 ... N - 1")
+    worker_options.add_argument("--num-processes", type=int, help="N")
+    worker_options.add_argument("--coordinator", help="host:port of process 0")
+    worker_options.add_argument(
+        "--result",
+        type=pathlib.Path,
+        default=pathlib.Path("result.npz"),
+        help="where process 0 saves the gathered ensemble",
+    )
     args = parser.parse_args()
     if args.worker:
+        args.size = args.size or 4096
         return worker(args)
     size = args.size or (16 if args.quick else 4096)
     args.size = -(-size // NUM_PROCESSES) * NUM_PROCESSES  # splits evenly
