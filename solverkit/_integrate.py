@@ -14,6 +14,7 @@ from jaxtyping import Array, PyTree
 from ._adjoint import AbstractAdjoint, RecursiveCheckpointAdjoint, reverse_only
 from ._closure import Closure, closure_convert
 from ._controller import AbstractStepSizeController, ConstantStepSize
+from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete
 from ._event import as_event, Event, with_context
 from ._interpolation import DenseInterpolation
@@ -40,11 +41,11 @@ class Times(NamedTuple):
     known_dt0: Any
     direction: Array | None  # -1 backwards, None forwards
 
-    def to_internal(self, tau):
+    def to_internal(self, tau: RealScalarLike):
         return tau if self.direction is None else self.direction * tau
 
 
-def _times(t0, t1, dt0) -> Times:
+def _times(t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None) -> Times:
     """Check `t0`, `t1`, `dt0` and bring them to one floating dtype."""
     inputs = [t0, t1] + ([] if dt0 is None else [dt0])
     for name, value in zip(("t0", "t1", "dt0"), inputs):
@@ -78,8 +79,8 @@ def _times(t0, t1, dt0) -> Times:
     return times
 
 
-def _as_state(y0):
-    def leaf(y):
+def _as_state(y0: Y):
+    def leaf(y: Y):
         y = jnp.asarray(y)
         if not jnp.issubdtype(y.dtype, jnp.inexact):
             y = y.astype(jnp.result_type(float))
@@ -97,7 +98,7 @@ def _as_state(y0):
     return y0
 
 
-def _check_output(closure: Closure, y0, what: str) -> None:
+def _check_output(closure: Closure, y0: Y, what: str) -> None:
     """The output of a converted function must be usable as `dy/dt`: the structure,
     shapes and dtypes of `y0`, except what diffrax also accepts (see `like_state`)."""
     out = closure.out_struct
@@ -125,13 +126,13 @@ def _check_output(closure: Closure, y0, what: str) -> None:
             )
 
 
-def _closure_term(term: AbstractTerm, times: Times, y0, args) -> ClosureTerm:
+def _closure_term(term: AbstractTerm, times: Times, y0: Y, args: Args) -> ClosureTerm:
     closure = closure_convert(rate_function(term), times.t0, y0, args)
     _check_output(closure, y0, "vector field")
     return ClosureTerm(closure, times.direction)
 
 
-def _convert_terms(terms, solver: AbstractSolver, times: Times, y0, args):
+def _convert_terms(terms, solver: AbstractSolver, times: Times, y0: Y, args: Args):
     """Each term's vector field, closure-converted once, in the structure the solver
     takes: one `ClosureTerm`, or a `MultiTerm` of them for a solver whose
     `term_structure` is a tuple (an IMEX solver). Any other solver integrates the
@@ -178,7 +179,7 @@ def _save_times(ts, times: Times):
     return times.to_internal(ts)
 
 
-def _saves(saveat: SaveAt, times: Times, y0, args, max_steps):
+def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):
     """One `Save` per `SubSaveAt`, and the structure they came in."""
     subs, save_tree = jtu.tree_flatten(saveat.subs, is_leaf=is_sub)
     saves = tuple(
@@ -200,7 +201,9 @@ def _saves(saveat: SaveAt, times: Times, y0, args, max_steps):
     return saves, save_tree
 
 
-def _event_conditions(event: Event | None, context: dict, times: Times, y0, args):
+def _event_conditions(
+    event: Event | None, context: dict, times: Times, y0: Y, args: Args
+):
     """Each of the event's conditions, closure-converted and checked (or `None`)."""
     if event is None:
         return None
@@ -267,7 +270,9 @@ def _legacy_event(event, discrete_terminating_event):
     return as_event(discrete_terminating_event)
 
 
-def _check_no_resume(solver_state, controller_state, made_jump) -> None:
+def _check_no_resume(
+    solver_state: PyTree, controller_state: PyTree, made_jump: BoolScalarLike
+) -> None:
     if made_jump is False:
         made_jump = None  # no jump: the default
     if any(x is not None for x in (solver_state, controller_state, made_jump)):
@@ -280,9 +285,9 @@ def _check_no_resume(solver_state, controller_state, made_jump) -> None:
 def diffeqsolve(
     terms: AbstractTerm,
     solver: AbstractSolver,
-    t0,
-    t1,
-    dt0,
+    t0: RealScalarLike,
+    t1: RealScalarLike,
+    dt0: RealScalarLike | None,
     y0: PyTree,
     args: PyTree = None,
     *,
@@ -399,7 +404,7 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
     out = adjoint.loop(problem)
     direction = problem.direction
 
-    def user(tau):
+    def user(tau: RealScalarLike):
         if direction is None:
             return tau
         return where(jnp.isfinite(tau), direction * tau, tau)
