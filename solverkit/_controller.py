@@ -420,6 +420,21 @@ class PIDController(AbstractStepSizeController):
         one = jnp.ones((), t0.dtype)
         return t0 + dt0, PIDState(one, one, jnp.asarray(False))
 
+    def _bounded(self, dt, factor, at_dtmin):
+        """`dt` within `[dtmin, dtmax]`, whether it is at `dtmin`, and the result."""
+        result = RESULTS.successful
+        if self.dtmax is not None:
+            dt = jnp.minimum(dt, self.dtmax)
+        if self.dtmin is not None:
+            if not self.force_dtmin:
+                result = RESULTS.where(
+                    dt < self.dtmin, RESULTS.dt_min_reached, RESULTS.successful
+                )
+            dt = where(at_dtmin & (factor == 1), self.dtmin, dt)
+            at_dtmin = dt <= self.dtmin
+            dt = jnp.maximum(dt, self.dtmin)
+        return dt, at_dtmin, result
+
     def adapt_step_size(
         self,
         t0: RealScalarLike,
@@ -460,19 +475,8 @@ class PIDController(AbstractStepSizeController):
             where(keep, self.factormax, self.safety),
         )
         factor = lax.stop_gradient(factor)
-        dt = (t1 - t0) * factor
         inv = where((inv == 0) | jnp.isinf(inv), 1, inv)
-        result = RESULTS.successful
-        if self.dtmax is not None:
-            dt = jnp.minimum(dt, self.dtmax)
-        if self.dtmin is not None:
-            if not self.force_dtmin:
-                result = RESULTS.where(
-                    dt < self.dtmin, RESULTS.dt_min_reached, RESULTS.successful
-                )
-            dt = where(at_dtmin & (factor == 1), self.dtmin, dt)
-            at_dtmin = dt <= self.dtmin
-            dt = jnp.maximum(dt, self.dtmin)
+        dt, at_dtmin, result = self._bounded((t1 - t0) * factor, factor, at_dtmin)
         next_t0 = where(keep, t1, t0)
         state = PIDState(
             where(keep, inv, prev),

@@ -282,6 +282,43 @@ def _check_no_resume(
         )
 
 
+def _problem(
+    terms, solver, times, y0, args, saveat, controller, event, max_steps, meter, dt0
+) -> Problem:
+    """Convert every user function (terms, saves, event conditions) once and gather
+    all a solve needs, in internal time."""
+    saves, save_tree = _saves(saveat, times, y0, args, max_steps)
+    context = dict(
+        terms=terms,
+        solver=solver,
+        t0=times.t0,
+        t1=times.t1,
+        dt0=dt0,
+        saveat=saveat,
+        stepsize_controller=controller,
+        max_steps=max_steps,
+    )
+    return Problem(
+        solver=solver,
+        controller=controller.to_internal(times.direction),
+        terms=_convert_terms(terms, solver, times, y0, args),
+        direction=times.direction,
+        args=args,
+        y0=y0,
+        t0=times.to_internal(times.t0),
+        t1=times.to_internal(times.t1),
+        dt0=times.dt0,
+        saves=saves,
+        save_tree=save_tree,
+        dense=saveat.dense,
+        conds=_event_conditions(event, context, times, y0, args),
+        event_direction=None if event is None else tuple(event.directions()),
+        root_finder=None if event is None else event.root_finder,
+        max_steps=None if max_steps is None else int(max_steps),
+        meter=meter,
+    )
+
+
 def diffeqsolve(
     terms: AbstractTerm,
     solver: AbstractSolver,
@@ -353,38 +390,10 @@ def diffeqsolve(
     stepsize_controller.check(solver, times.known_t0, times.known_t1, dt0)
     solver = solver.bind_controller_tols(stepsize_controller)
     y0 = _as_state(y0)
-    converted = _convert_terms(terms, solver, times, y0, args)
-    saves, save_tree = _saves(saveat, times, y0, args, max_steps)
-    context = dict(
-        terms=terms,
-        solver=solver,
-        t0=times.t0,
-        t1=times.t1,
-        dt0=dt0,
-        saveat=saveat,
-        stepsize_controller=stepsize_controller,
-        max_steps=max_steps,
-    )
-    conds = _event_conditions(event, context, times, y0, args)
-    problem = Problem(
-        solver=solver,
-        controller=stepsize_controller.to_internal(times.direction),
-        terms=converted,
-        direction=times.direction,
-        args=args,
-        y0=y0,
-        t0=times.to_internal(times.t0),
-        t1=times.to_internal(times.t1),
-        dt0=times.dt0,
-        saves=saves,
-        save_tree=save_tree,
-        dense=saveat.dense,
-        conds=conds,
-        event_direction=None if event is None else tuple(event.directions()),
-        root_finder=None if event is None else event.root_finder,
-        max_steps=None if max_steps is None else int(max_steps),
-        meter=progress_meter,
-    )
+    problem = _problem(
+        terms, solver, times, y0, args, saveat, stepsize_controller, event,
+        max_steps, progress_meter, dt0
+    )  # fmt: skip
     adjoint.check(problem)
     keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
     # The engine mixes dtypes on purpose (float64 times with float32 states, complex
