@@ -487,7 +487,14 @@ def _custom_jvp_rule(ins, **params):
     return _bind(cd.custom_jvp_call_p, params, ins, subfuns)
 
 
+def _pvary_rule(ins, *, axes, **_):
+    # A jaxpr traced inside shard_map casts where a value was invariant then; it may
+    # vary by now (say, a loop's time): cast only the axes it does not vary over yet.
+    return [_pvary(x, frozenset(axes)) for x in ins]
+
+
 _RULES = {
+    "pvary": _pvary_rule,
     "pjit": _call_rule,
     "jit": _call_rule,
     "closed_call": _call_jaxpr_rule,

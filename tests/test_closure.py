@@ -1223,6 +1223,29 @@ def test_shard_map_checked_primitives():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not _VMA_CHECKS, reason="this JAX has no varying-axes checks")
+def test_shard_map_checked_converted_inside():
+    """A Closure converted inside shard_map(check_vma=True), whose jaxpr holds JAX's
+    own pvary casts, called with an argument that varies where the example did not
+    (as a solver's time does, once it is carried with varying values)."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    ys = jnp.arange(6.0 * len(jax.devices())).reshape(-1, 3)
+    th = jnp.asarray([[0.5, -1.0, 0.25]])
+
+    def block(th, y):
+        # Closing over the varying `y`, the jaxpr casts the invariant `t * th`.
+        closed = sk.closure_convert(lambda t: t * th + y, jnp.float32(0.0))
+        assert "pvary" in str(closed.jaxpr)
+        return closed(y[0, 0])  # t now varies over "x"
+
+    got = jax.jit(
+        _shard_map()(block, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"))
+    )(th, ys)
+    blocks = np.asarray(ys).reshape(len(jax.devices()), -1, 3)
+    want = np.concatenate([b[0, 0] * np.asarray(th) + b for b in blocks])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 # --- Cost of conversion and identity of converted programs -------------------------
 
 
