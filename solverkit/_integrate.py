@@ -98,10 +98,37 @@ def _as_state(y0: Y):
     return y0
 
 
+_NUMBERS = (bool, int, float, complex)
+
+
+def _output_struct(closure: Closure) -> PyTree:
+    """`closure.out_struct`, with Python-number outputs (static in a `Closure`, as in
+    `equinox.filter_jit`) as the weakly typed scalars they become when used."""
+
+    def leaf(o):
+        if isinstance(o, _NUMBERS):
+            return jax.eval_shape(jnp.asarray, o)
+        return o
+
+    return jtu.tree_map(leaf, closure.out_struct)
+
+
+def _array_outputs(fn):
+    """`fn` with its Python-number outputs made arrays, so that they are traced."""
+
+    def with_arrays(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return jtu.tree_map(
+            lambda o: jnp.asarray(o) if isinstance(o, _NUMBERS) else o, out
+        )
+
+    return with_arrays
+
+
 def _check_output(closure: Closure, y0: Y, what: str) -> None:
     """The output of a converted function must be usable as `dy/dt`: the structure,
     shapes and dtypes of `y0`, except what diffrax also accepts (see `like_state`)."""
-    out = closure.out_struct
+    out = _output_struct(closure)
     y_tree, out_tree = jtu.tree_structure(y0), jtu.tree_structure(out)
     out_leaves = jtu.tree_leaves(out)
     if y_tree != out_tree:
@@ -185,7 +212,12 @@ def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):
     saves = tuple(
         Save(
             ts=_save_times(sub.ts, times),
-            fn=closure_convert(sub.fn, times.t0, y0, args),
+            fn=closure_convert(
+                sub.fn if sub.fn is save_y else _array_outputs(sub.fn),
+                times.t0,
+                y0,
+                args,
+            ),
             t0=bool(sub.t0),
             t1=bool(sub.t1),
             every=sub.every,
@@ -210,7 +242,9 @@ def _event_conditions(
     if not isinstance(event, Event):
         raise TypeError(f"`event` must be an Event, got {type(event).__name__}.")
     conds = jtu.tree_map(
-        lambda f: closure_convert(with_context(f, **context), times.t0, y0, args),
+        lambda f: closure_convert(
+            _array_outputs(with_context(f, **context)), times.t0, y0, args
+        ),
         event.cond_fn,
         is_leaf=callable,
     )
