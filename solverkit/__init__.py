@@ -56,6 +56,10 @@ from ._solver import (
     Midpoint as Midpoint,
     Ralston as Ralston,
     ReversibleHeun as ReversibleHeun,
+    Rodas4 as Rodas4,
+    Rodas5P as Rodas5P,
+    Ros3P as Ros3P,
+    Rosenbrock23 as Rosenbrock23,
     Tsit5 as Tsit5,
 )
 from ._term import ODETerm as ODETerm

@@ -4,6 +4,13 @@ from ._base import (
 )
 from ._leapfrog_midpoint import LeapfrogMidpoint as LeapfrogMidpoint
 from ._reversible_heun import ReversibleHeun as ReversibleHeun
+from ._rosenbrock import (
+    AbstractRosenbrock as AbstractRosenbrock,
+    Rodas4 as Rodas4,
+    Rodas5P as Rodas5P,
+    Ros3P as Ros3P,
+    Rosenbrock23 as Rosenbrock23,
+)
 from ._runge_kutta import (
     AbstractERK as AbstractERK,
     AbstractRungeKutta as AbstractRungeKutta,

@@ -36,6 +36,34 @@ def jacobian(
     return jac, unravel
 
 
+def value_and_jacobian(
+    vf: Callable[[Array, PyTree], PyTree], t: Array, y: PyTree
+) -> tuple[Array, Array, Callable[[Array], PyTree]]:
+    """The vector field and its Jacobian at `(t, y)`, on the ravelled state, from one
+    forward-mode pass (the value comes with the Jacobian at no extra cost).
+
+    **Arguments:**
+
+    - `vf`: the vector field as a function of `(t, y)`.
+    - `t`, `y`: where to evaluate it.
+
+    **Returns:**
+
+    `(f, J, unravel)`: the ravelled value `(n,)`, the `(n, n)` matrix (both of the
+    ravelled state's dtype), and the function that turns a ravelled vector back into
+    a pytree of `y`'s structure.
+    """
+    flat, unravel = ravel_pytree(y)
+
+    def fn(x):
+        out = ravel_pytree(vf(t, unravel(x)))[0].astype(flat.dtype)
+        return out, out
+
+    holomorphic = jnp.issubdtype(flat.dtype, jnp.complexfloating)
+    jac, value = jax.jacfwd(fn, has_aux=True, holomorphic=holomorphic)(flat)
+    return value, jac, unravel
+
+
 def time_derivative(vf: Callable[[Array, PyTree], PyTree], t: Array, y: PyTree):
     """`∂vf/∂t` at `(t, y)`, a pytree of `y`'s structure (for non-autonomous fields)."""
     _, dt = jax.jvp(lambda s: vf(s, y), (t,), (jnp.ones_like(t),))
