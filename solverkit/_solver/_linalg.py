@@ -85,19 +85,45 @@ class Factorisation(eqx.Module):
         return unravel(x.astype(flat.dtype))
 
 
-def factorise(jac: Array, gamma_h: Array) -> Factorisation:
+class InverseFactorisation(eqx.Module):
+    """`I - γh J` and its explicit inverse: each solve is a matrix-vector product
+    plus one step of iterative refinement (two more products), which restores the
+    accuracy of an LU solve. For small systems under `vmap` this is several times
+    faster than LAPACK's per-matrix triangular solves."""
+
+    matrix: Array
+    inverse: Array
+
+    def solve(self, rhs: PyTree) -> PyTree:
+        """`(I - γh J)^{-1} rhs`, as `Factorisation.solve`."""
+        flat, unravel = ravel_pytree(rhs)
+        b = flat.astype(self.inverse.dtype)
+        x = self.inverse @ b
+        x = x + self.inverse @ (b - self.matrix @ x)
+        return unravel(x.astype(flat.dtype))
+
+
+def factorise(
+    jac: Array, gamma_h: Array, explicit_inverse: bool = False
+) -> Factorisation | InverseFactorisation:
     """Factorise `I - gamma_h * jac` once, for every solve of a step.
 
     **Arguments:**
 
     - `jac`: the `(n, n)` Jacobian from [`jacobian`][].
     - `gamma_h`: the scalar `γh`.
+    - `explicit_inverse`: form the inverse once (from the LU factorisation) and
+        solve by products with iterative refinement: faster for small systems,
+        especially under `vmap`.
 
     **Returns:**
 
-    A `Factorisation`.
+    A `Factorisation` (or an `InverseFactorisation`), whose `solve` takes any
+    pytree of the state's structure.
     """
     n = jac.shape[0]
     matrix = jnp.eye(n, dtype=jac.dtype) - jnp.asarray(gamma_h, jac.dtype) * jac
+    if explicit_inverse:
+        return InverseFactorisation(matrix, jnp.linalg.inv(matrix))
     lu, pivots = jsl.lu_factor(matrix)
     return Factorisation(lu, pivots)

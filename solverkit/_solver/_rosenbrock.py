@@ -26,6 +26,13 @@ from ._rosenbrock_tableau import (
 )
 
 
+# Up to this many unknowns, each stage solves by products with the explicit inverse
+# of `I - γhJ` (with one refinement step) instead of LAPACK triangular solves: for
+# small systems, and above all for vmapped ensembles of them, several times faster
+# (benchmarks/stiff.py).
+_INVERSE_MAX = 32
+
+
 class RosenbrockDense(NamedTuple):
     """One step's dense output: `y(t0 + θh) = y0 + Σ_p θ^(p+1) coeffs[p]`, with
     `coeffs` on the ravelled state."""
@@ -77,7 +84,7 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
         hd = jnp.asarray(h, dtype)
         gamma = tab.gamma
         f_t = ravel_pytree(time_derivative(vf, t0, y0))[0].astype(dtype)
-        lu = factorise(jac, gamma * hd)
+        lu = factorise(jac, gamma * hd, explicit_inverse=jac.shape[0] <= _INVERSE_MAX)
         us = []
         for i in range(tab.num_stages):
             if i == 0:
