@@ -416,3 +416,42 @@ def test_event_and_dense_output(name, x64):
     ts = jnp.linspace(0.05, 0.95, 7)
     dense = jax.vmap(sol.evaluate)(ts)[:, 0]
     np.testing.assert_allclose(np.asarray(dense), 1 / (1 + np.asarray(ts)), rtol=1e-6)
+
+
+def test_saveat_progress_key_and_throw(x64, capsys):
+    """SaveAt ts and steps, a text progress meter, a PRNG key closed over (the
+    rate is drawn from it), and max_steps reported or raised."""
+    key = jax.random.PRNGKey(0)
+
+    def vector_field(t, y, args):
+        rate = 1.0 + jax.random.uniform(key)
+        return -rate * y
+
+    rate = 1.0 + float(jax.random.uniform(key))
+    ts = jnp.linspace(0.1, 1.0, 4)
+
+    def solve(max_steps, throw):
+        return sk.diffeqsolve(
+            sk.ODETerm(vector_field),
+            sk.Rosenbrock23(),
+            0.0,
+            1.0,
+            0.05,
+            jnp.array([1.0, 2.0]),
+            saveat=sk.SaveAt(subs=[sk.SubSaveAt(ts=ts), sk.SubSaveAt(steps=True)]),
+            stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-9),
+            progress_meter=sk.TextProgressMeter(),
+            max_steps=max_steps,
+            throw=throw,
+        )
+
+    sol = solve(256, True)
+    at_ts, at_steps = sol.ys
+    want = np.exp(-rate * np.asarray(ts))[:, None] * np.array([1.0, 2.0])
+    np.testing.assert_allclose(np.asarray(at_ts), want, rtol=1e-4)
+    accepted = int(sol.stats["num_accepted_steps"])
+    assert np.all(np.isfinite(np.asarray(at_steps)[:accepted]))
+    assert float(sol.ts[1][accepted - 1]) == 1.0
+    assert "100.00%" in capsys.readouterr().out
+    with pytest.raises(RuntimeError):
+        solve(3, True)
