@@ -319,6 +319,9 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--modes", default="single,ensemble")
     parser.add_argument("--no-scipy", action="store_true")
+    parser.add_argument(
+        "--rtols", default=None, help="comma list (default: 1e-6 first, 1e-4 ... 1e-10)"
+    )
     args = parser.parse_args(argv)
     if args.problems is None:
         args.problems = "rober,hires" if args.quick else ",".join(PROBLEMS)
@@ -340,6 +343,8 @@ def main(argv=None) -> list[Row]:
     jax.config.update("jax_enable_compilation_cache", False)
     args.out.mkdir(parents=True, exist_ok=True)
     rtols = QUICK_RTOLS if args.quick else RTOLS
+    if args.rtols:
+        rtols = tuple(float(x) for x in args.rtols.split(","))
     rows: list[Row] = []
     for name in args.problems:
         problem = PROBLEMS[name]
