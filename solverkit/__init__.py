@@ -5,6 +5,7 @@ from ._adjoint import (
     adjoint_rms_seminorm as adjoint_rms_seminorm,
     BacksolveAdjoint as BacksolveAdjoint,
     DirectAdjoint as DirectAdjoint,
+    ForwardMode as ForwardMode,
     RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint,
 )
 from ._closure import (
@@ -28,6 +29,12 @@ from ._event import (
 )
 from ._integrate import diffeqsolve as diffeqsolve
 from ._interpolation import DenseInterpolation as DenseInterpolation
+from ._local_interpolation import (
+    AbstractLocalInterpolation as AbstractLocalInterpolation,
+    FourthOrderPolynomialInterpolation as FourthOrderPolynomialInterpolation,
+    LocalLinearInterpolation as LocalLinearInterpolation,
+    ThirdOrderHermitePolynomialInterpolation as ThirdOrderHermitePolynomialInterpolation,  # noqa: E501
+)
 from ._progress import (
     AbstractProgressMeter as AbstractProgressMeter,
     NoProgressMeter as NoProgressMeter,
@@ -62,7 +69,11 @@ from ._solver import (
     Rosenbrock23 as Rosenbrock23,
     Tsit5 as Tsit5,
 )
-from ._term import ODETerm as ODETerm
+from ._term import (
+    AbstractTerm as AbstractTerm,
+    MultiTerm as MultiTerm,
+    ODETerm as ODETerm,
+)
 
 
 __version__ = "0.1.0"

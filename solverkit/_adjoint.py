@@ -6,8 +6,11 @@ closure-converted vector field, is an explicit operand of every `custom_vjp` and
 """
 
 import abc
+import contextlib
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -18,12 +21,12 @@ import numpy as np
 
 from . import _loop
 from ._closure import closure_convert
-from ._controller import ClipStepSizeController, rms_norm
+from ._controller import rms_norm
+from ._custom_types import RealScalarLike, Y
 from ._errors import UnsupportedError
-from ._loop import Outputs, Problem
-from ._progress import NoProgressMeter
-from ._saveat import save_y
+from ._loop import Buffers, Carry, Outputs, Problem
 from ._select import where
+from ._term import ClosureTerm, MultiTerm, total_vf
 from ._unvmap import unvmap_any, while_loop
 
 
@@ -48,20 +51,82 @@ def _zeros_cotangent(x):
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
+def _fill_zeros(cotangent, primal):
+    """`cotangent` with every `None` (a leaf not differentiated) replaced by a zero
+    cotangent of the primal leaf."""
+    return jtu.tree_map(
+        lambda c, x: _zeros_cotangent(x) if c is None else c,
+        cotangent,
+        primal,
+        is_leaf=lambda x: x is None,
+    )
+
+
 def _parameters(tree):
     """Filter spec of the leaves of `tree` to differentiate: its inexact arrays,
-    except the time direction of a `VectorField` (a sign: its derivative is zero, and
-    carrying its cotangent would only cost work, and backward steps)."""
+    except the time direction (of a `Problem` or a `ClosureTerm`: a sign, whose
+    derivative is zero; carrying its cotangent would only cost work, and backward
+    steps)."""
 
     def spec(x):
-        if not isinstance(x, _loop.VectorField):
+        if not _is_term(x):
             return eqx.is_inexact_array(x)
         out = jtu.tree_map(eqx.is_inexact_array, x)
+        if isinstance(x, Problem):
+            out = eqx.tree_at(lambda p: p.terms, out, _parameters(x.terms))
         if x.direction is None:
             return out
         return eqx.tree_at(lambda v: v.direction, out, False)
 
-    return jtu.tree_map(spec, tree, is_leaf=lambda x: isinstance(x, _loop.VectorField))
+    return jtu.tree_map(spec, tree, is_leaf=_is_term)
+
+
+def _is_term(x) -> bool:
+    return isinstance(x, (ClosureTerm, Problem))
+
+
+@contextlib.contextmanager
+def reverse_only(adjoint: "AbstractAdjoint"):
+    """Turn JAX's error for forward-mode autodiff of a `custom_vjp` (the adjoints
+    that support reverse mode only) into one that says what to use instead."""
+    try:
+        yield
+    except TypeError as e:
+        text = str(e)
+        if "custom_vjp" in text and ("forward-mode" in text or "jvp" in text):
+            raise TypeError(
+                f"{type(adjoint).__name__} supports reverse-mode differentiation "
+                "(jax.grad, jax.vjp) only; for forward mode (jax.jvp, jax.jacfwd) use "
+                f"`adjoint=DirectAdjoint()`. (JAX said: {e})"
+            ) from None
+        raise
+
+
+def _custom_vjp(problem: Problem, primal: Callable, fwd: Callable, bwd: Callable, *ops):
+    """`primal(problem, *ops)` as a `custom_vjp` with the rules `fwd(problem, *ops)
+    -> (out, residuals)` and `bwd(static, dynamic, residuals, cotangents)`, which
+    returns the cotangents of `(dynamic, *ops)`.
+
+    The problem's arrays (`dynamic`) are an explicit operand, so every user value
+    crosses the boundary explicitly; its non-array part (`static`) is static.
+    """
+    dynamic, static = eqx.partition(problem, eqx.is_array)
+
+    @jax.custom_vjp
+    def run(dynamic, *operands):
+        return primal(eqx.combine(dynamic, static), *operands)
+
+    def run_fwd(dynamic, *operands):
+        out, residuals = fwd(eqx.combine(dynamic, static), *operands)
+        return out, (dynamic, residuals)
+
+    @_standard_promotion
+    def run_bwd(residuals, cotangents):
+        dynamic, residuals = residuals
+        return bwd(static, dynamic, residuals, cotangents)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(dynamic, *ops)
 
 
 class AbstractAdjoint(eqx.Module):
@@ -92,190 +157,187 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
 
     checkpoints: int | None = None
 
+    def __check_init__(self):
+        if self.checkpoints is not None and self.checkpoints < 1:
+            raise ValueError(
+                "RecursiveCheckpointAdjoint(checkpoints=...) must be >= 1."
+            )
+
     def loop(self, problem: Problem) -> Outputs:
         carry, bufs = _loop.init(problem)
         if problem.max_steps is None:
-            carry, bufs = _not_reverse_differentiable(problem, carry, bufs)
-            return _loop.finish(problem, carry, bufs)
-        if self.checkpoints is None:
-            segment = max(1, math.isqrt(problem.max_steps - 1) + 1)
+            fwd, bwd = _forward_plain, _no_reverse_mode
         else:
-            if self.checkpoints < 1:
-                raise ValueError(
-                    "RecursiveCheckpointAdjoint(checkpoints=...) must be >= 1."
-                )
-            segment = max(1, -(-problem.max_steps // self.checkpoints))
-        slots = -(-problem.max_steps // segment)
-        try:
-            carry, bufs = checkpointed_while(problem, carry, bufs, segment, slots)
-        except TypeError as e:
-            if is_forward_mode_error(e):
-                raise forward_mode_error("RecursiveCheckpointAdjoint", e) from None
-            raise
+            layout = _segments(problem.max_steps, self.checkpoints)
+            fwd = functools.partial(_checkpointed_forward, layout=layout)
+            bwd = functools.partial(_checkpointed_backward, layout=layout)
+        carry, bufs = _custom_vjp(problem, _run, fwd, bwd, carry, bufs)
         return _loop.finish(problem, carry, bufs)
 
 
-def _not_reverse_differentiable(problem: Problem, carry, bufs):
-    """`_loop.run_while`, with a clear error for reverse-mode autodiff: with
-    `max_steps=None` there is no bound on the memory checkpoints would need."""
-    dynamic, static = eqx.partition(problem, eqx.is_array)
-
-    @jax.custom_vjp
-    def run(dynamic, carry, bufs):
-        return _loop.run_while(eqx.combine(dynamic, static), (carry, bufs))
-
-    def fwd(dynamic, carry, bufs):
-        return run(dynamic, carry, bufs), None
-
-    def bwd(residuals, cotangents):
-        raise UnsupportedError(
-            "RecursiveCheckpointAdjoint can't differentiate a solve with "
-            "`max_steps=None` in reverse mode (its checkpoints need a bound): pass "
-            "an int `max_steps`, or use BacksolveAdjoint()."
-        )
-
-    run.defvjp(fwd, bwd)
-    return run(dynamic, carry, bufs)
+def _ceil_sqrt(n: int) -> int:
+    return max(1, math.isqrt(n - 1) + 1)
 
 
-def checkpointed_while(problem: Problem, carry, bufs, segment: int, slots: int):
-    """`_loop.run_while`, made reverse-differentiable by segment checkpointing.
+class Segments(NamedTuple):
+    """How a checkpointed loop of at most `max_steps` steps is cut."""
+
+    length: int  # steps per segment (one checkpoint each)
+    count: int  # checkpoint slots
+
+
+def _segments(max_steps: int, checkpoints: int | None) -> Segments:
+    if checkpoints is None:
+        length = _ceil_sqrt(max_steps)
+    else:
+        length = max(1, -(-max_steps // checkpoints))
+    return Segments(length, -(-max_steps // length))
+
+
+def _run(problem: Problem, carry: Carry, bufs: Buffers):
+    return _loop.run_while(problem, carry, bufs)[:2]
+
+
+def _forward_plain(problem: Problem, carry: Carry, bufs: Buffers):
+    return _run(problem, carry, bufs), None
+
+
+def _no_reverse_mode(static, dynamic, residuals, cotangents):
+    raise UnsupportedError(
+        "RecursiveCheckpointAdjoint can't differentiate a solve with "
+        "`max_steps=None` in reverse mode (its checkpoints need a bound): pass "
+        "an int `max_steps`, or use BacksolveAdjoint()."
+    )
+
+
+def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout):
+    """The loop, storing the carry before every `layout.length`-th step.
 
     Save buffers are written once per row and never read by the loop, so they are not
-    checkpointed: the cotangent of each written row is read directly in the backward
-    pass.
+    checkpointed: the backward pass reads each written row's cotangent directly.
     """
-    dynamic, static = eqx.partition(problem, eqx.is_array)
 
-    @jax.custom_vjp
-    def run(dynamic, carry, bufs):
-        return _loop.run_while(eqx.combine(dynamic, static), (carry, bufs))
-
-    def fwd(dynamic, carry, bufs):
-        problem = eqx.combine(dynamic, static)
-        meter = _loop.progress(problem)
+    def record(extra, before: Carry, active):
+        store, i = extra
+        due = active & (i % layout.length == 0)
         store = jtu.tree_map(
-            lambda x: jnp.zeros((slots,) + jnp.shape(x), x.dtype), carry
+            lambda s, x: _loop.set_row(s, i // layout.length, due, x), store, before
+        )
+        return store, i + active.astype(jnp.int32)
+
+    store = jtu.tree_map(
+        lambda x: jnp.zeros((layout.count,) + jnp.shape(x), x.dtype), carry
+    )
+    extra = (store, jnp.asarray(0, jnp.int32))
+    if _loop.adaptive(problem):
+        extra = _loop.batch_like(carry.num_steps, extra)
+    carry, bufs, (store, n) = _loop.run_while(problem, carry, bufs, extra, record)
+    return (carry, bufs), (store, n, bufs, carry)
+
+
+class _Reverse(NamedTuple):
+    """What every piece of the checkpointed backward pass reads."""
+
+    static: Problem  # the problem's non-array part
+    p_rest: Problem  # its arrays that are not differentiated
+    diff_mask: Carry  # which carry leaves are differentiated
+    bufs: Buffers
+    ct_bufs: Buffers  # cotangents of the save buffers
+    store: Carry  # the checkpoints, stacked
+    layout: Segments
+    batch: bool  # whether to batch loop carries up front (see `batch_like`)
+
+
+def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next):
+    """Pull the cotangent of the carry after one step back through that step
+    (writing its saves), to the problem's parameters and the carry before it."""
+    c_diff, c_rest = eqx.partition(carry, rev.diff_mask)
+
+    def f(p_diff, c_diff):
+        problem = eqx.combine(p_diff, rev.p_rest, rev.static)
+        new, new_bufs = _loop.body(
+            problem, (eqx.combine(c_diff, c_rest), rev.bufs), differentiable=True
+        )
+        return eqx.filter(new, rev.diff_mask), eqx.filter(
+            new_bufs, eqx.is_inexact_array
         )
 
-        def body(state, active):
-            carry, bufs, store, i, shown = state
-            save = active & (i % segment == 0)
-            store = jtu.tree_map(
-                lambda s, x: _loop._set_row(s, i // segment, save, x), store, carry
-            )
-            before = carry
-            carry, bufs = _loop.body(problem, (carry, bufs), active)
-            if meter is not None:
-                shown = meter.tick(shown, before, carry)
-            return carry, bufs, store, i + active.astype(jnp.int32), shown
+    _, pullback = jax.vjp(f, p_diff, c_diff)
+    return pullback((ct_next, rev.ct_bufs))
 
-        init = (carry, bufs, store, jnp.asarray(0, jnp.int32))
-        if _loop.adaptive(problem):
-            init = _loop.batch_like(carry.num_steps, init)
-        shown = None if meter is None else meter.start(carry)
-        carry, bufs, store, n, _ = while_loop(
-            lambda s: _loop.cond(problem, s[0]), body, init + (shown,)
+
+def _recompute(rev: _Reverse, p_diff, start, length):
+    """The carries before each of the `length` steps from step `start` (a
+    checkpoint), stacked."""
+    problem = eqx.combine(p_diff, rev.p_rest, rev.static)
+    first = jtu.tree_map(lambda s: s[start // rev.layout.length], rev.store)
+    seg = jtu.tree_map(
+        lambda x: jnp.zeros((rev.layout.length,) + jnp.shape(x), x.dtype), first
+    )
+
+    def body(state, active):
+        carry, seg, j = state
+        seg = jtu.tree_map(lambda s, x: _loop.set_row(s, j, active, x), seg, carry)
+        new, _ = _loop.step(problem, carry)
+        return _loop.tree_where(active, new, carry), seg, j + active.astype(jnp.int32)
+
+    init = (first, seg, jnp.asarray(0, jnp.int32))
+    if rev.batch:
+        init = _loop.batch_like(length, init)
+    _, seg, _ = while_loop(lambda s: s[2] < length, body, init)
+    return seg
+
+
+def _reverse_segment(rev: _Reverse, p_diff, seg, length, ct_p, ct_c):
+    """Backpropagate through the `length` recomputed steps of one segment, last
+    first, accumulating the parameters' cotangent."""
+
+    def back(state, active):
+        j, ct_p, ct_c = state
+        carry = jtu.tree_map(
+            lambda b: lax.dynamic_index_in_dim(b, jnp.maximum(j, 0), keepdims=False),
+            seg,
         )
-        if meter is not None:
-            meter.done(carry)
-        return (carry, bufs), (dynamic, store, n, bufs, carry)
+        dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
+        ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
+        ct_c = _loop.tree_where(active, dc, ct_c)
+        return j - active.astype(jnp.int32), ct_p, ct_c
 
-    @_standard_promotion
-    def bwd(residuals, cotangents):
-        dynamic, store, n, bufs, final = residuals
-        ct_carry, ct_bufs = cotangents
-        diff_mask = jtu.tree_map(eqx.is_inexact_array, final)
-        p_diff, p_rest = eqx.partition(dynamic, _parameters(dynamic))
-        ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
-        batch = _loop.adaptive(static)  # the controller is static
+    init = (length - 1, ct_p, ct_c)
+    if rev.batch:
+        init = _loop.batch_like(length, init)
+    _, ct_p, ct_c = while_loop(lambda st: st[0] >= 0, back, init)
+    return ct_p, ct_c
 
-        def vjp_step(p_diff, carry, ct_next):
-            c_diff, c_rest = eqx.partition(carry, diff_mask)
 
-            def f(p_diff, c_diff):
-                problem = eqx.combine(p_diff, p_rest, static)
-                new, new_bufs = _loop.body(
-                    problem, (eqx.combine(c_diff, c_rest), bufs), differentiable=True
-                )
-                return eqx.filter(new, diff_mask), eqx.filter(
-                    new_bufs, eqx.is_inexact_array
-                )
+def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
+    """The segments in reverse: recompute each from its checkpoint, then
+    backpropagate through it."""
+    store, n, bufs, final = residuals
+    ct_carry, ct_bufs = cotangents
+    diff_mask = jtu.tree_map(eqx.is_inexact_array, final)
+    p_diff, p_rest = eqx.partition(dynamic, _parameters(dynamic))
+    ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
+    batch = _loop.adaptive(static)  # the controller is static
+    rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, store, layout, batch)
 
-            _, pullback = jax.vjp(f, p_diff, c_diff)
-            return pullback((ct_next, ct_bufs))
+    def segment_body(state, active):
+        s, ct_p, ct_c = state
+        start = jnp.maximum(s, 0) * layout.length
+        length = where(active, jnp.minimum(layout.length, n - start), 0)
+        seg = _recompute(rev, p_diff, start, length)
+        ct_p, ct_c = _reverse_segment(rev, p_diff, seg, length, ct_p, ct_c)
+        return s - active.astype(jnp.int32), ct_p, ct_c
 
-        def recompute(p_diff, start, length):
-            problem = eqx.combine(p_diff, p_rest, static)
-            first = jtu.tree_map(lambda s: s[start // segment], store)
-            seg = jtu.tree_map(
-                lambda x: jnp.zeros((segment,) + jnp.shape(x), x.dtype), first
-            )
-
-            def body(state, active):
-                carry, seg, j = state
-                seg = jtu.tree_map(
-                    lambda s, x: _loop._set_row(s, j, active, x), seg, carry
-                )
-                new, _ = _loop.step(problem, carry)
-                carry = _loop._where(active, new, carry)
-                return carry, seg, j + active.astype(jnp.int32)
-
-            init = (first, seg, jnp.asarray(0, jnp.int32))
-            if batch:
-                init = _loop.batch_like(length, init)
-            _, seg, _ = while_loop(lambda s: s[2] < length, body, init)
-            return seg
-
-        def segment_body(state, active):
-            s, ct_p, ct_c = state
-            start = jnp.maximum(s, 0) * segment
-            length = where(active, jnp.minimum(segment, n - start), 0)
-            seg = recompute(p_diff, start, length)
-
-            def back(state, active):
-                j, ct_p, ct_c = state
-                carry = jtu.tree_map(
-                    lambda b: lax.dynamic_index_in_dim(
-                        b, jnp.maximum(j, 0), keepdims=False
-                    ),
-                    seg,
-                )
-                dp, dc = vjp_step(p_diff, carry, ct_c)
-                ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
-                ct_c = _loop._where(active, dc, ct_c)
-                return j - active.astype(jnp.int32), ct_p, ct_c
-
-            init = (length - 1, ct_p, ct_c)
-            if batch:
-                init = _loop.batch_like(length, init)
-            _, ct_p, ct_c = while_loop(lambda st: st[0] >= 0, back, init)
-            return s - active.astype(jnp.int32), ct_p, ct_c
-
-        ct_p0 = jtu.tree_map(jnp.zeros_like, p_diff)
-        ct_c0 = eqx.filter(ct_carry, diff_mask)
-        last = (n + segment - 1) // segment - 1
-        init = (last, ct_p0, ct_c0)
-        if batch:
-            init = _loop.batch_like(n, init)
-        _, ct_p, ct_c = while_loop(lambda st: st[0] >= 0, segment_body, init)
-        ct_dynamic = jtu.tree_map(
-            lambda c, x: _zeros_cotangent(x) if c is None else c,
-            eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)),
-            dynamic,
-            is_leaf=lambda x: x is None,
-        )
-        ct_carry_in = jtu.tree_map(
-            lambda c, x: _zeros_cotangent(x) if c is None else c,
-            ct_c,
-            final,
-            is_leaf=lambda x: x is None,
-        )
-        ct_bufs_in = jtu.tree_map(_zeros_cotangent, bufs)
-        return ct_dynamic, ct_carry_in, ct_bufs_in
-
-    run.defvjp(fwd, bwd)
-    return run(dynamic, carry, bufs)
+    last = (n + layout.length - 1) // layout.length - 1
+    init = (last, jtu.tree_map(jnp.zeros_like, p_diff), eqx.filter(ct_carry, diff_mask))
+    if batch:
+        init = _loop.batch_like(n, init)
+    _, ct_p, ct_c = while_loop(lambda st: st[0] >= 0, segment_body, init)
+    ct_dynamic = _fill_zeros(
+        eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic
+    )
+    return ct_dynamic, _fill_zeros(ct_c, final), jtu.tree_map(_zeros_cotangent, bufs)
 
 
 class DirectAdjoint(AbstractAdjoint):
@@ -298,7 +360,7 @@ class DirectAdjoint(AbstractAdjoint):
 
     def loop(self, problem: Problem) -> Outputs:
         carry, bufs = _loop.init(problem)
-        block = max(1, math.isqrt(problem.max_steps - 1) + 1)
+        block = _ceil_sqrt(problem.max_steps)
         blocks = -(-problem.max_steps // block)
 
         def step(state, _):
@@ -320,31 +382,26 @@ class DirectAdjoint(AbstractAdjoint):
         return _loop.finish(problem, carry, bufs)
 
 
-def forward_mode_error(adjoint: str, error: Exception) -> Exception:
-    return TypeError(
-        f"{adjoint} supports reverse-mode differentiation (jax.grad, jax.vjp) only; "
-        "for forward mode (jax.jvp, jax.jacfwd) use `adjoint=DirectAdjoint()`. "
-        f"(JAX said: {error})"
-    )
-
-
-def is_forward_mode_error(error: Exception) -> bool:
-    text = str(error)
-    return "custom_vjp" in text and ("forward-mode" in text or "jvp" in text)
+class ForwardMode(DirectAdjoint):
+    """Differentiate in forward mode (`jax.jvp`, `jax.jacfwd`): diffrax's name for
+    it. Here it is [`solverkit.DirectAdjoint`][], which supports forward mode and
+    reverse mode alike."""
 
 
 _LOOP_STAGES_MAX_SIZE = 256
 
 
-def _augmented(tau, state, aux):
+def _augmented(tau: RealScalarLike, state, aux, part: int | None = None):
     """The adjoint system of `dy/dtau = g(tau, y, theta)` in the outer internal time:
-    `dy = g`, `da = -a dg/dy`, `dtheta_bar = -a dg/dtheta`."""
-    term, args = aux
+    `dy = g`, `da = -a dg/dy`, `dtheta_bar = -a dg/dtheta`; for a `MultiTerm`, the
+    part of it that comes from its term `part` (the parts sum to the whole)."""
+    terms, args = aux
     y, a, _ = state
-    theta, rest = eqx.partition((term, args), _parameters((term, args)))
+    theta, rest = eqx.partition((terms, args), _parameters((terms, args)))
 
-    def g(theta, y):
-        term, args = eqx.combine(theta, rest)
+    def g(theta, y: Y):
+        terms, args = eqx.combine(theta, rest)
+        term = terms if part is None else terms.terms[part]
         return term.vf(tau, y, args)
 
     fy, pullback = jax.vjp(g, theta, y)
@@ -385,6 +442,17 @@ def _dot(a, b):
     return sum(leaves) if leaves else jnp.asarray(0.0)
 
 
+def _solve_whole(problem: Problem) -> Outputs:
+    carry, bufs = _loop.init(problem)
+    return _loop.finish(problem, *_run(problem, carry, bufs))
+
+
+def _with_outputs(problem: Problem):
+    """Forward rule whose residuals are the outputs themselves."""
+    out = _solve_whole(problem)
+    return out, out
+
+
 class BacksolveAdjoint(AbstractAdjoint):
     """Optimise-then-discretise: solve the continuous adjoint equations backwards in
     time, in constant memory.
@@ -409,14 +477,13 @@ class BacksolveAdjoint(AbstractAdjoint):
         unsupported = []
         if len(problem.saves) != 1:
             unsupported.append("SaveAt(subs=...) with several SubSaveAts")
-        if problem.every:
+        if problem.saves_steps:
             unsupported.append("SaveAt(steps=...)")
         if problem.dense:
             unsupported.append("SaveAt(dense=True)")
         if problem.conds is not None:
             unsupported.append("events")
-        identity = _identity_jaxpr(problem, save_y)
-        if any(save.fn.jaxpr is not identity for save in problem.saves):
+        if not all(save.saves_y for save in problem.saves):
             unsupported.append("SaveAt(fn=...)")
         if unsupported:
             raise UnsupportedError(
@@ -426,76 +493,51 @@ class BacksolveAdjoint(AbstractAdjoint):
             )
 
     def loop(self, problem: Problem) -> Outputs:
-        dynamic, static = eqx.partition(problem, eqx.is_array)
-        adjoint = self
-
-        def forward(dynamic):
+        def bwd(static, dynamic, out, ct_out):
             problem = eqx.combine(dynamic, static)
-            carry, bufs = _loop.init(problem)
-            carry, bufs = _loop.run_while(problem, (carry, bufs))
-            return _loop.finish(problem, carry, bufs)
+            return (self._backward(problem, out, ct_out.ys),)
 
-        @jax.custom_vjp
-        def run(dynamic):
-            return forward(dynamic)
-
-        def fwd(dynamic):
-            out = forward(dynamic)
-            return out, (dynamic, out)
-
-        @_standard_promotion
-        def bwd(residuals, ct_out):
-            dynamic, out = residuals
-            problem = eqx.combine(dynamic, static)
-            ct = adjoint._backward(problem, out, ct_out.ys)
-            return (ct,)
-
-        run.defvjp(fwd, bwd)
-        try:
-            return run(dynamic)
-        except TypeError as e:
-            if is_forward_mode_error(e):
-                raise forward_mode_error("BacksolveAdjoint", e) from None
-            raise
+        return _custom_vjp(problem, _solve_whole, _with_outputs, bwd)
 
     def _solve_back(self, problem: Problem, aux, state, ta, tb):
         """Integrate the augmented state from internal time `ta` back to `tb`."""
         solver = problem.solver if self.solver is None else self.solver
-        controller = (
-            problem.controller
-            if self.stepsize_controller is None
-            else self.stepsize_controller
-        )
-        controller = _in_forward_time(controller, problem.term)
+        controller = problem.controller  # in the forward solve's internal time
+        if self.stepsize_controller is not None:
+            controller = self.stepsize_controller.to_internal(problem.direction)
+        backwards = -jnp.ones_like(ta)
         neg_ta = -ta
-        closure = closure_convert(_augmented, neg_ta, state, aux)
         # The adjoint system's vector field (a field and its vjp) is large. For a
         # small augmented state its Runge-Kutta stages run in a loop, which compiles
         # faster and runs as fast (measured: LV, 8 numbers per trajectory); for a
         # large one (a neural ODE's parameter cotangents) the loop's stacked stages
         # cost more than they save, so the stages stay unrolled.
         loop = sum(x.size for x in jtu.tree_leaves(state)) <= _LOOP_STAGES_MAX_SIZE
+
+        def adjoint_term(part):
+            augmented = functools.partial(_augmented, part=part)
+            closure = closure_convert(augmented, neg_ta, state, aux)
+            return ClosureTerm(closure, backwards, loop_stages=loop)
+
+        if isinstance(problem.terms, MultiTerm):  # the adjoint of each part
+            parts = range(len(problem.terms.terms))
+            terms = MultiTerm(*[adjoint_term(i) for i in parts])
+        else:
+            terms = adjoint_term(None)
         inner = Problem(
             solver=solver,
-            controller=controller,
-            term=_loop.VectorField(closure, -jnp.ones_like(ta), loop_stages=loop),
+            controller=controller.to_internal(backwards),
+            terms=terms,
+            direction=backwards,
             args=aux,
             y0=state,
             t0=neg_ta,
             t1=-tb,
             dt0=problem.dt0,
-            saves=(),
-            save_tree=jtu.tree_structure(None),
-            dense=False,
-            conds=None,
-            event_direction=None,
-            root_finder=None,
             max_steps=problem.max_steps,
-            meter=NoProgressMeter(),
         )
-        carry, bufs = _loop.init(inner)
-        carry, _ = _loop.run_while(inner, (carry, bufs))
-        failed = (carry.t < inner.t1) | (carry.result != _loop._SUCCESS)
+        carry, _ = _run(inner, *_loop.init(inner))
+        failed = (carry.t < inner.t1) | (carry.result != _loop.SUCCESS)
         y = eqx.error_if(
             carry.y,
             failed,
@@ -506,9 +548,9 @@ class BacksolveAdjoint(AbstractAdjoint):
         return y
 
     def _backward(self, problem: Problem, out: Outputs, ct_ys):
-        aux = (problem.term, problem.args)
+        aux = (problem.terms, problem.args)
         theta, _ = eqx.partition(aux, _parameters(aux))
-        g = lambda tau, y: problem.term.vf(tau, y, problem.args)
+        g = lambda tau, y: total_vf(problem.terms, tau, y, problem.args)
         (save,) = problem.saves
         rows_t0 = 1 if save.t0 else 0
         num_ts = 0 if save.ts is None else save.ts.shape[0]
@@ -548,12 +590,7 @@ class BacksolveAdjoint(AbstractAdjoint):
             a = jtu.tree_map(jnp.add, a, take(ct_ys, 0))
         dynamic, _ = eqx.partition(problem, eqx.is_array)
         ct = jtu.tree_map(_zeros_cotangent, dynamic)
-        ct_aux = jtu.tree_map(
-            lambda c, x: _zeros_cotangent(x) if c is None else c,
-            theta_bar,
-            eqx.partition(aux, eqx.is_array)[0],
-            is_leaf=lambda x: x is None,
-        )
+        ct_aux = _fill_zeros(theta_bar, eqx.partition(aux, eqx.is_array)[0])
         ct = eqx.tree_at(
             lambda p: (p.y0, p.t0, p.t1),
             ct,
@@ -565,23 +602,7 @@ class BacksolveAdjoint(AbstractAdjoint):
         return ct
 
 
-def _in_forward_time(controller, term):
-    """A `ClipStepSizeController`'s times (in user time) put in the forward solve's
-    internal time, which the backward solve's own direction then maps to its own."""
-    if not isinstance(controller, ClipStepSizeController):
-        return controller
-    inner = _in_forward_time(controller.controller, term)
-    move = lambda ts: None if ts is None else term.to_user(ts)
-    return ClipStepSizeController(
-        inner, move(controller.step_ts), move(controller.jump_ts)
-    )
-
-
 def _replace_subtrees(ct, ct_aux):
     term, args = ct_aux
-    ct = eqx.tree_at(lambda p: p.term, ct, term, is_leaf=lambda x: x is None)
+    ct = eqx.tree_at(lambda p: p.terms, ct, term, is_leaf=lambda x: x is None)
     return eqx.tree_at(lambda p: p.args, ct, args, is_leaf=lambda x: x is None)
-
-
-def _identity_jaxpr(problem: Problem, save_y):
-    return closure_convert(save_y, problem.t0, problem.y0, problem.args).jaxpr

@@ -7,7 +7,7 @@ solve is run forwards in `-t`).
 
 import abc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax.lax as lax
@@ -16,10 +16,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._errors import BadInputError
+from ._custom_types import Args, RealScalarLike, VF, Y
+from ._errors import BadInputError, concrete
 from ._reduce import sum_all
 from ._select import where
 from ._solution import RESULTS
+from ._solver import AbstractSolver
+from ._term import AbstractTerm
 
 
 def rms_norm(x: PyTree) -> Array:
@@ -35,20 +38,85 @@ def rms_norm(x: PyTree) -> Array:
 
 
 class AbstractStepSizeController(eqx.Module):
-    """Base class: chooses the first step, then accepts/rejects and sizes each step."""
+    """Base class (diffrax's interface): chooses the first step, then accepts or
+    rejects each step and sizes the next.
+
+    The loop asks a controller only through these methods and properties, never
+    which controller it is.
+    """
 
     @abc.abstractmethod
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order) -> tuple[Any, Any]:
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ) -> tuple[Any, Any]:
         """**Returns:** `(end of the first step, controller state)`."""
 
     @abc.abstractmethod
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
         """**Returns:** `(keep_step, next_t0, next_t1, made_jump, state, result)`."""
 
-    def check(self, solver, dt0) -> None:
-        """Raise a `ValueError` before tracing if the controller can't be used so."""
+    @property
+    def adaptive(self) -> bool:
+        """Whether the steps depend on the state (through an error estimate)."""
+        return True
+
+    @property
+    def has_jumps(self) -> bool:
+        """Whether a step may end at a jump of the vector field in time."""
+        return False
+
+    def ends_on_jump(
+        self, controller_state: PyTree, t1: RealScalarLike
+    ) -> Array | bool:
+        """Whether a step ending at `t1` ends at a jump."""
+        return False
+
+    def to_internal(self, direction: Array | None) -> "AbstractStepSizeController":
+        """This controller in the loop's internal time `direction * t` (its times
+        mapped; `direction` is `-1` for a backwards solve, or `None`)."""
+        return self
+
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
+        """Raise a `ValueError` before tracing if the controller can't be used so
+        (`t0`, `t1` are NumPy values where known, else `None`; `dt0` as passed to
+        `diffeqsolve`)."""
+
+
+def _times_of(t0: RealScalarLike, t1: RealScalarLike):
+    """`t0`, `t1` as arrays of one floating dtype (they may be Python floats)."""
+    dtype = jnp.result_type(t0, t1, float)
+    return jnp.asarray(t0, dtype), jnp.asarray(t1, dtype)
+
+
+class ConstantState(NamedTuple):
+    done: Array  # steps completed once the next one is taken
+    n: Array  # steps in the interval (-1 for an infinite one)
+    start: Array
+    end: Array  # the end of the interval, or the step size when it is infinite
 
 
 class ConstantStepSize(AbstractStepSizeController):
@@ -60,7 +128,22 @@ class ConstantStepSize(AbstractStepSizeController):
     steps are `dt0` apart.
     """
 
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+    @property
+    def adaptive(self) -> bool:
+        return False
+
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ):
+        t0, t1 = _times_of(t0, t1)
         dt0 = jnp.asarray(dt0, t0.dtype)
         finite = jnp.isfinite(t1)
         # `nextafter`: a `dt0` that divides the interval up to rounding gives `n`
@@ -68,19 +151,34 @@ class ConstantStepSize(AbstractStepSizeController):
         n = jnp.ceil((t1 - t0) / jnp.nextafter(dt0, jnp.inf))
         n = where(finite, jnp.where(finite, n, 0).astype(jnp.int32), -1)
         end = where(finite, t1, dt0)  # the end, or with `t1 = inf` the step size
-        return t0 + dt0, (jnp.asarray(1, jnp.int32), n, t0, end)
+        return t0 + dt0, ConstantState(jnp.asarray(1, jnp.int32), n, t0, end)
 
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
         done, n, start, end = controller_state
         done = done + 1  # steps completed once the next one is taken
         fraction = done.astype(start.dtype) / jnp.maximum(n, 1).astype(start.dtype)
         nxt = where(done >= n, end, start + (end - start) * fraction)
         nxt = where(n >= 0, nxt, t1 + end)
-        return True, t1, nxt, False, (done, n, start, end), RESULTS.successful
+        state = ConstantState(done, n, start, end)
+        return True, t1, nxt, False, state, RESULTS.successful
 
-    def check(self, solver, dt0) -> None:
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
         if dt0 is None:
             raise ValueError(
                 "ConstantStepSize needs a step size: pass `dt0` to diffeqsolve "
@@ -103,34 +201,72 @@ class StepTo(AbstractStepSizeController):
         if jnp.ndim(self.ts) != 1 or self.ts.shape[0] < 2:
             raise ValueError("StepTo(ts) needs a 1-D array of at least two times.")
 
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
-        del dt0
-        ts = self.internal(terms, t0.dtype)
-        return ts[1], jnp.asarray(2, jnp.int32)
+    @property
+    def adaptive(self) -> bool:
+        return False
 
-    def internal(self, terms, dtype):
-        """The times in the loop's internal (increasing) time; `terms.to_user`
-        multiplies by the direction of integration, which is its own inverse."""
-        return terms.to_user(self.ts.astype(dtype))
+    def to_internal(self, direction: Array | None) -> "StepTo":
+        return self if direction is None else StepTo(direction * self.ts)
+
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ):
+        del dt0
+        t0, _ = _times_of(t0, t1)
+        return self.ts[1].astype(t0.dtype), jnp.asarray(2, jnp.int32)
 
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
-        raise NotImplementedError  # replaced in the loop by `adapt_step_to`
+        index = controller_state  # of the end of the step after this one
+        nxt = self.ts[jnp.minimum(index, self.ts.shape[0] - 1)]
+        return True, t1, nxt.astype(t1.dtype), False, index + 1, RESULTS.successful
 
-    def check(self, solver, dt0) -> None:
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
         if dt0 is not None:
             raise ValueError("StepTo(ts) chooses every step: pass `dt0=None`.")
-        try:
-            ts = np.asarray(self.ts)
-        except Exception:  # traced
+        ts = concrete(self.ts)
+        if ts is None:
             return
         d = np.diff(ts)
         if not (np.all(d > 0) or np.all(d < 0)):
             raise BadInputError("StepTo(ts): `ts` must be strictly monotonic.")
+        if t0 is not None and t1 is not None and (ts[0] != t0 or ts[-1] != t1):
+            raise BadInputError("StepTo(ts): `ts` must start at t0 and end at t1.")
 
 
-def _initial_step(func, t0, y0, args, error_order, rtol, atol, norm):
+def _initial_step(
+    func: Callable[..., VF],
+    t0: RealScalarLike,
+    y0: Y,
+    args: Args,
+    error_order: RealScalarLike | None,
+    rtol,
+    atol,
+    norm,
+):
     """Hairer, Norsett & Wanner (1993), II.4: a first step from two evaluations."""
     scale = jtu.tree_map(lambda y: atol + jnp.abs(y) * rtol, y0)
     div = lambda a, s: a / s.astype(a.dtype)
@@ -151,18 +287,31 @@ def _initial_step(func, t0, y0, args, error_order, rtol, atol, norm):
     return lax.stop_gradient(jnp.minimum(100 * h0, h1).astype(t0.dtype))
 
 
-class _PIDMeta(type(AbstractStepSizeController)):
-    """`PIDController(..., step_ts=..., jump_ts=...)` (diffrax's older spelling)
-    makes `ClipStepSizeController(PIDController(...), step_ts, jump_ts)`."""
+def _times(ts):
+    if ts is None:
+        return None
+    ts = jnp.asarray(ts)
+    if ts.ndim != 1:
+        raise ValueError(
+            f"ClipStepSizeController: times must be a 1-D array, got shape {ts.shape}."
+        )
+    return None if ts.shape[0] == 0 else ts
 
-    def __call__(cls, *args, step_ts=None, jump_ts=None, **kwargs):
-        controller = super().__call__(*args, **kwargs)
-        if step_ts is None and jump_ts is None:
-            return controller
-        return ClipStepSizeController(controller, step_ts=step_ts, jump_ts=jump_ts)
+
+def _next_after(points, t: RealScalarLike):
+    """The first of the sorted `points` strictly after `t` (`inf` if none)."""
+    index = jnp.searchsorted(points, t, side="right")
+    last = points.shape[0] - 1
+    return where(index > last, jnp.inf, points[jnp.minimum(index, last)])
 
 
-class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
+class PIDState(NamedTuple):
+    prev: Array  # inverse scaled error of the last accepted step
+    prev_prev: Array  # ... and of the one before
+    at_dtmin: Array  # whether the last step was clipped to `dtmin`
+
+
+class PIDController(AbstractStepSizeController):
     """Adaptive steps from an embedded error estimate, by a PID controller on the
     logarithm of the error (an I-controller by default).
 
@@ -178,8 +327,9 @@ class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
     - `norm`: norm of the scaled error (RMS by default).
     - `error_order`: override the solver's error order.
 
-    As in diffrax, `PIDController(..., step_ts=..., jump_ts=...)` returns a
-    [`solverkit.ClipStepSizeController`][] around the PID controller.
+    - `step_ts`, `jump_ts`: diffrax's older spelling of
+        `ClipStepSizeController(PIDController(...), step_ts, jump_ts)`, which is what
+        the solve uses.
     """
 
     rtol: float
@@ -195,6 +345,8 @@ class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
     factormax: float = 10.0
     norm: Callable[[PyTree], Array] = rms_norm
     error_order: float | None = None
+    step_ts: Any = eqx.field(default=None, converter=_times)
+    jump_ts: Any = eqx.field(default=None, converter=_times)
 
     def __check_init__(self):
         for name in ("rtol", "atol"):
@@ -203,10 +355,31 @@ class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
                 np.all(np.asarray(value) >= 0)
             ):
                 raise ValueError(f"PIDController: `{name}` must be >= 0, got {value}.")
-        if _concrete(self.rtol) == 0 and _concrete(self.atol) == 0:
+        rtol, atol = concrete(self.rtol), concrete(self.atol)
+        if (
+            rtol is not None
+            and atol is not None
+            and np.all(rtol == 0)
+            and np.all(atol == 0)
+        ):
             raise ValueError("PIDController: `rtol` and `atol` can't both be zero.")
 
-    def check(self, solver, dt0) -> None:
+    def to_internal(self, direction: Array | None) -> AbstractStepSizeController:
+        if self.step_ts is None and self.jump_ts is None:
+            return self
+        plain = eqx.tree_at(
+            lambda c: (c.step_ts, c.jump_ts), self, (None, None), is_leaf=_is_none
+        )
+        clip = ClipStepSizeController(plain, self.step_ts, self.jump_ts)
+        return clip.to_internal(direction)
+
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
         if self.error_order is None and solver.error_order(None) is None:
             raise ValueError(
                 f"{type(solver).__name__} has no error estimate, so it can't be used "
@@ -214,10 +387,21 @@ class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
                 "embedded error estimate (Tsit5, Dopri5, Bosh3, Heun, ...)."
             )
 
-    def _order(self, error_order):
+    def _order(self, error_order: RealScalarLike | None):
         return self.error_order if self.error_order is not None else error_order
 
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ):
+        t0, t1 = _times_of(t0, t1)
         if dt0 is None:
             dt0 = _initial_step(
                 func,
@@ -234,13 +418,37 @@ class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
             if self.dtmin is not None:
                 dt0 = jnp.maximum(dt0, self.dtmin)
         one = jnp.ones((), t0.dtype)
-        return t0 + dt0, (one, one, jnp.asarray(False))
+        return t0 + dt0, PIDState(one, one, jnp.asarray(False))
+
+    def _bounded(self, dt, factor, at_dtmin):
+        """`dt` within `[dtmin, dtmax]`, whether it is at `dtmin`, and the result."""
+        result = RESULTS.successful
+        if self.dtmax is not None:
+            dt = jnp.minimum(dt, self.dtmax)
+        if self.dtmin is not None:
+            if not self.force_dtmin:
+                result = RESULTS.where(
+                    dt < self.dtmin, RESULTS.dt_min_reached, RESULTS.successful
+                )
+            dt = where(at_dtmin & (factor == 1), self.dtmin, dt)
+            at_dtmin = dt <= self.dtmin
+            dt = jnp.maximum(dt, self.dtmin)
+        return dt, at_dtmin, result
 
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
         prev, prev_prev, at_dtmin = controller_state
         order = self._order(error_order)
+        t0, t1 = _times_of(t0, t1)
 
         def scale(e, a, b):
             b = where(jnp.isfinite(b), b, a)
@@ -267,21 +475,10 @@ class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
             where(keep, self.factormax, self.safety),
         )
         factor = lax.stop_gradient(factor)
-        dt = (t1 - t0) * factor
         inv = where((inv == 0) | jnp.isinf(inv), 1, inv)
-        result = RESULTS.successful
-        if self.dtmax is not None:
-            dt = jnp.minimum(dt, self.dtmax)
-        if self.dtmin is not None:
-            if not self.force_dtmin:
-                result = RESULTS.where(
-                    dt < self.dtmin, RESULTS.dt_min_reached, RESULTS.successful
-                )
-            dt = where(at_dtmin & (factor == 1), self.dtmin, dt)
-            at_dtmin = dt <= self.dtmin
-            dt = jnp.maximum(dt, self.dtmin)
+        dt, at_dtmin, result = self._bounded((t1 - t0) * factor, factor, at_dtmin)
         next_t0 = where(keep, t1, t0)
-        state = (
+        state = PIDState(
             where(keep, inv, prev),
             where(keep, prev, prev_prev),
             jnp.asarray(at_dtmin),
@@ -289,22 +486,9 @@ class PIDController(AbstractStepSizeController, metaclass=_PIDMeta):
         return keep, next_t0, next_t0 + dt, False, state, result
 
 
-def _times(ts):
-    if ts is None:
-        return None
-    ts = jnp.asarray(ts)
-    if ts.ndim != 1:
-        raise ValueError(
-            f"ClipStepSizeController: times must be a 1-D array, got shape {ts.shape}."
-        )
-    return None if ts.shape[0] == 0 else ts
-
-
-def _next_after(points, t):
-    """The first of the sorted `points` strictly after `t` (`inf` if none)."""
-    index = jnp.searchsorted(points, t, side="right")
-    last = points.shape[0] - 1
-    return where(index > last, jnp.inf, points[jnp.minimum(index, last)])
+class ClipState(NamedTuple):
+    inner: PyTree  # the wrapped controller's state
+    jump: Array  # the next jump after the current time (`inf` if none)
 
 
 class ClipStepSizeController(AbstractStepSizeController):
@@ -318,14 +502,20 @@ class ClipStepSizeController(AbstractStepSizeController):
     - `jump_ts`: times where the vector field jumps (is discontinuous in `t`): a step
         ends just before each, and the next starts at it with the vector field
         evaluated anew, so no step straddles the jump.
+    - `store_rejected_steps`: accepted for diffrax compatibility; it has no effect
+        (diffrax uses it to revisit rejected step ends, which matters to SDEs).
     """
 
     controller: AbstractStepSizeController
     step_ts: Any = eqx.field(default=None, converter=_times)
     jump_ts: Any = eqx.field(default=None, converter=_times)
+    store_rejected_steps: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
-        if not isinstance(self.controller, (PIDController, ClipStepSizeController)):
+        if not (
+            isinstance(self.controller, AbstractStepSizeController)
+            and self.controller.adaptive
+        ):
             raise ValueError(
                 "ClipStepSizeController wraps an adaptive controller (PIDController), "
                 f"got {self.controller!r}."
@@ -336,68 +526,87 @@ class ClipStepSizeController(AbstractStepSizeController):
     atol = property(lambda self: self.controller.atol)
     norm = property(lambda self: self.controller.norm)
 
-    def check(self, solver, dt0) -> None:
-        self.controller.check(solver, dt0)
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
+        self.controller.check(solver, t0, t1, dt0)
 
     @property
     def has_jumps(self) -> bool:
-        """Whether a step may end at a jump (then the loop re-evaluates the field)."""
-        inner = self.controller
-        nested = isinstance(inner, ClipStepSizeController) and inner.has_jumps
-        return self.jump_ts is not None or nested
+        return self.jump_ts is not None or self.controller.has_jumps
 
-    def _points(self, terms, dtype):
-        """`step_ts` and `jump_ts` in the loop's internal (increasing) time, sorted."""
-        out = []
-        for ts in (self.step_ts, self.jump_ts):
-            out.append(
-                None if ts is None else jnp.sort(terms.to_user(ts.astype(dtype)))
-            )
-        return tuple(out)
+    def to_internal(self, direction: Array | None) -> "ClipStepSizeController":
+        """Times mapped to internal time and sorted (they then increase)."""
 
-    def _clip(self, t0, t1, points):
+        def move(ts):
+            if ts is None:
+                return None
+            return jnp.sort(ts if direction is None else direction * ts)
+
+        inner = self.controller.to_internal(direction)
+        return ClipStepSizeController(
+            inner, move(self.step_ts), move(self.jump_ts), self.store_rejected_steps
+        )
+
+    def _clip(self, t0: RealScalarLike, t1: RealScalarLike):
         """The proposed step end `t1` clipped to the next time after `t0`, and the
         next jump after `t0` (`inf` if none)."""
-        steps, jumps = points
         jump = jnp.asarray(jnp.inf, t1.dtype)
-        if steps is not None:
-            t1 = jnp.minimum(t1, _next_after(steps, t0).astype(t1.dtype))
-        if jumps is not None:
-            jump = _next_after(jumps, t0).astype(t1.dtype)
+        if self.step_ts is not None:
+            t1 = jnp.minimum(t1, _next_after(self.step_ts, t0).astype(t1.dtype))
+        if self.jump_ts is not None:
+            jump = _next_after(self.jump_ts, t0).astype(t1.dtype)
             t1 = jnp.minimum(t1, jump)
         return t1, jump
 
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ):
+        t0, t1 = _times_of(t0, t1)
         tnext, inner = self.controller.init(
             terms, t0, t1, y0, dt0, args, func, error_order
         )
-        points = self._points(terms, t0.dtype)
-        tnext, jump = self._clip(t0, jnp.asarray(tnext, t0.dtype), points)
-        return tnext, (inner, points, jump)
+        tnext, jump = self._clip(t0, jnp.asarray(tnext, t0.dtype))
+        return tnext, ClipState(inner, jump)
 
-    def ends_on_jump(self, controller_state, t1) -> Array:
-        """Whether a step ending at `t1` ends at a jump (of any nested wrapper)."""
-        inner, _, jump = controller_state
-        ends = t1 == jump
-        if isinstance(self.controller, ClipStepSizeController):
-            ends = ends | self.controller.ends_on_jump(inner, t1)
-        return ends
+    def ends_on_jump(self, controller_state: PyTree, t1: RealScalarLike) -> Array:
+        inner, jump = controller_state
+        return (t1 == jump) | self.controller.ends_on_jump(inner, t1)
 
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
-        inner, points, _ = controller_state
+        inner, jump = controller_state
+        t0, t1 = _times_of(t0, t1)
         keep, next_t0, next_t1, made_jump, inner, result = (
             self.controller.adapt_step_size(
                 t0, t1, y0, y1_candidate, args, y_error, error_order, inner
             )
         )
-        next_t1, jump = self._clip(next_t0, next_t1, points)
-        return keep, next_t0, next_t1, made_jump, (inner, points, jump), result
+        made_jump = made_jump | (keep & (t1 == jump))
+        next_t1, jump = self._clip(next_t0, jnp.asarray(next_t1))
+        return keep, next_t0, next_t1, made_jump, ClipState(inner, jump), result
 
 
-def _concrete(x):
-    try:
-        return float(np.max(np.asarray(x)))
-    except Exception:
-        return 1.0
+def _is_none(x) -> bool:
+    return x is None

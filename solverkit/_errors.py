@@ -5,6 +5,8 @@ raises for the same input (often only at run time), so code written against eith
 library catches it.
 """
 
+import numpy as np
+
 
 class BadInputError(ValueError, RuntimeError):
     """An input that can't be solved as given (e.g. `SaveAt(ts=...)` outside
@@ -14,3 +16,14 @@ class BadInputError(ValueError, RuntimeError):
 class UnsupportedError(ValueError, NotImplementedError):
     """A combination of options that solverkit does not support (e.g.
     `BacksolveAdjoint` with `SaveAt(steps=True)`)."""
+
+
+def concrete(x):
+    """`x` as a NumPy value if it is known now (not traced), else `None`: what can be
+    checked before tracing."""
+    if x is None:
+        return None
+    try:
+        return np.asarray(x)
+    except Exception:  # a tracer
+        return None

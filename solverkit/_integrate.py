@@ -2,83 +2,169 @@
 build the `Solution`."""
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
-from ._adjoint import (
-    AbstractAdjoint,
-    forward_mode_error,
-    is_forward_mode_error,
-    RecursiveCheckpointAdjoint,
-)
+from ._adjoint import AbstractAdjoint, RecursiveCheckpointAdjoint, reverse_only
 from ._closure import Closure, closure_convert
-from ._controller import AbstractStepSizeController, ConstantStepSize, StepTo
-from ._errors import BadInputError
+from ._controller import AbstractStepSizeController, ConstantStepSize
+from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
+from ._errors import BadInputError, concrete
 from ._event import as_event, Event, with_context
 from ._interpolation import DenseInterpolation
-from ._loop import Problem, Save, VectorField
+from ._loop import Problem, Save
 from ._progress import AbstractProgressMeter, NoProgressMeter
-from ._saveat import is_sub, SaveAt
+from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
 from ._solution import Result, RESULTS, Solution
 from ._solver import AbstractSolver
-from ._term import ODETerm
+from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
 from ._unvmap import unvmap_max
 
 
-def _concrete(x):
-    """`x` as a NumPy value if it is known now (not traced), else `None`."""
-    if x is None:
-        return None
-    try:
-        return np.asarray(x)
-    except Exception:
-        return None
+class Times(NamedTuple):
+    """The times of a solve, checked: arrays of one floating dtype, their values where
+    known before tracing (else `None`), and the direction of integration."""
+
+    dtype: Any
+    t0: Array
+    t1: Array
+    dt0: Array | None  # internal time (positive)
+    known_t0: Any
+    known_t1: Any
+    known_dt0: Any
+    direction: Array | None  # -1 backwards, None forwards
+
+    def to_internal(self, tau: RealScalarLike):
+        return tau if self.direction is None else self.direction * tau
 
 
-def _as_state(y0):
-    def leaf(y):
+def _times(t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None) -> Times:
+    """Check `t0`, `t1`, `dt0` and bring them to one floating dtype."""
+    inputs = [t0, t1] + ([] if dt0 is None else [dt0])
+    for name, value in zip(("t0", "t1", "dt0"), inputs):
+        if jnp.ndim(value) != 0:
+            raise ValueError(
+                f"`{name}` must be a scalar, got shape {jnp.shape(value)}."
+            )
+    with jax.numpy_dtype_promotion("standard"):
+        dtype = jnp.result_type(*inputs, float)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"Times must be real, got dtype {dtype}.")
+    # Read known values before `jnp.asarray`, which under `jit` makes even a Python
+    # float a tracer (a traced direction would cost a differentiated parameter).
+    c0, c1, cdt = concrete(t0), concrete(t1), concrete(dt0)
+    if cdt is not None and c0 is not None and c1 is not None:
+        if cdt == 0 and c0 != c1:
+            raise ValueError("`dt0` must be non-zero.")
+        if (c1 - c0) * cdt < 0:
+            raise ValueError(
+                "`dt0` must have the sign of `t1 - t0`: got "
+                f"t0={c0}, t1={c1}, dt0={cdt}."
+            )
+    t0, t1 = jnp.asarray(t0, dtype), jnp.asarray(t1, dtype)
+    if c0 is not None and c1 is not None:
+        direction = None if c1 >= c0 else jnp.asarray(-1, dtype)
+    else:
+        direction = where(t1 >= t0, 1, -1).astype(dtype)
+    times = Times(dtype, t0, t1, None, c0, c1, cdt, direction)
+    if dt0 is not None:
+        times = times._replace(dt0=times.to_internal(jnp.asarray(dt0, dtype)))
+    return times
+
+
+def _as_state(y0: Y):
+    def leaf(y: Y):
         y = jnp.asarray(y)
         if not jnp.issubdtype(y.dtype, jnp.inexact):
             y = y.astype(jnp.result_type(float))
         return y
 
-    return jtu.tree_map(leaf, y0)
+    y0 = jtu.tree_map(leaf, y0)
+    if any(jnp.iscomplexobj(y) for y in jtu.tree_leaves(y0)):
+        warnings.warn(
+            "Complex dtype in `y0`: solverkit integrates complex states; adaptive "
+            "steps measure the modulus of the error, and autodiff follows JAX's "
+            "conventions for complex numbers.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return y0
 
 
-def _check_output(closure: Closure, y0, what: str) -> None:
+def _check_output(closure: Closure, y0: Y, what: str) -> None:
+    """The output of a converted function must be usable as `dy/dt`: the structure,
+    shapes and dtypes of `y0`, except what diffrax also accepts (see `like_state`)."""
     out = closure.out_struct
     y_tree, out_tree = jtu.tree_structure(y0), jtu.tree_structure(out)
+    out_leaves = jtu.tree_leaves(out)
     if y_tree != out_tree:
-        raise TypeError(
-            f"The {what} must return a pytree with the structure of `y0`: expected "
-            f"{y_tree}, got {out_tree}."
-        )
-    for i, (y, o) in enumerate(zip(jtu.tree_leaves(y0), jtu.tree_leaves(out))):
-        if tuple(y.shape) != tuple(o.shape):
+        if len(out_leaves) == 1 and out_leaves[0].shape == ():
+            out_leaves = out_leaves * y_tree.num_leaves  # a scalar, broadcast
+        else:
+            raise TypeError(
+                f"The {what} must return a pytree with the structure of `y0`: "
+                f"expected {y_tree}, got {out_tree}."
+            )
+    for i, (y, o) in enumerate(zip(jtu.tree_leaves(y0), out_leaves)):
+        if tuple(o.shape) not in ((), tuple(y.shape)):
             raise ValueError(
                 f"The {what} must return arrays of the shapes of `y0`: leaf {i} should "
                 f"have shape {tuple(y.shape)}, got {tuple(o.shape)}."
             )
-        if y.dtype != o.dtype:
+        if jnp.iscomplexobj(o) and not jnp.iscomplexobj(y):
             raise TypeError(
-                f"The {what} must return arrays of the dtypes of `y0`: leaf {i} should "
-                f"have dtype {y.dtype}, got {o.dtype}. Cast the output (or `y0`)."
+                f"The {what} returns a complex value for the real leaf {i} of `y0` "
+                f"(dtype {y.dtype}): casting would drop the imaginary part. Make "
+                "`y0` complex, or return a real value."
             )
 
 
-def _save_times(ts, dtype, c0, c1, sign):
+def _closure_term(term: AbstractTerm, times: Times, y0: Y, args: Args) -> ClosureTerm:
+    closure = closure_convert(rate_function(term), times.t0, y0, args)
+    _check_output(closure, y0, "vector field")
+    return ClosureTerm(closure, times.direction)
+
+
+def _convert_terms(terms, solver: AbstractSolver, times: Times, y0: Y, args: Args):
+    """Each term's vector field, closure-converted once, in the structure the solver
+    takes: one `ClosureTerm`, or a `MultiTerm` of them for a solver whose
+    `term_structure` is a tuple (an IMEX solver). Any other solver integrates the
+    sum of a `MultiTerm`'s terms."""
+    if not isinstance(terms, AbstractTerm):
+        raise TypeError(
+            "`terms` must be a term, e.g. ODETerm(vector_field) or MultiTerm(...), "
+            f"got {type(terms).__name__}."
+        )
+    structure = solver.term_structure
+    if not isinstance(structure, tuple):
+        return _closure_term(terms, times, y0, args)
+    name = type(solver).__name__
+    if not isinstance(terms, MultiTerm) or len(terms.terms) != len(structure):
+        got = (
+            f"MultiTerm of {len(terms.terms)} terms"
+            if isinstance(terms, MultiTerm)
+            else type(terms).__name__
+        )
+        raise ValueError(
+            f"{name} takes `MultiTerm` of {len(structure)} terms (for an IMEX "
+            f"solver: MultiTerm(explicit_term, implicit_term)), got {got}."
+        )
+    return MultiTerm(*[_closure_term(t, times, y0, args) for t in terms.terms])
+
+
+def _save_times(ts, times: Times):
     """`SubSaveAt.ts` in internal time, checked against `[t0, t1]` where known."""
     if ts is None:
         return None
-    ts = jnp.asarray(ts, dtype)
-    cts = _concrete(ts)
+    ts = jnp.asarray(ts, times.dtype)
+    cts, c0, c1 = concrete(ts), times.known_t0, times.known_t1
     if cts is not None and c0 is not None and c1 is not None and cts.size:
         lo, hi = min(c0, c1), max(c0, c1)
         if cts.min() < lo or cts.max() > hi:
@@ -90,15 +176,155 @@ def _save_times(ts, dtype, c0, c1, sign):
             raise BadInputError(
                 "SaveAt(ts=...) must run in the direction from t0 to t1."
             )
-    return sign(ts)
+    return times.to_internal(ts)
+
+
+def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):
+    """One `Save` per `SubSaveAt`, and the structure they came in."""
+    subs, save_tree = jtu.tree_flatten(saveat.subs, is_leaf=is_sub)
+    saves = tuple(
+        Save(
+            ts=_save_times(sub.ts, times),
+            fn=closure_convert(sub.fn, times.t0, y0, args),
+            t0=bool(sub.t0),
+            t1=bool(sub.t1),
+            every=sub.every,
+            saves_y=sub.fn is save_y,
+        )
+        for sub in subs
+    )
+    if max_steps is None and (saveat.dense or any(s.every for s in saves)):
+        raise ValueError(
+            "`max_steps=None` can't be used with SaveAt(steps=...) or "
+            "SaveAt(dense=True), whose buffers have `max_steps` rows: pass an int."
+        )
+    return saves, save_tree
+
+
+def _event_conditions(
+    event: Event | None, context: dict, times: Times, y0: Y, args: Args
+):
+    """Each of the event's conditions, closure-converted and checked (or `None`)."""
+    if event is None:
+        return None
+    if not isinstance(event, Event):
+        raise TypeError(f"`event` must be an Event, got {type(event).__name__}.")
+    conds = jtu.tree_map(
+        lambda f: closure_convert(with_context(f, **context), times.t0, y0, args),
+        event.cond_fn,
+        is_leaf=callable,
+    )
+    for c in jtu.tree_leaves(conds, is_leaf=lambda x: isinstance(x, Closure)):
+        out = c.out_struct
+        if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
+            raise ValueError(
+                f"An Event's cond_fn must return a scalar (boolean or real), got {out}."
+            )
+        if not (
+            jnp.issubdtype(out.dtype, jnp.bool_)
+            or jnp.issubdtype(out.dtype, jnp.floating)
+        ):
+            raise ValueError(
+                f"An Event's cond_fn must return a boolean or a float, got {out.dtype}."
+            )
+    return conds
+
+
+def _check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps):
+    if not isinstance(solver, AbstractSolver):
+        raise TypeError(f"`solver` must be a solverkit solver, got {solver!r}.")
+    if not isinstance(saveat, SaveAt):
+        raise TypeError(f"`saveat` must be a SaveAt, got {type(saveat).__name__}.")
+    if not isinstance(stepsize_controller, AbstractStepSizeController):
+        raise TypeError(
+            "`stepsize_controller` must be ConstantStepSize(), StepTo(ts), "
+            "PIDController(...) or ClipStepSizeController(...), got "
+            f"{stepsize_controller!r}."
+        )
+    if not isinstance(adjoint, AbstractAdjoint):
+        raise TypeError(f"`adjoint` must be a solverkit adjoint, got {adjoint!r}.")
+    if max_steps is not None and (
+        isinstance(max_steps, bool)
+        or not isinstance(max_steps, (int, np.integer))
+        or max_steps < 1
+    ):
+        raise ValueError(
+            f"`max_steps` must be a positive integer or None, got {max_steps!r}."
+        )
+
+
+def _legacy_event(event, discrete_terminating_event):
+    """diffrax's deprecated `discrete_terminating_event=`, as an `Event`."""
+    if discrete_terminating_event is None:
+        return event
+    warnings.warn(
+        "`diffeqsolve(..., discrete_terminating_event=...)` is deprecated (as in "
+        "diffrax): pass `event=Event(cond_fn)` instead.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if event is not None:
+        raise ValueError(
+            "Pass `event=...` or `discrete_terminating_event=...`, not both."
+        )
+    return as_event(discrete_terminating_event)
+
+
+def _check_no_resume(
+    solver_state: PyTree, controller_state: PyTree, made_jump: BoolScalarLike
+) -> None:
+    if made_jump is False:
+        made_jump = None  # no jump: the default
+    if any(x is not None for x in (solver_state, controller_state, made_jump)):
+        raise ValueError(
+            "solverkit does not resume from `solver_state`, `controller_state` or "
+            "`made_jump`: pass None (or `made_jump=False`)."
+        )
+
+
+def _problem(
+    terms, solver, times, y0, args, saveat, controller, event, max_steps, meter, dt0
+) -> Problem:
+    """Convert every user function (terms, saves, event conditions) once and gather
+    all a solve needs, in internal time."""
+    saves, save_tree = _saves(saveat, times, y0, args, max_steps)
+    context = dict(
+        terms=terms,
+        solver=solver,
+        t0=times.t0,
+        t1=times.t1,
+        dt0=dt0,
+        saveat=saveat,
+        stepsize_controller=controller,
+        max_steps=max_steps,
+    )
+    return Problem(
+        solver=solver,
+        controller=controller.to_internal(times.direction),
+        terms=_convert_terms(terms, solver, times, y0, args),
+        direction=times.direction,
+        args=args,
+        y0=y0,
+        t0=times.to_internal(times.t0),
+        t1=times.to_internal(times.t1),
+        dt0=times.dt0,
+        saves=saves,
+        save_tree=save_tree,
+        dense=saveat.dense,
+        conds=_event_conditions(event, context, times, y0, args),
+        event_direction=None if event is None else tuple(event.directions()),
+        root_finder=None if event is None else event.root_finder,
+        max_steps=None if max_steps is None else int(max_steps),
+        meter=meter,
+    )
 
 
 def diffeqsolve(
-    terms: ODETerm,
+    terms: AbstractTerm,
     solver: AbstractSolver,
-    t0,
-    t1,
-    dt0,
+    t0: RealScalarLike,
+    t1: RealScalarLike,
+    dt0: RealScalarLike | None,
     y0: PyTree,
     args: PyTree = None,
     *,
@@ -122,7 +348,9 @@ def diffeqsolve(
 
     **Arguments:**
 
-    - `terms`: an [`solverkit.ODETerm`][].
+    - `terms`: an [`solverkit.ODETerm`][], a [`solverkit.MultiTerm`][] (IMEX
+        solvers take `MultiTerm(explicit_term, implicit_term)`; the others integrate
+        the sum), or a user's [`solverkit.AbstractTerm`][].
     - `solver`: e.g. `Tsit5()`.
     - `t0`, `t1`: start and end times; `t1 < t0` integrates backwards.
     - `dt0`: the first step (signed like `t1 - t0`), or `None` to choose it
@@ -155,182 +383,25 @@ def diffeqsolve(
 
     A [`solverkit.Solution`][].
     """
-    if not isinstance(terms, ODETerm):
-        raise TypeError(
-            f"`terms` must be an ODETerm(vector_field), got {type(terms).__name__}."
-        )
-    if not isinstance(solver, AbstractSolver):
-        raise TypeError(f"`solver` must be a solverkit solver, got {solver!r}.")
-    if not isinstance(saveat, SaveAt):
-        raise TypeError(f"`saveat` must be a SaveAt, got {type(saveat).__name__}.")
-    if not isinstance(stepsize_controller, AbstractStepSizeController):
-        raise TypeError(
-            "`stepsize_controller` must be ConstantStepSize(), StepTo(ts), "
-            "PIDController(...) or ClipStepSizeController(...), got "
-            f"{stepsize_controller!r}."
-        )
-    if not isinstance(adjoint, AbstractAdjoint):
-        raise TypeError(f"`adjoint` must be a solverkit adjoint, got {adjoint!r}.")
-    if max_steps is not None and (
-        isinstance(max_steps, bool)
-        or not isinstance(max_steps, (int, np.integer))
-        or max_steps < 1
-    ):
-        raise ValueError(
-            f"`max_steps` must be a positive integer or None, got {max_steps!r}."
-        )
-    if discrete_terminating_event is not None:
-        warnings.warn(
-            "`diffeqsolve(..., discrete_terminating_event=...)` is deprecated (as in "
-            "diffrax): pass `event=Event(cond_fn)` instead.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if event is not None:
-            raise ValueError(
-                "Pass `event=...` or `discrete_terminating_event=...`, not both."
-            )
-        event = as_event(discrete_terminating_event)
-    if made_jump is False:
-        made_jump = None  # no jump: the default
-    if any(x is not None for x in (solver_state, controller_state, made_jump)):
-        raise ValueError(
-            "solverkit does not resume from `solver_state`, `controller_state` or "
-            "`made_jump`: pass None (or `made_jump=False`)."
-        )
-    stepsize_controller.check(solver, dt0)
+    _check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps)
+    event = _legacy_event(event, discrete_terminating_event)
+    _check_no_resume(solver_state, controller_state, made_jump)
+    times = _times(t0, t1, dt0)
+    stepsize_controller.check(solver, times.known_t0, times.known_t1, dt0)
     solver = solver.bind_controller_tols(stepsize_controller)
-
-    # Times: one floating dtype for t0, t1, dt0 and the save times.
-    time_inputs = [t0, t1] + ([] if dt0 is None else [dt0])
-    for name, value in zip(("t0", "t1", "dt0"), time_inputs):
-        if jnp.ndim(value) != 0:
-            raise ValueError(
-                f"`{name}` must be a scalar, got shape {jnp.shape(value)}."
-            )
-    with jax.numpy_dtype_promotion("standard"):
-        dtype = jnp.result_type(*time_inputs, float)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"Times must be real, got dtype {dtype}.")
-    # Read known values before `jnp.asarray`, which under `jit` makes even a Python
-    # float a tracer (a traced direction would cost a differentiated parameter).
-    c0, c1, cdt = _concrete(t0), _concrete(t1), _concrete(dt0)
-    t0 = jnp.asarray(t0, dtype)
-    t1 = jnp.asarray(t1, dtype)
-    if cdt is not None and c0 is not None and c1 is not None:
-        if cdt == 0 and c0 != c1:
-            raise ValueError("`dt0` must be non-zero.")
-        if (c1 - c0) * cdt < 0:
-            raise ValueError(
-                "`dt0` must have the sign of `t1 - t0`: got "
-                f"t0={c0}, t1={c1}, dt0={cdt}."
-            )
-    if c0 is not None and c1 is not None:
-        direction = None if c1 >= c0 else jnp.asarray(-1, dtype)
-    else:
-        direction = where(t1 >= t0, 1, -1).astype(dtype)
-    sign = (lambda x: x) if direction is None else (lambda x: direction * x)
-
     y0 = _as_state(y0)
-    if any(jnp.iscomplexobj(y) for y in jtu.tree_leaves(y0)):
-        warnings.warn(
-            "Complex dtype in `y0`: solverkit integrates complex states; adaptive "
-            "steps measure the modulus of the error, and autodiff follows JAX's "
-            "conventions for complex numbers.",
-            UserWarning,
-            stacklevel=2,
-        )
-    closure = closure_convert(terms.vector_field, t0, y0, args)
-    _check_output(closure, y0, "vector field")
-
-    subs, save_tree = jtu.tree_flatten(saveat.subs, is_leaf=is_sub)
-    saves = tuple(
-        Save(
-            ts=_save_times(sub.ts, dtype, c0, c1, sign),
-            fn=closure_convert(sub.fn, t0, y0, args),
-            t0=bool(sub.t0),
-            t1=bool(sub.t1),
-            every=sub.every,
-        )
-        for sub in subs
-    )
-    if max_steps is None and (saveat.dense or any(s.every for s in saves)):
-        raise ValueError(
-            "`max_steps=None` can't be used with SaveAt(steps=...) or "
-            "SaveAt(dense=True), whose buffers have `max_steps` rows: pass an int."
-        )
-    if isinstance(stepsize_controller, StepTo):
-        cts = _concrete(stepsize_controller.ts)
-        if cts is not None and c0 is not None and c1 is not None:
-            if cts[0] != c0 or cts[-1] != c1:
-                raise BadInputError("StepTo(ts): `ts` must start at t0 and end at t1.")
-
-    conds = None
-    if event is not None:
-        if not isinstance(event, Event):
-            raise TypeError(f"`event` must be an Event, got {type(event).__name__}.")
-        context = dict(
-            terms=terms,
-            solver=solver,
-            t0=t0,
-            t1=t1,
-            dt0=dt0,
-            saveat=saveat,
-            stepsize_controller=stepsize_controller,
-            max_steps=max_steps,
-        )
-        conds = jtu.tree_map(
-            lambda f: closure_convert(with_context(f, **context), t0, y0, args),
-            event.cond_fn,
-            is_leaf=callable,
-        )
-        for c in jtu.tree_leaves(conds, is_leaf=lambda x: isinstance(x, Closure)):
-            out = c.out_struct
-            if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
-                raise ValueError(
-                    "An Event's cond_fn must return a scalar (boolean or real), got "
-                    f"{out}."
-                )
-            if not (
-                jnp.issubdtype(out.dtype, jnp.bool_)
-                or jnp.issubdtype(out.dtype, jnp.floating)
-            ):
-                raise ValueError(
-                    "An Event's cond_fn must return a boolean or a float, got "
-                    f"{out.dtype}."
-                )
-    dt0_internal = None if dt0 is None else sign(jnp.asarray(dt0, dtype))
-    problem = Problem(
-        solver=solver,
-        controller=stepsize_controller,
-        term=VectorField(closure, direction),
-        args=args,
-        y0=y0,
-        t0=sign(t0),
-        t1=sign(t1),
-        dt0=dt0_internal,
-        saves=saves,
-        save_tree=save_tree,
-        dense=saveat.dense,
-        conds=conds,
-        event_direction=None if event is None else tuple(event.directions()),
-        root_finder=None if event is None else event.root_finder,
-        max_steps=None if max_steps is None else int(max_steps),
-        meter=progress_meter,
-    )
+    problem = _problem(
+        terms, solver, times, y0, args, saveat, stepsize_controller, event,
+        max_steps, progress_meter, dt0
+    )  # fmt: skip
     adjoint.check(problem)
-    try:
-        keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
-        # The engine mixes dtypes on purpose (float64 times with float32 states,
-        # complex states with real tolerances) and casts where it must, so it is
-        # traced with standard promotion whatever the user's setting; the user's own
-        # functions were traced (converted) above, under theirs.
-        with jax.numpy_dtype_promotion("standard"):
-            return _solve(problem, adjoint, throw, keep)
-    except TypeError as e:
-        if is_forward_mode_error(e):
-            raise forward_mode_error(type(adjoint).__name__, e) from None
-        raise
+    keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
+    # The engine mixes dtypes on purpose (float64 times with float32 states, complex
+    # states with real tolerances) and casts where it must, so it is traced with
+    # standard promotion whatever the user's setting; the user's own functions were
+    # traced (converted) above, under theirs.
+    with jax.numpy_dtype_promotion("standard"), reverse_only(adjoint):
+        return _solve(problem, adjoint, throw, keep)
 
 
 _MESSAGES = [r.message() or "successful" for r in RESULTS]
@@ -340,10 +411,9 @@ _MESSAGES = [r.message() or "successful" for r in RESULTS]
 def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
     keep_solver_state, keep_controller_state, keep_made_jump = keep
     out = adjoint.loop(problem)
-    term = problem.term
-    direction = term.direction
+    direction = problem.direction
 
-    def user(tau):
+    def user(tau: RealScalarLike):
         if direction is None:
             return tau
         return where(jnp.isfinite(tau), direction * tau, tau)
@@ -361,10 +431,10 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         )
     interpolation = None
     if problem.dense:
-        dense_ts = out.bufs["dense_ts"].at[0].set(problem.t0)
+        dense_ts = out.bufs.dense_ts.at[0].set(problem.t0)
         interpolation = DenseInterpolation(
             dense_ts,
-            out.bufs["dense_info"],
+            out.bufs.dense_info,
             out.carry.num_accepted,
             direction,
             problem.solver,
@@ -378,8 +448,8 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         max_steps=problem.max_steps,
     )
     return Solution(
-        t0=term.to_user(problem.t0),
-        t1=term.to_user(t_end),
+        t0=problem.to_user(problem.t0),
+        t1=problem.to_user(t_end),
         ts=jtu.tree_map(user, ts),
         ys=ys,
         stats=stats,

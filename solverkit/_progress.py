@@ -13,7 +13,7 @@ from ._unvmap import unvmap_max
 
 _ids = itertools.count()
 _lock = threading.Lock()
-_open: dict = {}
+_bars: dict = {}  # token -> the open bar of a solve in progress
 
 
 class AbstractProgressMeter(eqx.Module):
@@ -48,15 +48,15 @@ class _HostMeter(AbstractProgressMeter):
     def _update(self, token, fraction):
         value = float(np.min(np.asarray(fraction)))
         with _lock:
-            bar = _open.get(token)
+            bar = _bars.get(token)
             if bar is None:
-                bar = self._open()
-                _open[token] = bar
+                bar = self._new_bar()
+                _bars[token] = bar
                 if value <= 0.0:
                     return  # opening the bar shows the start
             if value >= 1.0:
                 self._close(bar)
-                del _open[token]
+                del _bars[token]
             else:
                 self._show(bar, value)
 
@@ -84,7 +84,7 @@ class TextProgressMeter(_HostMeter):
     def wants(self, num_steps, shown, now):
         return now - shown > self.minimum_increase
 
-    def _open(self):
+    def _new_bar(self):
         print("0.00%", file=sys.stdout, flush=True)
         return [0.0]
 
@@ -117,7 +117,7 @@ class TqdmProgressMeter(_HostMeter):
     def wants(self, num_steps, shown, now):
         return num_steps % self.refresh_steps == 0
 
-    def _open(self):
+    def _new_bar(self):
         import tqdm  # optional dependency, imported when a bar is shown
 
         return tqdm.tqdm(total=100, unit="%", bar_format="{l_bar}{bar}| {n:.2f}/100%")

@@ -1,46 +1,199 @@
-"""`ODETerm`: the vector field of an ODE."""
+"""Terms, diffrax's protocol: `AbstractTerm`, `ODETerm`, `MultiTerm`; and
+`ClosureTerm`, the form every term takes inside the engine.
 
+A term is stepped as `vf_prod(t, y, args, contr(t0, t1))`: its vector field times a
+control over the step. For an ODE the control is the time step `t1 - t0`.
+"""
+
+import abc
+import typing
 from collections.abc import Callable
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
+
+from ._closure import Closure
+from ._custom_types import Args, RealScalarLike, Y
 
 
-class ODETerm(eqx.Module):
+class AbstractTerm(eqx.Module):
+    """Base class of the terms (diffrax's protocol).
+
+    A subclass defines `vf(t, y, args)`, `contr(t0, t1)` and `prod(vf, control)`;
+    `vf_prod` defaults to `prod(vf(t, y, args), control)`. For an ODE,
+    `prod(vf(t, y, args), contr(t0, t1))` is the change of `y` over `[t0, t1]` to
+    first order.
+    """
+
+    def __class_getitem__(cls, item):
+        return cls  # `ODETerm[Array]` in annotations, as diffrax allows
+
+    @abc.abstractmethod
+    def vf(self, t: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
+        """The vector field at `(t, y)`."""
+
+    @abc.abstractmethod
+    def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> PyTree:
+        """The control over `[t0, t1]`."""
+
+    @abc.abstractmethod
+    def prod(self, vf: PyTree, control: PyTree) -> PyTree:
+        """The vector field applied to a control."""
+
+    def vf_prod(
+        self, t: RealScalarLike, y: PyTree, args: PyTree, control: PyTree
+    ) -> PyTree:
+        """`prod(vf(t, y, args), control)`."""
+        return self.prod(self.vf(t, y, args), control)
+
+    def is_vf_expensive(
+        self, t0: RealScalarLike, t1: RealScalarLike, y: Y, args: Args
+    ) -> bool:
+        """As diffrax: whether `vf` costs more than `vf_prod` (never, for an ODE)."""
+        return False
+
+
+def _leafwise_product(vf: PyTree, control: PyTree) -> PyTree:
+    return jtu.tree_map(lambda v: v * control, vf)
+
+
+class ODETerm(AbstractTerm):
     """The right-hand side `dy/dt = vector_field(t, y, args)` of an ODE.
 
     **Arguments:**
 
     - `vector_field`: any callable `(t, y, args) -> dy/dt` returning a pytree with the
-        structure, shapes and dtypes of `y`. It may close over anything: JAX arrays of
-        any dtype, tracers of enclosing `vmap`/`grad`/`jit`, equinox Modules.
-
-    As in diffrax, `ODETerm[T]` may be written in type annotations, and a term is
-    stepped as `vf_prod(t, y, args, contr(t0, t1))`: the vector field times the
-    control `t1 - t0`.
+        structure and shapes of `y` (a scalar output is broadcast, as in diffrax). It
+        may close over anything: JAX arrays of any dtype, tracers of enclosing
+        `vmap`/`grad`/`jit`, equinox Modules.
     """
 
     vector_field: Callable[..., PyTree]
 
-    def __class_getitem__(cls, item):
-        return cls  # `ODETerm[Array]` in annotations, as diffrax allows
-
-    def vf(self, t, y, args) -> PyTree:
-        """Evaluate the vector field."""
+    def vf(self, t: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
         return self.vector_field(t, y, args)
 
-    @staticmethod
-    def contr(t0, t1, **kwargs):
-        """The control over `[t0, t1]`: the time step `t1 - t0`."""
+    def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> Array:
+        """The time step `t1 - t0`."""
         return jnp.asarray(t1) - jnp.asarray(t0)
 
-    @staticmethod
-    def prod(vf: PyTree, control) -> PyTree:
-        """The vector field times the control, leafwise."""
-        return jtu.tree_map(lambda v: v * control, vf)
+    def prod(self, vf: PyTree, control: PyTree) -> PyTree:
+        return _leafwise_product(vf, control)
 
-    def vf_prod(self, t, y, args, control) -> PyTree:
-        """`prod(vf(t, y, args), control)`."""
-        return self.prod(self.vf(t, y, args), control)
+
+class MultiTerm(AbstractTerm):
+    """Several terms, stepped together: their vector fields and controls are tuples,
+    and `prod` sums the terms' products. IMEX solvers take
+    `MultiTerm(explicit_term, implicit_term)`; the other solvers integrate the sum.
+
+    **Arguments:**
+
+    - `*terms`: the terms.
+
+    As in diffrax, `MultiTerm[tuple[ODETerm, ODETerm]]` names the structure a solver
+    expects (it is the tuple `(ODETerm, ODETerm)`).
+    """
+
+    terms: tuple[AbstractTerm, ...]
+
+    def __init__(self, *terms: AbstractTerm):
+        if not terms:
+            raise ValueError("MultiTerm needs at least one term.")
+        for i, term in enumerate(terms):
+            if not isinstance(term, AbstractTerm):
+                raise TypeError(
+                    f"MultiTerm: term {i} must be an AbstractTerm (e.g. ODETerm(f)), "
+                    f"got {type(term).__name__}."
+                )
+        self.terms = tuple(terms)
+
+    def __class_getitem__(cls, item):
+        args = typing.get_args(item)
+        return tuple(args) if args else cls
+
+    def vf(self, t: RealScalarLike, y: PyTree, args: PyTree) -> tuple:
+        return tuple(term.vf(t, y, args) for term in self.terms)
+
+    def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> tuple:
+        return tuple(term.contr(t0, t1, **kwargs) for term in self.terms)
+
+    def prod(self, vf: tuple, control: tuple) -> PyTree:
+        parts = [term.prod(v, c) for term, v, c in zip(self.terms, vf, control)]
+        return jtu.tree_map(lambda *xs: sum(xs[1:], xs[0]), *parts)
+
+
+def rate_function(term: AbstractTerm) -> Callable[..., PyTree]:
+    """`term` as one function `(t, y, args) -> dy/dt`.
+
+    An `ODETerm`'s own vector field (so that converting it twice hits the conversion
+    cache); for any other term, its `vf_prod` with the control of a unit time step,
+    which for an ODE term is `dy/dt`.
+    """
+    if type(term) is ODETerm:
+        return term.vector_field
+    return _TermRate(term)
+
+
+class _TermRate(eqx.Module):
+    term: AbstractTerm
+
+    def __call__(self, t: RealScalarLike, y: Y, args: Args):
+        return self.term.vf_prod(t, y, args, self.term.contr(t, t + 1))
+
+
+def like_state(out: PyTree, y: PyTree) -> PyTree:
+    """A vector field's output in the structure, shapes and dtypes of the state `y`,
+    as diffrax accepts it: a scalar (`lambda t, y, args: 0`, a zero term) is broadcast,
+    and integer or weakly typed values are cast. `diffeqsolve` has checked before
+    tracing that nothing else differs; where nothing does, this adds no operation."""
+    y_leaves, y_tree = jtu.tree_flatten(y)
+    if jtu.tree_structure(out) != y_tree:  # one scalar for the whole state
+        out = jtu.tree_unflatten(y_tree, [out] * len(y_leaves))
+
+    def leaf(o, y: Y):
+        o = jnp.asarray(o)
+        if o.dtype != y.dtype:
+            o = o.astype(y.dtype)
+        if o.shape != y.shape:
+            o = jnp.broadcast_to(o, y.shape)
+        return o
+
+    return jtu.tree_map(leaf, out, y)
+
+
+class ClosureTerm(AbstractTerm):
+    """A term inside the engine: its converted vector field, run in internal time
+    `tau = direction * t`, which always increases (a backwards solve runs forwards in
+    `-t`). `vf` is `dy/dtau`; the control is the internal time step.
+    """
+
+    closure: Closure
+    direction: Array | None  # None: forwards in time
+    # Runge-Kutta stages in a loop (the field traced once): for large fields.
+    loop_stages: bool = eqx.field(static=True, default=False)
+
+    def to_user(self, tau: RealScalarLike):
+        """User time of internal time `tau` (the map is its own inverse)."""
+        return tau if self.direction is None else self.direction * tau
+
+    def vf(self, tau: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
+        out = like_state(self.closure(self.to_user(tau), y, args), y)
+        if self.direction is None:
+            return out
+        return jtu.tree_map(lambda o: o * self.direction.astype(o.dtype), out)
+
+    def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> Array:
+        return jnp.asarray(t1) - jnp.asarray(t0)
+
+    def prod(self, vf: PyTree, control: PyTree) -> PyTree:
+        return _leafwise_product(vf, control)
+
+
+def total_vf(terms: AbstractTerm, t: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
+    """`dy/dt` of converted terms: the sum of a `MultiTerm`'s parts."""
+    if not isinstance(terms, MultiTerm):
+        return terms.vf(t, y, args)
+    parts = terms.vf(t, y, args)
+    return jtu.tree_map(lambda *xs: sum(xs[1:], xs[0]), *parts)

@@ -28,8 +28,12 @@ ALL_SOLVERS = [
     (sk.Tsit5, 5, True),
     (sk.Dopri5, 5, True),
     (sk.Dopri8, 8, True),
+    (sk.ReversibleHeun, 2, True),
+    (sk.LeapfrogMidpoint, 2, False),
 ]
 ADAPTIVE_SOLVERS = [cls for cls, _, adaptive in ALL_SOLVERS if adaptive]
+# The explicit Runge-Kutta methods (one tableau each).
+RK_SOLVERS = [cls for cls, _, _ in ALL_SOLVERS if issubclass(cls, sk.AbstractRungeKutta)]
 # Solvers with their own dense output (the rest use cubic Hermite interpolation).
 DENSE_SOLVERS = [sk.Tsit5, sk.Dopri5, sk.Dopri8]
 

@@ -10,7 +10,6 @@ import pytest
 
 from solverkit._solver._tableau import (
     ButcherTableau,
-    DOP853,
     DOPRI5,
     DOPRI8,
     HEUN,
@@ -19,7 +18,7 @@ from solverkit._solver._tableau import (
 
 
 # Order of each dense output (local error O(h^(order + 1)) at every θ in [0, 1]).
-DENSE_ORDER = {"Tsit5": 4, "Dopri5": 4, "Dopri8": 5, "Dop853": 7}
+DENSE_ORDER = {"Tsit5": 4, "Dopri5": 4, "Dopri8": 5}
 NAMES = list(TABLEAUX)
 DENSE_NAMES = [name for name in NAMES if TABLEAUX[name].dense is not None]
 EMBEDDED_NAMES = [name for name in NAMES if TABLEAUX[name].b_err is not None]
@@ -83,15 +82,8 @@ def weights_fn(a: np.ndarray):
 
 
 def all_stages(tab: ButcherTableau) -> tuple[np.ndarray, np.ndarray]:
-    """Stage matrix and nodes over the main and extra stages together."""
-    s, e = tab.num_stages, tab.num_extra_stages
-    a = np.zeros((s + e, s + e))
-    a[:s, :s] = tab.a
-    c = tab.c
-    if tab.extra_a is not None and tab.extra_c is not None:
-        a[s:] = tab.extra_a
-        c = np.concatenate([c, tab.extra_c])
-    return a, c
+    """Stage matrix and nodes."""
+    return tab.a, tab.c
 
 
 def order_residuals(b: np.ndarray, a: np.ndarray, q: int, theta: float = 1.0):
@@ -153,7 +145,7 @@ def exact(t):
 
 
 def stages(tab: ButcherTableau, f, t0: float, y0, h: float) -> np.ndarray:
-    """Every stage derivative k_i (main stages, then extra ones) of one step."""
+    """Every stage derivative k_i of one step."""
     a, c = all_stages(tab)
     k = np.zeros((len(c), *np.shape(y0)))
     for i in range(len(c)):
@@ -189,7 +181,6 @@ STEPS = {
     "Tsit5": ([200, 250, 300, 360], [110, 150, 210, 300]),
     "Dopri5": ([100, 140, 200, 280], [100, 140, 200, 280]),
     "Dopri8": ([15, 20, 28, 40], [15, 20, 28, 40, 56]),
-    "Dop853": ([15, 20, 28, 40], [60, 85, 120, 170, 240]),
 }
 
 
@@ -323,16 +314,6 @@ BAD = {
     ),
     "dense end": (DOPRI5, lambda t: _edit(t, "dense", _set((2, 3), 0.0)), "θ=1"),
     "dense rows": (DOPRI5, lambda t: {"dense": t.dense[:-1]}, "dense"),
-    "extra alone": (DOP853, lambda t: {"extra_a": None}, "extra"),
-    "extra dense": (DOP853, lambda t: {"dense": None}, "dense"),
-    "extra future": (
-        DOP853,
-        lambda t: (
-            _edit(t, "extra_a", _set((0, 14), 0.1))
-            | _edit(t, "extra_c", _set(0, t.extra_c[0] + 0.1))
-        ),
-        "before",
-    ),
     "order": (DOPRI5, lambda t: {"order": 0}, "order"),
     "nan": (DOPRI5, lambda t: _edit(t, "b_err", _set(0, np.nan)), "finite"),
 }
@@ -346,8 +327,8 @@ def test_validation_rejects(case):
 
 
 # ---------------------------------------------------------------------------------
-# Provenance: the Dopri8 dense output is re-derived here, DOP853 agrees with scipy,
-# and the error estimates are diffrax's.
+# Provenance: the Dopri8 dense output is re-derived here, and the error estimates are
+# diffrax's.
 
 
 def derive_c1_dense(tab: ButcherTableau, order: int, degree: int) -> np.ndarray:
@@ -407,17 +388,6 @@ def test_dopri8_dense_derivation():
     # Loose: the derivation is ill-conditioned in directions that barely change
     # the interpolant (its order-6 residual norm is what is minimised).
     np.testing.assert_allclose(derive_c1_dense(DOPRI8, 5, 6), DOPRI8.dense, atol=1e-6)
-
-
-def test_dop853_matches_scipy():
-    coefficients = pytest.importorskip("scipy.integrate._ivp.dop853_coefficients")
-    s = DOP853.num_stages
-    a, c = all_stages(DOP853)
-    np.testing.assert_allclose(a, coefficients.A, rtol=0, atol=1e-15)
-    np.testing.assert_allclose(c, coefficients.C, rtol=0, atol=1e-15)
-    assert DOP853.b_err is not None
-    np.testing.assert_allclose(DOP853.b_err, coefficients.E5, atol=1e-15)
-    np.testing.assert_allclose(DOP853.b[: s - 1], coefficients.B, atol=1e-15)
 
 
 def _diffrax_tableau(name: str):

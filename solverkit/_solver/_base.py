@@ -1,6 +1,7 @@
 """`AbstractSolver`: the narrow contract every solver fulfils."""
 
 import abc
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -8,12 +9,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._select import where
+from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from .._solution import RESULTS
-from .._term import ODETerm
+from .._term import AbstractTerm
 
 
-def axpy(y, h, terms):
+def axpy(y: Y, h, terms: AbstractTerm):
     """`y + h * Σ c_i k_i` leafwise, for `terms = [(c_i, k_i), ...]` (zeros skipped).
 
     The time step `h` is cast to each leaf's dtype, so float32 states stay float32
@@ -34,24 +35,30 @@ def axpy(y, h, terms):
 
 
 class AbstractSolver(eqx.Module):
-    """Base class of solverkit's solvers.
+    """Base class of the solvers: diffrax's protocol, used by the built-in solvers and
+    by a user's own subclass alike.
 
-    A step never raises: it returns the new state, an error estimate, what dense
-    output needs, and a result code.
+    A subclass defines `order`, `step` and, unless it overrides `interpolate`,
+    `interpolation_cls`; `init`, `func`, `error_order` and `term_structure` have
+    defaults. A step never raises: it returns the new state, an error estimate, what
+    dense output needs, and a result code.
     """
 
-    term_structure: ClassVar[Any] = ODETerm
+    # The terms the solver takes: a term class, or a tuple of them for a `MultiTerm`
+    # (e.g. `MultiTerm[tuple[ODETerm, ODETerm]]` for an IMEX solver).
+    term_structure: ClassVar[Any] = AbstractTerm
+    # Builds the dense output of one step as `interpolation_cls(t0=, t1=,
+    # **dense_info)` (see `_local_interpolation.py`).
+    interpolation_cls: ClassVar[Callable[..., Any] | None] = None
 
     @abc.abstractmethod
-    def order(self, terms) -> int:
+    def order(self, terms: AbstractTerm) -> int:
         """Order of the solver for ODEs."""
 
-    @abc.abstractmethod
-    def error_order(self, terms) -> float | None:
-        """Local order of the error estimate (`None` if there is none)."""
-
-    def strong_order(self, terms) -> None:
-        return None
+    def error_order(self, terms: AbstractTerm) -> float | None:
+        """Local order of the error estimate used by adaptive step sizes (diffrax's
+        default: the solver's order)."""
+        return self.order(terms)
 
     def bind_controller_tols(self, stepsize_controller) -> "AbstractSolver":
         """This solver, with whatever it takes from the step-size controller filled
@@ -60,17 +67,35 @@ class AbstractSolver(eqx.Module):
         del stepsize_controller
         return self
 
-    def func(self, terms, t0, y0, args) -> PyTree:
+    def func(
+        self, terms: AbstractTerm, t0: RealScalarLike, y0: Y, args: Args
+    ) -> PyTree:
         """The vector field at `(t0, y0)`."""
         return terms.vf(t0, y0, args)
 
-    def init(self, terms, t0, t1, y0, args) -> PyTree:
-        """Initial solver state: the vector field at `(t0, y0)`."""
-        del t1
-        return terms.vf(t0, y0, args)
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+    ) -> PyTree:
+        """Initial solver state (default: none)."""
+        del terms, t0, t1, y0, args
+        return None
 
     @abc.abstractmethod
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+    def step(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+        solver_state: PyTree,
+        made_jump: BoolScalarLike,
+    ):
         """One step from `t0` to `t1`.
 
         **Returns:**
@@ -79,26 +104,21 @@ class AbstractSolver(eqx.Module):
         solver without an error estimate.
         """
 
-    def interpolate(self, dense_info, t0, t1, t) -> PyTree:
-        """Evaluate the dense output of one step `[t0, t1]` at `t` (cubic Hermite)."""
-        h = t1 - t0
-        theta = (t - t0) / where(h == 0, 1, h)
-        return hermite(dense_info, h, theta)
-
-
-def hermite(info, h, theta):
-    """Cubic Hermite interpolation from `y0, y1, f0, f1` at fraction `theta`."""
-
-    def leaf(y0, y1, f0, f1):
-        th = jnp.asarray(theta, dtype=y0.dtype)
-        hh = jnp.asarray(h, dtype=y0.dtype)
-        h00 = (1 + 2 * th) * (1 - th) ** 2
-        h10 = th * (1 - th) ** 2
-        h01 = th**2 * (3 - 2 * th)
-        h11 = th**2 * (th - 1)
-        return h00 * y0 + h10 * hh * f0 + h01 * y1 + h11 * hh * f1
-
-    return jtu.tree_map(leaf, info["y0"], info["y1"], info["f0"], info["f1"])
+    def interpolate(
+        self,
+        dense_info: DenseInfo,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        t: RealScalarLike,
+    ) -> PyTree:
+        """Evaluate the dense output of one step `[t0, t1]` at `t`."""
+        if self.interpolation_cls is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no dense output: set its "
+                "`interpolation_cls` (e.g. `LocalLinearInterpolation`) or override "
+                "`interpolate`."
+            )
+        return self.interpolation_cls(t0=t0, t1=t1, **dense_info).evaluate(t)
 
 
 successful = RESULTS.successful

@@ -1,9 +1,12 @@
 """`LeapfrogMidpoint`: the explicit two-step midpoint (leapfrog) method."""
 
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
+from .._custom_types import Args, BoolScalarLike, RealScalarLike, Y
+from .._local_interpolation import LocalLinearInterpolation
+from .._term import AbstractTerm
 from ._base import AbstractSolver, successful
-from ._reversible_heun import linear
 
 
 class LeapfrogMidpoint(AbstractSolver):
@@ -12,23 +15,38 @@ class LeapfrogMidpoint(AbstractSolver):
     (use `ConstantStepSize`). Its state is the previous point. Linear dense output.
     """
 
-    def order(self, terms) -> int:
+    interpolation_cls = LocalLinearInterpolation
+
+    def order(self, terms: AbstractTerm) -> int:
         return 2
 
-    def error_order(self, terms) -> None:
+    def error_order(self, terms: AbstractTerm) -> None:
         return None
 
-    def init(self, terms, t0, t1, y0, args):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+    ):
         del terms, t1, args
         return t0, y0
 
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+    def step(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+        solver_state: PyTree,
+        made_jump: BoolScalarLike = False,
+    ):
         del made_jump
         t_prev, y_prev = solver_state
         f0 = terms.vf(t0, y0, args)
         span = t1 - t_prev
         y1 = jtu.tree_map(lambda a, f: a + span.astype(a.dtype) * f, y_prev, f0)
         return y1, None, dict(y0=y0, y1=y1), (t0, y0), successful
-
-    def interpolate(self, dense_info, t0, t1, t):
-        return linear(dense_info, t0, t1, t)

@@ -1,20 +1,12 @@
 """`ReversibleHeun`: an algebraically reversible second-order method."""
 
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
-from .._select import where
+from .._custom_types import Args, BoolScalarLike, RealScalarLike, Y
+from .._local_interpolation import LocalLinearInterpolation
+from .._term import AbstractTerm
 from ._base import AbstractAdaptiveSolver, successful
-
-
-def linear(dense_info, t0, t1, t):
-    """Linear interpolation between the ends of one step."""
-    h = t1 - t0
-    theta = (t - t0) / where(h == 0, 1, h)
-    return jtu.tree_map(
-        lambda a, b: a + theta.astype(a.dtype) * (b - a),
-        dense_info["y0"],
-        dense_info["y1"],
-    )
 
 
 class ReversibleHeun(AbstractAdaptiveSolver):
@@ -23,17 +15,35 @@ class ReversibleHeun(AbstractAdaptiveSolver):
     the solution, `yhat`, besides the vector field. Linear dense output.
     """
 
-    def order(self, terms) -> int:
+    interpolation_cls = LocalLinearInterpolation
+
+    def order(self, terms: AbstractTerm) -> int:
         return 2
 
-    def error_order(self, terms) -> float:
+    def error_order(self, terms: AbstractTerm) -> float:
         return 2
 
-    def init(self, terms, t0, t1, y0, args):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+    ):
         del t1
         return y0, terms.vf(t0, y0, args)
 
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+    def step(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+        solver_state: PyTree,
+        made_jump: BoolScalarLike = False,
+    ):
         del made_jump
         yhat0, f0 = solver_state
         h = t1 - t0
@@ -43,6 +53,3 @@ class ReversibleHeun(AbstractAdaptiveSolver):
         y1 = jtu.tree_map(lambda y, a, b: y + cast(y) / 2 * (a + b), y0, f0, f1)
         y_error = jtu.tree_map(lambda a, b: cast(a) / 2 * (b - a), f0, f1)
         return y1, y_error, dict(y0=y0, y1=y1), (yhat1, f1), successful
-
-    def interpolate(self, dense_info, t0, t1, t):
-        return linear(dense_info, t0, t1, t)

@@ -9,12 +9,11 @@ Conventions, for a step of size `h` from `(t0, y0)` with stages `k_0 ... k_{s-1}
 - `k_i = f(t0 + c[i] h, y0 + h Σ_j a[i, j] k_j)`, `y1 = y0 + h Σ_i b[i] k_i`;
 - the error estimate is `h Σ_i b_err[i] k_i`, with `b_err = b - b_hat` for the
   embedded method `b_hat` (its sign never matters to a norm);
-- dense output: `y(t0 + θh) = y0 + h Σ_i k_i Σ_j dense[i, j] θ**(j + 1)`, where `k`
-  includes the `e` extra stages (`extra_c`, `extra_a`) after the `s` main ones.
+- dense output: `y(t0 + θh) = y0 + h Σ_i k_i Σ_j dense[i, j] θ**(j + 1)`.
 
 The error estimates are the ones diffrax uses for the solver of the same name, so
 step sequences agree with diffrax at equal tolerances. `DOPRI8` is the method diffrax
-calls Dopri8 (Prince--Dormand RK8(7)13M); Hairer's DOP853 is `DOP853`.
+calls Dopri8 (Prince--Dormand RK8(7)13M).
 """
 
 import dataclasses
@@ -72,11 +71,8 @@ class ButcherTableau:
     - `embedded_order`: order of `b_hat`; `None` exactly when `b_err` is.
     - `fsal`: whether the last stage is `f(t0 + h, y1)` (`c[-1] == 1`,
         `a[-1] == b`), so that it is the next step's `k_0`.
-    - `dense`: `(s + e, d)` coefficients of the dense output polynomial (see the
+    - `dense`: `(s, d)` coefficients of the dense output polynomial (see the
         module docstring); `None` to let the caller use cubic Hermite interpolation.
-    - `extra_c`: `(e,)` nodes of the stages that only the dense output needs.
-    - `extra_a`: `(e, s + e)` their coefficients on all earlier stages, the main
-        stages first (strictly lower triangular in the combined stage index).
 
     **Raises:**
 
@@ -91,13 +87,11 @@ class ButcherTableau:
     embedded_order: int | None
     fsal: bool
     dense: np.ndarray | None
-    extra_c: np.ndarray | None = None
-    extra_a: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("c", "a", "b"):
             object.__setattr__(self, name, _frozen(getattr(self, name), name))
-        for name in ("b_err", "dense", "extra_c", "extra_a"):
+        for name in ("b_err", "dense"):
             value = _optional_frozen(getattr(self, name), name)
             object.__setattr__(self, name, value)
         self._check_main()
@@ -109,11 +103,6 @@ class ButcherTableau:
     def num_stages(self) -> int:
         """Number of main stages `s` (a FSAL stage included)."""
         return self.c.shape[0]
-
-    @property
-    def num_extra_stages(self) -> int:
-        """Number of extra stages `e` that only the dense output needs."""
-        return 0 if self.extra_c is None else self.extra_c.shape[0]
 
     def _check_main(self) -> None:
         if self.c.ndim != 1 or self.c.shape[0] < 1:
@@ -162,36 +151,16 @@ class ButcherTableau:
             raise ValueError("A FSAL tableau needs b[-1] == 0.")
 
     def _check_dense(self) -> None:
-        if (self.extra_c is None) != (self.extra_a is None):
-            raise ValueError(
-                "ButcherTableau.extra_c and extra_a must both be given or both be None."
-            )
-        if self.extra_c is not None and self.dense is None:
-            raise ValueError("Extra stages are only used by dense output: give dense.")
-        s, e = self.num_stages, self.num_extra_stages
-        if self.extra_c is not None and self.extra_a is not None:
-            _check_shape(self.extra_c, (e,), "extra_c")
-            _check_shape(self.extra_a, (e, s + e), "extra_a")
-            if np.any(np.triu(self.extra_a, k=s) != 0):
-                raise ValueError(
-                    "ButcherTableau.extra_a[i] may only use stages before extra "
-                    "stage i."
-                )
-            _check_close(
-                self.extra_a.sum(axis=1),
-                self.extra_c,
-                "row sums of `extra_a` must equal `extra_c`",
-            )
+        s = self.num_stages
         if self.dense is None:
             return
-        if self.dense.ndim != 2 or self.dense.shape[0] != s + e:
+        if self.dense.ndim != 2 or self.dense.shape[0] != s:
             raise ValueError(
                 f"ButcherTableau.dense has shape {self.dense.shape}; expected "
-                f"({s + e}, degree)."
+                f"({s}, degree)."
             )
-        at_one = np.concatenate([self.b, np.zeros(e)])
         _check_close(
-            self.dense.sum(axis=1), at_one, "dense output at θ=1 must reproduce `b`"
+            self.dense.sum(axis=1), self.b, "dense output at θ=1 must reproduce `b`"
         )
         # Consistency (order 1): Σ_i b_i(θ) = θ for every θ.
         power_one = np.zeros(self.dense.shape[1])
@@ -200,11 +169,8 @@ class ButcherTableau:
 
     def _key(self) -> tuple:
         arrays = (self.c, self.a, self.b, self.b_err, self.dense)
-        extra = (self.extra_c, self.extra_a)
         return (
-            tuple(
-                None if x is None else (x.shape, x.tobytes()) for x in arrays + extra
-            ),
+            tuple(None if x is None else (x.shape, x.tobytes()) for x in arrays),
             self.order,
             self.embedded_order,
             self.fsal,
@@ -683,145 +649,6 @@ P. J. Prince, J. R. Dormand, High order embedded Runge--Kutta formulae, J. Compu
 Appl. Math. 7 (1981) 67--75.
 """
 
-# ---------------------------------------------------------------------------------
-# Dormand--Prince 8(5,3) as in Hairer's DOP853 code.
-
-_dop853_b = np.array(
-    [
-        0.054293734116568765,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        4.450312892752409,
-        1.8915178993145003,
-        -5.801203960010585,
-        0.3111643669578199,
-        -0.1521609496625161,
-        0.20136540080403034,
-        0.04471061572777259,
-        0.0,
-    ]
-)
-# Hairer's "er" weights: the 8th order solution minus the embedded 5th order one.
-_dop853_b_err = np.array(
-    [
-        0.01312004499419488,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        -1.2251564463762044,
-        -0.4957589496572502,
-        1.6643771824549864,
-        -0.35032884874997366,
-        0.3341791187130175,
-        0.08192320648511571,
-        -0.022355307863886294,
-        0.0,
-    ]
-)
-_dop853_a = _lower(
-    [
-        [0.05260015195876773],
-        [0.0197250569845379, 0.0591751709536137],
-        [0.02958758547680685, 0.0, 0.08876275643042054],
-        [0.2413651341592667, 0.0, -0.8845494793282861, 0.924834003261792],
-        [0.037037037037037035, 0.0, 0.0, 0.17082860872947386, 0.12546768756682242],
-        [0.037109375, 0.0, 0.0, 0.17025221101954405, 0.06021653898045596, -0.017578125],
-        [0.03709200011850479, 0.0, 0.0, 0.17038392571223998, 0.10726203044637328,
-         -0.015319437748624402, 0.008273789163814023],
-        [0.6241109587160757, 0.0, 0.0, -3.3608926294469414, -0.868219346841726,
-         27.59209969944671, 20.154067550477894, -43.48988418106996],
-        [0.47766253643826434, 0.0, 0.0, -2.4881146199716677, -0.590290826836843,
-         21.230051448181193, 15.279233632882423, -33.28821096898486,
-         -0.020331201708508627],
-        [-0.9371424300859873, 0.0, 0.0, 5.186372428844064, 1.0914373489967295,
-         -8.149787010746927, -18.52006565999696, 22.739487099350505,
-         2.4936055526796523, -3.0467644718982196],
-        [2.273310147516538, 0.0, 0.0, -10.53449546673725, -2.0008720582248625,
-         -17.9589318631188, 27.94888452941996, -2.8589982771350235, -8.87285693353063,
-         12.360567175794303, 0.6433927460157636],
-        _dop853_b[:12],
-    ]
-)  # fmt: skip
-# The three extra stages of the 7th order dense output (rows on all 16 stages).
-_dop853_extra_a = np.array(
-    [
-        [0.056167502283047954, 0.0, 0.0, 0.0, 0.0, 0.0, 0.25350021021662483,
-         -0.2462390374708025, -0.12419142326381637, 0.15329179827876568,
-         0.00820105229563469, 0.007567897660545699, -0.008298, 0.0, 0.0, 0.0],
-        [0.03183464816350214, 0.0, 0.0, 0.0, 0.0, 0.028300909672366776,
-         0.053541988307438566, -0.05492374857139099, 0.0, 0.0,
-         -0.00010834732869724932, 0.0003825710908356584, -0.00034046500868740456,
-         0.1413124436746325, 0.0, 0.0],
-        [-0.42889630158379194, 0.0, 0.0, 0.0, 0.0, -4.697621415361164,
-         7.683421196062599, 4.06898981839711, 0.3567271874552811, 0.0, 0.0, 0.0,
-         -0.0013990241651590145, 2.9475147891527724, -9.15095847217987, 0.0],
-    ]
-)  # fmt: skip
-# Hairer's "d" coefficients: the last four terms of the nested dense output.
-_dop853_d = np.array(
-    [
-        [-8.428938276109013, 0.0, 0.0, 0.0, 0.0, 0.5667149535193777,
-         -3.0689499459498917, 2.38466765651207, 2.117034582445028, -0.871391583777973,
-         2.2404374302607883, 0.6315787787694688, -0.08899033645133331,
-         18.148505520854727, -9.194632392478356, -4.436036387594894],
-        [10.427508642579134, 0.0, 0.0, 0.0, 0.0, 242.28349177525817,
-         165.20045171727028, -374.5467547226902, -22.113666853125306,
-         7.733432668472264, -30.674084731089398, -9.332130526430229,
-         15.697238121770845, -31.139403219565178, -9.35292435884448, 35.81684148639408],
-        [19.985053242002433, 0.0, 0.0, 0.0, 0.0, -387.0373087493518,
-         -189.17813819516758, 527.8081592054236, -11.57390253995963, 6.8812326946963,
-         -1.0006050966910838, 0.7777137798053443, -2.778205752353508,
-         -60.19669523126412, 84.32040550667716, 11.99229113618279],
-        [-25.69393346270375, 0.0, 0.0, 0.0, 0.0, -154.18974869023643,
-         -231.5293791760455, 357.6391179106141, 93.40532418362432, -37.45832313645163,
-         104.0996495089623, 29.8402934266605, -43.53345659001114, 96.32455395918828,
-         -39.17726167561544, -149.72683625798564],
-    ]
-)  # fmt: skip
-DOP853 = ButcherTableau(
-    c=np.array(
-        [
-            0.0,
-            0.05260015195876773,
-            0.0789002279381516,
-            0.1183503419072274,
-            0.2816496580927726,
-            1 / 3,
-            1 / 4,
-            4 / 13,
-            127 / 195,
-            3 / 5,
-            6 / 7,
-            1.0,
-            1.0,
-        ]
-    ),
-    a=_dop853_a,
-    b=_dop853_b,
-    b_err=_dop853_b_err,
-    order=8,
-    embedded_order=5,
-    fsal=True,
-    dense=_hermite_nested_dense(_dop853_b, 12, list(_dop853_d), 16),
-    extra_c=np.array([0.1, 0.2, 7 / 9]),
-    extra_a=_dop853_extra_a,
-)
-"""Dormand--Prince 8(5,3) as in Hairer's DOP853 code: 12 stages plus the FSAL stage
-`f(t0 + h, y1)`, with Hairer's 7th order dense output (3 extra stages).
-
-`b_err` is the 5th order estimate alone (Hairer's `er`). DOP853 itself scales it by
-`|err5| / sqrt(err5² + 0.01 err3²)` with a 3rd order estimate `err3`; that
-non-linear combination is not a linear `b_err`, so a controller reading this tableau
-sees a plain 5th order estimate (`embedded_order=5`) and takes somewhat smaller steps
-than DOP853 at the same tolerances.
-
-E. Hairer, S. P. Nørsett, G. Wanner, Solving Ordinary Differential Equations I, 2nd
-ed., Springer (1993), II.5 and II.6; the coefficients of the DOP853 code.
-"""
-
 TABLEAUX: dict[str, ButcherTableau] = {
     "Euler": EULER,
     "Heun": HEUN,
@@ -831,6 +658,5 @@ TABLEAUX: dict[str, ButcherTableau] = {
     "Tsit5": TSIT5,
     "Dopri5": DOPRI5,
     "Dopri8": DOPRI8,
-    "Dop853": DOP853,
 }
 """Every tableau, by the name of its solver."""

@@ -1,0 +1,144 @@
+"""Local interpolations: the solution inside one step, from what the step returns as
+`dense_info` (diffrax's `interpolation_cls` protocol).
+
+A solver names one as `interpolation_cls`; the engine builds it per step as
+`interpolation_cls(t0=t0, t1=t1, **dense_info)` and evaluates it at times in
+`[t0, t1]`.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PyTree
+
+from ._custom_types import RealScalarLike, Y
+from ._select import where
+
+
+def step_fraction(t0: RealScalarLike, t1: RealScalarLike, t: RealScalarLike) -> Array:
+    """`θ = (t - t0) / (t1 - t0)`, the fraction of a step at `t` (0 for an empty
+    step)."""
+    h = t1 - t0
+    return (t - t0) / where(h == 0, 1, h)
+
+
+class AbstractLocalInterpolation(eqx.Module):
+    """Base class of the local interpolations over one step `[t0, t1]`."""
+
+    t0: Array
+    t1: Array
+
+    def evaluate(
+        self, t0: RealScalarLike, t1: RealScalarLike = None, left: bool = True
+    ) -> PyTree:
+        """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""
+        del left
+        if t1 is not None:
+            return jtu.tree_map(lambda a, b: a - b, self.at(t1), self.at(t0))
+        return self.at(t0)
+
+    def at(self, t: RealScalarLike) -> PyTree:
+        """`y(t)`."""
+        raise NotImplementedError
+
+
+class LocalLinearInterpolation(AbstractLocalInterpolation):
+    """Linear interpolation between the ends of a step (diffrax's, for Euler-type
+    solvers).
+
+    **Arguments:**
+
+    - `t0`, `t1`: the step.
+    - `y0`, `y1`: the solution at its ends.
+    """
+
+    y0: PyTree
+    y1: PyTree
+
+    def at(self, t: RealScalarLike) -> PyTree:
+        theta = step_fraction(self.t0, self.t1, t)
+        return jtu.tree_map(
+            lambda a, b: a + theta.astype(a.dtype) * (b - a), self.y0, self.y1
+        )
+
+
+class ThirdOrderHermitePolynomialInterpolation(AbstractLocalInterpolation):
+    """Cubic Hermite interpolation from the solution and its derivative at both ends
+    of a step.
+
+    **Arguments:**
+
+    - `t0`, `t1`: the step.
+    - `y0`, `y1`: the solution at its ends.
+    - `f0`, `f1`: its time derivative there.
+
+    `from_k(t0=, t1=, y0=, y1=, k=)` builds it from diffrax's `dense_info`, whose `k`
+    stacks the stage increments `h f_i` (the first and last are used).
+    """
+
+    y0: PyTree
+    y1: PyTree
+    f0: PyTree
+    f1: PyTree
+
+    @classmethod
+    def from_k(
+        cls, *, t0: RealScalarLike, t1: RealScalarLike, y0: Y, y1: Y, k
+    ) -> "ThirdOrderHermitePolynomialInterpolation":
+        h = t1 - t0
+        safe = where(h == 0, 1, h)
+        rate = lambda i: jtu.tree_map(lambda x: x[i] / safe.astype(x.dtype), k)
+        return cls(t0=t0, t1=t1, y0=y0, y1=y1, f0=rate(0), f1=rate(-1))
+
+    def at(self, t: RealScalarLike) -> PyTree:
+        h = self.t1 - self.t0
+        theta = step_fraction(self.t0, self.t1, t)
+
+        def leaf(y0: Y, y1: Y, f0, f1):
+            th = theta.astype(y0.dtype)
+            hh = jnp.asarray(h, dtype=y0.dtype)
+            h00 = (1 + 2 * th) * (1 - th) ** 2
+            h10 = th * (1 - th) ** 2
+            h01 = th**2 * (3 - 2 * th)
+            h11 = th**2 * (th - 1)
+            return h00 * y0 + h10 * hh * f0 + h01 * y1 + h11 * hh * f1
+
+        return jtu.tree_map(leaf, self.y0, self.y1, self.f0, self.f1)
+
+
+class FourthOrderPolynomialInterpolation(AbstractLocalInterpolation):
+    """The quartic through `y0`, `y1` and a midpoint value, with the derivatives at
+    both ends (Shampine, "Some practical Runge-Kutta formulas", Math. Comp. 46, 1986).
+
+    A subclass sets the class variable `c_mid`, the weights that give the midpoint
+    value `y0 + Σ_i c_mid[i] k_i` from the stage increments `k_i = h f_i`.
+
+    **Arguments:**
+
+    - `t0`, `t1`: the step.
+    - `y0`, `y1`: the solution at its ends.
+    - `k`: the stage increments, stacked on a leading axis (first stage at `t0`, last
+        at `t1`).
+    """
+
+    y0: PyTree
+    y1: PyTree
+    k: PyTree
+
+    def at(self, t: RealScalarLike) -> PyTree:
+        theta = step_fraction(self.t0, self.t1, t)
+        c_mid = type(self).c_mid
+
+        def leaf(y0: Y, y1: Y, k):
+            th = theta.astype(y0.dtype)
+            weights = jnp.asarray(c_mid, y0.dtype)
+            y_mid = y0 + jnp.tensordot(weights, k, axes=1)
+            k0, k1 = k[0], k[-1]
+            # The quartic a θ⁴ + b θ³ + c θ² + k0 θ + y0 through y0, y_mid, y1 with
+            # slopes k0 (θ = 0) and k1 (θ = 1), per unit θ.
+            a = 2 * (k1 - k0) - 8 * (y1 + y0) + 16 * y_mid
+            b = 5 * k0 - 3 * k1 + 18 * y0 + 14 * y1 - 32 * y_mid
+            c = k1 - 4 * k0 - 11 * y0 - 5 * y1 + 16 * y_mid
+            return (((a * th + b) * th + c) * th + k0) * th + y0
+
+        return jtu.tree_map(leaf, self.y0, self.y1, self.k)
