@@ -320,6 +320,13 @@ def parse_args(argv):
     parser.add_argument("--modes", default="single,ensemble")
     parser.add_argument("--no-scipy", action="store_true")
     parser.add_argument(
+        "--budget",
+        type=float,
+        default=30.0,
+        help="seconds: once one run of a solver takes longer, its tighter "
+        "tolerances are skipped",
+    )
+    parser.add_argument(
         "--rtols", default=None, help="comma list (default: 1e-6 first, 1e-4 ... 1e-10)"
     )
     args = parser.parse_args(argv)
@@ -354,15 +361,23 @@ def main(argv=None) -> list[Row]:
             for library, module, solver in solvers(args.quick):
                 solve = jax_solve(module, solver, problem, mode)
                 first = True
+                too_slow = None  # the loosest tolerance that took over --budget
                 for rtol in rtols:
                     if rtol < MIN_RTOL.get(solver, 0):
                         continue
                     atol = rtol * ATOL_FACTOR
                     row = Row(name, mode, library, solver, rtol, atol, size)
+                    if too_slow is not None and rtol < too_slow:
+                        row.status = "skipped"
+                        row.note = f"rtol={too_slow:g} took over --budget"
+                        rows.append(row)
+                        continue
                     try:
                         run_jax(row, solve, scales, args.repeats, first)
                     except Exception as e:  # noqa: BLE001 - a failure is a result
                         row.status, row.note = "error", str(e).splitlines()[0][:200]
+                    if (row.run_s or 0) > args.budget:
+                        too_slow = max(too_slow or 0, rtol)
                     first = False
                     rows.append(row)
                     _progress(row)
