@@ -28,6 +28,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .harness import compiled_memory, Job, precision, Record
+from .stiff_problems import PROBLEMS as STIFF_PROBLEMS, StiffProblem
 
 
 PEERS = ("solverkit", "diffrax", "gradsolve", "torchdiffeq")
@@ -687,6 +688,60 @@ def neural_ode_reference(n: int) -> Reference:
 _REFERENCE_FNS: dict[str, Callable] = {}
 
 
+# ------------------------------------------------------- (d) stiff ensembles
+
+STIFF_RTOL, STIFF_ATOL, STIFF_MAX_STEPS = 1e-6, 1e-10, 100_000
+# library -> its stiff solver in this case
+STIFF_SOLVERS = {"solverkit": "Rodas5P", "diffrax": "Kvaerno5"}
+
+
+def _stiff_scales(n: int) -> np.ndarray:
+    """`1` first (the published problem, which has a reference), then `2^u` for
+    `u` in [-1, 1]: the scale of one rate constant over the ensemble."""
+    return np.concatenate([[1.0], 2.0 ** np.linspace(-1.0, 1.0, max(n - 1, 1))])[:n]
+
+
+def _stiff_solve(lib: Any, solver: str, problem: StiffProblem) -> Callable:
+    def one(scale):
+        return _final(
+            lib,
+            problem.field(scale),
+            jnp.asarray(problem.y0),
+            None,
+            solver=getattr(lib, solver)(),
+            t1=problem.t1,
+            dt0=1e-6,
+            stepsize_controller=lib.PIDController(rtol=STIFF_RTOL, atol=STIFF_ATOL),
+            max_steps=STIFF_MAX_STEPS,
+        )
+
+    return jax.vmap(one)
+
+
+def stiff_tasks(n: int, libs: dict[str, Any]) -> list[Task]:
+    """ROBER and HIRES ensembles (vector fields closing over their rate constants):
+    solverkit's Rodas5P against diffrax's Kvaerno5."""
+    tasks = []
+    for problem in (STIFF_PROBLEMS["rober"], STIFF_PROBLEMS["hires"]):
+        for library, solver in STIFF_SOLVERS.items():
+            if library not in libs:
+                continue
+
+            def make(lib=libs[library], solver=solver, problem=problem):
+                scales = jnp.asarray(_stiff_scales(n), jnp.float64)
+                return Job(_stiff_solve(lib, solver, problem), (scales,))
+
+            tasks.append(Task(problem.name, library, "float64", make, problem.name))
+    return tasks
+
+
+def stiff_reference(n: int) -> Reference:
+    """The Test Set's published solutions, for the ensemble's first member."""
+    del n
+    values = {name: STIFF_PROBLEMS[name].reference[None] for name in ("rober", "hires")}
+    return Reference(np.array([0]), values)
+
+
 def _reference_fn(key: str, build: Callable[[], Callable]) -> Callable:
     """Build each jitted reference function once, so it compiles once per shape."""
     if key not in _REFERENCE_FNS:
@@ -739,6 +794,17 @@ CASES = {
             neural_ode_tasks,
             neural_ode_reference,
             ("grad-backsolve", "grad-record-replay"),
+        ),
+        Case(
+            "stiff",
+            "vmapped stiff ensembles ROBER (t1 = 1e5) and HIRES of the Test Set for "
+            "IVP Solvers, one rate constant scaled over [0.5, 2], closed over; "
+            "PID rtol=1e-6, atol=1e-10, float64; solverkit Rodas5P, diffrax "
+            "Kvaerno5; error against the published solution (first member). The "
+            "work-precision sweep is `python -m benchmarks.stiff`",
+            {"quick": [64], "cpu": [256], "gpu": [256, 4096, 65536]},
+            stiff_tasks,
+            stiff_reference,
         ),
     )
 }

@@ -19,6 +19,13 @@ from ._root_finder import (
     VeryChord as VeryChord,
     with_stepsize_controller_tols as with_stepsize_controller_tols,
 )
+from ._rosenbrock import (
+    AbstractRosenbrock as AbstractRosenbrock,
+    Rodas4 as Rodas4,
+    Rodas5P as Rodas5P,
+    Ros3P as Ros3P,
+    Rosenbrock23 as Rosenbrock23,
+)
 from ._runge_kutta import (
     AbstractERK as AbstractERK,
     AbstractRungeKutta as AbstractRungeKutta,
