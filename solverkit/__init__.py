@@ -27,6 +27,13 @@ from ._event import (
     steady_state_event as steady_state_event,
     SteadyStateEvent as SteadyStateEvent,
 )
+from ._global_interpolation import (
+    AbstractGlobalInterpolation as AbstractGlobalInterpolation,
+    backward_hermite_coefficients as backward_hermite_coefficients,
+    CubicInterpolation as CubicInterpolation,
+    LinearInterpolation as LinearInterpolation,
+    rectilinear_interpolation as rectilinear_interpolation,
+)
 from ._integrate import diffeqsolve as diffeqsolve
 from ._interpolation import DenseInterpolation as DenseInterpolation
 from ._local_interpolation import (

@@ -22,6 +22,7 @@ import numpy as np
 from . import _loop
 from ._closure import closure_convert
 from ._controller import rms_norm
+from ._custom_types import RealScalarLike, Y
 from ._errors import UnsupportedError
 from ._loop import Buffers, Carry, Outputs, Problem
 from ._select import where
@@ -390,7 +391,7 @@ class ForwardMode(DirectAdjoint):
 _LOOP_STAGES_MAX_SIZE = 256
 
 
-def _augmented(tau, state, aux, part: int | None = None):
+def _augmented(tau: RealScalarLike, state, aux, part: int | None = None):
     """The adjoint system of `dy/dtau = g(tau, y, theta)` in the outer internal time:
     `dy = g`, `da = -a dg/dy`, `dtheta_bar = -a dg/dtheta`; for a `MultiTerm`, the
     part of it that comes from its term `part` (the parts sum to the whole)."""
@@ -398,7 +399,7 @@ def _augmented(tau, state, aux, part: int | None = None):
     y, a, _ = state
     theta, rest = eqx.partition((terms, args), _parameters((terms, args)))
 
-    def g(theta, y):
+    def g(theta, y: Y):
         terms, args = eqx.combine(theta, rest)
         term = terms if part is None else terms.terms[part]
         return term.vf(tau, y, args)

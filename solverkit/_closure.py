@@ -48,10 +48,16 @@ def _hoisting_constants():
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+_OUTPUT_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
 def _is_array(x) -> bool:
     return isinstance(x, _ARRAY_TYPES)
+
+
+def _is_output_array(x) -> bool:
+    """Whether an output leaf is traced (as `equinox.is_array`); others are static."""
+    return isinstance(x, _OUTPUT_ARRAY_TYPES)
 
 
 def _struct(x) -> jax.ShapeDtypeStruct:
@@ -163,14 +169,25 @@ def _only_printable(value) -> bool:
 class _Program:
     """Static part of a `Closure`: the jaxpr and the argument/output structure."""
 
-    __slots__ = ("jaxpr", "in_tree", "in_specs", "out_tree", "out_struct", "_key")
+    __slots__ = (
+        "jaxpr",
+        "in_tree",
+        "in_specs",
+        "out_tree",
+        "out_specs",
+        "out_struct",
+        "_key",
+    )
 
-    def __init__(self, jaxpr, in_tree, in_specs, out_tree, out_struct, key):
+    def __init__(self, jaxpr, in_tree, in_specs, out_tree, out_specs, key):
         self.jaxpr = jaxpr
         self.in_tree = in_tree
         self.in_specs = in_specs
         self.out_tree = out_tree
-        self.out_struct = out_struct
+        self.out_specs = out_specs  # per output leaf: ShapeDtypeStruct or _Static
+        self.out_struct = jtu.tree_unflatten(
+            out_tree, [s.value if isinstance(s, _Static) else s for s in out_specs]
+        )
         self._key = key
 
     def __eq__(self, other):
@@ -308,6 +325,196 @@ def _cse(jaxpr, memo=None):
     return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
+# --- Evaluation inside shard_map with varying-manual-axes checks --------------------
+#
+# A jaxpr traced outside `shard_map` types every value as invariant across the mesh's
+# manual axes. Evaluated inside `shard_map(check_vma=True)` with a varying input,
+# each primitive would see mismatched types where JAX's own tracing would have cast
+# the invariant operand with `pvary`. So, when some input varies, the jaxpr is
+# interpreted: each primitive's operands are cast to the union of their varying axes
+# (what tracing inside the shard_map would have done), nested calls are inlined, and
+# loops, conds, checkpoints and custom_jvp rules are rebuilt through JAX's own API so
+# that their bodies are typed afresh. On JAX without these types, nothing changes.
+
+
+_typeof = getattr(jax, "typeof", None) or jax.core.get_aval  # pyright: ignore
+
+
+def _vma(x) -> frozenset:
+    """The manual mesh axes `x` varies over (empty outside shard_map, or on old JAX)."""
+    try:
+        aval = _typeof(x)
+    except TypeError:
+        return frozenset()
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _pvary(x, axes: frozenset):
+    """`x` cast from invariant to varying over `axes` (a no-op on the data)."""
+    missing = tuple(sorted(axes - _vma(x), key=str))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # pyright: ignore  # pragma: no cover
+
+
+def _interpret(jaxpr, consts, *args):
+    """`eval_jaxpr` that casts operands to matching varying axes (see above)."""
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        rule = _RULES.get(eqn.primitive.name)
+        if rule is not None:
+            outs = rule(ins, **eqn.params)
+        else:
+            union = frozenset().union(*(_vma(x) for x in ins))
+            outs = _bind(eqn.primitive, eqn.params, [_pvary(x, union) for x in ins])
+        for v, o in zip(eqn.outvars, outs):
+            if not _is_dropped(v):
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(primitive, params, ins, subfuns=None):
+    """Bind as `eval_jaxpr` does (whichever form of `get_bind_params` this JAX has),
+    optionally with other sub-functions; always a list of outputs."""
+    bind_params = primitive.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
+        old_subfuns, bind_params = bind_params
+        outs = primitive.bind(*(subfuns or old_subfuns), *ins, **bind_params)
+    else:
+        if subfuns is not None:
+            bind_params = {**bind_params, "subfuns": tuple(subfuns)}
+        outs = primitive.bind(*ins, **bind_params)
+    return outs if primitive.multiple_results else [outs]
+
+
+def _as_fn(closed):
+    """A ClosedJaxpr as a function of its flat inputs, interpreted."""
+    return lambda *xs: _interpret(closed.jaxpr, closed.consts, *xs)
+
+
+def _call_rule(ins, *, jaxpr, **_):
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        return _interpret(jaxpr.jaxpr, jaxpr.consts, *ins)
+    return _interpret(jaxpr, (), *ins)
+
+
+def _call_jaxpr_rule(ins, *, call_jaxpr, **_):
+    return _call_rule(ins, jaxpr=call_jaxpr)
+
+
+def _scan_rule(ins, *, jaxpr, num_consts, num_carry, length, reverse, unroll, **_):
+    consts, init, xs = (
+        ins[:num_consts],
+        ins[num_consts : num_consts + num_carry],
+        ins[num_consts + num_carry :],
+    )
+    body = _as_fn(jaxpr)
+    # The carry must keep its type: make it vary wherever any input does (a sound
+    # over-approximation of what the body may make it).
+    union = frozenset().union(*(_vma(x) for x in ins))
+    init = [_pvary(x, union) for x in init]
+
+    def step(carry, x):
+        out = body(*consts, *carry, *x)
+        return out[:num_carry], out[num_carry:]
+
+    carry, ys = jax.lax.scan(
+        step, init, xs, length=length, reverse=reverse, unroll=unroll
+    )
+    return [*carry, *ys]
+
+
+def _while_rule(ins, *, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts, **_):
+    cond_consts, body_consts = ins[:cond_nconsts], ins[cond_nconsts:][:body_nconsts]
+    init = ins[cond_nconsts + body_nconsts :]
+    cond, body = _as_fn(cond_jaxpr), _as_fn(body_jaxpr)
+    union = frozenset().union(*(_vma(x) for x in ins))  # as for scan
+    init = [_pvary(x, union) for x in init]
+    return jax.lax.while_loop(
+        lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), init
+    )
+
+
+def _cond_rule(ins, *, branches, **_):
+    index, *ops = ins
+    return jax.lax.switch(index, [_as_fn(b) for b in branches], *ops)
+
+
+def _remat_rule(ins, *, jaxpr, prevent_cse, policy, **_):
+    fn = lambda *xs: _call_rule(xs, jaxpr=jaxpr)
+    return jax.checkpoint(fn, prevent_cse=prevent_cse, policy=policy)(*ins)
+
+
+def _custom_jvp_rule(ins, **params):
+    """The custom_jvp call again, with its primal and JVP jaxprs interpreted."""
+    from jax._src import custom_derivatives as cd, linear_util as lu  # noqa: PLC0415
+
+    call_jaxpr, num_consts = params["call_jaxpr"], params["num_consts"]
+    jvp_jaxpr_fun = params["jvp_jaxpr_fun"]
+
+    def jvp(*xs):
+        half = len(xs) // 2
+        primals, tangents = xs[num_consts:half], xs[half + num_consts :]
+        zeros = [type(t) is cd.SymbolicZero for t in tangents]
+        jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+        nonzero = [t for t in tangents if type(t) is not cd.SymbolicZero]
+        out = _interpret(jvp_jaxpr, jvp_consts, *primals, *nonzero)
+        out_primals, it = out[: len(out_zeros)], iter(out[len(out_zeros) :])
+        out_tangents = [
+            cd.SymbolicZero(_typeof(p).to_tangent_aval()) if z else next(it)
+            for p, z in zip(out_primals, out_zeros)
+        ]
+        return [*out_primals, *out_tangents]
+
+    union = frozenset().union(*(_vma(x) for x in ins))
+    subfuns = (
+        lu.wrap_init(_as_fn(call_jaxpr), debug_info=call_jaxpr.jaxpr.debug_info),
+        lu.wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info),
+    )
+    ins = [_pvary(x, union) for x in ins]
+    return _bind(cd.custom_jvp_call_p, params, ins, subfuns)
+
+
+def _pvary_rule(ins, *, axes, **_):
+    # A jaxpr traced inside shard_map casts where a value was invariant then; it may
+    # vary by now (say, a loop's time): cast only the axes it does not vary over yet.
+    return [_pvary(x, frozenset(axes)) for x in ins]
+
+
+_RULES = {
+    "pvary": _pvary_rule,
+    "pjit": _call_rule,
+    "jit": _call_rule,
+    "closed_call": _call_jaxpr_rule,
+    "core_call": _call_jaxpr_rule,
+    "scan": _scan_rule,
+    "while": _while_rule,
+    "cond": _cond_rule,
+    "checkpoint": _remat_rule,
+    "remat2": _remat_rule,
+    "custom_jvp_call": _custom_jvp_rule,
+}
+
+
+def _evaluate(jaxpr, consts, args):
+    """The jaxpr's outputs; interpreted when a value varies over shard_map axes."""
+    if any(_vma(x) for x in (*consts, *args)):
+        return _interpret(jaxpr, consts, *args)
+    return _eval_jaxpr(jaxpr, consts, *args)
+
+
 # --- Public API ---------------------------------------------------------------------
 
 
@@ -322,8 +529,14 @@ class Closure(eqx.Module):
 
     - `consts`: tuple of every JAX value the function closes over, as arrays.
     - `jaxpr`: the closed-over-value-free jaxpr, with `consts` as its constvars.
-    - `out_struct`: output pytree of `jax.ShapeDtypeStruct`.
+    - `out_struct`: the output pytree, with a `jax.ShapeDtypeStruct` for each array
+        leaf and each static (non-array) leaf as it is.
     - `effects`: the jaxpr's effects.
+
+    The jaxpr takes the array leaves of the arguments and returns the array leaves of
+    the output, in `jax.tree_util` order with static leaves left out:
+    `jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat_args)` equals
+    `[x for x in jax.tree_util.tree_leaves(fn(*args)) if equinox.is_array(x)]`.
     """
 
     consts: tuple[Any, ...]
@@ -373,13 +586,16 @@ class Closure(eqx.Module):
                     f"{spec.dtype}, got shape {shape} and dtype {dtype}."
                 )
             flat.append(leaf)
-        out = _eval_jaxpr(program.jaxpr, self.consts, *flat)
-        # A constant output comes back as a Python scalar: make it an array.
-        out = [
-            o if isinstance(o, jax.Array) else jnp.asarray(o, dtype=s.dtype)
-            for o, s in zip(out, jtu.tree_leaves(program.out_struct))
-        ]
-        return jtu.tree_unflatten(program.out_tree, out)
+        out = iter(_evaluate(program.jaxpr, self.consts, flat))
+        leaves = []
+        for spec in program.out_specs:
+            if isinstance(spec, _Static):
+                leaves.append(spec.value)
+                continue
+            # A constant output comes back as a Python scalar: make it an array.
+            o = next(out)
+            leaves.append(o if isinstance(o, jax.Array) else jnp.asarray(o, spec.dtype))
+        return jtu.tree_unflatten(program.out_tree, leaves)
 
 
 def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
@@ -403,7 +619,9 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
     **Returns:**
 
     A `Closure`, callable with arguments of the example's structure, shapes and
-    dtypes. A `Closure` passed as `fn` is returned unchanged.
+    dtypes. Output leaves that are not arrays (strings, Python scalars) are static,
+    as in `equinox.filter_jit`: they are recorded on conversion and returned
+    unchanged by each call. A `Closure` passed as `fn` is returned unchanged.
     """
     if isinstance(fn, Closure):
         return fn
@@ -412,32 +630,37 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
     leaves, in_tree = jtu.tree_flatten((args, kwargs))
     in_specs = tuple(_struct(x) if _is_array(x) else _Static(x) for x in leaves)
     dynamic = [s for s in in_specs if not isinstance(s, _Static)]
+    traced_out = []  # (treedef, leaves) of fn's output, recorded during the trace
 
     def flat_fn(*flat):
         it = iter(flat)
         full = [s.value if isinstance(s, _Static) else next(it) for s in in_specs]
         call_args, call_kwargs = jtu.tree_unflatten(in_tree, full)
-        return fn(*call_args, **call_kwargs)
+        leaves, tree = jtu.tree_flatten(fn(*call_args, **call_kwargs))
+        traced_out.append((tree, leaves))
+        # Only array leaves are traced; the others are static, as in filter_jit.
+        return [x for x in leaves if _is_output_array(x)]
 
     with _hoisting_constants():
-        closed_jaxpr, out_struct = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+        closed_jaxpr = jax.make_jaxpr(flat_fn)(*dynamic)
     jaxpr = _cse(closed_jaxpr.jaxpr)
     consts = tuple(
         _as_array(c, v.aval) for c, v in zip(closed_jaxpr.consts, jaxpr.constvars)
     )
-    out_tree = jtu.tree_structure(out_struct)
-    # From the jaxpr's output types: make_jaxpr(return_shape=True) drops weak types on
-    # older JAX.
-    out_struct = jtu.tree_unflatten(
-        out_tree,
-        [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-            for a in closed_jaxpr.out_avals
-        ],
+    ((out_tree, out_leaves),) = traced_out
+    # Array leaves' types from the jaxpr's output types: they keep weak types.
+    avals = iter(closed_jaxpr.out_avals)
+    out_specs = tuple(
+        _struct(next(avals)) if _is_output_array(x) else _Static(x) for x in out_leaves
     )
-    signature = (in_tree, tuple(_spec_key(s) for s in in_specs), out_tree)
+    signature = (
+        in_tree,
+        tuple(_spec_key(s) for s in in_specs),
+        out_tree,
+        tuple(_spec_key(s) for s in out_specs),
+    )
     jaxpr = _canonical_jaxpr(fn, jaxpr, signature)
-    program = _Program(jaxpr, in_tree, in_specs, out_tree, out_struct, signature)
+    program = _Program(jaxpr, in_tree, in_specs, out_tree, out_specs, signature)
     return Closure(consts, program)
 
 

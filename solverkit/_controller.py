@@ -16,10 +16,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._custom_types import Args, RealScalarLike, VF, Y
 from ._errors import BadInputError, concrete
 from ._reduce import sum_all
 from ._select import where
 from ._solution import RESULTS
+from ._solver import AbstractSolver
+from ._term import AbstractTerm
 
 
 def rms_norm(x: PyTree) -> Array:
@@ -43,12 +46,30 @@ class AbstractStepSizeController(eqx.Module):
     """
 
     @abc.abstractmethod
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order) -> tuple[Any, Any]:
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ) -> tuple[Any, Any]:
         """**Returns:** `(end of the first step, controller state)`."""
 
     @abc.abstractmethod
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
         """**Returns:** `(keep_step, next_t0, next_t1, made_jump, state, result)`."""
 
@@ -62,22 +83,30 @@ class AbstractStepSizeController(eqx.Module):
         """Whether a step may end at a jump of the vector field in time."""
         return False
 
-    def ends_on_jump(self, controller_state, t1) -> Array | bool:
+    def ends_on_jump(
+        self, controller_state: PyTree, t1: RealScalarLike
+    ) -> Array | bool:
         """Whether a step ending at `t1` ends at a jump."""
         return False
 
-    def to_internal(self, direction) -> "AbstractStepSizeController":
+    def to_internal(self, direction: Array | None) -> "AbstractStepSizeController":
         """This controller in the loop's internal time `direction * t` (its times
         mapped; `direction` is `-1` for a backwards solve, or `None`)."""
         return self
 
-    def check(self, solver, t0, t1, dt0) -> None:
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
         """Raise a `ValueError` before tracing if the controller can't be used so
         (`t0`, `t1` are NumPy values where known, else `None`; `dt0` as passed to
         `diffeqsolve`)."""
 
 
-def _times_of(t0, t1):
+def _times_of(t0: RealScalarLike, t1: RealScalarLike):
     """`t0`, `t1` as arrays of one floating dtype (they may be Python floats)."""
     dtype = jnp.result_type(t0, t1, float)
     return jnp.asarray(t0, dtype), jnp.asarray(t1, dtype)
@@ -103,7 +132,17 @@ class ConstantStepSize(AbstractStepSizeController):
     def adaptive(self) -> bool:
         return False
 
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ):
         t0, t1 = _times_of(t0, t1)
         dt0 = jnp.asarray(dt0, t0.dtype)
         finite = jnp.isfinite(t1)
@@ -115,7 +154,15 @@ class ConstantStepSize(AbstractStepSizeController):
         return t0 + dt0, ConstantState(jnp.asarray(1, jnp.int32), n, t0, end)
 
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
         done, n, start, end = controller_state
         done = done + 1  # steps completed once the next one is taken
@@ -125,7 +172,13 @@ class ConstantStepSize(AbstractStepSizeController):
         state = ConstantState(done, n, start, end)
         return True, t1, nxt, False, state, RESULTS.successful
 
-    def check(self, solver, t0, t1, dt0) -> None:
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
         if dt0 is None:
             raise ValueError(
                 "ConstantStepSize needs a step size: pass `dt0` to diffeqsolve "
@@ -152,22 +205,46 @@ class StepTo(AbstractStepSizeController):
     def adaptive(self) -> bool:
         return False
 
-    def to_internal(self, direction) -> "StepTo":
+    def to_internal(self, direction: Array | None) -> "StepTo":
         return self if direction is None else StepTo(direction * self.ts)
 
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ):
         del dt0
         t0, _ = _times_of(t0, t1)
         return self.ts[1].astype(t0.dtype), jnp.asarray(2, jnp.int32)
 
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
         index = controller_state  # of the end of the step after this one
         nxt = self.ts[jnp.minimum(index, self.ts.shape[0] - 1)]
         return True, t1, nxt.astype(t1.dtype), False, index + 1, RESULTS.successful
 
-    def check(self, solver, t0, t1, dt0) -> None:
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
         if dt0 is not None:
             raise ValueError("StepTo(ts) chooses every step: pass `dt0=None`.")
         ts = concrete(self.ts)
@@ -180,7 +257,16 @@ class StepTo(AbstractStepSizeController):
             raise BadInputError("StepTo(ts): `ts` must start at t0 and end at t1.")
 
 
-def _initial_step(func, t0, y0, args, error_order, rtol, atol, norm):
+def _initial_step(
+    func: Callable[..., VF],
+    t0: RealScalarLike,
+    y0: Y,
+    args: Args,
+    error_order: RealScalarLike | None,
+    rtol,
+    atol,
+    norm,
+):
     """Hairer, Norsett & Wanner (1993), II.4: a first step from two evaluations."""
     scale = jtu.tree_map(lambda y: atol + jnp.abs(y) * rtol, y0)
     div = lambda a, s: a / s.astype(a.dtype)
@@ -212,7 +298,7 @@ def _times(ts):
     return None if ts.shape[0] == 0 else ts
 
 
-def _next_after(points, t):
+def _next_after(points, t: RealScalarLike):
     """The first of the sorted `points` strictly after `t` (`inf` if none)."""
     index = jnp.searchsorted(points, t, side="right")
     last = points.shape[0] - 1
@@ -278,7 +364,7 @@ class PIDController(AbstractStepSizeController):
         ):
             raise ValueError("PIDController: `rtol` and `atol` can't both be zero.")
 
-    def to_internal(self, direction) -> AbstractStepSizeController:
+    def to_internal(self, direction: Array | None) -> AbstractStepSizeController:
         if self.step_ts is None and self.jump_ts is None:
             return self
         plain = eqx.tree_at(
@@ -287,7 +373,13 @@ class PIDController(AbstractStepSizeController):
         clip = ClipStepSizeController(plain, self.step_ts, self.jump_ts)
         return clip.to_internal(direction)
 
-    def check(self, solver, t0, t1, dt0) -> None:
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
         if self.error_order is None and solver.error_order(None) is None:
             raise ValueError(
                 f"{type(solver).__name__} has no error estimate, so it can't be used "
@@ -295,10 +387,20 @@ class PIDController(AbstractStepSizeController):
                 "embedded error estimate (Tsit5, Dopri5, Bosh3, Heun, ...)."
             )
 
-    def _order(self, error_order):
+    def _order(self, error_order: RealScalarLike | None):
         return self.error_order if self.error_order is not None else error_order
 
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ):
         t0, t1 = _times_of(t0, t1)
         if dt0 is None:
             dt0 = _initial_step(
@@ -318,11 +420,35 @@ class PIDController(AbstractStepSizeController):
         one = jnp.ones((), t0.dtype)
         return t0 + dt0, PIDState(one, one, jnp.asarray(False))
 
+    def _bounded(self, dt, factor, at_dtmin):
+        """`dt` within `[dtmin, dtmax]`, whether it is at `dtmin`, and the result."""
+        result = RESULTS.successful
+        if self.dtmax is not None:
+            dt = jnp.minimum(dt, self.dtmax)
+        if self.dtmin is not None:
+            if not self.force_dtmin:
+                result = RESULTS.where(
+                    dt < self.dtmin, RESULTS.dt_min_reached, RESULTS.successful
+                )
+            dt = where(at_dtmin & (factor == 1), self.dtmin, dt)
+            at_dtmin = dt <= self.dtmin
+            dt = jnp.maximum(dt, self.dtmin)
+        return dt, at_dtmin, result
+
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
         prev, prev_prev, at_dtmin = controller_state
         order = self._order(error_order)
+        t0, t1 = _times_of(t0, t1)
 
         def scale(e, a, b):
             b = where(jnp.isfinite(b), b, a)
@@ -349,19 +475,8 @@ class PIDController(AbstractStepSizeController):
             where(keep, self.factormax, self.safety),
         )
         factor = lax.stop_gradient(factor)
-        dt = (t1 - t0) * factor
         inv = where((inv == 0) | jnp.isinf(inv), 1, inv)
-        result = RESULTS.successful
-        if self.dtmax is not None:
-            dt = jnp.minimum(dt, self.dtmax)
-        if self.dtmin is not None:
-            if not self.force_dtmin:
-                result = RESULTS.where(
-                    dt < self.dtmin, RESULTS.dt_min_reached, RESULTS.successful
-                )
-            dt = where(at_dtmin & (factor == 1), self.dtmin, dt)
-            at_dtmin = dt <= self.dtmin
-            dt = jnp.maximum(dt, self.dtmin)
+        dt, at_dtmin, result = self._bounded((t1 - t0) * factor, factor, at_dtmin)
         next_t0 = where(keep, t1, t0)
         state = PIDState(
             where(keep, inv, prev),
@@ -411,14 +526,20 @@ class ClipStepSizeController(AbstractStepSizeController):
     atol = property(lambda self: self.controller.atol)
     norm = property(lambda self: self.controller.norm)
 
-    def check(self, solver, t0, t1, dt0) -> None:
+    def check(
+        self,
+        solver: AbstractSolver,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        dt0: RealScalarLike | None,
+    ) -> None:
         self.controller.check(solver, t0, t1, dt0)
 
     @property
     def has_jumps(self) -> bool:
         return self.jump_ts is not None or self.controller.has_jumps
 
-    def to_internal(self, direction) -> "ClipStepSizeController":
+    def to_internal(self, direction: Array | None) -> "ClipStepSizeController":
         """Times mapped to internal time and sorted (they then increase)."""
 
         def move(ts):
@@ -431,7 +552,7 @@ class ClipStepSizeController(AbstractStepSizeController):
             inner, move(self.step_ts), move(self.jump_ts), self.store_rejected_steps
         )
 
-    def _clip(self, t0, t1):
+    def _clip(self, t0: RealScalarLike, t1: RealScalarLike):
         """The proposed step end `t1` clipped to the next time after `t0`, and the
         next jump after `t0` (`inf` if none)."""
         jump = jnp.asarray(jnp.inf, t1.dtype)
@@ -442,7 +563,17 @@ class ClipStepSizeController(AbstractStepSizeController):
             t1 = jnp.minimum(t1, jump)
         return t1, jump
 
-    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        dt0: RealScalarLike | None,
+        args: Args,
+        func: Callable[..., VF],
+        error_order: RealScalarLike | None,
+    ):
         t0, t1 = _times_of(t0, t1)
         tnext, inner = self.controller.init(
             terms, t0, t1, y0, dt0, args, func, error_order
@@ -450,14 +581,23 @@ class ClipStepSizeController(AbstractStepSizeController):
         tnext, jump = self._clip(t0, jnp.asarray(tnext, t0.dtype))
         return tnext, ClipState(inner, jump)
 
-    def ends_on_jump(self, controller_state, t1) -> Array:
+    def ends_on_jump(self, controller_state: PyTree, t1: RealScalarLike) -> Array:
         inner, jump = controller_state
         return (t1 == jump) | self.controller.ends_on_jump(inner, t1)
 
     def adapt_step_size(
-        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        self,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        y1_candidate: Y,
+        args: Args,
+        y_error: Y | None,
+        error_order: RealScalarLike | None,
+        controller_state: PyTree,
     ):
         inner, jump = controller_state
+        t0, t1 = _times_of(t0, t1)
         keep, next_t0, next_t1, made_jump, inner, result = (
             self.controller.adapt_step_size(
                 t0, t1, y0, y1_candidate, args, y_error, error_order, inner

@@ -10,6 +10,8 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from ._custom_types import Args, RealScalarLike, Y
+
 
 class Event(eqx.Module):
     """Terminate the solve when a condition fires.
@@ -96,7 +98,16 @@ def steady_state_event(rtol=None, atol=None, norm=None) -> Callable:
     `cond_fn(t, y, args, **kwargs)`.
     """
 
-    def cond_fn(t, y, args, *, terms, solver, stepsize_controller, **kwargs):
+    def cond_fn(
+        t: RealScalarLike,
+        y: Y,
+        args: Args,
+        *,
+        terms,
+        solver,
+        stepsize_controller,
+        **kwargs,
+    ):
         def default(value, name):
             if value is not None:
                 return value
@@ -152,7 +163,7 @@ class SteadyStateEvent(AbstractDiscreteTerminatingEvent):
     atol: float | None = None
     norm: Callable | None = None
 
-    def __call__(self, state, *, args, **kwargs):
+    def __call__(self, state, *, args: Args, **kwargs):
         from ._controller import rms_norm
 
         norm = rms_norm if self.norm is None else self.norm
@@ -169,7 +180,7 @@ class _State(eqx.Module):
 class _DiscreteAsCondition(eqx.Module):
     event: AbstractDiscreteTerminatingEvent
 
-    def __call__(self, t, y, args, **kwargs):
+    def __call__(self, t: RealScalarLike, y: Y, args: Args, **kwargs):
         return self.event(_State(tprev=t, y=y), args=args, **kwargs)
 
 

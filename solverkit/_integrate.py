@@ -14,6 +14,7 @@ from jaxtyping import Array, PyTree
 from ._adjoint import AbstractAdjoint, RecursiveCheckpointAdjoint, reverse_only
 from ._closure import Closure, closure_convert
 from ._controller import AbstractStepSizeController, ConstantStepSize
+from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete
 from ._event import as_event, Event, with_context
 from ._interpolation import DenseInterpolation
@@ -40,11 +41,11 @@ class Times(NamedTuple):
     known_dt0: Any
     direction: Array | None  # -1 backwards, None forwards
 
-    def to_internal(self, tau):
+    def to_internal(self, tau: RealScalarLike):
         return tau if self.direction is None else self.direction * tau
 
 
-def _times(t0, t1, dt0) -> Times:
+def _times(t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None) -> Times:
     """Check `t0`, `t1`, `dt0` and bring them to one floating dtype."""
     inputs = [t0, t1] + ([] if dt0 is None else [dt0])
     for name, value in zip(("t0", "t1", "dt0"), inputs):
@@ -78,8 +79,8 @@ def _times(t0, t1, dt0) -> Times:
     return times
 
 
-def _as_state(y0):
-    def leaf(y):
+def _as_state(y0: Y):
+    def leaf(y: Y):
         y = jnp.asarray(y)
         if not jnp.issubdtype(y.dtype, jnp.inexact):
             y = y.astype(jnp.result_type(float))
@@ -97,10 +98,37 @@ def _as_state(y0):
     return y0
 
 
-def _check_output(closure: Closure, y0, what: str) -> None:
+_NUMBERS = (bool, int, float, complex)
+
+
+def _output_struct(closure: Closure) -> PyTree:
+    """`closure.out_struct`, with Python-number outputs (static in a `Closure`, as in
+    `equinox.filter_jit`) as the weakly typed scalars they become when used."""
+
+    def leaf(o):
+        if isinstance(o, _NUMBERS):
+            return jax.eval_shape(jnp.asarray, o)
+        return o
+
+    return jtu.tree_map(leaf, closure.out_struct)
+
+
+def _array_outputs(fn):
+    """`fn` with its Python-number outputs made arrays, so that they are traced."""
+
+    def with_arrays(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return jtu.tree_map(
+            lambda o: jnp.asarray(o) if isinstance(o, _NUMBERS) else o, out
+        )
+
+    return with_arrays
+
+
+def _check_output(closure: Closure, y0: Y, what: str) -> None:
     """The output of a converted function must be usable as `dy/dt`: the structure,
     shapes and dtypes of `y0`, except what diffrax also accepts (see `like_state`)."""
-    out = closure.out_struct
+    out = _output_struct(closure)
     y_tree, out_tree = jtu.tree_structure(y0), jtu.tree_structure(out)
     out_leaves = jtu.tree_leaves(out)
     if y_tree != out_tree:
@@ -125,13 +153,13 @@ def _check_output(closure: Closure, y0, what: str) -> None:
             )
 
 
-def _closure_term(term: AbstractTerm, times: Times, y0, args) -> ClosureTerm:
+def _closure_term(term: AbstractTerm, times: Times, y0: Y, args: Args) -> ClosureTerm:
     closure = closure_convert(rate_function(term), times.t0, y0, args)
     _check_output(closure, y0, "vector field")
     return ClosureTerm(closure, times.direction)
 
 
-def _convert_terms(terms, solver: AbstractSolver, times: Times, y0, args):
+def _convert_terms(terms, solver: AbstractSolver, times: Times, y0: Y, args: Args):
     """Each term's vector field, closure-converted once, in the structure the solver
     takes: one `ClosureTerm`, or a `MultiTerm` of them for a solver whose
     `term_structure` is a tuple (an IMEX solver). Any other solver integrates the
@@ -178,13 +206,18 @@ def _save_times(ts, times: Times):
     return times.to_internal(ts)
 
 
-def _saves(saveat: SaveAt, times: Times, y0, args, max_steps):
+def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):
     """One `Save` per `SubSaveAt`, and the structure they came in."""
     subs, save_tree = jtu.tree_flatten(saveat.subs, is_leaf=is_sub)
     saves = tuple(
         Save(
             ts=_save_times(sub.ts, times),
-            fn=closure_convert(sub.fn, times.t0, y0, args),
+            fn=closure_convert(
+                sub.fn if sub.fn is save_y else _array_outputs(sub.fn),
+                times.t0,
+                y0,
+                args,
+            ),
             t0=bool(sub.t0),
             t1=bool(sub.t1),
             every=sub.every,
@@ -200,14 +233,18 @@ def _saves(saveat: SaveAt, times: Times, y0, args, max_steps):
     return saves, save_tree
 
 
-def _event_conditions(event: Event | None, context: dict, times: Times, y0, args):
+def _event_conditions(
+    event: Event | None, context: dict, times: Times, y0: Y, args: Args
+):
     """Each of the event's conditions, closure-converted and checked (or `None`)."""
     if event is None:
         return None
     if not isinstance(event, Event):
         raise TypeError(f"`event` must be an Event, got {type(event).__name__}.")
     conds = jtu.tree_map(
-        lambda f: closure_convert(with_context(f, **context), times.t0, y0, args),
+        lambda f: closure_convert(
+            _array_outputs(with_context(f, **context)), times.t0, y0, args
+        ),
         event.cond_fn,
         is_leaf=callable,
     )
@@ -267,7 +304,9 @@ def _legacy_event(event, discrete_terminating_event):
     return as_event(discrete_terminating_event)
 
 
-def _check_no_resume(solver_state, controller_state, made_jump) -> None:
+def _check_no_resume(
+    solver_state: PyTree, controller_state: PyTree, made_jump: BoolScalarLike
+) -> None:
     if made_jump is False:
         made_jump = None  # no jump: the default
     if any(x is not None for x in (solver_state, controller_state, made_jump)):
@@ -277,12 +316,49 @@ def _check_no_resume(solver_state, controller_state, made_jump) -> None:
         )
 
 
+def _problem(
+    terms, solver, times, y0, args, saveat, controller, event, max_steps, meter, dt0
+) -> Problem:
+    """Convert every user function (terms, saves, event conditions) once and gather
+    all a solve needs, in internal time."""
+    saves, save_tree = _saves(saveat, times, y0, args, max_steps)
+    context = dict(
+        terms=terms,
+        solver=solver,
+        t0=times.t0,
+        t1=times.t1,
+        dt0=dt0,
+        saveat=saveat,
+        stepsize_controller=controller,
+        max_steps=max_steps,
+    )
+    return Problem(
+        solver=solver,
+        controller=controller.to_internal(times.direction),
+        terms=_convert_terms(terms, solver, times, y0, args),
+        direction=times.direction,
+        args=args,
+        y0=y0,
+        t0=times.to_internal(times.t0),
+        t1=times.to_internal(times.t1),
+        dt0=times.dt0,
+        saves=saves,
+        save_tree=save_tree,
+        dense=saveat.dense,
+        conds=_event_conditions(event, context, times, y0, args),
+        event_direction=None if event is None else tuple(event.directions()),
+        root_finder=None if event is None else event.root_finder,
+        max_steps=None if max_steps is None else int(max_steps),
+        meter=meter,
+    )
+
+
 def diffeqsolve(
     terms: AbstractTerm,
     solver: AbstractSolver,
-    t0,
-    t1,
-    dt0,
+    t0: RealScalarLike,
+    t1: RealScalarLike,
+    dt0: RealScalarLike | None,
     y0: PyTree,
     args: PyTree = None,
     *,
@@ -348,38 +424,10 @@ def diffeqsolve(
     stepsize_controller.check(solver, times.known_t0, times.known_t1, dt0)
     solver = solver.bind_controller_tols(stepsize_controller)
     y0 = _as_state(y0)
-    converted = _convert_terms(terms, solver, times, y0, args)
-    saves, save_tree = _saves(saveat, times, y0, args, max_steps)
-    context = dict(
-        terms=terms,
-        solver=solver,
-        t0=times.t0,
-        t1=times.t1,
-        dt0=dt0,
-        saveat=saveat,
-        stepsize_controller=stepsize_controller,
-        max_steps=max_steps,
-    )
-    conds = _event_conditions(event, context, times, y0, args)
-    problem = Problem(
-        solver=solver,
-        controller=stepsize_controller.to_internal(times.direction),
-        terms=converted,
-        direction=times.direction,
-        args=args,
-        y0=y0,
-        t0=times.to_internal(times.t0),
-        t1=times.to_internal(times.t1),
-        dt0=times.dt0,
-        saves=saves,
-        save_tree=save_tree,
-        dense=saveat.dense,
-        conds=conds,
-        event_direction=None if event is None else tuple(event.directions()),
-        root_finder=None if event is None else event.root_finder,
-        max_steps=None if max_steps is None else int(max_steps),
-        meter=progress_meter,
-    )
+    problem = _problem(
+        terms, solver, times, y0, args, saveat, stepsize_controller, event,
+        max_steps, progress_meter, dt0
+    )  # fmt: skip
     adjoint.check(problem)
     keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
     # The engine mixes dtypes on purpose (float64 times with float32 states, complex
@@ -399,7 +447,7 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
     out = adjoint.loop(problem)
     direction = problem.direction
 
-    def user(tau):
+    def user(tau: RealScalarLike):
         if direction is None:
             return tau
         return where(jnp.isfinite(tau), direction * tau, tau)

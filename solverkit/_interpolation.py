@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
+from ._custom_types import RealScalarLike
 from ._select import where
 from ._solver import AbstractSolver
 
@@ -26,7 +27,7 @@ class DenseInterpolation(eqx.Module):
     solver: AbstractSolver
     y0: PyTree  # returned when no step was taken (t0 == t1)
 
-    def _evaluate(self, t) -> PyTree:
+    def _evaluate(self, t: RealScalarLike) -> PyTree:
         tau = t if self.direction is None else self.direction * t
         tau = jnp.asarray(tau, self.ts.dtype)
         last = jnp.maximum(self.num_steps - 1, 0)
@@ -38,7 +39,7 @@ class DenseInterpolation(eqx.Module):
         y = self.solver.interpolate(info, self.ts[index], t1, tau)
         return jtu.tree_map(lambda a, b: where(self.num_steps == 0, b, a), y, self.y0)
 
-    def evaluate(self, t0, t1=None) -> PyTree:
+    def evaluate(self, t0: RealScalarLike, t1: RealScalarLike = None) -> PyTree:
         """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""
         with jax.numpy_dtype_promotion("standard"):  # see `diffeqsolve`
             if t1 is not None:
@@ -47,7 +48,7 @@ class DenseInterpolation(eqx.Module):
                 )
             return self._evaluate(t0)
 
-    def derivative(self, t) -> PyTree:
+    def derivative(self, t: RealScalarLike) -> PyTree:
         """`dy/dt` at `t`."""
         with jax.numpy_dtype_promotion("standard"):
             t = jnp.asarray(t, self.ts.dtype)

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
+from ._custom_types import RealScalarLike, Y
 from ._select import where
 
 
-def step_fraction(t0, t1, t) -> Array:
+def step_fraction(t0: RealScalarLike, t1: RealScalarLike, t: RealScalarLike) -> Array:
     """`θ = (t - t0) / (t1 - t0)`, the fraction of a step at `t` (0 for an empty
     step)."""
     h = t1 - t0
@@ -27,14 +28,16 @@ class AbstractLocalInterpolation(eqx.Module):
     t0: Array
     t1: Array
 
-    def evaluate(self, t0, t1=None, left: bool = True) -> PyTree:
+    def evaluate(
+        self, t0: RealScalarLike, t1: RealScalarLike = None, left: bool = True
+    ) -> PyTree:
         """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""
         del left
         if t1 is not None:
             return jtu.tree_map(lambda a, b: a - b, self.at(t1), self.at(t0))
         return self.at(t0)
 
-    def at(self, t) -> PyTree:
+    def at(self, t: RealScalarLike) -> PyTree:
         """`y(t)`."""
         raise NotImplementedError
 
@@ -52,7 +55,7 @@ class LocalLinearInterpolation(AbstractLocalInterpolation):
     y0: PyTree
     y1: PyTree
 
-    def at(self, t) -> PyTree:
+    def at(self, t: RealScalarLike) -> PyTree:
         theta = step_fraction(self.t0, self.t1, t)
         return jtu.tree_map(
             lambda a, b: a + theta.astype(a.dtype) * (b - a), self.y0, self.y1
@@ -79,17 +82,19 @@ class ThirdOrderHermitePolynomialInterpolation(AbstractLocalInterpolation):
     f1: PyTree
 
     @classmethod
-    def from_k(cls, *, t0, t1, y0, y1, k) -> "ThirdOrderHermitePolynomialInterpolation":
+    def from_k(
+        cls, *, t0: RealScalarLike, t1: RealScalarLike, y0: Y, y1: Y, k
+    ) -> "ThirdOrderHermitePolynomialInterpolation":
         h = t1 - t0
         safe = where(h == 0, 1, h)
         rate = lambda i: jtu.tree_map(lambda x: x[i] / safe.astype(x.dtype), k)
         return cls(t0=t0, t1=t1, y0=y0, y1=y1, f0=rate(0), f1=rate(-1))
 
-    def at(self, t) -> PyTree:
+    def at(self, t: RealScalarLike) -> PyTree:
         h = self.t1 - self.t0
         theta = step_fraction(self.t0, self.t1, t)
 
-        def leaf(y0, y1, f0, f1):
+        def leaf(y0: Y, y1: Y, f0, f1):
             th = theta.astype(y0.dtype)
             hh = jnp.asarray(h, dtype=y0.dtype)
             h00 = (1 + 2 * th) * (1 - th) ** 2
@@ -120,11 +125,11 @@ class FourthOrderPolynomialInterpolation(AbstractLocalInterpolation):
     y1: PyTree
     k: PyTree
 
-    def at(self, t) -> PyTree:
+    def at(self, t: RealScalarLike) -> PyTree:
         theta = step_fraction(self.t0, self.t1, t)
         c_mid = type(self).c_mid
 
-        def leaf(y0, y1, k):
+        def leaf(y0: Y, y1: Y, k):
             th = theta.astype(y0.dtype)
             weights = jnp.asarray(c_mid, y0.dtype)
             y_mid = y0 + jnp.tensordot(weights, k, axes=1)

@@ -18,6 +18,7 @@ from jaxtyping import Array, PyTree
 
 from ._closure import Closure
 from ._controller import AbstractStepSizeController
+from ._custom_types import RealScalarLike, Y
 from ._errors import concrete
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._reduce import all_true, and_all, or_all
@@ -56,7 +57,7 @@ class Problem(eqx.Module):
     root_finder: Any = None  # of the event time, or None for bisection
     meter: AbstractProgressMeter = NoProgressMeter()
 
-    def to_user(self, tau):
+    def to_user(self, tau: RealScalarLike):
         """User time of internal time `tau` (the map is its own inverse)."""
         return tau if self.direction is None else self.direction * tau
 
@@ -161,7 +162,7 @@ def _real_conds(problem: Problem) -> list[bool]:
     ]
 
 
-def _eval_conds(problem: Problem, tau, y):
+def _eval_conds(problem: Problem, tau: RealScalarLike, y: Y):
     t = problem.to_user(tau)
     return jtu.tree_map(
         lambda c: c(t, y, problem.args),
@@ -174,7 +175,7 @@ def _fired(problem: Problem, before, after) -> PyTree:
     """Which conditions fired over a step: a boolean one when it is true, a real one
     when its sign changes (in its direction), as diffrax decides."""
 
-    def leaf(b, a, direction):
+    def leaf(b, a, direction: Array | None):
         if jnp.issubdtype(a.dtype, jnp.bool_):
             return a
         sb, sa = jnp.sign(b), jnp.sign(a)
@@ -192,7 +193,7 @@ def _fired(problem: Problem, before, after) -> PyTree:
     return jtu.tree_unflatten(tree, fired)
 
 
-def _save_value(problem: Problem, save: Save, tau, y):
+def _save_value(problem: Problem, save: Save, tau: RealScalarLike, y: Y):
     return save.fn(problem.to_user(tau), y, problem.args)
 
 
@@ -231,7 +232,7 @@ def adaptive(problem: Problem) -> bool:
     return problem.controller.adaptive
 
 
-def _dense_info_zeros(problem: Problem, solver_state) -> PyTree:
+def _dense_info_zeros(problem: Problem, solver_state: PyTree) -> PyTree:
     """Zeros shaped like one step's dense information."""
     _, _, info, _, _ = eqx.filter_eval_shape(
         problem.solver.step,
@@ -246,7 +247,7 @@ def _dense_info_zeros(problem: Problem, solver_state) -> PyTree:
     return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), info)
 
 
-def _init_events(problem: Problem, solver_state):
+def _init_events(problem: Problem, solver_state: PyTree):
     """`(cond_values, event_mask, last)` at the start of the loop."""
     if problem.conds is None:
         return None, None, None
@@ -264,7 +265,7 @@ def _init_events(problem: Problem, solver_state):
     return cond_values, event_mask, last
 
 
-def _init_buffers(problem: Problem, solver_state) -> Buffers:
+def _init_buffers(problem: Problem, solver_state: PyTree) -> Buffers:
     """Save buffers, `inf`-filled (rows not written stay `inf`)."""
     saves = []
     for save in problem.saves:
@@ -342,7 +343,7 @@ def cond(problem: Problem, carry: Carry) -> Array:
 _LANDING_ULPS = 100
 
 
-def _solver_step(problem: Problem, carry: Carry, t1):
+def _solver_step(problem: Problem, carry: Carry, t1: RealScalarLike):
     """The solver's step from `carry.t` to `t1`. A step that ends at a jump of the
     vector field stops just short of it (so that no stage sees the far side), and the
     next step starts from the field evaluated just past it, in the direction of
@@ -372,7 +373,7 @@ def _solver_failed(result) -> Array | None:
     return jnp.asarray(result.code) != SUCCESS
 
 
-def _reject_failed(problem: Problem, failed, y_error):
+def _reject_failed(problem: Problem, failed, y_error: Y | None):
     """Under an adaptive controller a failed step (e.g. a Newton solve that did not
     converge) is rejected and the step shrinks: its error is infinite."""
     if y_error is None:
@@ -484,7 +485,7 @@ def _write_save(
     if save.ts is not None:
         ts = save.ts
 
-        def at(tau):
+        def at(tau: RealScalarLike):
             y = problem.solver.interpolate(out.dense_info, t0, t1, tau)
             return _save_value(problem, save, tau, y)
 
@@ -505,7 +506,7 @@ def _write_save(
     return SaveBuffer(ts_ys, steps_ts, steps_ys)
 
 
-def _write_rows(ts, t0, t1, accepted, at, buf):
+def _write_rows(ts, t0: RealScalarLike, t1: RealScalarLike, accepted, at, buf):
     """Write `at(ts[i])` into row `i` for every `t0 < ts[i] <= t1`."""
     last = ts.shape[0] - 1
     lo = jnp.searchsorted(ts, t0, side="right").astype(jnp.int32)
@@ -663,7 +664,7 @@ def locate_event(problem: Problem, carry: Carry):
         if not real:
             continue
 
-        def g(tau, closure=closure):
+        def g(tau: RealScalarLike, closure=closure):
             y = solver.interpolate(info, tstart, tend, tau)
             return closure(problem.to_user(tau), y, problem.args)
 

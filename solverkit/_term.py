@@ -15,6 +15,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from ._closure import Closure
+from ._custom_types import Args, RealScalarLike, Y
 
 
 class AbstractTerm(eqx.Module):
@@ -30,27 +31,31 @@ class AbstractTerm(eqx.Module):
         return cls  # `ODETerm[Array]` in annotations, as diffrax allows
 
     @abc.abstractmethod
-    def vf(self, t, y: PyTree, args: PyTree) -> PyTree:
+    def vf(self, t: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
         """The vector field at `(t, y)`."""
 
     @abc.abstractmethod
-    def contr(self, t0, t1, **kwargs) -> PyTree:
+    def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> PyTree:
         """The control over `[t0, t1]`."""
 
     @abc.abstractmethod
     def prod(self, vf: PyTree, control: PyTree) -> PyTree:
         """The vector field applied to a control."""
 
-    def vf_prod(self, t, y: PyTree, args: PyTree, control: PyTree) -> PyTree:
+    def vf_prod(
+        self, t: RealScalarLike, y: PyTree, args: PyTree, control: PyTree
+    ) -> PyTree:
         """`prod(vf(t, y, args), control)`."""
         return self.prod(self.vf(t, y, args), control)
 
-    def is_vf_expensive(self, t0, t1, y, args) -> bool:
+    def is_vf_expensive(
+        self, t0: RealScalarLike, t1: RealScalarLike, y: Y, args: Args
+    ) -> bool:
         """As diffrax: whether `vf` costs more than `vf_prod` (never, for an ODE)."""
         return False
 
 
-def _leafwise_product(vf: PyTree, control) -> PyTree:
+def _leafwise_product(vf: PyTree, control: PyTree) -> PyTree:
     return jtu.tree_map(lambda v: v * control, vf)
 
 
@@ -67,14 +72,14 @@ class ODETerm(AbstractTerm):
 
     vector_field: Callable[..., PyTree]
 
-    def vf(self, t, y: PyTree, args: PyTree) -> PyTree:
+    def vf(self, t: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
         return self.vector_field(t, y, args)
 
-    def contr(self, t0, t1, **kwargs) -> Array:
+    def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> Array:
         """The time step `t1 - t0`."""
         return jnp.asarray(t1) - jnp.asarray(t0)
 
-    def prod(self, vf: PyTree, control) -> PyTree:
+    def prod(self, vf: PyTree, control: PyTree) -> PyTree:
         return _leafwise_product(vf, control)
 
 
@@ -108,10 +113,10 @@ class MultiTerm(AbstractTerm):
         args = typing.get_args(item)
         return tuple(args) if args else cls
 
-    def vf(self, t, y: PyTree, args: PyTree) -> tuple:
+    def vf(self, t: RealScalarLike, y: PyTree, args: PyTree) -> tuple:
         return tuple(term.vf(t, y, args) for term in self.terms)
 
-    def contr(self, t0, t1, **kwargs) -> tuple:
+    def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> tuple:
         return tuple(term.contr(t0, t1, **kwargs) for term in self.terms)
 
     def prod(self, vf: tuple, control: tuple) -> PyTree:
@@ -134,7 +139,7 @@ def rate_function(term: AbstractTerm) -> Callable[..., PyTree]:
 class _TermRate(eqx.Module):
     term: AbstractTerm
 
-    def __call__(self, t, y, args):
+    def __call__(self, t: RealScalarLike, y: Y, args: Args):
         return self.term.vf_prod(t, y, args, self.term.contr(t, t + 1))
 
 
@@ -147,7 +152,7 @@ def like_state(out: PyTree, y: PyTree) -> PyTree:
     if jtu.tree_structure(out) != y_tree:  # one scalar for the whole state
         out = jtu.tree_unflatten(y_tree, [out] * len(y_leaves))
 
-    def leaf(o, y):
+    def leaf(o, y: Y):
         o = jnp.asarray(o)
         if o.dtype != y.dtype:
             o = o.astype(y.dtype)
@@ -169,24 +174,24 @@ class ClosureTerm(AbstractTerm):
     # Runge-Kutta stages in a loop (the field traced once): for large fields.
     loop_stages: bool = eqx.field(static=True, default=False)
 
-    def to_user(self, tau):
+    def to_user(self, tau: RealScalarLike):
         """User time of internal time `tau` (the map is its own inverse)."""
         return tau if self.direction is None else self.direction * tau
 
-    def vf(self, tau, y: PyTree, args: PyTree) -> PyTree:
+    def vf(self, tau: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
         out = like_state(self.closure(self.to_user(tau), y, args), y)
         if self.direction is None:
             return out
         return jtu.tree_map(lambda o: o * self.direction.astype(o.dtype), out)
 
-    def contr(self, t0, t1, **kwargs) -> Array:
+    def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> Array:
         return jnp.asarray(t1) - jnp.asarray(t0)
 
-    def prod(self, vf: PyTree, control) -> PyTree:
+    def prod(self, vf: PyTree, control: PyTree) -> PyTree:
         return _leafwise_product(vf, control)
 
 
-def total_vf(terms: AbstractTerm, t, y: PyTree, args: PyTree) -> PyTree:
+def total_vf(terms: AbstractTerm, t: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
     """`dy/dt` of converted terms: the sum of a `MultiTerm`'s parts."""
     if not isinstance(terms, MultiTerm):
         return terms.vf(t, y, args)

@@ -113,6 +113,13 @@ def _struct_key(s):
     return (tuple(s.shape), str(s.dtype), bool(getattr(s, "weak_type", False)))
 
 
+def _out_key(s):
+    """`_struct_key` of an output struct leaf; a static leaf is its own key."""
+    if isinstance(s, jax.ShapeDtypeStruct):
+        return _struct_key(s)
+    return ("static", type(s), s)
+
+
 def _flat_call(closed: sk.Closure, *args):
     """`fn(*args)` through the seed invariant: eval_jaxpr on the flat arguments."""
     flat = _eval_jaxpr(closed.jaxpr, closed.consts, *jtu.tree_leaves(args))
@@ -586,21 +593,77 @@ def test_out_struct(example):
             "f32": y * jnp.float32(2),
             "int8": (n * 2, n.astype(jnp.bool_)),
             "vec": w + y,
-            "python": 1.5,
+            "numpy": np.float32(2.5),  # a NumPy scalar is an array: traced
+            "python": 1.5,  # Python scalars are static, as in equinox.filter_jit
         }
 
     closed = sk.closure_convert(fn, example)
-    want = jax.eval_shape(fn, example)
+    want = eqx.filter_eval_shape(fn, example)
     assert jtu.tree_structure(closed.out_struct) == jtu.tree_structure(want)
-    got_keys = [_struct_key(s) for s in jtu.tree_leaves(closed.out_struct)]
-    assert got_keys == [_struct_key(s) for s in jtu.tree_leaves(want)]
-    for s in jtu.tree_leaves(closed.out_struct):
-        assert isinstance(s, jax.ShapeDtypeStruct)
+    got_keys = [_out_key(s) for s in jtu.tree_leaves(closed.out_struct)]
+    assert got_keys == [_out_key(s) for s in jtu.tree_leaves(want)]
+    assert closed.out_struct["python"] == 1.5
     if not isinstance(example, jax.ShapeDtypeStruct):
         actual = jtu.tree_leaves(closed(example))
-        assert [(np.shape(a), _dtype(a)) for a in actual] == [
-            (s.shape, s.dtype) for s in jtu.tree_leaves(closed.out_struct)
-        ]
+        assert [_out_key(eqx.filter_eval_shape(lambda: a)) for a in actual] == got_keys
+
+
+def _assert_same_output(got, want):
+    """Same structure; array leaves equal with equal dtypes, static leaves equal."""
+    assert jtu.tree_structure(got) == jtu.tree_structure(want)
+    for g, w in zip(jtu.tree_leaves(got), jtu.tree_leaves(want)):
+        if eqx.is_array(w):
+            assert eqx.is_array(g) and g.dtype == w.dtype
+            np.testing.assert_allclose(g, w)
+        else:
+            assert type(g) is type(w) and g == w
+
+
+def _tagged(y):
+    return {"tag": "T", "y": y * 2, "n": 3, "none": None, "flag": True}
+
+
+def test_static_outputs():
+    """Non-array output leaves are static, as in `equinox.filter_jit`: they come back
+    unchanged, `out_struct` keeps them, and the jaxpr returns only the array leaves."""
+    y = jnp.arange(3.0)
+    closed = sk.closure_convert(_tagged, y)
+    want = eqx.filter_jit(_tagged)(y)
+    _assert_same_output(closed(y), want)
+    got = closed(y)
+    assert got["tag"] == "T" and got["n"] == 3 and got["flag"] is True
+    assert type(got["n"]) is int and got["none"] is None
+    assert closed.out_struct["tag"] == "T" and closed.out_struct["n"] == 3
+    assert closed.out_struct["y"] == jax.ShapeDtypeStruct((3,), jnp.float32)
+    # The invariant: eval_jaxpr returns the array leaves, static leaves left out.
+    flat = _eval_jaxpr(closed.jaxpr, closed.consts, y)
+    arrays = [x for x in jtu.tree_leaves(want) if eqx.is_array(x)]
+    assert len(flat) == len(arrays) == 1
+    np.testing.assert_allclose(flat[0], arrays[0])
+    # Under jit (the Closure as an argument) and vmap (over y, and over a const).
+    _assert_same_output(eqx.filter_jit(lambda c, y: c(y))(closed, y), want)
+    ys = jnp.stack([y, y + 1])
+    batched = eqx.filter_vmap(lambda c, y: c(y), in_axes=(None, 0))(closed, ys)
+    _assert_same_output(batched, eqx.filter_vmap(_tagged)(ys))
+    w = jnp.arange(6.0).reshape(2, 3)
+
+    def converted(w):
+        closed = sk.closure_convert(lambda y: {"tag": "T", "y": y * w}, y)
+        assert closed.out_struct["tag"] == "T"
+        return closed(y)["y"]
+
+    np.testing.assert_allclose(jax.jit(jax.vmap(converted))(w), w * y[None])
+
+
+def test_static_outputs_are_part_of_identity():
+    """Two programs with equal jaxprs but other static outputs are not equal, so
+    neither takes the other's place in a jit cache."""
+    y = jnp.arange(3.0)
+    first = sk.closure_convert(lambda y: ("T", y * 2), y)
+    second = sk.closure_convert(lambda y: ("U", y * 2), y)
+    assert first.program != second.program
+    call = eqx.filter_jit(lambda c, y: c(y))
+    assert call(first, y)[0] == "T" and call(second, y)[0] == "U"
 
 
 def test_out_struct_under_traces():
@@ -1075,23 +1138,7 @@ def _shard_map_options(checked: bool) -> dict:
     return {"check_vma": False} if "check_vma" in params else {"check_rep": False}
 
 
-@pytest.mark.parametrize(
-    "checked",
-    [
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                _VMA_CHECKS,  # older JAX checks replication instead, and passes
-                strict=True,
-                reason="known limitation: a Closure evaluated inside shard_map with "
-                "check_vma=True fails JAX's varying-axes check (constants made inside "
-                "the jaxpr are not pvary'd); use check_vma=False",
-            ),
-        ),
-        False,
-    ],
-    ids=["checked", "unchecked"],
-)
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
 def test_shard_map(checked):
     """Batched Closures sharded along their consts, and a replicated Closure.
 
@@ -1122,6 +1169,81 @@ def test_shard_map(checked):
         _reference(ths[0], ns[0], keys[0], ys),
         rtol=1e-5,
     )
+
+
+def _many_primitives(th):
+    """A function of `y` closing over `th` through nested jit, custom_jvp, scan,
+    fori_loop, while_loop, cond, checkpoint and literals."""
+
+    def fn(y):
+        y = jax.jit(lambda a: a * th + 1.0)(y)
+        y = jax.nn.softplus(y) + jax.nn.relu(y - 0.5)
+        y = lax.scan(lambda c, x: (c * x + th, c.sum()), y, jnp.full((2, 2, 3), 0.5))[0]
+        y = lax.fori_loop(0, 2, lambda i, c: c * 0.5 + th, y)
+        y = lax.cond(y[0, 0] > 0, lambda a: a * th, lambda a: a + 1.0, y)
+        y = jax.checkpoint(lambda a: jnp.sin(a) * th)(y)
+        count = lax.while_loop(
+            lambda c: c[1] < 3, lambda c: (c[0] + 1, c[1] + 1), (y, 0)
+        )
+        return y + lax.stop_gradient(count[0]) + jnp.arange(3.0)[None]
+
+    return fn
+
+
+@pytest.mark.skipif(not _VMA_CHECKS, reason="this JAX has no varying-axes checks")
+def test_shard_map_checked_primitives():
+    """Inside shard_map(check_vma=True), a Closure whose jaxpr holds nested calls,
+    loops, conds, checkpoints and custom_jvp rules, with a replicated const `th` and
+    a sharded `y`: values and gradients (w.r.t. both) as without shard_map."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    ys = jnp.linspace(-1.0, 1.0, 6 * len(jax.devices())).reshape(-1, 3)  # 2 rows each
+    th = jnp.asarray([[0.5, -1.0, 0.25]])
+
+    def sharded(th, ys):
+        # Each device's block of rows, unbatched: JAX's own vmap of a cond with a
+        # batched predicate fails inside shard_map(check_vma=True) (jax 0.10.2).
+        closed = sk.closure_convert(_many_primitives(th), ys[:2])
+        return _shard_map()(
+            lambda c, y: c(y),
+            mesh=mesh,
+            in_specs=(P(), P("x")),
+            out_specs=P("x"),
+        )(closed, ys)
+
+    def plain(th, ys):
+        blocks = ys.reshape(-1, 2, 3)
+        return jnp.concatenate([_many_primitives(th)(b) for b in blocks])
+
+    loss = lambda f: jax.jit(
+        jax.value_and_grad(lambda t, y: jnp.sum(f(t, y) ** 2), (0, 1))
+    )
+    (got, got_grads), (want, want_grads) = loss(sharded)(th, ys), loss(plain)(th, ys)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not _VMA_CHECKS, reason="this JAX has no varying-axes checks")
+def test_shard_map_checked_converted_inside():
+    """A Closure converted inside shard_map(check_vma=True), whose jaxpr holds JAX's
+    own pvary casts, called with an argument that varies where the example did not
+    (as a solver's time does, once it is carried with varying values)."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    ys = jnp.arange(6.0 * len(jax.devices())).reshape(-1, 3)
+    th = jnp.asarray([[0.5, -1.0, 0.25]])
+
+    def block(th, y):
+        # Closing over the varying `y`, the jaxpr casts the invariant `t * th`.
+        closed = sk.closure_convert(lambda t: t * th + y, jnp.float32(0.0))
+        assert "pvary" in str(closed.jaxpr)
+        return closed(y[0, 0])  # t now varies over "x"
+
+    got = jax.jit(
+        _shard_map()(block, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"))
+    )(th, ys)
+    blocks = np.asarray(ys).reshape(len(jax.devices()), -1, 3)
+    want = np.concatenate([b[0, 0] * np.asarray(th) + b for b in blocks])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 # --- Cost of conversion and identity of converted programs -------------------------

@@ -11,11 +11,19 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = ["quickstart", "fit_lotka_volterra", "neural_ode", "ensemble"]
+EXAMPLES = [
+    "quickstart",
+    "fit_lotka_volterra",
+    "neural_ode",
+    "ensemble",
+    "forced_system",
+    "multi_process",  # launches two JAX processes (jax.distributed, gloo on CPU)
+]
 DOCS = "docs"
 TIMEOUT = 600  # seconds per job; each takes well under a minute on an idle machine
 
@@ -93,6 +101,21 @@ def test_example(job: str, jobs) -> None:
     assert code == 0, f"examples/{job}.py --quick exited with {code}:\n{output}"
     png = jobs[job].out / f"{job}.png"
     assert png.is_file() and png.stat().st_size > 0, f"no {png.name}:\n{output}"
+
+
+@pytest.mark.parametrize("job", ["multi_process"])
+def test_multi_process_result(job: str, jobs) -> None:
+    """The two processes' gathered ensemble equals a single-process solve, and each
+    process solved its own half."""
+    code, output = jobs[job].wait()
+    assert code == 0, f"examples/{job}.py --quick exited with {code}:\n{output}"
+    with np.load(jobs[job].out / "multi_process.npz") as result:
+        np.testing.assert_allclose(
+            result["multi"], result["single"], rtol=1e-5, atol=1e-5
+        )
+        size = result["rhos"].shape[0]
+    assert f"process 0: solved rows from [0] of {size}" in output, output
+    assert f"process 1: solved rows from [{size // 2}] of {size}" in output, output
 
 
 @pytest.mark.parametrize("job", [DOCS])

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from .._solution import RESULTS
 from .._term import AbstractTerm
 
 
-def axpy(y, h, terms):
+def axpy(y: Y, h, terms: AbstractTerm):
     """`y + h * Σ c_i k_i` leafwise, for `terms = [(c_i, k_i), ...]` (zeros skipped).
 
     The time step `h` is cast to each leaf's dtype, so float32 states stay float32
@@ -51,10 +52,10 @@ class AbstractSolver(eqx.Module):
     interpolation_cls: ClassVar[Callable[..., Any] | None] = None
 
     @abc.abstractmethod
-    def order(self, terms) -> int:
+    def order(self, terms: AbstractTerm) -> int:
         """Order of the solver for ODEs."""
 
-    def error_order(self, terms) -> float | None:
+    def error_order(self, terms: AbstractTerm) -> float | None:
         """Local order of the error estimate used by adaptive step sizes (diffrax's
         default: the solver's order)."""
         return self.order(terms)
@@ -66,17 +67,35 @@ class AbstractSolver(eqx.Module):
         del stepsize_controller
         return self
 
-    def func(self, terms, t0, y0, args) -> PyTree:
+    def func(
+        self, terms: AbstractTerm, t0: RealScalarLike, y0: Y, args: Args
+    ) -> PyTree:
         """The vector field at `(t0, y0)`."""
         return terms.vf(t0, y0, args)
 
-    def init(self, terms, t0, t1, y0, args) -> PyTree:
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+    ) -> PyTree:
         """Initial solver state (default: none)."""
         del terms, t0, t1, y0, args
         return None
 
     @abc.abstractmethod
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+    def step(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+        solver_state: PyTree,
+        made_jump: BoolScalarLike,
+    ):
         """One step from `t0` to `t1`.
 
         **Returns:**
@@ -85,7 +104,13 @@ class AbstractSolver(eqx.Module):
         solver without an error estimate.
         """
 
-    def interpolate(self, dense_info, t0, t1, t) -> PyTree:
+    def interpolate(
+        self,
+        dense_info: DenseInfo,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        t: RealScalarLike,
+    ) -> PyTree:
         """Evaluate the dense output of one step `[t0, t1]` at `t`."""
         if self.interpolation_cls is None:
             raise NotImplementedError(

@@ -1,8 +1,11 @@
 """`LeapfrogMidpoint`: the explicit two-step midpoint (leapfrog) method."""
 
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
+from .._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from .._local_interpolation import LocalLinearInterpolation
+from .._term import AbstractTerm
 from ._base import AbstractSolver, successful
 
 
@@ -14,17 +17,33 @@ class LeapfrogMidpoint(AbstractSolver):
 
     interpolation_cls = LocalLinearInterpolation
 
-    def order(self, terms) -> int:
+    def order(self, terms: AbstractTerm) -> int:
         return 2
 
-    def error_order(self, terms) -> None:
+    def error_order(self, terms: AbstractTerm) -> None:
         return None
 
-    def init(self, terms, t0, t1, y0, args):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+    ):
         del terms, t1, args
         return t0, y0
 
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+    def step(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+        solver_state: PyTree,
+        made_jump: BoolScalarLike = False,
+    ):
         del made_jump
         t_prev, y_prev = solver_state
         f0 = terms.vf(t0, y0, args)

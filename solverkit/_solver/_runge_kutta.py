@@ -7,12 +7,15 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jaxtyping import PyTree
 
+from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from .._local_interpolation import (
     LocalLinearInterpolation,
     step_fraction,
     ThirdOrderHermitePolynomialInterpolation,
 )
+from .._term import AbstractTerm
 from ._base import AbstractAdaptiveSolver, AbstractSolver, axpy, successful
 from ._tableau import (
     BOSH3,
@@ -47,20 +50,36 @@ class AbstractRungeKutta(AbstractSolver):
                 f"`scan_kind` must be one of {_SCAN_KINDS}, got {self.scan_kind!r}."
             )
 
-    def order(self, terms) -> int:
+    def order(self, terms: AbstractTerm) -> int:
         return self.tableau.order
 
-    def error_order(self, terms) -> float | None:
+    def error_order(self, terms: AbstractTerm) -> float | None:
         if self.tableau.embedded_order is None:
             return None
         return min(self.tableau.order, self.tableau.embedded_order) + 1
 
-    def init(self, terms, t0, t1, y0, args):
+    def init(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+    ):
         """The vector field at `(t0, y0)`: the first stage of the first step."""
         del t1
         return terms.vf(t0, y0, args)
 
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+    def step(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+        solver_state: PyTree,
+        made_jump: BoolScalarLike = False,
+    ):
         del made_jump
         tab = self.tableau
         h = t1 - t0
@@ -87,14 +106,20 @@ class AbstractRungeKutta(AbstractSolver):
             y_error = axpy(zero, h, list(zip(tab.b_err, ks)))
         return y1, y_error, self._dense_info(y0, y1, ks, f1), f1, successful
 
-    def _dense_info(self, y0, y1, ks, f1) -> dict:
+    def _dense_info(self, y0: Y, y1: Y, ks, f1) -> dict:
         if self.tableau.order == 1:  # linear between the steps, as diffrax
             return dict(y0=y0, y1=y1)
         if self.tableau.dense is None:
             return dict(y0=y0, y1=y1, f0=ks[0], f1=f1)
         return dict(y0=y0, y1=y1, k=tuple(ks))
 
-    def interpolate(self, dense_info, t0, t1, t):
+    def interpolate(
+        self,
+        dense_info: DenseInfo,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        t: RealScalarLike,
+    ):
         if "k" not in dense_info:
             cls = (
                 ThirdOrderHermitePolynomialInterpolation
@@ -107,7 +132,7 @@ class AbstractRungeKutta(AbstractSolver):
         dense = self.tableau.dense
         powers = np.arange(1, dense.shape[1] + 1)
 
-        def leaf(y0, *ks):
+        def leaf(y0: Y, *ks):
             th = jnp.asarray(theta, dtype=y0.dtype)
             weights = jnp.asarray(dense, dtype=y0.dtype) @ th ** powers.astype(
                 y0.real.dtype
@@ -125,7 +150,9 @@ class AbstractERK(AbstractRungeKutta, AbstractAdaptiveSolver):
     """An explicit Runge-Kutta method with an embedded error estimate."""
 
 
-def _stages_in_a_loop(tab, terms, t0, h, y0, args, f0) -> list:
+def _stages_in_a_loop(
+    tab, terms: AbstractTerm, t0: RealScalarLike, h, y0: Y, args: Args, f0
+) -> list:
     """The stages `k_0 ... k_{s-1}` computed by a `fori_loop` over stages, so that the
     vector field is traced and compiled once rather than once per stage. Slower to
     run for a cheap vector field, faster to compile for a large one (used for the
@@ -135,7 +162,7 @@ def _stages_in_a_loop(tab, terms, t0, h, y0, args, f0) -> list:
     c = np.asarray(tab.c)
 
     def body(i, stacked):
-        def leaf(y, k):
+        def leaf(y: Y, k):
             coeffs = jnp.asarray(a, y.dtype)[i]
             return y + jnp.asarray(h, y.dtype) * jnp.tensordot(coeffs, k, axes=1)
 
