@@ -1,4 +1,5 @@
-"""Shared test helpers: the list of solvers, `tree_allclose`, float64, compile counting.
+"""Shared test helpers: the list of solvers, `tree_allclose`, float64, test problems
+(the rotation and its solve), compile counting.
 
 Import from test files as `from helpers import ...` (pytest puts `tests/` on the path,
 as it has no `__init__.py`).
@@ -33,7 +34,9 @@ ALL_SOLVERS = [
 ]
 ADAPTIVE_SOLVERS = [cls for cls, _, adaptive in ALL_SOLVERS if adaptive]
 # The explicit Runge-Kutta methods (one tableau each).
-RK_SOLVERS = [cls for cls, _, _ in ALL_SOLVERS if issubclass(cls, sk.AbstractRungeKutta)]
+RK_SOLVERS = [
+    cls for cls, _, _ in ALL_SOLVERS if issubclass(cls, sk.AbstractRungeKutta)
+]
 # Solvers with their own dense output (the rest use cubic Hermite interpolation).
 DENSE_SOLVERS = [sk.Tsit5, sk.Dopri5, sk.Dopri8]
 
@@ -62,18 +65,66 @@ def assert_tree_allclose(x, y, *, rtol: float = 1e-5, atol: float = 1e-8) -> Non
         )
 
 
-@pytest.fixture
-def x64():
-    """Run the test with 64-bit JAX types (`jax.enable_x64`)."""
-    with jax.enable_x64(True):
-        yield
-
-
 @contextlib.contextmanager
 def float64() -> Iterator[None]:
-    """Context manager: 64-bit JAX types inside."""
+    """Context manager: 64-bit JAX types inside (`jax.enable_x64`)."""
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture
+def x64():
+    """Fixture: the test runs inside `float64()`.
+
+    Import it into a test file (`from helpers import x64`) and use it as
+    `pytestmark = pytest.mark.usefixtures("x64")` (whole file) or
+    `@pytest.mark.usefixtures("x64")` (one test).
+    """
+    with float64():
+        yield
+
+
+# --- Test problems ------------------------------------------------------------------
+
+# y' = cos(t) A y with A = [[-0.2, 1], [-1, -0.2]]: non-autonomous (so every stage's
+# node c_i matters), linear, and exactly y(t) = expm(sin(t) A) y0.
+LINEAR_A = np.array([[-0.2, 1.0], [-1.0, -0.2]])
+
+
+def linear_vf(t, y, args):
+    return jnp.cos(t) * (jnp.asarray(LINEAR_A) @ y)
+
+
+# y'' = -y as a first-order system: y(t) = (cos t, -sin t) from (1, 0).
+def rotation(t, y, args):
+    return jnp.stack([y[1], -y[0]])
+
+
+def rotation_exact(t):
+    """The rotation's exact solution from (1, 0): shape `t.shape + (2,)`."""
+    t = np.asarray(t)
+    return np.stack([np.cos(t), -np.sin(t)], axis=-1)
+
+
+ROTATION_Y0 = np.array([1.0, 0.0])  # a NumPy array: made a JAX one at each solve
+ROTATION_PID = sk.PIDController(rtol=1e-9, atol=1e-9)
+
+
+def solve_rotation(saveat, t0=0.0, t1=3.0, dt0=0.1, solver=sk.Tsit5(), **kwargs):
+    """The rotation from (1, 0) at `t0`, by Tsit5 under a tight PID controller
+    (override with `kwargs`), at most 512 steps."""
+    kwargs.setdefault("stepsize_controller", ROTATION_PID)
+    kwargs.setdefault("max_steps", 512)
+    return sk.diffeqsolve(
+        sk.ODETerm(rotation),
+        solver,
+        t0,
+        t1,
+        dt0,
+        jnp.asarray(ROTATION_Y0),
+        saveat=saveat,
+        **kwargs,
+    )
 
 
 # --- Counting XLA compilations -------------------------------------------------------

@@ -10,15 +10,17 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, count_compiles, finite_difference, float64
+from helpers import (
+    assert_tree_allclose,
+    count_compiles,
+    finite_difference,
+    x64,  # noqa: F401 (a fixture)
+)
 
 import solverkit as sk
 
 
-@pytest.fixture(autouse=True)
-def _x64():
-    with float64():
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 RCA = sk.RecursiveCheckpointAdjoint()

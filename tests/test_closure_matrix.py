@@ -36,15 +36,12 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 import scipy.integrate
-from helpers import count_compiles, float64
+from helpers import count_compiles, x64  # noqa: F401 (x64 is a fixture)
 
 import solverkit as sk
 
 
-@pytest.fixture(autouse=True)
-def _x64():
-    with float64():
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 # --- The solve ------------------------------------------------------------------------

@@ -6,15 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import float64
+from helpers import x64  # noqa: F401 (a fixture)
 
 import solverkit as sk
 
 
-@pytest.fixture(autouse=True)
-def _x64():
-    with float64():
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 def _decay(t, y, args):

@@ -1,6 +1,6 @@
 """`diffeqsolve` against references: convergence orders, DETEST problems against scipy
-and diffrax, backwards solves, pytree / complex / integer states, step-size controllers,
-`jit` / `vmap`, and no recompilation on a second call."""
+and diffrax, backwards solves, pytree / complex / integer states, `jit` / `vmap`, and
+no recompilation on a second call. (Step-size controllers: test_controllers.py.)"""
 
 import functools
 
@@ -13,32 +13,26 @@ import scipy.integrate
 from helpers import (
     ADAPTIVE_SOLVERS,
     ALL_SOLVERS,
-    RK_SOLVERS,
     assert_tree_allclose,
     count_compiles,
-    float64,
+    LINEAR_A,
+    linear_vf,
+    RK_SOLVERS,
+    rotation,
+    rotation_exact,
+    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk
 
 
-@pytest.fixture(autouse=True)
-def _x64():
-    with float64():
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 # --- Convergence order --------------------------------------------------------------
 
-# y' = cos(t) A y with A = [[-0.2, 1], [-1, -0.2]]: non-autonomous (so every stage's
-# node c_i matters), linear, and exactly y(t) = expm(sin(t) A) y0.
-_A = np.array([[-0.2, 1.0], [-1.0, -0.2]])
 
-
-def _linear_vf(t, y, args):
-    return jnp.cos(t) * (jnp.asarray(_A) @ y)
-
-
+# y' = cos(t) A y (helpers.linear_vf) is exactly y(t) = expm(sin(t) A) y0.
 def _linear_exact(t, y0):
     s = np.sin(t)
     rot = np.array([[np.cos(s), np.sin(s)], [-np.sin(s), np.cos(s)]])
@@ -59,7 +53,7 @@ def test_convergence_order(solver_cls, order, _):
 
     def final(dt):
         sol = sk.diffeqsolve(
-            sk.ODETerm(_linear_vf), solver_cls(), 0.0, t1, dt, y0, max_steps=512
+            sk.ODETerm(linear_vf), solver_cls(), 0.0, t1, dt, y0, max_steps=512
         )
         return sol.ys[-1]
 
@@ -211,18 +205,10 @@ def test_detest_against_diffrax(name, solver, tol):
 # --- Backwards in time ----------------------------------------------------------------
 
 
-def _rotation(t, y, args):
-    return jnp.stack([y[1], -y[0]])
-
-
-def _rotation_exact(t):
-    return np.array([np.cos(t), -np.sin(t)])
-
-
 def test_backwards_against_analytic():
     ts = jnp.array([0.0, -0.5, -2.0])
     sol = sk.diffeqsolve(
-        sk.ODETerm(_rotation),
+        sk.ODETerm(rotation),
         sk.Tsit5(),
         0.0,
         -2.0,
@@ -232,7 +218,7 @@ def test_backwards_against_analytic():
         stepsize_controller=sk.PIDController(rtol=1e-9, atol=1e-9),
     )
     np.testing.assert_allclose(sol.ts, [0.0, 0.0, -0.5, -2.0, -2.0])
-    expected = np.stack([_rotation_exact(t) for t in np.asarray(sol.ts)])
+    expected = np.stack([rotation_exact(t) for t in np.asarray(sol.ts)])
     np.testing.assert_allclose(sol.ys, expected, atol=1e-7)
     assert float(sol.t0) == 0.0 and float(sol.t1) == -2.0
     assert sol.result == sk.RESULTS.successful
@@ -339,7 +325,7 @@ def test_float32_state():
     kw = dict(stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5))
     with jax.enable_x64(False):
         sol = sk.diffeqsolve(
-            sk.ODETerm(_rotation), sk.Tsit5(), 0.0, 1.0, 0.1, jnp.ones(2), **kw
+            sk.ODETerm(rotation), sk.Tsit5(), 0.0, 1.0, 0.1, jnp.ones(2), **kw
         )
     assert sol.ys.dtype == jnp.float32
     np.testing.assert_allclose(
@@ -352,7 +338,7 @@ def test_float32_state_under_x64():
     # float64; keeping float32 would be fine too.
     y0 = jnp.ones(2, jnp.float32)
     sol = sk.diffeqsolve(
-        sk.ODETerm(_rotation),
+        sk.ODETerm(rotation),
         sk.Tsit5(),
         0.0,
         1.0,
@@ -383,215 +369,6 @@ def test_t0_equals_t1():
     assert int(sol.stats["num_steps"]) == 0
     assert sol.result == sk.RESULTS.successful
     np.testing.assert_allclose(sol.evaluate(1.0), y0)
-
-
-# --- Step-size controllers ----------------------------------------------------------
-
-
-def test_constant_steps_do_not_accumulate_rounding():
-    # 0.01 is not a float32 number: summing it 4000 times overshoots or undershoots
-    # 40 and leaves a sliver of a step; step ends are fractions of the interval.
-    def solve(t1, dt0):
-        return sk.diffeqsolve(
-            sk.ODETerm(lambda t, y, args: -y),
-            sk.Euler(),
-            0.0,
-            t1,
-            dt0,
-            jnp.float32(1.0),
-            saveat=sk.SaveAt(steps=True),
-            max_steps=4096,
-        )
-
-    sol = solve(40.0, 0.01)
-    assert int(sol.stats["num_steps"]) == 4000
-    assert float(sol.ts[3999]) == 40.0
-    # A step that doesn't divide the interval: ceil((t1 - t0) / dt0) steps, as diffrax.
-    sol = solve(1.0, 0.3)
-    assert int(sol.stats["num_steps"]) == 4
-    assert float(sol.ts[3]) == 1.0
-
-
-def test_constant_steps_under_vmap_report_nonfinite_per_element():
-    # A non-finite value doesn't stop a fixed-step solve (it runs on to t1, as in
-    # diffrax) but is reported in `result`, per batch element.
-    def solve(rate):
-        sol = sk.diffeqsolve(
-            sk.ODETerm(lambda t, y, args: jnp.where(t > 0.5, rate, 1.0) * -y),
-            sk.Heun(),
-            0.0,
-            1.0,
-            0.1,
-            jnp.ones(2),
-            throw=False,
-        )
-        return sol.ys[-1], sol.result.code, sol.stats["num_steps"]
-
-    ys, results, steps = jax.jit(jax.vmap(solve))(jnp.array([1.0, jnp.nan, 2.0]))
-    codes = [int(sk.RESULTS.successful.code), int(sk.RESULTS.nonfinite.code)]
-    assert results.tolist() == [codes[0], codes[1], codes[0]]
-    assert steps.tolist() == [10, 10, 10]
-    np.testing.assert_allclose(ys[0], np.exp(-1.0) * np.ones(2), rtol=1e-2)
-    assert np.all(np.isnan(ys[1]))
-
-
-def test_step_to_is_euler_on_the_grid():
-    grid = np.array([0.0, 0.1, 0.15, 0.4, 0.45, 1.0])
-    sol = sk.diffeqsolve(
-        sk.ODETerm(_linear_vf),
-        sk.Euler(),
-        0.0,
-        1.0,
-        None,
-        jnp.array([1.0, 0.5]),
-        saveat=sk.SaveAt(steps=True),
-        stepsize_controller=sk.StepTo(grid),
-        max_steps=8,
-    )
-    y = np.array([1.0, 0.5])
-    expected = []
-    for a, b in zip(grid[:-1], grid[1:]):
-        y = y + (b - a) * np.cos(a) * (_A @ y)
-        expected.append(y)
-    np.testing.assert_allclose(sol.ts[:5], grid[1:])
-    assert np.all(np.isinf(np.asarray(sol.ts[5:])))
-    np.testing.assert_allclose(sol.ys[:5], np.stack(expected), rtol=1e-12)
-    assert int(sol.stats["num_steps"]) == 5
-
-
-def test_step_to_backwards():
-    grid = np.array([1.0, 0.7, 0.2, -0.5])
-    sol = sk.diffeqsolve(
-        sk.ODETerm(_rotation),
-        sk.Dopri8(),
-        1.0,
-        -0.5,
-        None,
-        jnp.asarray(_rotation_exact(1.0)),
-        saveat=sk.SaveAt(steps=True),
-        stepsize_controller=sk.StepTo(grid),
-        max_steps=3,
-    )
-    np.testing.assert_allclose(sol.ts, grid[1:])
-    expected = np.stack([_rotation_exact(t) for t in grid[1:]])
-    np.testing.assert_allclose(sol.ys, expected, atol=1e-6)
-
-
-def _pid_steps(controller, dt0=0.01, solver=sk.Tsit5(), t1=10.0):
-    return sk.diffeqsolve(
-        sk.ODETerm(_b1_vf),
-        solver,
-        0.0,
-        t1,
-        dt0,
-        jnp.array([1.0, 3.0]),
-        saveat=sk.SaveAt(steps=True),
-        stepsize_controller=controller,
-        max_steps=1024,
-        throw=False,
-    )
-
-
-def _b1_vf(t, y, args):
-    return _b1(t, y, args, jnp)
-
-
-def _accepted_steps(sol):
-    ts = np.asarray(sol.ts)
-    ts = np.concatenate([[0.0], ts[np.isfinite(ts)]])
-    return np.diff(ts)
-
-
-def _hairer_wanner_dt0(f, y0, rtol, atol, order):
-    """The initial step of Hairer, Norsett & Wanner (1993), II.4, in NumPy."""
-    rms = lambda x: np.sqrt(np.mean(np.abs(x) ** 2))
-    scale = atol + np.abs(y0) * rtol
-    f0 = f(0.0, y0)
-    d0, d1 = rms(y0 / scale), rms(f0 / scale)
-    h0 = 1e-6 if min(d0, d1) < 1e-5 else 0.01 * d0 / d1
-    d2 = rms((f(h0, y0 + h0 * f0) - f0) / scale) / h0
-    h1 = (0.01 / max(d1, d2)) ** (1 / order)
-    return min(100 * h0, h1)
-
-
-def test_dt0_none():
-    ours = _pid_steps(sk.PIDController(rtol=1e-6, atol=1e-6), dt0=None)
-    y0 = np.array([1.0, 3.0])
-    dt0 = _hairer_wanner_dt0(
-        lambda t, y: _b1(t, y, None, np), y0, 1e-6, 1e-6, sk.Tsit5().error_order(None)
-    )
-    # The first attempted step is the Hairer-Wanner estimate; if it is accepted it is
-    # the first saved step.
-    assert ours.result == sk.RESULTS.successful
-    first = _accepted_steps(ours)[0]
-    assert first == pytest.approx(dt0, rel=1e-9) or first < dt0
-    # And the solve agrees with one from a given dt0.
-    given = _pid_steps(sk.PIDController(rtol=1e-6, atol=1e-6), dt0=dt0)
-    np.testing.assert_allclose(ours.ys, given.ys, rtol=1e-12)
-
-
-def test_pid_dtmax():
-    sol = _pid_steps(sk.PIDController(rtol=1e-4, atol=1e-4, dtmax=0.05))
-    steps = _accepted_steps(sol)
-    assert sol.result == sk.RESULTS.successful
-    assert np.all(steps <= 0.05 + 1e-12)
-    assert len(steps) >= 200  # 10 / 0.05
-
-
-def test_pid_dtmin_forced():
-    # Tolerances so tight that the controller wants far smaller steps than dtmin.
-    sol = _pid_steps(
-        sk.PIDController(rtol=1e-13, atol=1e-13, dtmin=0.05, force_dtmin=True), t1=1.0
-    )
-    steps = _accepted_steps(sol)
-    assert sol.result == sk.RESULTS.successful
-    assert np.all(steps[:-1] >= 0.05 - 1e-12)
-    assert len(steps) <= 21
-    assert int(sol.stats["num_rejected_steps"]) <= 1
-
-
-def test_pid_dtmin_not_forced():
-    sol = _pid_steps(
-        sk.PIDController(rtol=1e-13, atol=1e-13, dtmin=0.05, force_dtmin=False), t1=1.0
-    )
-    assert sol.result == sk.RESULTS.dt_min_reached
-
-
-def test_pid_coefficients_match_diffrax():
-    coeffs = dict(pcoeff=0.2, icoeff=0.4, dcoeff=0.1)
-    ours = _pid_steps(sk.PIDController(rtol=1e-6, atol=1e-6, **coeffs))
-    theirs = diffrax.diffeqsolve(
-        diffrax.ODETerm(_b1_vf),
-        diffrax.Tsit5(),
-        0.0,
-        10.0,
-        0.01,
-        jnp.array([1.0, 3.0]),
-        saveat=diffrax.SaveAt(t1=True),
-        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-6, **coeffs),
-        max_steps=1024,
-    )
-    assert ours.result == sk.RESULTS.successful
-    y1 = np.asarray(ours.ys)[int(ours.stats["num_accepted_steps"]) - 1]
-    np.testing.assert_allclose(y1, theirs.ys[-1], rtol=1e-6)
-    n, m = int(ours.stats["num_steps"]), int(theirs.stats["num_steps"])
-    assert abs(n - m) <= max(1, 0.02 * m), (n, m)
-    r, s = (
-        int(ours.stats["num_rejected_steps"]),
-        int(theirs.stats["num_rejected_steps"]),
-    )
-    assert abs(r - s) <= max(1, 0.1 * s), (r, s)
-
-
-def test_pid_factormax_and_safety():
-    # A first step far too small: growth is limited by factormax per step.
-    sol = _pid_steps(
-        sk.PIDController(rtol=1e-3, atol=1e-3, factormax=2.0), dt0=1e-6, t1=1.0
-    )
-    steps = _accepted_steps(sol)
-    ratios = steps[1:-1] / steps[:-2]
-    assert np.all(ratios <= 2.0 + 1e-9)
-    assert np.any(ratios > 1.9)
 
 
 # --- jit, vmap, and no recompilation ------------------------------------------------
@@ -724,7 +501,7 @@ def test_stages_in_a_loop_match_unrolled(solver_cls):
     from solverkit._term import ClosureTerm
 
     y0 = {"a": jnp.array([1.0, 0.5]), "b": jnp.asarray(0.3)}
-    vf = lambda t, y, args: {"a": jnp.cos(t) * (_A @ y["a"]), "b": -y["b"] * t}
+    vf = lambda t, y, args: {"a": jnp.cos(t) * (LINEAR_A @ y["a"]), "b": -y["b"] * t}
     t0, t1 = jnp.asarray(0.1), jnp.asarray(0.3)
     closure = sk.closure_convert(vf, t0, y0, None)
     solver = solver_cls()

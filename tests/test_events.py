@@ -1,0 +1,386 @@
+"""Events: boolean and real-valued conditions, root finding, directions, pytrees of
+conditions, under jit / vmap / grad; `steady_state_event`; diffrax's deprecated
+`discrete_terminating_event`. Checked against analytic event times and diffrax."""
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optimistix as optx
+import pytest
+from helpers import (
+    assert_tree_allclose,
+    rotation_exact,
+    solve_rotation,
+    x64,  # noqa: F401 (a fixture)
+)
+
+import solverkit as sk
+
+
+_NEG = sk.ODETerm(lambda t, y, args: -y)
+
+
+# --- Against analytic event times (float64) -----------------------------------------
+
+# y' = -theta * y from y0: y falls through the level 0.3 at t* = log(y0 / 0.3) / theta.
+
+
+def _decay(t, y, theta):
+    return -theta * y
+
+
+def _t_star(y0, theta):
+    return np.log(y0 / 0.3) / theta
+
+
+def _event_solve(y0, theta, cond_fn, direction=None, root_finder=None, **kw):
+    kw.setdefault("stepsize_controller", sk.PIDController(rtol=1e-8, atol=1e-8))
+    return sk.diffeqsolve(
+        sk.ODETerm(_decay),
+        sk.Tsit5(),
+        0.0,
+        10.0,
+        0.1,
+        y0,
+        theta,
+        event=sk.Event(cond_fn, root_finder=root_finder, direction=direction),
+        max_steps=256,
+        **kw,
+    )
+
+
+def _real_cond(t, y, theta):
+    return y - 0.3
+
+
+def _bool_cond(t, y, theta):
+    return y < 0.3
+
+
+@pytest.mark.usefixtures("x64")
+def test_boolean_event_stops_after_the_crossing_step():
+    sol = _event_solve(jnp.asarray(1.0), jnp.asarray(2.0), _bool_cond)
+    t_star = _t_star(1.0, 2.0)
+    assert sol.result == sk.RESULTS.event_occurred
+    assert sk.is_okay(sol.result) and sk.is_event(sol.result)
+    assert bool(sol.event_mask)
+    t1 = float(sol.t1)
+    # Ends at the end of the first step whose end satisfies the condition.
+    assert t_star <= t1 < t_star + 0.5
+    np.testing.assert_allclose(sol.ts, [t1])
+    np.testing.assert_allclose(sol.ys[0], np.exp(-2.0 * t1), rtol=1e-6)
+    assert float(sol.ys[0]) < 0.3
+
+
+@jax.jit
+def _event_t1_and_y(y0, theta):
+    sol = _event_solve(y0, theta, _real_cond)
+    return sol.t1, sol.ys[0], sol.result.code
+
+
+@pytest.mark.usefixtures("x64")
+def test_real_event_located_exactly():
+    t1, y1, result = _event_t1_and_y(jnp.asarray(1.0), jnp.asarray(2.0))
+    assert int(result) == int(sk.RESULTS.event_occurred.code)
+    np.testing.assert_allclose(float(t1), _t_star(1.0, 2.0), rtol=1e-7)
+    np.testing.assert_allclose(float(y1), 0.3, rtol=1e-7)
+
+
+@pytest.mark.usefixtures("x64")
+def test_real_event_with_optimistix_root_finder():
+    sol = _event_solve(
+        jnp.asarray(1.0),
+        jnp.asarray(2.0),
+        _real_cond,
+        root_finder=optx.Newton(rtol=1e-10, atol=1e-10),
+    )
+    np.testing.assert_allclose(float(sol.t1), _t_star(1.0, 2.0), rtol=1e-7)
+
+
+@pytest.mark.usefixtures("x64")
+def test_event_direction():
+    # y[0] = cos t crosses zero downwards at pi/2 and upwards at 3 pi/2. (Either
+    # direction, the default, is tested with the other events.)
+    def cond(t, y, args):
+        return y[0]
+
+    kw = dict(t1=6.0, saveat=sk.SaveAt(t1=True))
+    down = solve_rotation(event=sk.Event(cond, direction=False), **kw)
+    up = solve_rotation(event=sk.Event(cond, direction=True), **kw)
+    np.testing.assert_allclose(float(down.t1), np.pi / 2, rtol=1e-8)
+    np.testing.assert_allclose(float(up.t1), 3 * np.pi / 2, rtol=1e-8)
+    np.testing.assert_allclose(up.ys[0], rotation_exact(3 * np.pi / 2), atol=1e-8)
+
+
+@pytest.mark.usefixtures("x64")
+def test_event_pytree_of_conditions():
+    # "late" (real) fires at t = 2.0, "early" (bool) once t >= 1.0 after a step.
+    conds = {
+        "late": lambda t, y, args: t - 2.0,
+        "early": (lambda t, y, args: t >= 1.0,),
+    }
+    sol = solve_rotation(sk.SaveAt(t1=True), event=sk.Event(conds), dt0=0.25)
+    assert sol.result == sk.RESULTS.event_occurred
+    assert jax.tree_util.tree_structure(sol.event_mask) == (
+        jax.tree_util.tree_structure(conds)
+    )
+    assert not bool(sol.event_mask["late"]) and bool(sol.event_mask["early"][0])
+    t1 = float(sol.t1)
+    assert 1.0 <= t1 < 2.0
+    # Only the real-valued condition fires first when the boolean one is later.
+    conds = {"late": lambda t, y, args: t >= 2.5, "early": lambda t, y, args: t - 1.3}
+    sol = solve_rotation(sk.SaveAt(t1=True), event=sk.Event(conds), dt0=0.25)
+    assert bool(sol.event_mask["early"]) and not bool(sol.event_mask["late"])
+    np.testing.assert_allclose(float(sol.t1), 1.3, rtol=1e-10)
+    np.testing.assert_allclose(sol.ys[0], rotation_exact(1.3), atol=1e-8)
+
+
+@pytest.mark.usefixtures("x64")
+def test_event_that_never_fires():
+    t1, y1, result = _event_t1_and_y(jnp.asarray(0.2), jnp.asarray(2.0))
+    assert int(result) == int(sk.RESULTS.successful.code)
+    assert float(t1) == 10.0
+    np.testing.assert_allclose(float(y1), 0.2 * np.exp(-20.0), atol=1e-7)
+
+
+@pytest.mark.usefixtures("x64")
+def test_event_under_vmap():
+    y0 = jnp.array([1.0, 2.0, 0.2])
+    theta = jnp.array([2.0, 0.5, 1.0])
+    t1, _, result = jax.vmap(_event_t1_and_y)(y0, theta)
+    expected = [_t_star(1.0, 2.0), _t_star(2.0, 0.5), 10.0]
+    np.testing.assert_allclose(t1, expected, rtol=1e-7)
+    event, ok = sk.RESULTS.event_occurred.code, sk.RESULTS.successful.code
+    np.testing.assert_array_equal(np.asarray(result), [event, event, ok])
+
+
+@pytest.mark.usefixtures("x64")
+def test_event_time_gradient():
+    # t* = log(y0 / 0.3) / theta: dt*/dy0 = 1 / (theta y0), dt*/dtheta = -t* / theta.
+    # y(t*) = 0.3 whatever y0 and theta, so adding it must not change the gradient.
+    def loss(y0, theta):
+        t1, y1, _ = _event_t1_and_y(y0, theta)
+        return t1 + 10 * y1
+
+    y0, theta = 1.5, 0.8
+    g_y0, g_theta = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+        jnp.asarray(y0), jnp.asarray(theta)
+    )
+    t_star = _t_star(y0, theta)
+    np.testing.assert_allclose(g_y0, 1 / (theta * y0), rtol=1e-5)
+    np.testing.assert_allclose(g_theta, -t_star / theta, rtol=1e-5)
+    # And against central finite differences of the (located) event time.
+    eps = 1e-5
+    plus = loss(jnp.asarray(y0), jnp.asarray(theta + eps))
+    minus = loss(jnp.asarray(y0), jnp.asarray(theta - eps))
+    np.testing.assert_allclose(g_theta, (plus - minus) / (2 * eps), rtol=1e-4)
+
+
+@pytest.mark.usefixtures("x64")
+def test_boolean_event_true_at_t0_ends_before_any_step():
+    # As in diffrax: a boolean condition that holds at t0 ends the solve there, with
+    # no step, and a real-valued condition beside it does not move the end point.
+    def solve(lib, c):
+        event = lib.Event(
+            {
+                "bool": lambda t, y, args, **kw: y[1] < c,
+                "real": lambda t, y, args, **kw: y[0] - 3.0,
+            }
+        )
+        sol = lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: jnp.ones(2)),
+            lib.Tsit5(),
+            0.0,
+            10.0,
+            1.0,
+            jnp.array([1.0, -0.1]),
+            event=event,
+            saveat=lib.SaveAt(t0=True, t1=True, ts=jnp.array([0.5, 2.0])),
+        )
+        return sol.ts, sol.ys, sol.event_mask, sol.stats["num_steps"]
+
+    ours = jax.jit(lambda c: solve(sk, c))(0.0)
+    assert_tree_allclose(ours, solve(diffrax, 0.0), rtol=1e-12)
+    # With c = -1 the boolean never holds and the real event ends the solve at
+    # t = 2 (diffrax, without a root finder, would stop at the step's end).
+    ts, ys, mask, steps = jax.vmap(lambda c: solve(sk, c))(jnp.array([0.0, -1.0]))
+    assert steps.tolist()[0] == 0 and steps.tolist()[1] > 0
+    last = [int(np.max(np.nonzero(np.isfinite(t))[0])) for t in ts]  # final point
+    assert ts[0, last[0]] == 0.0
+    np.testing.assert_allclose(ys[0, last[0]], [1.0, -0.1])
+    np.testing.assert_allclose(ts[1, last[1]], 2.0, rtol=1e-12)
+    np.testing.assert_allclose(ys[1, last[1]], [3.0, 1.9], rtol=1e-10)
+    assert mask["bool"].tolist() == [True, False]
+
+
+@pytest.mark.usefixtures("x64")
+def test_deprecated_discrete_terminating_events_as_diffrax():
+    # diffrax's older `discrete_terminating_event=`: a DiscreteTerminatingEvent on
+    # the state after each step, or a SteadyStateEvent; warned, and equal to diffrax.
+    def solve(lib, event):
+        return lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: -(y - 2.0)),
+            lib.Tsit5(),
+            0.0,
+            jnp.inf,
+            0.1,
+            jnp.array([1.0, 3.0]),
+            stepsize_controller=lib.PIDController(rtol=1e-6, atol=1e-6),
+            discrete_terminating_event=event,
+        )
+
+    for make in (
+        lambda lib: lib.DiscreteTerminatingEvent(lambda state, **kw: state.tprev > 3),
+        lambda lib: lib.SteadyStateEvent(rtol=1e-4, atol=1e-4),
+    ):
+        with pytest.warns(Warning, match="discrete_terminating_event"):
+            ours = solve(sk, make(sk))
+        with pytest.warns(Warning, match="discrete_terminating_event"):
+            theirs = solve(diffrax, make(diffrax))
+        assert_tree_allclose(
+            (ours.ts, ours.ys, ours.stats["num_steps"]),
+            (theirs.ts, theirs.ys, theirs.stats["num_steps"]),
+            rtol=1e-12,
+        )
+    with pytest.warns(Warning, match="deprecated"):
+        with pytest.raises(ValueError, match="not both"):
+            sk.diffeqsolve(
+                sk.ODETerm(lambda t, y, args: -y),
+                sk.Tsit5(),
+                0.0,
+                1.0,
+                0.1,
+                1.0,
+                event=sk.Event(lambda t, y, args, **kw: y < 0.5),
+                discrete_terminating_event=sk.SteadyStateEvent(),
+            )
+
+
+# --- Per-condition directions, kinds of condition, steady state (float32) ----------
+
+
+def _two_crossings(lib, direction):
+    """`up` crosses upwards at t = 5, `down` downwards at t = 4."""
+    up = lambda t, y, args, **kw: y[0] - 5.0
+    down = lambda t, y, args, **kw: -(y[1] - 5.0)
+    sol = lib.diffeqsolve(
+        lib.ODETerm(lambda t, y, args: jnp.array([1.0, 1.0])),
+        lib.Tsit5(),
+        0.0,
+        10.0,
+        1.0,
+        jnp.array([0.0, 1.0]),
+        event=lib.Event((up, down), optx.Newton(1e-8, 1e-8), direction),
+    )
+    return float(sol.ts[0]), [bool(m) for m in sol.event_mask]
+
+
+@pytest.mark.parametrize(
+    "direction",
+    [None, True, False, (True, True), (True, False), (False, True), (False, None)],
+    ids=str,
+)
+def test_event_direction_per_condition(direction):
+    t, mask = _two_crossings(sk, direction)
+    ref_t, ref_mask = _two_crossings(diffrax, direction)
+    np.testing.assert_allclose(t, ref_t, atol=1e-6)
+    assert mask == ref_mask
+
+
+def test_event_direction_structure_checked():
+    f = lambda t, y, args: y
+    with pytest.raises(ValueError, match="structure of `cond_fn`"):
+        sk.Event([f, f, [f, f, f]], None, [True, None, [False, True]])
+    sk.Event([f, [f, f]], None, [True, [None, False]])
+
+
+def test_event_condition_module_with_float_fields():
+    class Threshold(eqx.Module):
+        level: float
+
+        def __call__(self, t, y, args, **kwargs):
+            return y - self.level
+
+    def run(lib):
+        return lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: 1.0),
+            lib.Tsit5(),
+            0.0,
+            10.0,
+            1.0,
+            0.0,
+            event=lib.Event({"a": Threshold(4.0)}, optx.Newton(1e-8, 1e-8)),
+        ).ts
+
+    np.testing.assert_allclose(run(sk), run(diffrax), atol=1e-6)
+
+
+def test_event_condition_must_be_bool_or_float():
+    with pytest.raises(ValueError, match="boolean or a float"):
+        sk.diffeqsolve(
+            _NEG,
+            sk.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            1.0,
+            event=sk.Event(lambda t, y, args, **kw: jnp.array(1, jnp.int32)),
+        )
+
+
+def test_constant_vector_field_with_event():
+    """A vector field returning a Python float, with a real-valued event."""
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: 1.0),
+        sk.Tsit5(),
+        0.0,
+        jnp.inf,
+        1.0,
+        -10.0,
+        event=sk.Event(lambda t, y, args, **kw: y, optx.Newton(1e-8, 1e-8)),
+    )
+    np.testing.assert_allclose(sol.ys, [0.0], atol=1e-6)
+    np.testing.assert_allclose(sol.ts, [10.0], atol=1e-6)
+
+
+def test_steady_state_event_and_context_keywords():
+    seen = {}
+
+    def cond(t, y, args, *, stepsize_controller, max_steps):
+        seen["controller"], seen["max_steps"] = stepsize_controller, max_steps
+        return y < 0.5
+
+    kw = dict(stepsize_controller=sk.PIDController(rtol=1e-3, atol=1e-6), max_steps=64)
+    sk.diffeqsolve(_NEG, sk.Tsit5(), 0.0, 5.0, 0.1, 1.0, event=sk.Event(cond), **kw)
+    assert seen == {"controller": kw["stepsize_controller"], "max_steps": 64}
+
+    def run(lib, event):
+        return lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, args: -1.0 * y),
+            lib.Tsit5(),
+            0.0,
+            jnp.inf,
+            1.0,
+            1.0,
+            stepsize_controller=lib.PIDController(rtol=1e-3, atol=1e-6),
+            event=lib.Event(event),
+        )
+
+    sol = run(sk, sk.steady_state_event())
+    assert sol.event_mask and abs(float(sol.ys[0])) < 1e-5
+    ref = run(diffrax, diffrax.steady_state_event())
+    np.testing.assert_allclose(sol.ts, ref.ts, rtol=1e-4)  # float32
+    sol = run(sk, sk.steady_state_event(rtol=0.0, atol=1e-2, norm=jnp.abs))
+    assert 1e-3 < abs(float(sol.ys[0])) < 1e-2
+    with pytest.raises(ValueError, match="steady_state_event"):
+        sk.diffeqsolve(
+            _NEG,
+            sk.Euler(),
+            0.0,
+            1.0,
+            0.1,
+            1.0,
+            event=sk.Event(sk.steady_state_event()),
+        )
