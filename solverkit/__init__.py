@@ -6,6 +6,7 @@ from ._adjoint import (
     BacksolveAdjoint as BacksolveAdjoint,
     DirectAdjoint as DirectAdjoint,
     ForwardMode as ForwardMode,
+    ImplicitAdjoint as ImplicitAdjoint,
     RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint,
 )
 from ._closure import (

@@ -26,6 +26,7 @@ from ._custom_types import RealScalarLike, Y
 from ._errors import UnsupportedError
 from ._loop import Buffers, Carry, Outputs, Problem
 from ._select import where
+from ._solver._linalg import lu_factorisation, value_and_jacobian
 from ._term import ClosureTerm, MultiTerm, total_vf
 from ._unvmap import unvmap_any, while_loop
 
@@ -380,6 +381,63 @@ class DirectAdjoint(AbstractAdjoint):
 
         (carry, bufs), _ = lax.scan(run_block, (carry, bufs), None, length=blocks)
         return _loop.finish(problem, carry, bufs)
+
+
+class ImplicitAdjoint(AbstractAdjoint):
+    """Differentiate a steady state by the implicit function theorem.
+
+    For a solve that ends at a steady state `y*` (`f(t, y*, θ) = 0`, e.g. with
+    `event=Event(steady_state_event())`), the derivative of `y*` is
+    `-(∂f/∂y)^{-1} ∂f/∂θ`, whatever the path to it: the solve itself is not
+    differentiated, so memory and cost do not depend on its steps. `θ` is everything
+    the vector field depends on (`args` and every value it closes over); the initial
+    state has no influence on a steady state, and gets a zero derivative. Forward and
+    reverse mode alike.
+
+    Supports `SaveAt(t1=True)` (with any `fn`), and `t0=True`; not `ts`, `steps` or
+    `dense`, whose values are not steady states.
+
+    !!! note
+
+        The gradient is only meaningful at a steady state: check that the solve
+        ended there (`sol.result`, or the event that fired). It is the derivative of
+        the steady state near the one found, as in diffrax.
+    """
+
+    def check(self, problem: Problem) -> None:
+        unsupported = []
+        if any(save.ts is not None or save.every for save in problem.saves):
+            unsupported.append("SaveAt(ts=...) or SaveAt(steps=...)")
+        if problem.dense:
+            unsupported.append("SaveAt(dense=True)")
+        if unsupported:
+            raise UnsupportedError(
+                "ImplicitAdjoint differentiates the final (steady) state only; it "
+                "does not support " + ", ".join(unsupported) + "."
+            )
+
+    def loop(self, problem: Problem) -> Outputs:
+        fixed = _stop_gradient(problem)
+        carry, bufs = _run(fixed, *_loop.init(fixed))
+        carry = carry._replace(y=_steady_state(problem, carry.t, carry.y))
+        return _loop.finish(problem, carry, bufs)
+
+
+def _stop_gradient(tree):
+    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
+    return eqx.combine(lax.stop_gradient(dynamic), static)
+
+
+def _steady_state(problem: Problem, t, y_star):
+    """`y_star`, with the derivative of the root of `f(t, ·, θ)` by the implicit
+    function theorem: one Newton correction `δ = -J^{-1} f(y*)` (with `J = ∂f/∂y` at
+    `y*`, not differentiated) whose value is taken away again."""
+    t, y_star = lax.stop_gradient((t, y_star))
+    rate = lambda y: total_vf(problem.terms, t, y, problem.args)  # noqa: E731
+    _, jac, _ = value_and_jacobian(lambda _, y: rate(y), t, y_star)
+    lu = lu_factorisation(lax.stop_gradient(jac))
+    delta = lu.solve(jtu.tree_map(jnp.negative, rate(y_star)))
+    return jtu.tree_map(lambda y, d: y + d - lax.stop_gradient(d), y_star, delta)
 
 
 class ForwardMode(DirectAdjoint):

@@ -101,7 +101,13 @@ def factorise(jac: Array, gamma_h: Array) -> Factorisation:
 
     A `Factorisation`, whose `solve` takes any pytree of the state's structure.
     """
-    lu, pivots = jsl.lu_factor(_iteration_matrix(jac, gamma_h))
+    return lu_factorisation(_iteration_matrix(jac, gamma_h))
+
+
+def lu_factorisation(matrix: Array) -> Factorisation:
+    """The LU factorisation of a square `matrix` (of the ravelled state), for solves
+    with right-hand sides of the state's structure."""
+    lu, pivots = jsl.lu_factor(matrix)
     return Factorisation(lu, pivots)
 
 
