@@ -364,7 +364,9 @@ def test_implicit_adjoint_steady_state_gradient():
     expected = np.stack([dy0 * (1 + 3 / c) for c in (2.0, 4.0)])
     np.testing.assert_allclose(grads, expected, rtol=1e-6)
     # The same as differentiating the whole solve, and forward mode agrees.
-    direct = jax.grad(lambda p: jnp.dot(_steady(p, 0, sk.DirectAdjoint(), False), weights))
+    direct = jax.grad(
+        lambda p: jnp.dot(_steady(p, 0, sk.DirectAdjoint(), False), weights)
+    )
     np.testing.assert_allclose(grads[0], direct(p), rtol=1e-6)
     _, tangent = jax.jvp(lambda p: loss(p, 0), (p,), (jnp.array([1.0, 0.0]),))
     np.testing.assert_allclose(tangent, expected[0, 0], rtol=1e-6)
