@@ -24,16 +24,10 @@ import dataclasses
 
 import numpy as np
 
+from ._tableau import frozen
+
 
 _TOL = 1e-10
-
-
-def _frozen(x, name: str) -> np.ndarray:
-    arr = np.array(x, dtype=np.float64)
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"ImplicitTableau.{name} must be finite.")
-    arr.setflags(write=False)
-    return arr
 
 
 def _check_close(value, target, what: str) -> None:
@@ -106,7 +100,7 @@ class ImplicitTableau:
         for name in ("c", "a_im", "b_im", "b_err_im", "a_ex", "b_ex", "b_err_ex"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, _frozen(value, name))
+                object.__setattr__(self, name, frozen(value, name, "ImplicitTableau"))
         s = self.c.shape[0]
         for name, shape in (("a_im", (s, s)), ("b_im", (s,)), ("b_err_im", (s,))):
             if getattr(self, name).shape != shape:
@@ -134,7 +128,11 @@ class ImplicitTableau:
             _check_close(self.a_ex.sum(axis=1), self.c, "rows of a_ex must sum to c")
             _check_close(self.b_ex.sum(), 1.0, "b_ex must sum to 1")
             _check_close(self.b_err_ex.sum(), 0.0, "b_err_ex must sum to 0")
-        object.__setattr__(self, "predictor", _frozen(_predictor(self.c), "predictor"))
+        object.__setattr__(
+            self,
+            "predictor",
+            frozen(_predictor(self.c), "predictor", "ImplicitTableau"),
+        )
 
     @property
     def num_stages(self) -> int:

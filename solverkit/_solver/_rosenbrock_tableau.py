@@ -31,16 +31,10 @@ import dataclasses
 
 import numpy as np
 
+from ._tableau import frozen
+
 
 _TOL = 1e-12
-
-
-def _frozen(x: object, name: str) -> np.ndarray:
-    arr = np.array(x, dtype=np.float64)
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"RosenbrockTableau.{name} must be finite.")
-    arr.setflags(write=False)
-    return arr
 
 
 def _check(ok: bool, what: str) -> None:
@@ -82,9 +76,13 @@ class RosenbrockTableau:
 
     def __post_init__(self) -> None:
         for name in ("a", "C", "c", "d", "m", "m_err"):
-            object.__setattr__(self, name, _frozen(getattr(self, name), name))
+            object.__setattr__(
+                self, name, frozen(getattr(self, name), name, "RosenbrockTableau")
+            )
         if self.dense is not None:
-            object.__setattr__(self, "dense", _frozen(self.dense, "dense"))
+            object.__setattr__(
+                self, "dense", frozen(self.dense, "dense", "RosenbrockTableau")
+            )
         object.__setattr__(self, "gamma", float(self.gamma))
         s = self.num_stages
         _check(self.c.shape == (s,) and self.c[0] == 0, "c must be (s,), c[0] == 0")

@@ -26,16 +26,18 @@ from numpy.polynomial import polynomial as npoly
 _TOL = 1e-12
 
 
-def _frozen(x: object, name: str) -> np.ndarray:
+def frozen(x: object, name: str, owner: str = "ButcherTableau") -> np.ndarray:
+    """`x` as a read-only float64 array, checked finite (`owner.name` in the error):
+    the coefficient arrays of every tableau class."""
     arr = np.array(x, dtype=np.float64)
     if not np.all(np.isfinite(arr)):
-        raise ValueError(f"ButcherTableau.{name} must be finite.")
+        raise ValueError(f"{owner}.{name} must be finite.")
     arr.setflags(write=False)
     return arr
 
 
-def _optional_frozen(x: object, name: str) -> np.ndarray | None:
-    return None if x is None else _frozen(x, name)
+def _optionalfrozen(x: object, name: str) -> np.ndarray | None:
+    return None if x is None else frozen(x, name)
 
 
 def _check_shape(arr: np.ndarray, shape: tuple[int, ...], name: str) -> None:
@@ -90,9 +92,9 @@ class ButcherTableau:
 
     def __post_init__(self) -> None:
         for name in ("c", "a", "b"):
-            object.__setattr__(self, name, _frozen(getattr(self, name), name))
+            object.__setattr__(self, name, frozen(getattr(self, name), name))
         for name in ("b_err", "dense"):
-            value = _optional_frozen(getattr(self, name), name)
+            value = _optionalfrozen(getattr(self, name), name)
             object.__setattr__(self, name, value)
         self._check_main()
         self._check_error_estimate()
