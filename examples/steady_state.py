@@ -50,6 +50,7 @@ DOSES = jnp.logspace(-1, 2, 8)  # measured inducer doses
 DOSES_PLOT = jnp.logspace(-1.5, 2.5, 41)
 Y0 = jnp.zeros(3)  # nothing expressed yet
 NOISE = 0.05
+T_BOUND = 1e4  # a bound: the event ends each solve at its steady state
 
 
 def steady_state(params, dose, adjoint):
@@ -65,7 +66,7 @@ def steady_state(params, dose, adjoint):
         sk.ODETerm(vector_field),
         sk.Tsit5(),
         t0=0.0,
-        t1=1e4,  # a bound: the event ends the solve at the steady state
+        t1=T_BOUND,
         dt0=None,
         y0=Y0,
         stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
@@ -99,12 +100,14 @@ def compare_gradients(data) -> None:
     for adjoint in (sk.ImplicitAdjoint(), sk.RecursiveCheckpointAdjoint()):
         value_and_grad = loss_fn(adjoint)
         jax.block_until_ready(value_and_grad(log_params, data))  # compiles
-        start = time.perf_counter()
-        _, grad = jax.block_until_ready(value_and_grad(log_params, data))
-        seconds = time.perf_counter() - start
+        seconds = float("inf")
+        for _ in range(20):  # the best of 20 runs: the machine may be busy
+            start = time.perf_counter()
+            _, grad = jax.block_until_ready(value_and_grad(log_params, data))
+            seconds = min(seconds, time.perf_counter() - start)
         name = type(adjoint).__name__
         values = ", ".join(f"{float(g): .8e}" for g in grad)
-        print(f"  {name:>26}: [{values}]  ({1e3 * seconds:.1f} ms)")
+        print(f"  {name:>26}: [{values}]  ({1e3 * seconds:.2f} ms)")
         grads[name] = grad
     a, b = grads.values()
     print(
@@ -131,11 +134,15 @@ def main() -> None:
     clean = predict(TRUE_PARAMS, DOSES)
     noise = jax.random.normal(jax.random.key(args.seed), clean.shape)
     data = clean * jnp.exp(NOISE * noise)
-    _, t_steady = jax.jit(lambda p: steady_state(p, DOSES[0], sk.ImplicitAdjoint()))(
-        TRUE_PARAMS
+    # The gradient is only that of a steady state if the event ended the solve.
+    times = jax.jit(
+        jax.vmap(lambda p, u: steady_state(p, u, sk.ImplicitAdjoint())[1], (None, 0))
     )
+    t_steady = times(TRUE_PARAMS, DOSES)
     print(
-        f"steady state at dose {float(DOSES[0]):g} reached at t = {float(t_steady):.1f}"
+        "steady states reached at t = "
+        + ", ".join(f"{float(t):.0f}" for t in t_steady)
+        + f" (all before t1 = {T_BOUND:g}: {bool(jnp.all(t_steady < T_BOUND))})"
     )
 
     compare_gradients(data)
@@ -152,6 +159,10 @@ def main() -> None:
         if i % 10 == 0 or i == steps - 1:
             progress.set_postfix(loss=f"{float(value):.3e}")
     fitted = jnp.exp(log_params)
+    ok = bool(jnp.all(times(fitted, DOSES_PLOT) < T_BOUND))
+    print(
+        f"every solve of the plot at the fitted parameters reached a steady state: {ok}"
+    )
     print(f"loss {float(value):.4e} after {steps} Adam steps")
     print(f"{'':>6} {'true':>8} {'initial':>8} {'fitted':>8}")
     for name, t, g, f in zip(NAMES, TRUE_PARAMS, INITIAL_GUESS, fitted):
