@@ -23,6 +23,9 @@ EXAMPLES = [
     "ensemble",
     "forced_system",
     "multi_process",  # launches two JAX processes (jax.distributed, gloo on CPU)
+    "heat_pde",
+    "stiff_chemistry",
+    "steady_state",
 ]
 DOCS = "docs"
 TIMEOUT = 600  # seconds per job; each takes well under a minute on an idle machine
