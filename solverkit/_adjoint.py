@@ -601,7 +601,9 @@ class BacksolveAdjoint(AbstractAdjoint):
             failed,
             "BacksolveAdjoint: the backward (adjoint) solve failed, so no gradient "
             "can be given. Increase `max_steps` or pass BacksolveAdjoint("
-            "stepsize_controller=...) with looser tolerances.",
+            "stepsize_controller=...) with looser tolerances. A problem that is "
+            "unstable backwards in time (diffusion, stiff decay) can't be solved "
+            "backwards at all: use RecursiveCheckpointAdjoint() instead.",
         )
         return y
 
