@@ -188,8 +188,9 @@ def run_scipy(row: Row, problem: StiffProblem, functions, repeats: int) -> None:
         row.note = str(sol.message)
 
 
-def solvers(quick: bool) -> list[tuple[str, object, str]]:
-    """`(library, module, solver name)` for every JAX solver to run."""
+def solvers(quick: bool, only=None) -> list[tuple[str, object, str]]:
+    """`(library, module, solver name)` for every JAX solver to run (`only`: these
+    solverkit solvers)."""
     import diffrax
 
     import solverkit
@@ -198,6 +199,8 @@ def solvers(quick: bool) -> list[tuple[str, object, str]]:
     names += [n for n in SOLVERKIT_IMPLICIT if hasattr(solverkit, n)]
     if quick:
         names = [n for n in names if n in ("Rodas5P", "Rosenbrock23", "Kvaerno5")]
+    if only is not None:
+        names = list(only)
     out = [("solverkit", solverkit, n) for n in names]
     out.append(("diffrax", diffrax, "Kvaerno5"))
     return out
@@ -332,6 +335,9 @@ def parse_args(argv):
     parser.add_argument(
         "--rtols", default=None, help="comma list (default: 1e-6 first, 1e-4 ... 1e-10)"
     )
+    parser.add_argument(
+        "--solvers", default=None, help="comma list of solverkit solvers (default: all)"
+    )
     args = parser.parse_args(argv)
     if args.problems is None:
         args.problems = "rober,hires" if args.quick else ",".join(PROBLEMS)
@@ -340,6 +346,8 @@ def parse_args(argv):
     if unknown:
         parser.error(f"--problems: unknown {unknown}; known: {list(PROBLEMS)}")
     args.modes = [m for m in args.modes.split(",") if m]
+    if args.solvers is not None:
+        args.solvers = [n for n in args.solvers.split(",") if n]
     if args.size is None:
         args.size = 64 if args.quick else 256
     if args.repeats is None:
@@ -361,7 +369,7 @@ def main(argv=None) -> list[Row]:
         for mode in args.modes:
             size = 1 if mode == "single" else args.size
             scales = _scales(size)
-            for library, module, solver in solvers(args.quick):
+            for library, module, solver in solvers(args.quick, args.solvers):
                 solve = jax_solve(module, solver, problem, mode)
                 first = True
                 too_slow = None  # the loosest tolerance that took over --budget
