@@ -396,6 +396,8 @@ def _kencarp4() -> ImplicitTableau:
 
 
 def _kencarp5() -> ImplicitTableau:
+    """KenCarp5's pair of tableaux (long only because it is the coefficient table of
+    an eight-stage additive method)."""
     g = 41 / 200
     b = [
         -872700587467 / 9133579230613,
