@@ -598,6 +598,32 @@ class Closure(eqx.Module):
         return jtu.tree_unflatten(program.out_tree, leaves)
 
 
+def _trace(fn: Callable, in_tree, in_specs):
+    """Trace `fn` on the array leaves of its example arguments (the others static).
+
+    **Returns:**
+
+    `(closed_jaxpr, out_tree, out_leaves)`: the jaxpr returns the array leaves of the
+    output; `out_leaves` are all of them as traced (tracers and static values).
+    """
+    dynamic = [s for s in in_specs if not isinstance(s, _Static)]
+    traced_out = []  # (treedef, leaves) of fn's output, recorded during the trace
+
+    def flat_fn(*flat):
+        it = iter(flat)
+        full = [s.value if isinstance(s, _Static) else next(it) for s in in_specs]
+        call_args, call_kwargs = jtu.tree_unflatten(in_tree, full)
+        leaves, tree = jtu.tree_flatten(fn(*call_args, **call_kwargs))
+        traced_out.append((tree, leaves))
+        # Only array leaves are traced; the others are static, as in filter_jit.
+        return [x for x in leaves if _is_output_array(x)]
+
+    with _hoisting_constants():
+        closed_jaxpr = jax.make_jaxpr(flat_fn)(*dynamic)
+    ((out_tree, out_leaves),) = traced_out
+    return closed_jaxpr, out_tree, out_leaves
+
+
 def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
     """Convert `fn` into a [`solverkit.Closure`][] that holds every JAX value `fn`
     closes over, of every dtype, as explicit pytree leaves.
@@ -629,25 +655,11 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
         raise TypeError(f"closure_convert expects a callable, got {type(fn).__name__}.")
     leaves, in_tree = jtu.tree_flatten((args, kwargs))
     in_specs = tuple(_struct(x) if _is_array(x) else _Static(x) for x in leaves)
-    dynamic = [s for s in in_specs if not isinstance(s, _Static)]
-    traced_out = []  # (treedef, leaves) of fn's output, recorded during the trace
-
-    def flat_fn(*flat):
-        it = iter(flat)
-        full = [s.value if isinstance(s, _Static) else next(it) for s in in_specs]
-        call_args, call_kwargs = jtu.tree_unflatten(in_tree, full)
-        leaves, tree = jtu.tree_flatten(fn(*call_args, **call_kwargs))
-        traced_out.append((tree, leaves))
-        # Only array leaves are traced; the others are static, as in filter_jit.
-        return [x for x in leaves if _is_output_array(x)]
-
-    with _hoisting_constants():
-        closed_jaxpr = jax.make_jaxpr(flat_fn)(*dynamic)
+    closed_jaxpr, out_tree, out_leaves = _trace(fn, in_tree, in_specs)
     jaxpr = _cse(closed_jaxpr.jaxpr)
     consts = tuple(
         _as_array(c, v.aval) for c, v in zip(closed_jaxpr.consts, jaxpr.constvars)
     )
-    ((out_tree, out_leaves),) = traced_out
     # Array leaves' types from the jaxpr's output types: they keep weak types.
     avals = iter(closed_jaxpr.out_avals)
     out_specs = tuple(

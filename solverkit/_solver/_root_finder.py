@@ -218,6 +218,22 @@ class _Newton(NamedTuple):
     done: Array
 
 
+def _verdict(s, first, theta, eta, size, delta, max_steps: int, kappa):
+    """After an iteration of the chord method with rate `theta` and scaled increment
+    `size`: `(converged, failed, status)` (Hairer & Wanner IV.8; see `VeryChord`)."""
+    finite = jnp.isfinite(size)
+    diverged = ~finite | (~first & (theta >= 1))
+    converged = finite & ((eta * size <= kappa) | (size == 0) | _roundoff(delta, s.z))
+    remaining = max_steps - s.k - 1
+    hopeless = ~first & (theta**remaining / (1 - theta) * size > kappa)
+    out_of_steps = remaining <= 0
+    failed = ~converged & (diverged | hopeless | out_of_steps)
+    status = where(
+        diverged & ~converged, DIVERGED, where(failed, NOT_CONVERGED, SUCCESS)
+    )
+    return converged, failed, status
+
+
 def chord(
     finder: VeryChord,
     stage: Stage,
@@ -248,17 +264,8 @@ def chord(
         first = s.k == 0
         theta = where(first, 0.0, size / where(s.last > 0, s.last, 1.0))
         eta = where(first, s.eta, theta / jnp.maximum(1 - theta, 1e-10))
-        finite = jnp.isfinite(size)
-        diverged = ~finite | (~first & (theta >= 1))
-        converged = finite & (
-            (eta * size <= kappa) | (size == 0) | _roundoff(delta, s.z)
-        )
-        remaining = max_steps - s.k - 1
-        hopeless = ~first & (theta**remaining / (1 - theta) * size > kappa)
-        out_of_steps = remaining <= 0
-        failed = ~converged & (diverged | hopeless | out_of_steps)
-        status = where(
-            diverged & ~converged, DIVERGED, where(failed, NOT_CONVERGED, SUCCESS)
+        converged, failed, status = _verdict(
+            s, first, theta, eta, size, delta, max_steps, kappa
         )
         return _Newton(
             s.k + 1,
