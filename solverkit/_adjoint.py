@@ -28,7 +28,7 @@ from ._loop import Buffers, Carry, Outputs, Problem
 from ._select import where
 from ._solver._linalg import lu_factorisation, value_and_jacobian
 from ._term import ClosureTerm, MultiTerm, total_vf
-from ._unvmap import unvmap_any, while_loop
+from ._unvmap import unvmap_any, unvmap_max
 
 
 def _standard_promotion(fn):
@@ -144,16 +144,25 @@ class AbstractAdjoint(eqx.Module):
 class RecursiveCheckpointAdjoint(AbstractAdjoint):
     """Discretise-then-optimise: differentiate the solver's own operations.
 
-    The forward pass stores the loop state every `K` steps; the backward pass
-    recomputes one segment of `K` steps at a time from its checkpoint and
-    backpropagates through it. With `checkpoints=None`, `K = ceil(sqrt(max_steps))`,
-    so memory grows like `sqrt(max_steps)` states, and the cost (about three forward
-    passes and one backward pass) grows with the steps actually taken, not with
-    `max_steps`.
+    The forward pass keeps `S` checkpoint slots. It stores the loop state before
+    every step until the slots are full, then drops every other checkpoint and goes
+    on storing every second step, and so on (the stride doubles whenever the slots
+    fill up). The backward pass walks the steps back, refilling a buffer of `B`
+    states from the nearest checkpoint whenever it enters a new segment, and
+    backpropagates through one step at a time.
+
+    So the cost follows the steps actually taken: a solve of at most `S` steps is
+    never recomputed (one forward pass, one backward pass), and a longer one is
+    recomputed about once. `max_steps` only sizes the memory: with `checkpoints=None`,
+    `S = ceil(sqrt(max_steps))` and `B = ceil(max_steps / S)`, so memory grows like
+    `sqrt(max_steps)` loop states.
 
     **Arguments:**
 
-    - `checkpoints`: number of checkpoint slots; `None` for `ceil(sqrt(max_steps))`.
+    - `checkpoints`: the number of checkpoint slots `S`; `None` for
+        `ceil(sqrt(max_steps))`. Needed for reverse mode with `max_steps=None`
+        (then `B = S`; a solve of more than `S**2` steps is then differentiated with
+        extra recomputation).
     """
 
     checkpoints: int | None = None
@@ -166,10 +175,10 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
 
     def loop(self, problem: Problem) -> Outputs:
         carry, bufs = _loop.init(problem)
-        if problem.max_steps is None:
+        if problem.max_steps is None and self.checkpoints is None:
             fwd, bwd = _forward_plain, _no_reverse_mode
         else:
-            layout = _segments(problem.max_steps, self.checkpoints)
+            layout = _layout(problem.max_steps, self.checkpoints)
             fwd = functools.partial(_checkpointed_forward, layout=layout)
             bwd = functools.partial(_checkpointed_backward, layout=layout)
         carry, bufs = _custom_vjp(problem, _run, fwd, bwd, carry, bufs)
@@ -180,19 +189,22 @@ def _ceil_sqrt(n: int) -> int:
     return max(1, math.isqrt(n - 1) + 1)
 
 
-class Segments(NamedTuple):
-    """How a checkpointed loop of at most `max_steps` steps is cut."""
+class Layout(NamedTuple):
+    """The memory of a checkpointed loop: `slots` checkpoints, and a buffer of
+    `buffer` recomputed states."""
 
-    length: int  # steps per segment (one checkpoint each)
-    count: int  # checkpoint slots
+    slots: int
+    buffer: int
 
 
-def _segments(max_steps: int, checkpoints: int | None) -> Segments:
+def _layout(max_steps: int | None, checkpoints: int | None) -> Layout:
     if checkpoints is None:
-        length = _ceil_sqrt(max_steps)
+        slots = _ceil_sqrt(max_steps)
     else:
-        length = max(1, -(-max_steps // checkpoints))
-    return Segments(length, -(-max_steps // length))
+        slots = checkpoints if max_steps is None else min(checkpoints, max_steps)
+    slots = max(2, slots)  # thinning halves them
+    buffer = slots if max_steps is None else max(1, -(-max_steps // slots))
+    return Layout(slots, buffer)
 
 
 def _run(problem: Problem, carry: Carry, bufs: Buffers):
@@ -206,34 +218,111 @@ def _forward_plain(problem: Problem, carry: Carry, bufs: Buffers):
 def _no_reverse_mode(static, dynamic, residuals, cotangents):
     raise UnsupportedError(
         "RecursiveCheckpointAdjoint can't differentiate a solve with "
-        "`max_steps=None` in reverse mode (its checkpoints need a bound): pass "
-        "an int `max_steps`, or use BacksolveAdjoint()."
+        "`max_steps=None` in reverse mode without a number of checkpoints: pass an "
+        "int `max_steps`, or RecursiveCheckpointAdjoint(checkpoints=...), or use "
+        "BacksolveAdjoint()."
     )
+
+
+class _Packing(NamedTuple):
+    """A carry as one flat vector per dtype, so that storing or loading a checkpoint
+    is a few contiguous row copies rather than one strided copy per leaf (under `vmap`
+    the batch axis comes first, so a row of a stacked leaf is one small piece per
+    batch element, and a step's carry has a dozen leaves)."""
+
+    treedef: jtu.PyTreeDef
+    shapes: tuple
+    dtypes: tuple
+    groups: tuple  # the distinct dtypes, in a fixed order
+
+    @classmethod
+    def of(cls, tree) -> "_Packing":
+        leaves, treedef = jtu.tree_flatten(tree)
+        dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
+        groups = tuple(sorted(set(dtypes), key=str))
+        return cls(treedef, tuple(jnp.shape(x) for x in leaves), dtypes, groups)
+
+    def pack(self, tree) -> tuple:
+        leaves = jtu.tree_leaves(tree)
+        return tuple(
+            jnp.concatenate(
+                [jnp.ravel(x) for x, d in zip(leaves, self.dtypes) if d == group]
+            )
+            for group in self.groups
+        )
+
+    def unpack(self, packed: tuple):
+        offsets = dict.fromkeys(self.groups, 0)
+        leaves = []
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            flat = packed[self.groups.index(dtype)]
+            size = math.prod(shape)
+            start = offsets[dtype]
+            leaves.append(jnp.reshape(flat[start : start + size], shape))
+            offsets[dtype] = start + size
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def zeros(self, rows: int) -> tuple:
+        sizes = [
+            sum(math.prod(s) for s, d in zip(self.shapes, self.dtypes) if d == g)
+            for g in self.groups
+        ]
+        return tuple(jnp.zeros((rows, n), g) for n, g in zip(sizes, self.groups))
+
+
+def _row(stack: tuple, i) -> tuple:
+    return tuple(lax.dynamic_index_in_dim(s, i, 0, keepdims=False) for s in stack)
+
+
+def _put_row(stack: tuple, i, row: tuple) -> tuple:
+    return tuple(
+        lax.dynamic_update_index_in_dim(s, r, i, 0) for s, r in zip(stack, row)
+    )
+
+
+class _Record(NamedTuple):
+    """The checkpointing forward pass's own loop state."""
+
+    store: tuple  # `slots` packed carries: the carry before steps 0, w, 2w, ...
+    n: jax.Array  # steps taken by this batch element
+    it: jax.Array  # loop iterations so far (never batched: the same for every element)
+    stride: jax.Array  # `w` (never batched)
 
 
 def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout):
-    """The loop, storing the carry before every `layout.length`-th step.
+    """The loop, storing the carry before every `stride`-th step.
 
-    Save buffers are written once per row and never read by the loop, so they are not
-    checkpointed: the backward pass reads each written row's cotangent directly.
+    Every active batch element takes its `k`-th step in loop iteration `k`, so the
+    checkpoints are indexed by the (unbatched) iteration count: under `vmap` a store
+    is then a one-row write, not a scatter. Save buffers are written once per row and
+    never read by the loop, so they are not checkpointed: the backward pass reads each
+    written row's cotangent directly.
     """
+    slots = layout.slots
+    packing = _Packing.of(carry)
 
-    def record(extra, before: Carry, active):
-        store, i = extra
-        due = active & (i % layout.length == 0)
-        store = jtu.tree_map(
-            lambda s, x: _loop.set_row(s, i // layout.length, due, x), store, before
+    def thin(store):  # keep the checkpoints of steps 0, 2w, 4w, ...
+        return tuple(s.at[: -(-slots // 2)].set(s[::2]) for s in store)
+
+    def record(rec: _Record, before: Carry, active) -> _Record:
+        full = rec.it == slots * rec.stride
+        store = lax.cond(full, thin, lambda s: s, rec.store)
+        stride = jnp.where(full, 2 * rec.stride, rec.stride)
+        due = active & (rec.it % stride == 0)
+        row = jnp.minimum(rec.it // stride, slots - 1)
+        new = tuple(
+            where(due, x, old) for x, old in zip(packing.pack(before), _row(store, row))
         )
-        return store, i + active.astype(jnp.int32)
+        n = rec.n + jnp.asarray(active, jnp.int32)
+        return _Record(_put_row(store, row, new), n, rec.it + 1, stride)
 
-    store = jtu.tree_map(
-        lambda x: jnp.zeros((layout.count,) + jnp.shape(x), x.dtype), carry
-    )
-    extra = (store, jnp.asarray(0, jnp.int32))
+    store = packing.zeros(slots)
+    zero = jnp.asarray(0, jnp.int32)
     if _loop.adaptive(problem):
-        extra = _loop.batch_like(carry.num_steps, extra)
-    carry, bufs, (store, n) = _loop.run_while(problem, carry, bufs, extra, record)
-    return (carry, bufs), (store, n, bufs, carry)
+        store = _loop.batch_like(carry.num_steps, store)
+    rec = _Record(store, zero, zero, jnp.asarray(1, jnp.int32))
+    carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record)
+    return (carry, bufs), (rec, bufs, carry)
 
 
 class _Reverse(NamedTuple):
@@ -244,9 +333,9 @@ class _Reverse(NamedTuple):
     diff_mask: Carry  # which carry leaves are differentiated
     bufs: Buffers
     ct_bufs: Buffers  # cotangents of the save buffers
-    store: Carry  # the checkpoints, stacked
-    layout: Segments
-    batch: bool  # whether to batch loop carries up front (see `batch_like`)
+    rec: _Record  # the checkpoints
+    packing: _Packing
+    layout: Layout
 
 
 def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next):
@@ -267,74 +356,70 @@ def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next):
     return pullback((ct_next, rev.ct_bufs))
 
 
-def _recompute(rev: _Reverse, p_diff, start, length):
-    """The carries before each of the `length` steps from step `start` (a
-    checkpoint), stacked."""
+def _refill(rev: _Reverse, p_diff, buffer: tuple, start, length) -> tuple:
+    """`buffer` holding the (packed) carries before steps `start, ..., start +
+    length - 1`, recomputed from the checkpoint at or before `start`."""
     problem = eqx.combine(p_diff, rev.p_rest, rev.static)
-    first = jtu.tree_map(lambda s: s[start // rev.layout.length], rev.store)
-    seg = jtu.tree_map(
-        lambda x: jnp.zeros((rev.layout.length,) + jnp.shape(x), x.dtype), first
-    )
+    stride = rev.rec.stride
+    slot = start // stride
+    carry = rev.packing.unpack(_row(rev.rec.store, slot))
 
-    def body(state, active):
-        carry, seg, j = state
-        seg = jtu.tree_map(lambda s, x: _loop.set_row(s, j, active, x), seg, carry)
+    def advance(k, carry):  # the carry before step `k + 1`, from the one before `k`
         new, _ = _loop.step(problem, carry)
-        return _loop.tree_where(active, new, carry), seg, j + active.astype(jnp.int32)
+        return _loop.tree_where(k < rev.rec.n, new, carry)
 
-    init = (first, seg, jnp.asarray(0, jnp.int32))
-    if rev.batch:
-        init = _loop.batch_like(length, init)
-    _, seg, _ = while_loop(lambda s: s[2] < length, body, init)
-    return seg
+    carry = lax.fori_loop(slot * stride, start, advance, carry)
 
+    def fill(j, state):
+        carry = advance(start + j - 1, state[0])
+        return carry, _put_row(state[1], j, rev.packing.pack(carry))
 
-def _reverse_segment(rev: _Reverse, p_diff, seg, length, ct_p, ct_c):
-    """Backpropagate through the `length` recomputed steps of one segment, last
-    first, accumulating the parameters' cotangent."""
-
-    def back(state, active):
-        j, ct_p, ct_c = state
-        carry = jtu.tree_map(
-            lambda b: lax.dynamic_index_in_dim(b, jnp.maximum(j, 0), keepdims=False),
-            seg,
-        )
-        dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
-        ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
-        ct_c = _loop.tree_where(active, dc, ct_c)
-        return j - active.astype(jnp.int32), ct_p, ct_c
-
-    init = (length - 1, ct_p, ct_c)
-    if rev.batch:
-        init = _loop.batch_like(length, init)
-    _, ct_p, ct_c = while_loop(lambda st: st[0] >= 0, back, init)
-    return ct_p, ct_c
+    buffer = _put_row(buffer, 0, rev.packing.pack(carry))
+    return lax.fori_loop(1, length, fill, (carry, buffer))[1]
 
 
 def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
-    """The segments in reverse: recompute each from its checkpoint, then
-    backpropagate through it."""
-    store, n, bufs, final = residuals
+    """The steps in reverse, one at a time, each from a buffer of recomputed carries
+    (refilled whenever the walk enters a new chunk of at most `layout.buffer`
+    steps, which never spans two checkpoints)."""
+    rec, bufs, final = residuals
     ct_carry, ct_bufs = cotangents
+    # Both are the same for every batch element; make sure `vmap` knows it.
+    rec = rec._replace(it=unvmap_max(rec.it), stride=unvmap_max(rec.stride))
     diff_mask = jtu.tree_map(eqx.is_inexact_array, final)
     p_diff, p_rest = eqx.partition(dynamic, _parameters(dynamic))
     ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
-    batch = _loop.adaptive(static)  # the controller is static
-    rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, store, layout, batch)
+    packing = _Packing.of(final)
+    rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, rec, packing, layout)
+    size = layout.buffer
 
-    def segment_body(state, active):
-        s, ct_p, ct_c = state
-        start = jnp.maximum(s, 0) * layout.length
-        length = where(active, jnp.minimum(layout.length, n - start), 0)
-        seg = _recompute(rev, p_diff, start, length)
-        ct_p, ct_c = _reverse_segment(rev, p_diff, seg, length, ct_p, ct_c)
-        return s - active.astype(jnp.int32), ct_p, ct_c
+    def chunk_start(k):
+        seg = (k // rec.stride) * rec.stride
+        return seg + ((k - seg) // size) * size
 
-    last = (n + layout.length - 1) // layout.length - 1
-    init = (last, jtu.tree_map(jnp.zeros_like, p_diff), eqx.filter(ct_carry, diff_mask))
-    if batch:
-        init = _loop.batch_like(n, init)
-    _, ct_p, ct_c = while_loop(lambda st: st[0] >= 0, segment_body, init)
+    def back(i, state):
+        buffer, ct_p, ct_c = state
+        k = rec.it - 1 - i  # the step to pull back through
+        start = chunk_start(k)
+        buffer = lax.cond(
+            (i == 0) | (chunk_start(k + 1) != start),  # entering a chunk
+            lambda b: _refill(rev, p_diff, b, start, k - start + 1),
+            lambda b: b,
+            buffer,
+        )
+        carry = packing.unpack(_row(buffer, k - start))
+        dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
+        active = k < rec.n
+        ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
+        ct_c = _loop.tree_where(active, dc, ct_c)
+        return buffer, ct_p, ct_c
+
+    buffer = packing.zeros(size)
+    if _loop.adaptive(static):
+        buffer = _loop.batch_like(rec.n, buffer)
+    ct_c = eqx.filter(ct_carry, diff_mask)
+    init = (buffer, jtu.tree_map(jnp.zeros_like, p_diff), ct_c)
+    _, ct_p, ct_c = lax.fori_loop(0, rec.it, back, init)
     ct_dynamic = _fill_zeros(
         eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic
     )

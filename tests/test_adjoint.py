@@ -119,9 +119,8 @@ def test_forward_mode_through_direct_adjoint():
 # --- Few checkpoints ------------------------------------------------------------------
 
 
-def _euler_final(theta, adjoint):
-    # 37 Euler steps of y' = -theta y (sin t + 1.5), max_steps 40: a segment boundary
-    # falls mid-solve, and the last segment is partly used.
+def _euler_final(theta, adjoint, max_steps=40):
+    # 37 Euler steps of y' = -theta y (sin t + 1.5).
     sol = sk.diffeqsolve(
         sk.ODETerm(lambda t, y, args: -args * y * (jnp.sin(t) + 1.5)),
         sk.Euler(),
@@ -131,7 +130,7 @@ def _euler_final(theta, adjoint):
         jnp.array([1.0, 2.0]),
         theta,
         adjoint=adjoint,
-        max_steps=40,
+        max_steps=max_steps,
     )
     return jnp.sum(sol.ys[-1] ** 2)
 
@@ -145,11 +144,58 @@ def _euler_reference_grad(theta, n=37, dt=0.1):
     return 2 * np.dot(y, dy)
 
 
-@pytest.mark.parametrize("checkpoints", [1, 3])
-def test_few_checkpoints(checkpoints):
+@pytest.mark.parametrize(
+    "checkpoints, max_steps",
+    [
+        # (slots, buffer) of the layout, and the stride 37 steps end with:
+        (1, 40),  # (2, 20): stride 32 > buffer, chunks recomputed from a checkpoint
+        (3, 40),  # (3, 14): odd slots, stride 16 > buffer
+        (8, 40),  # (8, 5): stride 8 > buffer
+        (40, 40),  # (40, 1): every step stored, nothing recomputed
+        (None, 40),  # (7, 6): the default
+        (3, None),  # (3, 3): no bound on the steps
+    ],
+)
+def test_few_checkpoints(checkpoints, max_steps):
     adjoint = sk.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
-    got = eqx.filter_jit(jax.grad(_euler_final))(jnp.asarray(0.7), adjoint)
+    grad = eqx.filter_jit(jax.grad(_euler_final))
+    got = grad(jnp.asarray(0.7), adjoint, max_steps)
     np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
+
+
+def _batched_decay_grads(adjoint):
+    """Gradients of an ensemble whose members take different numbers of adaptive
+    steps (12 to 63): w.r.t. a closed-over float, through a closed-over int
+    index into a closed-over table, vmapped over both."""
+    table = jnp.array([0.5, 3.0, 12.0, 30.0])
+
+    def loss(rate, k):
+        f = lambda t, y, args: -rate * table[k] * y * (1.2 + jnp.sin(3 * t))
+        sol = sk.diffeqsolve(
+            sk.ODETerm(f),
+            sk.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.array([1.0, -0.5]),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
+            adjoint=adjoint,
+            max_steps=200,
+        )
+        return jnp.sum(sol.ys[-1] ** 2), sol.stats["num_steps"]
+
+    grad = jax.vmap(jax.grad(loss, has_aux=True))
+    return jax.jit(grad)(jnp.array([1.0, 0.9, 1.1, 1.0]), jnp.arange(4))
+
+
+def test_checkpoints_under_vmap_with_different_step_counts():
+    # Few slots: the stride doubles while the shortest solves have long finished.
+    want, steps = _batched_decay_grads(DIRECT)
+    assert len(set(np.asarray(steps).tolist())) == 4
+    for adjoint in [RCA, sk.RecursiveCheckpointAdjoint(checkpoints=4)]:
+        got, got_steps = _batched_decay_grads(adjoint)
+        np.testing.assert_array_equal(got_steps, steps)
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-14)
 
 
 # --- Closed-over values of every kind, under every transformation --------------------
