@@ -47,7 +47,7 @@ def measure(steps: int, name: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", default="100,1000,10000")
+    parser.add_argument("--steps", default="100,1000,10000,100000")
     args = parser.parse_args()
     rows = []
     for steps in [int(s) for s in args.steps.split(",")]:
