@@ -149,11 +149,11 @@ def _euler_reference_grad(theta, n=37, dt=0.1):
     [
         # (slots, buffer) of the layout, and the stride 37 steps end with:
         (1, 40),  # (2, 20): stride 32 > buffer, chunks recomputed from a checkpoint
-        (3, 40),  # (3, 14): odd slots, stride 16 > buffer
+        (3, 40),  # (4, 10): stride 16 > buffer
         (8, 40),  # (8, 5): stride 8 > buffer
         (40, 40),  # (40, 1): every step stored, nothing recomputed
-        (None, 40),  # (7, 6): the default
-        (3, None),  # (3, 3): no bound on the steps
+        (None, 40),  # (8, 5): the default
+        (3, None),  # (4, 4): no bound on the steps
     ],
 )
 def test_few_checkpoints(checkpoints, max_steps):
