@@ -423,7 +423,21 @@ def _lorenz_field(y: jax.Array, rho: jax.Array) -> jax.Array:
     )
 
 
-def _lorenz_solve(lib: Any, closed: bool, mode: str) -> Callable:
+# The `max_steps` sweep of the adaptive gradient (issue #15): variant suffix ->
+# (max_steps, dt0). With `max_steps=None` both libraries need a number of checkpoints.
+LORENZ_GRAD_SWEEP = {
+    "": (4096, LORENZ_DT),
+    "-dt0-none": (4096, None),
+    "-max-1e4": (10_000, LORENZ_DT),
+    "-max-1e5": (100_000, LORENZ_DT),
+    "-max-none": (None, LORENZ_DT),
+}
+LORENZ_UNBOUNDED_CHECKPOINTS = 64
+
+
+def _lorenz_solve(
+    lib: Any, closed: bool, mode: str, max_steps=4096, dt0=LORENZ_DT
+) -> Callable:
     """`rho[n] -> (final states[n, 3], steps)`, vmapped; `mode` is "fixed" (dt 1e-3)
     or "adaptive" (PID, rtol = atol = 1e-8)."""
     if mode == "fixed":
@@ -431,8 +445,12 @@ def _lorenz_solve(lib: Any, closed: bool, mode: str) -> Callable:
     else:
         controller = lib.PIDController(rtol=LORENZ_TOL, atol=LORENZ_TOL)
     common = dict(
-        solver=lib.Tsit5(), t1=LORENZ_T1, dt0=LORENZ_DT, stepsize_controller=controller
+        solver=lib.Tsit5(), t1=LORENZ_T1, dt0=dt0, stepsize_controller=controller
     )
+    common["max_steps"] = max_steps
+    if max_steps is None:
+        checkpoints = LORENZ_UNBOUNDED_CHECKPOINTS
+        common["adjoint"] = lib.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
 
     def one(rho):
         y0 = jnp.array([1.0, 0.0, 0.0], dtype=rho.dtype)
@@ -461,12 +479,18 @@ def lorenz_tasks(n: int, libs: dict[str, Any]) -> list[Task]:
                 solve = _lorenz_solve(lib, closed, mode)
                 return Job(solve, (jnp.asarray(rho, dtype),))
 
-            def grad(lib=lib, closed=closed, mode=mode, dtype=dtype):
-                solve = _lorenz_solve(lib, closed, mode)
-                return Job(_sum_of_squares_grad(solve), (jnp.asarray(rho, dtype),))
-
+            sweep = LORENZ_GRAD_SWEEP if mode == "adaptive" else {"": (4096, LORENZ_DT)}
             tasks.append(Task(f"{mode}-forward", library, dtype, forward, "y"))
-            tasks.append(Task(f"{mode}-grad", library, dtype, grad, "grad"))
+            for suffix, (max_steps, dt0) in sweep.items():
+
+                def grad(
+                    lib=lib, closed=closed, mode=mode, dtype=dtype, m=max_steps, d=dt0
+                ):
+                    solve = _lorenz_solve(lib, closed, mode, m, d)
+                    return Job(_sum_of_squares_grad(solve), (jnp.asarray(rho, dtype),))
+
+                variant = f"{mode}-grad{suffix}"
+                tasks.append(Task(variant, library, dtype, grad, "grad"))
     if "gradsolve" in libs:
         tasks += _lorenz_gradsolve_tasks(libs["gradsolve"], rho)
     variants = [
