@@ -286,11 +286,11 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
         n = rec.n + jnp.asarray(active, jnp.int32)
         return _Record(_put_row(rec.store, row, new), n, rec.it + 1, level)
 
-    store = _stack(carry, slots)
+    store, n = _stack(carry, slots), jnp.asarray(0, jnp.int32)
+    if _loop.adaptive(problem):  # see `batch_like`; the counters stay unbatched
+        store, n = _loop.batch_like(carry.num_steps, (store, n))
     zero = jnp.asarray(0, jnp.int32)
-    if _loop.adaptive(problem):
-        store = _loop.batch_like(carry.num_steps, store)
-    rec = _Record(store, zero, zero, zero)
+    rec = _Record(store, n, zero, zero)
     carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record)
     return (carry, bufs), (rec, bufs, carry)
 
@@ -384,11 +384,15 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
         ct_p, ct_c = lax.fori_loop(0, end - start, back, (ct_p, ct_c))
         return start, buffer, ct_p, ct_c
 
-    buffer = _stack(final, layout.buffer)
-    if _loop.adaptive(static):
-        buffer = _loop.batch_like(rec.n, buffer)
-    ct_c = eqx.filter(ct_carry, diff_mask)
-    init = (rec.it, buffer, jtu.tree_map(jnp.zeros_like, p_diff), ct_c)
+    loop_state = (
+        _stack(final, layout.buffer),
+        jtu.tree_map(jnp.zeros_like, p_diff),
+        eqx.filter(ct_carry, diff_mask),
+    )
+    # Batched up front wherever anything is (see `batch_like`); the chunk bounds
+    # stay unbatched.
+    loop_state = _loop.batch_like((rec, dynamic, ct_carry), loop_state)
+    init = (rec.it, *loop_state)
     _, _, ct_p, ct_c = lax.while_loop(lambda s: s[0] > 0, chunk, init)
     ct_dynamic = _fill_zeros(
         eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic
