@@ -154,13 +154,14 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
     So the cost follows the steps actually taken (one forward pass, one recomputation,
     one backward pass; no recomputation for a solve of at most `S` steps) and
     `max_steps` only sizes the memory: with
-    `checkpoints=None`, `S = ceil(sqrt(max_steps))` and chunks of
-    `ceil(max_steps / S)` steps, so memory grows like `sqrt(max_steps)` states.
+    `checkpoints=None`, `S = max(ceil(sqrt(max_steps)), min(128, max_steps))` and
+    chunks of `ceil(max_steps / S)` steps, so memory grows like `sqrt(max_steps)`
+    states.
 
     **Arguments:**
 
     - `checkpoints`: the number of checkpoint slots `S` (rounded up to even); `None`
-        for `ceil(sqrt(max_steps))`. Needed for reverse mode with `max_steps=None`
+        for the default above. Needed for reverse mode with `max_steps=None`
         (chunks are then `S` steps long, and a solve of more than `S**2` steps is
         recomputed more than once).
     """
@@ -198,11 +199,15 @@ class Layout(NamedTuple):
 
 
 _MAX_SLOTS = 46340  # so that `_slot`'s products of two slot numbers fit in int32
+# Default slots at least: a solve of up to this many steps is never recomputed (most
+# adaptive solves; measured: LV ensemble gradient, 104-125 steps, 46 ms against 56 ms
+# with 64 slots), for at most 128 stored states per trajectory.
+_MIN_SLOTS = 128
 
 
 def _layout(max_steps: int | None, checkpoints: int | None) -> Layout:
     if checkpoints is None:
-        slots = _ceil_sqrt(max_steps)
+        slots = max(_ceil_sqrt(max_steps), min(_MIN_SLOTS, max_steps))
     else:
         slots = checkpoints if max_steps is None else min(checkpoints, max_steps)
     slots = min(max(2, slots + slots % 2), _MAX_SLOTS)  # even: thinning halves them

@@ -152,7 +152,7 @@ def _euler_reference_grad(theta, n=37, dt=0.1):
         (3, 40),  # (4, 10): stride 16 > buffer
         (8, 40),  # (8, 5): stride 8 > buffer
         (40, 40),  # (40, 1): every step stored, nothing recomputed
-        (None, 40),  # (8, 5): the default
+        (None, 40),  # (40, 1): the default (at least 128 slots, at most max_steps)
         (3, None),  # (4, 4): no bound on the steps
     ],
 )
