@@ -288,14 +288,16 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
         stride = 1 << level
         due = active & (rec.it % stride == 0)
         row = _slot(rec.it // stride, level, slots)
-        new = _loop.tree_where(due, before, _row(rec.store, row))
+        store = jtu.tree_map(
+            lambda s, x: _loop.set_row(s, row, due, x), rec.store, before
+        )
         n = rec.n + jnp.asarray(active, jnp.int32)
-        return _Record(_put_row(rec.store, row, new), n, rec.it + 1, level)
+        return _Record(store, n, rec.it + 1, level)
 
-    store, n = _stack(carry, slots), jnp.asarray(0, jnp.int32)
+    zero = jnp.asarray(0, jnp.int32)
+    store, n = _stack(carry, slots), zero
     if _loop.adaptive(problem):  # see `batch_like`; the counters stay unbatched
         store, n = _loop.batch_like(carry.num_steps, (store, n))
-    zero = jnp.asarray(0, jnp.int32)
     rec = _Record(store, n, zero, zero)
     carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record)
     return (carry, bufs), (rec, bufs, carry)
@@ -383,7 +385,8 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
         def back(i, cts):
             ct_p, ct_c = cts
             k = end - 1 - i  # the step to pull back through
-            stored = _row(rec.store, _slot(k, rec.level, layout.slots))
+            # At stride 1 the store holds every step, in order (`_slot(k, 0) == k`).
+            stored = _row(rec.store, k)
             carry = _loop.tree_where(rec.level == 0, stored, _row(buffer, k - start))
             dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
             active = k < rec.n
