@@ -269,10 +269,112 @@ def _is_dropped(var) -> bool:
 _CALLS = frozenset({"pjit", "jit", "closed_call"})  # nested calls merged inside too
 
 
+# --- Slices of one array as one split ---------------------------------------------
+#
+# The transpose of `slice` is a `pad` of the cotangent. A field that indexes its state
+# (`y[0]`, `y[1:]`) sums several such pads per stage, and XLA:CPU fuses the chains of
+# pads through a many-stage Runge-Kutta step into loops whose cost grows far faster
+# than the number of stages: the Lorenz ensemble's reverse step cost 10x its forward
+# step (`python -m benchmarks.vjp_stages`). So the slices of one array along one axis
+# become one `split` at every boundary they use (and `concatenate`s of its pieces
+# where a slice spans several). The transpose of `split` is a single `concatenate` of
+# the pieces' cotangents, with no pad; forward, XLA lowers a `split` to the same
+# slices as before.
+
+
+def _slice_axis(eqn, shape):
+    """The one axis a unit-stride `slice` equation cuts, else None."""
+    params = eqn.params
+    strides = params.get("strides")
+    if strides is not None and any(s != 1 for s in strides):
+        return None
+    bounds = zip(params["start_indices"], params["limit_indices"], shape)
+    cut = [d for d, (a, b, n) in enumerate(bounds) if (a, b) != (0, n)]
+    return cut[0] if len(cut) == 1 else None
+
+
+def _split_equations(x, axis, slices):
+    """Equations computing every one of `slices` (of `x`, along `axis`) from one
+    `split`, writing the slices' own output variables; None where that fails."""
+    aval = x.aval
+    starts = [int(e.params["start_indices"][axis]) for e in slices]
+    limits = [int(e.params["limit_indices"][axis]) for e in slices]
+    bounds = sorted({0, aval.shape[axis], *starts, *limits})
+    at = {b: k for k, b in enumerate(bounds)}
+    sizes = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+    def pieces(v):
+        parts = jax.lax.split(v, sizes, axis=axis)
+        return [
+            parts[at[a]]
+            if at[b] - at[a] == 1
+            else jax.lax.concatenate(parts[at[a] : at[b]], axis)
+            for a, b in zip(starts, limits)
+        ]
+
+    struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    with _hoisting_constants():
+        template = jax.make_jaxpr(pieces)(struct)
+    outs = template.jaxpr.outvars
+    if (
+        template.consts
+        or not all(isinstance(v, jex.Var) for v in outs)
+        or len(set(outs)) != len(outs)
+        or set(outs) & set(template.jaxpr.invars)
+        or any(v.aval != e.outvars[0].aval for v, e in zip(outs, slices))
+    ):
+        return None  # pragma: no cover - no JAX we support traces it otherwise
+    rename = {template.jaxpr.invars[0]: x}
+    rename.update(zip(outs, (e.outvars[0] for e in slices)))
+    return [
+        e.replace(
+            invars=[
+                rename.get(v, v) if isinstance(v, jex.Var) else v for v in e.invars
+            ],
+            outvars=[rename.get(v, v) for v in e.outvars],
+        )
+        for e in template.jaxpr.eqns
+    ]
+
+
+def _split_slices(jaxpr):
+    """`jaxpr` with the unit-stride slices of each array along one axis computed by
+    one `split` (see above), placed where the first of them was."""
+    if not hasattr(jax.lax, "split"):  # pragma: no cover - JAX < 0.4.36
+        return jaxpr
+    groups: dict = {}  # array -> [axis or None when not splittable, equation indices]
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "slice" or _is_dropped(eqn.outvars[0]):
+            continue
+        x = eqn.invars[0]
+        aval = getattr(x, "aval", None)
+        if not isinstance(x, jex.Var) or not isinstance(aval, jax.core.ShapedArray):
+            continue
+        if not isinstance(aval.dtype, np.dtype):
+            continue  # say, a key array: left as it is
+        axis = _slice_axis(eqn, aval.shape)
+        group = groups.setdefault(x, [axis, []])
+        if axis is None or group[0] != axis:
+            group[0] = None
+        group[1].append(i)
+    replace: dict = {}  # equation index -> the equations that take its place
+    for x, (axis, indices) in groups.items():
+        new = None
+        if axis is not None:
+            new = _split_equations(x, axis, [jaxpr.eqns[i] for i in indices])
+        if new is not None:
+            replace.update({i: [] for i in indices})
+            replace[indices[0]] = new
+    if not replace:
+        return jaxpr
+    eqns = [new for i, eqn in enumerate(jaxpr.eqns) for new in replace.get(i, [eqn])]
+    return jaxpr.replace(eqns=eqns)
+
+
 def _cse(jaxpr, memo=None):
     """`jaxpr` with each repeated equation (same primitive, parameters and inputs, no
-    effects) removed and its outputs replaced by the first one's; the same inside
-    nested `jit` calls."""
+    effects) removed and its outputs replaced by the first one's, and the slices of an
+    array made one split; the same inside nested `jit` calls."""
     memo = {} if memo is None else memo  # id(inner ClosedJaxpr) -> (it, merged)
     rename: dict = {}
     seen: dict = {}
@@ -319,10 +421,12 @@ def _cse(jaxpr, memo=None):
         if key is not None and not any(_is_dropped(v) for v in eqn.outvars):
             seen[key] = eqn
         eqns.append(eqn)
-    if not changed:
-        return jaxpr
-    outvars = [rename.get(v, v) if isinstance(v, jex.Var) else v for v in jaxpr.outvars]
-    return jaxpr.replace(eqns=eqns, outvars=outvars)
+    if changed:
+        outvars = [
+            rename.get(v, v) if isinstance(v, jex.Var) else v for v in jaxpr.outvars
+        ]
+        jaxpr = jaxpr.replace(eqns=eqns, outvars=outvars)
+    return _split_slices(jaxpr)
 
 
 # --- Evaluation inside shard_map with varying-manual-axes checks --------------------
