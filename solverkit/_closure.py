@@ -299,6 +299,8 @@ def _split_equations(x, axis, slices):
     aval = x.aval
     starts = [int(e.params["start_indices"][axis]) for e in slices]
     limits = [int(e.params["limit_indices"][axis]) for e in slices]
+    if any(a >= b for a, b in zip(starts, limits)):
+        return None  # an empty slice: no piece to take
     bounds = sorted({0, aval.shape[axis], *starts, *limits})
     at = {b: k for k, b in enumerate(bounds)}
     sizes = tuple(b - a for a, b in zip(bounds, bounds[1:]))
