@@ -739,7 +739,9 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
     method, a callable object or an `equinox.Module`. Tracers of enclosing
     transformations (`vmap`, `grad`, `jvp`, `jit`, ...) and concrete arrays alike
     become `consts`. Repeated equations of the traced function (the same operation on
-    the same inputs, without effects) are merged, which makes its reverse mode cheaper.
+    the same inputs, without effects) are merged, and the unit-stride slices of an
+    array along one axis are taken with one `split`, which makes its reverse mode
+    cheaper.
 
     **Arguments:**
 
