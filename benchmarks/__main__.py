@@ -113,6 +113,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "case=seconds,...: once a case has run this long, its tasks not yet "
         "started are skipped",
     )
+    parser.add_argument(
+        "--grad-max-size",
+        type=int,
+        default=None,
+        help="largest ensemble size N for gradient variants; larger ones are "
+        "recorded as skipped (checkpoints take memory: the Lorenz gradient needs "
+        "about 16 KiB per trajectory)",
+    )
     args = parser.parse_args(argv)
     if not args.cases:
         parser.error("--cases: name at least one case")
@@ -283,7 +291,11 @@ def run_case(
         record = Record(case.name, task.variant, size, task.library, task.dtype)
         records.append(record)
         slow = too_slow.get((task.variant, task.library))
-        if time.monotonic() > deadline:
+        too_big = args.grad_max_size is not None and size > args.grad_max_size
+        if too_big and "grad" in task.variant:
+            record.status = "skipped"
+            record.note = f"N over --grad-max-size {args.grad_max_size}"
+        elif time.monotonic() > deadline:
             record.status = "skipped"
             record.note = f"past --deadline ({seconds:g} s for this case)"
         elif slow is not None and size > slow:

@@ -40,8 +40,10 @@ fi
 "$PYTHON" -c "import jax; print('gpu.sh: jax', jax.__version__, jax.devices())" >&2
 
 # 3 cases x deadline + the last task of each + start-up stays under 8 minutes; the
-# timeout is a backstop (results are written after every case).
+# timeout is a backstop (results are written after every case). Gradients stop at
+# N = 2^22: the Lorenz gradient keeps about 16 KiB of checkpoints per trajectory
+# (15.6 MiB at N = 1024 on CPU), so 2^24 would need about 256 GiB.
 exec timeout --signal=INT 470 "$PYTHON" -m benchmarks \
     --cases lorenz,lotka_volterra,neural_ode \
     --deadline lorenz=170,lotka_volterra=100,neural_ode=80 \
-    --budget 30 --repeats 5 "$@"
+    --grad-max-size 4194304 --budget 30 --repeats 5 "$@"
