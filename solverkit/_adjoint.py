@@ -280,22 +280,24 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
     is then a one-row write, not a scatter. Save buffers are written once per row and
     never read by the loop, so they are not checkpointed: the backward pass reads each
     written row's cotangent directly.
+
+    Every element writes, finished or not, so that a store is a plain write (no read
+    of the old row, no select): a finished element writes its final carry, into the
+    checkpoints of steps at or past its `n`, which the backward pass masks out; an
+    iteration off the stride writes a scratch row, `slots`, that is never read.
     """
     slots = layout.slots
 
     def record(rec: _Record, before: Carry, active) -> _Record:
         level = rec.level + (rec.it == slots << rec.level).astype(jnp.int32)
         stride = 1 << level
-        due = active & (rec.it % stride == 0)
-        row = _slot(rec.it // stride, level, slots)
-        store = jtu.tree_map(
-            lambda s, x: _loop.set_row(s, row, due, x), rec.store, before
-        )
+        due = rec.it % stride == 0
+        row = where(due, _slot(rec.it // stride, level, slots), slots)
         n = rec.n + jnp.asarray(active, jnp.int32)
-        return _Record(store, n, rec.it + 1, level)
+        return _Record(_put_row(rec.store, row, before), n, rec.it + 1, level)
 
     zero = jnp.asarray(0, jnp.int32)
-    store, n = _stack(carry, slots), zero
+    store, n = _stack(carry, slots + 1), zero
     if _loop.adaptive(problem):  # see `batch_like`; the counters stay unbatched
         store, n = _loop.batch_like(carry.num_steps, (store, n))
     rec = _Record(store, n, zero, zero)
@@ -386,8 +388,11 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
             ct_p, ct_c = cts
             k = end - 1 - i  # the step to pull back through
             # At stride 1 the store holds every step, in order (`_slot(k, 0) == k`).
-            stored = _row(rec.store, k)
-            carry = _loop.tree_where(rec.level == 0, stored, _row(buffer, k - start))
+            carry = lax.cond(
+                rec.level == 0,
+                lambda: _row(rec.store, k),
+                lambda: _row(buffer, k - start),
+            )
             dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
             active = k < rec.n
             ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
