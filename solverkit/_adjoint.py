@@ -250,7 +250,8 @@ def _put_row(stack, i, row):
 class _Record(NamedTuple):
     """The checkpointing forward pass's own loop state."""
 
-    store: Carry  # `slots` carries, stacked: the carry before steps 0, w, 2w, ...
+    store: Carry  # `slots` carries (and a scratch row), stacked: the carry before
+    # steps 0, w, 2w, ... (`_slot` says where)
     n: jax.Array  # steps taken by this batch element
     it: jax.Array  # loop iterations so far (never batched: the same for every element)
     level: jax.Array  # how often the stride has doubled: `w = 2**level` (never batched)
@@ -388,6 +389,9 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
             ct_p, ct_c = cts
             k = end - 1 - i  # the step to pull back through
             # At stride 1 the store holds every step, in order (`_slot(k, 0) == k`).
+            # A `cond` (the predicate is unbatched) reads one of the two: a select of
+            # both let XLA fuse both strided reads into the pullback's fusions, once
+            # per consumer (measured: LV gradient 31 -> 20 ms with the cond).
             carry = lax.cond(
                 rec.level == 0,
                 lambda: _row(rec.store, k),
