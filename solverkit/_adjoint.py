@@ -153,10 +153,13 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
 
     So the cost follows the steps actually taken (one forward pass, one recomputation,
     one backward pass; no recomputation for a solve of at most `S` steps) and
-    `max_steps` only sizes the memory: with
-    `checkpoints=None`, `S = max(ceil(sqrt(max_steps)), min(128, max_steps))` and
-    chunks of `ceil(max_steps / S)` steps, so memory grows like `sqrt(max_steps)`
-    states.
+    `max_steps` only sizes the memory. With `checkpoints=None`, `S = 128` slots
+    (`max_steps` if fewer) and a buffer of 32 steps, and past `128 * 32 = 4096` steps
+    `ceil(max_steps / 4096)` mid checkpoints: the backward pass walks a long segment
+    back from evenly spaced carries stored while recomputing its first chunk (two
+    recomputations). So a short solve costs the same whatever `max_steps` is, and
+    memory grows slowly with `max_steps`: 160 states up to 4096, 185 at `10**5`,
+    305 at `10**6` (then like its cube root).
 
     **Arguments:**
 
@@ -191,11 +194,14 @@ def _ceil_sqrt(n: int) -> int:
 
 
 class Layout(NamedTuple):
-    """The memory of a checkpointed loop: `slots` checkpoints, and a buffer of
-    `buffer` recomputed states."""
+    """The memory of a checkpointed loop: `slots` checkpoints in the forward pass; in
+    the backward pass a buffer of `buffer` recomputed states and, when a segment
+    between two checkpoints can be longer than the buffer, `mid` checkpoints of the
+    segment being walked back (0: none)."""
 
     slots: int
     buffer: int
+    mid: int = 0
 
 
 _MAX_SLOTS = 46340  # so that `_slot`'s products of two slot numbers fit in int32
@@ -203,16 +209,32 @@ _MAX_SLOTS = 46340  # so that `_slot`'s products of two slot numbers fit in int3
 # adaptive solves; measured: LV ensemble gradient, 104-125 steps, 46 ms against 56 ms
 # with 64 slots), for at most 128 stored states per trajectory.
 _MIN_SLOTS = 128
+# Default buffer at least: a solve of up to `_MIN_SLOTS * _MIN_BUFFER` steps is
+# recomputed once. Past that the default adds `mid` checkpoints instead of growing the
+# buffer: every allocated row costs its fill on every call, whatever the steps taken
+# (measured: Lorenz gradient, 111 steps, 28 ms with 161 rows, 50 ms with the 634 rows
+# of a square-root layout at max_steps 1e5).
+_MIN_BUFFER = 32
+
+
+def _ceil_cbrt(n: int) -> int:
+    root = round(n ** (1 / 3))
+    return root + (root**3 < n)
 
 
 def _layout(max_steps: int | None, checkpoints: int | None) -> Layout:
-    if checkpoints is None:
-        slots = max(_ceil_sqrt(max_steps), min(_MIN_SLOTS, max_steps))
-    else:
+    if checkpoints is not None:
         slots = checkpoints if max_steps is None else min(checkpoints, max_steps)
-    slots = min(max(2, slots + slots % 2), _MAX_SLOTS)  # even: thinning halves them
-    buffer = slots if max_steps is None else max(1, -(-max_steps // slots))
-    return Layout(slots, buffer)
+        slots = min(max(2, slots + slots % 2), _MAX_SLOTS)  # even: thinning halves
+        buffer = slots if max_steps is None else max(1, -(-max_steps // slots))
+        return Layout(slots, buffer)
+    # Memory about `3 * max_steps**(1/3)` states, at most two recomputations.
+    slots = max(_ceil_cbrt(max_steps), min(_MIN_SLOTS, max_steps))
+    slots = min(max(2, slots + slots % 2), _MAX_SLOTS)
+    per_slot = max(1, -(-max_steps // slots))
+    buffer = min(per_slot, max(_MIN_BUFFER, _ceil_sqrt(per_slot)))
+    mid = 0 if per_slot <= buffer else -(-per_slot // buffer)
+    return Layout(slots, buffer, mid)
 
 
 def _run(problem: Problem, carry: Carry, bufs: Buffers):
@@ -336,37 +358,92 @@ def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next):
     return pullback((ct_next, rev.ct_bufs))
 
 
-def _refill(rev: _Reverse, p_diff, buffer: Carry, start, end) -> Carry:
-    """`buffer` holding the carries before steps `start, ..., end - 1`, recomputed
-    from the checkpoint at or before `start` (nothing, when every step is stored).
+class _Chunk(NamedTuple):
+    """Where a chunk of the backward pass starts, and where its recomputation does."""
 
-    Recomputed, never loaded from the other checkpoints in between: a stored
+    start: jax.Array  # the chunk's first step (its carry goes to the buffer's row 0)
+    source: Carry  # the carry before step `begin`
+    begin: jax.Array  # recompute from here: a checkpoint at or before `start`
+    segment: jax.Array  # the checkpoint that starts the chunk's segment
+    mid_stride: jax.Array | None  # steps between mid checkpoints; None: not used
+
+
+def _chunk(rev: _Reverse, end, mids, mids_of) -> _Chunk:
+    """The chunk that ends before step `end`, and the checkpoint to recompute it from.
+
+    Chunks hold at most `layout.buffer` steps: whole segments (between two
+    checkpoints) where they fit, else pieces of one segment. With `layout.mid` and
+    segments longer than the buffer, the first chunk of a segment is recomputed from
+    the segment's checkpoint, storing `mid` evenly spaced carries of the segment on
+    the way (`mids`, valid for the segment starting at `mids_of`); its other chunks
+    start from the nearest of those.
+    """
+    layout, level = rev.layout, rev.rec.level
+    stride = 1 << level
+    last = end - 1
+    span = jnp.maximum((layout.buffer // stride) * stride, stride)
+    segment = (last // span) * span
+    source = _row(rev.rec.store, _slot(segment // stride, level, layout.slots))
+    if not layout.mid:
+        start = segment + ((last - segment) // layout.buffer) * layout.buffer
+        return _Chunk(start, source, segment, segment, None)
+    deep = layout.buffer < stride  # unbatched, and the same for every chunk
+    # Not deep: only the segment's first carry is due, and never read.
+    mid_stride = jnp.where(deep, -(-stride // layout.mid), span)
+    mid = segment + ((last - segment) // mid_stride) * mid_stride
+    have = deep & (mids_of == segment)
+    source = lax.cond(
+        have, lambda: _row(mids, (mid - segment) // mid_stride), lambda: source
+    )
+    start = mid + ((last - mid) // layout.buffer) * layout.buffer
+    return _Chunk(start, source, jnp.where(have, mid, segment), segment, mid_stride)
+
+
+def _refill(rev: _Reverse, p_diff, buffer: Carry, mids, chunk: _Chunk, end):
+    """`buffer` holding the carries before steps `chunk.start, ..., end - 1`,
+    recomputed from `chunk.source` (nothing, when every step is stored), and `mids`
+    updated with the mid checkpoints passed on the way.
+
+    Recomputed, never loaded from the forward pass's checkpoints in between: a stored
     carry spliced into a recomputed run can differ from it in the last bit (another
     compilation of the step), which the step-size controller amplifies (measured:
-    1e-9 relative gradient error on Lotka-Volterra at rtol 1e-10).
+    1e-9 relative gradient error on Lotka-Volterra at rtol 1e-10). Mid checkpoints
+    come from this same recomputation, so they splice exactly.
     """
     problem = eqx.combine(p_diff, rev.p_rest, rev.static)
-    stride = 1 << rev.rec.level
-    index = start // stride
-    checkpoint = _row(rev.rec.store, _slot(index, rev.rec.level, rev.layout.slots))
+    start, begin = chunk.start, chunk.begin
+    use_mids = chunk.mid_stride is not None
+
+    def mid_row(k):  # where the carry before step `k` goes; `mid` is a scratch row
+        offset = k - chunk.segment
+        due = (offset % chunk.mid_stride == 0) & (
+            offset // chunk.mid_stride < rev.layout.mid
+        )
+        return jnp.where(due, offset // chunk.mid_stride, rev.layout.mid)
 
     def body(k, state):  # step `k`; store the carry before step `k + 1`
-        carry, buffer = state
+        carry, buffer, mids = state
         new, _ = _loop.step(problem, carry)
         carry = _loop.tree_where(k < rev.rec.n, new, carry)
         row = jnp.maximum(k + 1 - start, 0)  # before `start`: overwritten later
-        return carry, _put_row(buffer, row, carry)
+        if use_mids:
+            mids = _put_row(mids, mid_row(k + 1), carry)
+        return carry, _put_row(buffer, row, carry), mids
 
-    state = (checkpoint, _put_row(buffer, 0, checkpoint))
+    source = chunk.source
+    buffer = _put_row(buffer, 0, source)
+    if use_mids:
+        mids = _put_row(mids, mid_row(begin), source)
     # With every step stored (stride 1) nothing is recomputed: `back` reads the store.
-    last = jnp.where(rev.rec.level == 0, index * stride, end - 1)
-    return lax.fori_loop(index * stride, last, body, state)[1]
+    last = jnp.where(rev.rec.level == 0, begin, end - 1)
+    _, buffer, mids = lax.fori_loop(begin, last, body, (source, buffer, mids))
+    return buffer, mids
 
 
 def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
     """The steps in reverse, a chunk of at most `layout.buffer` steps at a time:
     refill the buffer with the chunk's carries, then pull the cotangent back through
-    its steps, last first. A chunk starts at a checkpoint."""
+    its steps, last first."""
     rec, bufs, final = residuals
     ct_carry, ct_bufs = cotangents
     # Both are the same for every batch element; make sure `vmap` knows it.
@@ -375,15 +452,12 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
     p_diff, p_rest = eqx.partition(dynamic, _parameters(dynamic))
     ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
     rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, rec, layout)
-    stride = 1 << rec.level
-    # Whole segments per chunk where they fit, else pieces of one segment.
-    span = jnp.maximum((layout.buffer // stride) * stride, stride)
 
     def chunk(state):
-        end, buffer, ct_p, ct_c = state
-        segment = ((end - 1) // span) * span
-        start = segment + ((end - 1 - segment) // layout.buffer) * layout.buffer
-        buffer = _refill(rev, p_diff, buffer, start, end)
+        end, mids_of, buffer, mids, ct_p, ct_c = state
+        where_from = _chunk(rev, end, mids, mids_of)
+        start = where_from.start
+        buffer, mids = _refill(rev, p_diff, buffer, mids, where_from, end)
 
         def back(i, cts):
             ct_p, ct_c = cts
@@ -403,18 +477,19 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
             return ct_p, _loop.tree_where(active, dc, ct_c)
 
         ct_p, ct_c = lax.fori_loop(0, end - start, back, (ct_p, ct_c))
-        return start, buffer, ct_p, ct_c
+        return start, where_from.segment, buffer, mids, ct_p, ct_c
 
     loop_state = (
         _stack(final, layout.buffer),
+        _stack(final, layout.mid + 1) if layout.mid else None,
         jtu.tree_map(jnp.zeros_like, p_diff),
         eqx.filter(ct_carry, diff_mask),
     )
     # Batched up front wherever anything is (see `batch_like`); the chunk bounds
     # stay unbatched.
     loop_state = _loop.batch_like((rec, dynamic, ct_carry), loop_state)
-    init = (rec.it, *loop_state)
-    _, _, ct_p, ct_c = lax.while_loop(lambda s: s[0] > 0, chunk, init)
+    init = (rec.it, jnp.asarray(-1, jnp.int32), *loop_state)
+    *_, ct_p, ct_c = lax.while_loop(lambda s: s[0] > 0, chunk, init)
     ct_dynamic = _fill_zeros(
         eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic
     )

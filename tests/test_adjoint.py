@@ -18,6 +18,7 @@ from helpers import (
 )
 
 import solverkit as sk
+from solverkit import _adjoint
 
 
 pytestmark = pytest.mark.usefixtures("x64")
@@ -161,6 +162,54 @@ def test_few_checkpoints(checkpoints, max_steps):
     grad = eqx.filter_jit(jax.grad(_euler_final))
     got = grad(jnp.asarray(0.7), adjoint, max_steps)
     np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
+
+
+
+@pytest.mark.parametrize(
+    "layout, max_steps",
+    [
+        # (slots, buffer, mid) for the 37 steps: stride, and steps per mid checkpoint.
+        # Each case its own `max_steps`, so that `diffeqsolve`'s jit cache retraces.
+        ((4, 4, 4), 41),  # stride 16 > buffer; 4 per mid checkpoint
+        ((2, 4, 8), 42),  # stride 32; 4 per mid checkpoint
+        ((4, 2, 3), 43),  # stride 16; 6 per mid checkpoint > buffer: pieces of those
+        ((8, 8, 2), 44),  # stride 8 = buffer: mid checkpoints compiled in, not used
+    ],
+)
+def test_mid_checkpoints(layout, max_steps, monkeypatch):
+    used = []
+    monkeypatch.setattr(
+        _adjoint, "_layout", lambda *_: used.append(layout) or _adjoint.Layout(*layout)
+    )
+    grad = eqx.filter_jit(jax.grad(_euler_final))
+    got = grad(jnp.asarray(0.7), RCA, max_steps)
+    assert used
+    np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
+
+
+def test_default_layout_past_buffer_times_slots():
+    # 4400 steps with max_steps 5000: (128 slots, 32 buffer, 2 mid checkpoints);
+    # stride 64, so every segment is walked back from its mid checkpoints.
+    assert _adjoint._layout(5000, None) == _adjoint.Layout(128, 32, 2)
+
+    def final(theta):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -args * y * (jnp.sin(t) + 1.5)),
+            sk.Euler(),
+            0.0,
+            4.4,
+            0.001,
+            jnp.array([1.0, 2.0]),
+            theta,
+            saveat=sk.SaveAt(t1=True),
+            max_steps=5000,
+        )
+        return jnp.sum(sol.ys[-1] ** 2), sol.stats["num_steps"]
+
+    got, steps = jax.jit(jax.grad(final, has_aux=True))(jnp.asarray(0.7))
+    assert int(steps) == 4400
+    want = _euler_reference_grad(0.7, n=4400, dt=0.001)
+    np.testing.assert_allclose(got, want, rtol=1e-10)
 
 
 def _batched_decay_grads(adjoint):
