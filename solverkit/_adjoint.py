@@ -254,19 +254,53 @@ def _no_reverse_mode(static, dynamic, residuals, cotangents):
     )
 
 
-def _stack(tree, rows: int):
-    """`rows` zero copies of `tree`, stacked along a new leading axis."""
-    return jtu.tree_map(lambda x: jnp.zeros((rows,) + jnp.shape(x), x.dtype), tree)
+class _Stack(eqx.Module):
+    """Rows of copies of one pytree, packed into one `(rows, width)` array per dtype:
+    a row is one write and one read per dtype, not one per leaf (fewer kernels to
+    compile; measured: compiling the LV and Lorenz ensemble gradients of
+    `benchmarks.gradient_ab`, 1.75-2.1 s and 1.8-2.3 s before, 1.65-1.7 s and 1.5-1.6 s
+    after, the same run time)."""
+
+    arrays: tuple[jax.Array, ...]
+    treedef: jtu.PyTreeDef = eqx.field(static=True)
+    # Per leaf: which array, where in the row, and its shape.
+    places: tuple[tuple[int, int, tuple[int, ...]], ...] = eqx.field(static=True)
 
 
-def _row(stack, i):
-    return jtu.tree_map(lambda s: lax.dynamic_index_in_dim(s, i, 0, False), stack)
+def _stack(tree, rows: int) -> _Stack:
+    """`rows` zero copies of `tree`."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    dtypes, widths, places = [], [], []
+    for x in leaves:
+        dtype = jnp.result_type(x)
+        if dtype not in dtypes:
+            dtypes.append(dtype)
+            widths.append(0)
+        group = dtypes.index(dtype)
+        places.append((group, widths[group], jnp.shape(x)))
+        widths[group] += math.prod(jnp.shape(x))
+    arrays = tuple(jnp.zeros((rows, w), d) for d, w in zip(dtypes, widths))
+    return _Stack(arrays, treedef, tuple(places))
 
 
-def _put_row(stack, i, row):
-    return jtu.tree_map(
-        lambda s, r: lax.dynamic_update_index_in_dim(s, r, i, 0), stack, row
+def _row(stack: _Stack, i):
+    rows = [lax.dynamic_index_in_dim(a, i, 0, False) for a in stack.arrays]
+    leaves = [
+        lax.slice_in_dim(rows[g], start, start + math.prod(shape)).reshape(shape)
+        for g, start, shape in stack.places
+    ]
+    return jtu.tree_unflatten(stack.treedef, leaves)
+
+
+def _put_row(stack: _Stack, i, row) -> _Stack:
+    parts = [[] for _ in stack.arrays]
+    for (g, _, _), x in zip(stack.places, jtu.tree_leaves(row)):
+        parts[g].append(jnp.reshape(x, (-1,)))
+    arrays = tuple(
+        lax.dynamic_update_index_in_dim(a, jnp.concatenate(p), i, 0)
+        for a, p in zip(stack.arrays, parts)
     )
+    return _Stack(arrays, stack.treedef, stack.places)
 
 
 class _Record(NamedTuple):
