@@ -6,14 +6,22 @@ checkouts by alternating them:
 ```bash
 git worktree add /tmp/old <commit>
 for i in 1 2; do
-    PYTHONPATH=/tmp/old python -m benchmarks.gradient_ab old
+    (cd /tmp/old && python -m benchmarks.gradient_ab old)
     python -m benchmarks.gradient_ab new
 done
 ```
 
+(`python -m` puts the current directory first on `sys.path`, ahead of `PYTHONPATH`:
+run the old version from its own checkout.)
+
 Cases (N = 1024, `RecursiveCheckpointAdjoint`, jitted `jax.grad`, best of 10 runs after
 the first call): the Lotka-Volterra ensemble of `benchmarks --quick` (float32) and the
-Lorenz ensemble gradient (float64, PID 1e-8) at `max_steps` 4096 and 1e4.
+Lorenz ensemble gradient (float64, PID 1e-8) at `max_steps` 4096 and 1e4, or at those
+of an optional second argument (`python -m benchmarks.gradient_ab new 4096,100000`).
+
+Checkpoint memory is filled on every call, and programs compiled in one process can
+reuse each other's buffers, which hides part of that cost: compare `max_steps`
+settings in separate processes.
 """
 
 import sys
@@ -99,7 +107,8 @@ def main() -> None:
     ]
     jax.config.update("jax_enable_x64", True)
     rho = jnp.linspace(0.0, 21.0, 1024)
-    for max_steps in (4096, 10_000):
+    sweep = sys.argv[2] if len(sys.argv) > 2 else "4096,10000"
+    for max_steps in [int(float(m)) for m in sweep.split(",")]:
         grad = jax.jit(jax.grad(lambda r, m=max_steps: _lorenz(r, m)))
         rows.append((f"lorenz-{max_steps}", _best(grad, rho)))
     cells = [f"{k}: first {a:.2f} s, run {b * 1e3:.1f} ms" for k, (a, b) in rows]
