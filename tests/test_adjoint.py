@@ -3,6 +3,8 @@
 through `DirectAdjoint`; few checkpoints; and every way of holding a value in the
 vector field under `jit`, `vmap`, `grad`, `vmap(grad)` and `grad(vmap)`."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.flatten_util
@@ -120,19 +122,24 @@ def test_forward_mode_through_direct_adjoint():
 # --- Few checkpoints ------------------------------------------------------------------
 
 
-def _euler_final(theta, adjoint, max_steps=40):
-    # 37 Euler steps of y' = -theta y (sin t + 1.5).
-    sol = sk.diffeqsolve(
+def _euler_solve(theta, adjoint, max_steps, t1, dt):
+    """Euler steps of y' = -theta y (sin t + 1.5) from y0 = (1, 2)."""
+    return sk.diffeqsolve(
         sk.ODETerm(lambda t, y, args: -args * y * (jnp.sin(t) + 1.5)),
         sk.Euler(),
         0.0,
-        3.7,
-        0.1,
+        t1,
+        dt,
         jnp.array([1.0, 2.0]),
         theta,
         adjoint=adjoint,
         max_steps=max_steps,
     )
+
+
+def _euler_final(theta, adjoint, max_steps=40):
+    # 37 Euler steps.
+    sol = _euler_solve(theta, adjoint, max_steps, 3.7, 0.1)
     return jnp.sum(sol.ys[-1] ** 2)
 
 
@@ -164,7 +171,6 @@ def test_few_checkpoints(checkpoints, max_steps):
     np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
 
 
-
 @pytest.mark.parametrize(
     "layout, max_steps",
     [
@@ -193,17 +199,7 @@ def test_default_layout_past_buffer_times_slots():
     assert _adjoint._layout(5000, None) == _adjoint.Layout(128, 32, 2)
 
     def final(theta):
-        sol = sk.diffeqsolve(
-            sk.ODETerm(lambda t, y, args: -args * y * (jnp.sin(t) + 1.5)),
-            sk.Euler(),
-            0.0,
-            4.4,
-            0.001,
-            jnp.array([1.0, 2.0]),
-            theta,
-            saveat=sk.SaveAt(t1=True),
-            max_steps=5000,
-        )
+        sol = _euler_solve(theta, RCA, 5000, 4.4, 0.001)
         return jnp.sum(sol.ys[-1] ** 2), sol.stats["num_steps"]
 
     got, steps = jax.jit(jax.grad(final, has_aux=True))(jnp.asarray(0.7))
@@ -212,7 +208,7 @@ def test_default_layout_past_buffer_times_slots():
     np.testing.assert_allclose(got, want, rtol=1e-10)
 
 
-def _batched_decay_grads(adjoint):
+def _batched_decay_grads(adjoint, max_steps=200):
     """Gradients of an ensemble whose members take different numbers of adaptive
     steps (12 to 63): w.r.t. a closed-over float, through a closed-over int
     index into a closed-over table, vmapped over both."""
@@ -229,7 +225,7 @@ def _batched_decay_grads(adjoint):
             jnp.array([1.0, -0.5]),
             stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
             adjoint=adjoint,
-            max_steps=200,
+            max_steps=max_steps,
         )
         return jnp.sum(sol.ys[-1] ** 2), sol.stats["num_steps"]
 
@@ -237,14 +233,40 @@ def _batched_decay_grads(adjoint):
     return jax.jit(grad)(jnp.array([1.0, 0.9, 1.1, 1.0]), jnp.arange(4))
 
 
+@functools.cache
+def _batched_decay_direct():
+    return _batched_decay_grads(DIRECT)
+
+
 def test_checkpoints_under_vmap_with_different_step_counts():
     # Few slots: the stride doubles while the shortest solves have long finished.
-    want, steps = _batched_decay_grads(DIRECT)
+    want, steps = _batched_decay_direct()
     assert len(set(np.asarray(steps).tolist())) == 4
     for adjoint in [RCA, sk.RecursiveCheckpointAdjoint(checkpoints=4)]:
         got, got_steps = _batched_decay_grads(adjoint)
         np.testing.assert_array_equal(got_steps, steps)
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "layout, max_steps",
+    [
+        ((4, 4, 4), 201),  # 63 steps: stride 16, 4 per mid checkpoint
+        ((4, 2, 3), 202),  # stride 16, 6 per mid checkpoint > buffer: pieces
+    ],
+)
+def test_mid_checkpoints_under_vmap(layout, max_steps, monkeypatch):
+    # Mid checkpoints of elements that finished earlier hold their final state; the
+    # backward pass masks those steps. Own `max_steps`: see `test_mid_checkpoints`.
+    want, steps = _batched_decay_direct()
+    used = []
+    monkeypatch.setattr(
+        _adjoint, "_layout", lambda *_: used.append(layout) or _adjoint.Layout(*layout)
+    )
+    got, got_steps = _batched_decay_grads(RCA, max_steps)
+    assert used
+    np.testing.assert_array_equal(got_steps, steps)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-14)
 
 
 # --- Closed-over values of every kind, under every transformation --------------------
