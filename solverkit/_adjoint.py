@@ -228,7 +228,9 @@ def _layout(max_steps: int | None, checkpoints: int | None) -> Layout:
         slots = min(max(2, slots + slots % 2), _MAX_SLOTS)  # even: thinning halves
         buffer = slots if max_steps is None else max(1, -(-max_steps // slots))
         return Layout(slots, buffer)
-    # Memory about `3 * max_steps**(1/3)` states, at most two recomputations.
+    # At most two recomputations of a step. Memory: 128 + 32 states, plus one mid
+    # checkpoint per 4096 steps of `max_steps`; for huge `max_steps`, about
+    # `3 * max_steps**(1/3)` states.
     slots = max(_ceil_cbrt(max_steps), min(_MIN_SLOTS, max_steps))
     slots = min(max(2, slots + slots % 2), _MAX_SLOTS)
     per_slot = max(1, -(-max_steps // slots))
@@ -433,7 +435,7 @@ def _chunk(rev: _Reverse, end, mids, mids_of) -> _Chunk:
     return _Chunk(start, source, jnp.where(have, mid, segment), segment, mid_stride)
 
 
-def _refill(rev: _Reverse, p_diff, buffer: Carry, mids, chunk: _Chunk, end):
+def _refill(rev: _Reverse, p_diff, buffer: _Stack, mids, chunk: _Chunk, end):
     """`buffer` holding the carries before steps `chunk.start, ..., end - 1`,
     recomputed from `chunk.source` (nothing, when every step is stored), and `mids`
     updated with the mid checkpoints passed on the way.
@@ -449,6 +451,7 @@ def _refill(rev: _Reverse, p_diff, buffer: Carry, mids, chunk: _Chunk, end):
     use_mids = chunk.mid_stride is not None
 
     def mid_row(k):  # where the carry before step `k` goes; `mid` is a scratch row
+        # (the bound only matters when segments fit the buffer: see `_chunk`)
         offset = k - chunk.segment
         due = (offset % chunk.mid_stride == 0) & (
             offset // chunk.mid_stride < rev.layout.mid
