@@ -28,7 +28,7 @@ from ._loop import Buffers, Carry, Outputs, Problem
 from ._select import where
 from ._solver._linalg import lu_factorisation, value_and_jacobian
 from ._term import ClosureTerm, MultiTerm, total_vf
-from ._unvmap import unvmap_any, unvmap_max
+from ._unvmap import unvmap_any, unvmap_max, write_row
 
 
 def _standard_promotion(fn):
@@ -285,23 +285,31 @@ def _stack(tree, rows: int) -> _Stack:
     return _Stack(arrays, treedef, tuple(places))
 
 
-def _row(stack: _Stack, i):
-    rows = [lax.dynamic_index_in_dim(a, i, 0, False) for a in stack.arrays]
+def _pack(stack: _Stack, tree) -> tuple[jax.Array, ...]:
+    """`tree` as one row of `stack`: one flat array per array of the stack."""
+    parts = [[] for _ in stack.arrays]
+    for (g, _, _), x in zip(stack.places, jtu.tree_leaves(tree)):
+        parts[g].append(jnp.reshape(x, (-1,)))
+    return tuple(jnp.concatenate(p) for p in parts)
+
+
+def _unpack(stack: _Stack, row: tuple[jax.Array, ...]):
+    """The pytree of a row of `stack` (see `_pack`)."""
     leaves = [
-        lax.slice_in_dim(rows[g], start, start + math.prod(shape)).reshape(shape)
+        lax.slice_in_dim(row[g], start, start + math.prod(shape)).reshape(shape)
         for g, start, shape in stack.places
     ]
     return jtu.tree_unflatten(stack.treedef, leaves)
 
 
-def _put_row(stack: _Stack, i, row) -> _Stack:
-    parts = [[] for _ in stack.arrays]
-    for (g, _, _), x in zip(stack.places, jtu.tree_leaves(row)):
-        parts[g].append(jnp.reshape(x, (-1,)))
-    arrays = tuple(
-        lax.dynamic_update_index_in_dim(a, jnp.concatenate(p), i, 0)
-        for a, p in zip(stack.arrays, parts)
-    )
+def _get(stack: _Stack, i) -> tuple[jax.Array, ...]:
+    """Row `i` of `stack`, packed."""
+    return tuple(lax.dynamic_index_in_dim(a, i, 0, False) for a in stack.arrays)
+
+
+def _put(stack: _Stack, i, row: tuple[jax.Array, ...]) -> _Stack:
+    """`stack` with the packed `row` written at `i`."""
+    arrays = tuple(write_row(a, r, i) for a, r in zip(stack.arrays, row))
     return _Stack(arrays, stack.treedef, stack.places)
 
 
@@ -313,6 +321,18 @@ class _Record(NamedTuple):
     n: jax.Array  # steps taken by this batch element
     it: jax.Array  # loop iterations so far (never batched: the same for every element)
     level: jax.Array  # how often the stride has doubled: `w = 2**level` (never batched)
+
+
+def _div(a, b):
+    """`a // b` for non-negative int32 scalars, as C division: with no sign
+    corrections (as `//` has), XLA fuses it into its users instead of compiling a
+    kernel for each intermediate (each kernel costs ~9 ms to compile on the CPU)."""
+    return lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def _rem(a, b):
+    """`a % b` for non-negative int32 scalars (see `_div`)."""
+    return lax.rem(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
 
 
 def _slot(index, level, slots: int):
@@ -327,8 +347,8 @@ def _slot(index, level, slots: int):
     """
     if slots == 2:
         return index
-    power = lax.shift_left(jnp.asarray(1, jnp.int32), level) % (slots - 1)
-    return jnp.where(index == slots - 1, index, index * power % (slots - 1))
+    power = _rem(lax.shift_left(jnp.asarray(1, jnp.int32), level), slots - 1)
+    return jnp.where(index == slots - 1, index, _rem(index * power, slots - 1))
 
 
 def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout):
@@ -349,11 +369,11 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
 
     def record(rec: _Record, before: Carry, active) -> _Record:
         level = rec.level + (rec.it == slots << rec.level).astype(jnp.int32)
-        stride = 1 << level
-        due = rec.it % stride == 0
-        row = where(due, _slot(rec.it // stride, level, slots), slots)
+        due = (rec.it & ((1 << level) - 1)) == 0  # a multiple of the stride
+        row = where(due, _slot(rec.it >> level, level, slots), slots)
         n = rec.n + jnp.asarray(active, jnp.int32)
-        return _Record(_put_row(rec.store, row, before), n, rec.it + 1, level)
+        store = _put(rec.store, row, _pack(rec.store, before))
+        return _Record(store, n, rec.it + 1, level)
 
     zero = jnp.asarray(0, jnp.int32)
     store, n = _stack(carry, slots + 1), zero
@@ -398,7 +418,7 @@ class _Chunk(NamedTuple):
     """Where a chunk of the backward pass starts, and where its recomputation does."""
 
     start: jax.Array  # the chunk's first step (its carry goes to the buffer's row 0)
-    source: Carry  # the carry before step `begin`
+    source: tuple[jax.Array, ...]  # the carry before step `begin`, packed
     begin: jax.Array  # recompute from here: a checkpoint at or before `start`
     segment: jax.Array  # the checkpoint that starts the chunk's segment
     mid_stride: jax.Array | None  # steps between mid checkpoints; None: not used
@@ -417,21 +437,21 @@ def _chunk(rev: _Reverse, end, mids, mids_of) -> _Chunk:
     layout, level = rev.layout, rev.rec.level
     stride = 1 << level
     last = end - 1
-    span = jnp.maximum((layout.buffer // stride) * stride, stride)
-    segment = (last // span) * span
-    source = _row(rev.rec.store, _slot(segment // stride, level, layout.slots))
+    span = jnp.maximum((layout.buffer >> level) << level, stride)
+    segment = _div(last, span) * span
+    source = _get(rev.rec.store, _slot(segment >> level, level, layout.slots))
     if not layout.mid:
-        start = segment + ((last - segment) // layout.buffer) * layout.buffer
+        start = segment + _div(last - segment, layout.buffer) * layout.buffer
         return _Chunk(start, source, segment, segment, None)
     deep = layout.buffer < stride  # unbatched, and the same for every chunk
     # Not deep: only the segment's first carry is due, and never read.
-    mid_stride = jnp.where(deep, -(-stride // layout.mid), span)
-    mid = segment + ((last - segment) // mid_stride) * mid_stride
+    mid_stride = jnp.where(deep, _div(stride + layout.mid - 1, layout.mid), span)
+    mid = segment + _div(last - segment, mid_stride) * mid_stride
     have = deep & (mids_of == segment)
     source = lax.cond(
-        have, lambda: _row(mids, (mid - segment) // mid_stride), lambda: source
+        have, lambda: _get(mids, _div(mid - segment, mid_stride)), lambda: source
     )
-    start = mid + ((last - mid) // layout.buffer) * layout.buffer
+    start = mid + _div(last - mid, layout.buffer) * layout.buffer
     return _Chunk(start, source, jnp.where(have, mid, segment), segment, mid_stride)
 
 
@@ -453,24 +473,26 @@ def _refill(rev: _Reverse, p_diff, buffer: _Stack, mids, chunk: _Chunk, end):
     def mid_row(k):  # where the carry before step `k` goes; `mid` is a scratch row
         # (the bound only matters when segments fit the buffer: see `_chunk`)
         offset = k - chunk.segment
-        due = (offset % chunk.mid_stride == 0) & (
-            offset // chunk.mid_stride < rev.layout.mid
-        )
-        return jnp.where(due, offset // chunk.mid_stride, rev.layout.mid)
+        index = _div(offset, chunk.mid_stride)
+        due = (_rem(offset, chunk.mid_stride) == 0) & (index < rev.layout.mid)
+        return jnp.where(due, index, rev.layout.mid)
 
+    # The loop carries the carry packed, as the stacks store it: one output (and
+    # one kernel to compile) per packed array rather than per leaf.
     def body(k, state):  # step `k`; store the carry before step `k + 1`
-        carry, buffer, mids = state
-        new, _ = _loop.step(problem, carry)
-        carry = _loop.tree_where(k < rev.rec.n, new, carry)
+        packed, buffer, mids = state
+        new, _ = _loop.step(problem, _unpack(buffer, packed))
+        active = k < rev.rec.n
+        packed = tuple(where(active, a, b) for a, b in zip(_pack(buffer, new), packed))
         row = jnp.maximum(k + 1 - start, 0)  # before `start`: overwritten later
         if use_mids:
-            mids = _put_row(mids, mid_row(k + 1), carry)
-        return carry, _put_row(buffer, row, carry), mids
+            mids = _put(mids, mid_row(k + 1), packed)
+        return packed, _put(buffer, row, packed), mids
 
     source = chunk.source
-    buffer = _put_row(buffer, 0, source)
+    buffer = _put(buffer, 0, source)
     if use_mids:
-        mids = _put_row(mids, mid_row(begin), source)
+        mids = _put(mids, mid_row(begin), source)
     # With every step stored (stride 1) nothing is recomputed: `back` reads the store.
     last = jnp.where(rev.rec.level == 0, begin, end - 1)
     _, buffer, mids = lax.fori_loop(begin, last, body, (source, buffer, mids))
@@ -505,9 +527,10 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
             # per consumer (measured: LV gradient 31 -> 20 ms with the cond).
             carry = lax.cond(
                 rec.level == 0,
-                lambda: _row(rec.store, k),
-                lambda: _row(buffer, k - start),
+                lambda: _get(rec.store, k),
+                lambda: _get(buffer, k - start),
             )
+            carry = _unpack(buffer, carry)
             dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
             active = k < rec.n
             ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
