@@ -527,10 +527,9 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
             # per consumer (measured: LV gradient 31 -> 20 ms with the cond).
             carry = lax.cond(
                 rec.level == 0,
-                lambda: _get(rec.store, k),
-                lambda: _get(buffer, k - start),
+                lambda: _unpack(buffer, _get(rec.store, k)),
+                lambda: _unpack(buffer, _get(buffer, k - start)),
             )
-            carry = _unpack(buffer, carry)
             dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
             active = k < rec.n
             ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
