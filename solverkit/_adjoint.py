@@ -28,7 +28,7 @@ from ._loop import Buffers, Carry, Outputs, Problem
 from ._select import where
 from ._solver._linalg import lu_factorisation, value_and_jacobian
 from ._term import ClosureTerm, MultiTerm, total_vf
-from ._unvmap import unvmap_any, unvmap_max, write_row
+from ._unvmap import unvmap_any, unvmap_max
 
 
 def _standard_promotion(fn):
@@ -261,7 +261,8 @@ class _Stack(eqx.Module):
     a row is one write and one read per dtype, not one per leaf (fewer kernels to
     compile; measured: compiling the LV and Lorenz ensemble gradients of
     `benchmarks.gradient_ab`, 1.75-2.1 s and 1.8-2.3 s before, 1.65-1.7 s and 1.5-1.6 s
-    after, the same run time)."""
+    after, the same run time). Loops that carry a stored carry carry it packed, as
+    a row (`_get`, `_put`), and unpack it where it is used (`_unpack`)."""
 
     arrays: tuple[jax.Array, ...]
     treedef: jtu.PyTreeDef = eqx.field(static=True)
@@ -309,7 +310,9 @@ def _get(stack: _Stack, i) -> tuple[jax.Array, ...]:
 
 def _put(stack: _Stack, i, row: tuple[jax.Array, ...]) -> _Stack:
     """`stack` with the packed `row` written at `i`."""
-    arrays = tuple(write_row(a, r, i) for a, r in zip(stack.arrays, row))
+    arrays = tuple(
+        lax.dynamic_update_index_in_dim(a, r, i, 0) for a, r in zip(stack.arrays, row)
+    )
     return _Stack(arrays, stack.treedef, stack.places)
 
 
@@ -326,7 +329,8 @@ class _Record(NamedTuple):
 def _div(a, b):
     """`a // b` for non-negative int32 scalars, as C division: with no sign
     corrections (as `//` has), XLA fuses it into its users instead of compiling a
-    kernel for each intermediate (each kernel costs ~9 ms to compile on the CPU)."""
+    kernel for each intermediate (on the CPU every kernel is an LLVM module of its
+    own, 4-10 ms to compile even for a scalar)."""
     return lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
 
 

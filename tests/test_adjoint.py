@@ -269,48 +269,6 @@ def test_mid_checkpoints_under_vmap(layout, max_steps, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-14)
 
 
-def test_write_row_under_vmap_jvp_and_grad():
-    # The checkpoints' row write: as `dynamic_update_index_in_dim` everywhere, and
-    # under `vmap` with an unbatched index a plain write (no scatter).
-    from solverkit._unvmap import write_row
-
-    stack = jnp.arange(24.0).reshape(2, 4, 3)  # a batch of 2 stacks of 4 rows
-    row = -jnp.arange(6.0).reshape(2, 3)
-
-    def want(s, r, i):
-        return jax.lax.dynamic_update_index_in_dim(s, r, i, 0)
-
-    for i in (0, 2, 7):  # 7: clamped, as a dynamic update
-        np.testing.assert_array_equal(
-            write_row(stack[0], row[0], i), want(stack[0], row[0], i)
-        )
-    batched = jax.vmap(write_row, in_axes=(0, 0, None))
-    np.testing.assert_array_equal(
-        batched(stack, row, 2), jax.vmap(want, (0, 0, None))(stack, row, 2)
-    )
-    assert "scatter" not in str(jax.make_jaxpr(batched)(stack, row, 2))
-    # A shared row or stack, and a batched index (a scatter then).
-    for axes, i in [
-        ((0, None, None), 1),
-        ((None, 0, None), 3),
-        ((0, 0, 0), jnp.array([0, 3])),
-    ]:
-        args = (stack if axes[0] == 0 else stack[0], row if axes[1] == 0 else row[0], i)
-        np.testing.assert_array_equal(
-            jax.jit(jax.vmap(write_row, axes))(*args), jax.vmap(want, axes)(*args)
-        )
-    # Linear in the stack and the row.
-    tangents = (jnp.ones_like(stack[0]), 2 * jnp.ones_like(row[0]))
-    _, out = jax.jvp(lambda s, r: write_row(s, r, 1), (stack[0], row[0]), tangents)
-    _, ref = jax.jvp(lambda s, r: want(s, r, 1), (stack[0], row[0]), tangents)
-    np.testing.assert_array_equal(out, ref)
-    weights = jnp.arange(12.0).reshape(4, 3)
-    loss = lambda f: lambda s, r: jnp.sum(weights * f(s, r, 1) ** 2)
-    got = jax.grad(loss(write_row), argnums=(0, 1))(stack[0], row[0])
-    ref = jax.grad(loss(want), argnums=(0, 1))(stack[0], row[0])
-    assert_tree_allclose(got, ref)
-
-
 # --- Closed-over values of every kind, under every transformation --------------------
 
 
