@@ -14,9 +14,12 @@ python -m benchmarks.first_call --only lotka_volterra/grad-checkpoint --repeats 
 
 To see the compile time of every kernel, run with
 `TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=ir_compiler=2` ("Compiled LLVM module ...").
+`--save DIR` writes each program's StableHLO, for `python -m benchmarks.compile_ab`
+(two versions' compile times, measured in one process).
 """
 
 import argparse
+import pathlib
 import re
 import statistics
 import time
@@ -58,14 +61,17 @@ def _kernels(compiled) -> int:
     return len(re.findall(r" fusion\(", compiled.as_text()))
 
 
-def _phases(job) -> tuple[float, float, int]:
-    """Seconds to trace and lower, seconds to compile, and the kernel count."""
+def _phases(job, save: pathlib.Path | None) -> tuple[float, float, int]:
+    """Seconds to trace and lower, seconds to compile, and the kernel count; the
+    program's StableHLO is written to `save` if given."""
     jax.clear_caches()
     start = time.perf_counter()
     lowered = jax.jit(job.fn).trace(*job.args).lower()
     middle = time.perf_counter()
     compiled = lowered.compile()
     end = time.perf_counter()
+    if save is not None:
+        save.write_text(lowered.as_text(debug_info=False))
     return middle - start, end - middle, _kernels(compiled)
 
 
@@ -76,7 +82,10 @@ def main() -> None:
     parser.add_argument(
         "--only", default=None, help="comma list of case/variant (default: all)"
     )
+    parser.add_argument("--save", type=pathlib.Path, default=None, help="folder")
     args = parser.parse_args()
+    if args.save is not None:
+        args.save.mkdir(parents=True, exist_ok=True)
     libs, _ = load_peers(args.peers.split(","))
     names = [n for n in args.peers.split(",") if n in libs]
     only = None if args.only is None else set(args.only.split(","))
@@ -101,8 +110,11 @@ def main() -> None:
                 jobs[name] = task.make()
         for _ in range(args.repeats):
             for name, task in tasks.items():
+                save = None
+                if args.save is not None:
+                    save = args.save / f"{case}-{variant}-{name}.mlir"
                 with precision(task.dtype):
-                    rows[name].append(_phases(jobs[name]))
+                    rows[name].append(_phases(jobs[name], save))
         medians = {
             n: statistics.median(a + b for a, b, _ in r) for n, r in rows.items()
         }
