@@ -261,8 +261,8 @@ class _Stack(eqx.Module):
     a row is one write and one read per dtype, not one per leaf (fewer kernels to
     compile; measured: compiling the LV and Lorenz ensemble gradients of
     `benchmarks.gradient_ab`, 1.75-2.1 s and 1.8-2.3 s before, 1.65-1.7 s and 1.5-1.6 s
-    after, the same run time). Loops that carry a stored carry carry it packed, as
-    a row (`_get`, `_put`), and unpack it where it is used (`_unpack`)."""
+    after, the same run time). The recomputation loop keeps its carry packed, as a
+    row (`_get`, `_put`), and unpacks it where the step uses it (`_unpack`)."""
 
     arrays: tuple[jax.Array, ...]
     treedef: jtu.PyTreeDef = eqx.field(static=True)
