@@ -27,23 +27,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from .cases import (
-    load_peers,
-    lorenz_tasks,
-    lotka_volterra_tasks,
-    neural_ode_tasks,
-    stiff_tasks,
-)
+from .cases import CASES, load_peers
 from .harness import precision
 
 
-TASKS = {
-    "lotka_volterra": lotka_volterra_tasks,
-    "lorenz": lorenz_tasks,
-    "neural_ode": neural_ode_tasks,
-    "stiff": stiff_tasks,
-}
-# (case, variant, size): the first calls of `python -m benchmarks --quick`.
+# (case, variant, size): the variants of `python -m benchmarks --quick`, one size each.
 QUICK = [
     ("lotka_volterra", "forward", 1024),
     ("lotka_volterra", "grad-checkpoint", 1024),
@@ -100,7 +88,7 @@ def main() -> None:
             continue
         tasks = {
             t.library: t
-            for t in TASKS[case](size, libs)
+            for t in CASES[case].tasks(size, libs)
             if t.variant == variant and t.library in names
         }
         rows: dict[str, list[tuple[float, float, int]]] = {n: [] for n in tasks}

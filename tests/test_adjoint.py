@@ -171,6 +171,16 @@ def test_few_checkpoints(checkpoints, max_steps):
     np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
 
 
+def _force_layout(monkeypatch, layout) -> list:
+    """Make `RecursiveCheckpointAdjoint` use `layout`; returns the list of layouts
+    used, to assert that the solve was traced with it."""
+    used = []
+    monkeypatch.setattr(
+        _adjoint, "_layout", lambda *_: used.append(layout) or _adjoint.Layout(*layout)
+    )
+    return used
+
+
 @pytest.mark.parametrize(
     "layout, max_steps",
     [
@@ -183,10 +193,7 @@ def test_few_checkpoints(checkpoints, max_steps):
     ],
 )
 def test_mid_checkpoints(layout, max_steps, monkeypatch):
-    used = []
-    monkeypatch.setattr(
-        _adjoint, "_layout", lambda *_: used.append(layout) or _adjoint.Layout(*layout)
-    )
+    used = _force_layout(monkeypatch, layout)
     grad = eqx.filter_jit(jax.grad(_euler_final))
     got = grad(jnp.asarray(0.7), RCA, max_steps)
     assert used
@@ -259,10 +266,7 @@ def test_mid_checkpoints_under_vmap(layout, max_steps, monkeypatch):
     # Mid checkpoints of elements that finished earlier hold their final state; the
     # backward pass masks those steps. Own `max_steps`: see `test_mid_checkpoints`.
     want, steps = _batched_decay_direct()
-    used = []
-    monkeypatch.setattr(
-        _adjoint, "_layout", lambda *_: used.append(layout) or _adjoint.Layout(*layout)
-    )
+    used = _force_layout(monkeypatch, layout)
     got, got_steps = _batched_decay_grads(RCA, max_steps)
     assert used
     np.testing.assert_array_equal(got_steps, steps)
