@@ -2,13 +2,15 @@
 
 from ._adjoint import (
     AbstractAdjoint as AbstractAdjoint,
-    adjoint_rms_seminorm as adjoint_rms_seminorm,
-    BacksolveAdjoint as BacksolveAdjoint,
     DirectAdjoint as DirectAdjoint,
     ForwardMode as ForwardMode,
     ImplicitAdjoint as ImplicitAdjoint,
-    RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint,
 )
+from ._backsolve import (
+    adjoint_rms_seminorm as adjoint_rms_seminorm,
+    BacksolveAdjoint as BacksolveAdjoint,
+)
+from ._checkpoint import RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint
 from ._closure import (
     Closure as Closure,
     closure_convert as closure_convert,

@@ -18,23 +18,12 @@ from jaxtyping import Array, PyTree
 
 from ._custom_types import Args, RealScalarLike, VF, Y
 from ._errors import BadInputError, concrete
-from ._reduce import sum_all
+from ._norm import rms_norm
 from ._select import where
 from ._solution import RESULTS
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
-
-
-def rms_norm(x: PyTree) -> Array:
-    """Root mean square of every element of every leaf (complex: of the modulus)."""
-    leaves = [jnp.abs(leaf) for leaf in jtu.tree_leaves(x) if jnp.size(leaf)]
-    if not leaves:  # nothing to measure (an empty state): no error
-        return jnp.asarray(0.0)
-    size = sum(leaf.size for leaf in leaves)
-    total = sum(
-        sum_all(leaf.astype(jnp.result_type(float, leaf)) ** 2) for leaf in leaves
-    )
-    return jnp.sqrt(total / size)
+from ._time import flip
 
 
 class AbstractStepSizeController(eqx.Module):
@@ -206,7 +195,7 @@ class StepTo(AbstractStepSizeController):
         return False
 
     def to_internal(self, direction: Array | None) -> "StepTo":
-        return self if direction is None else StepTo(direction * self.ts)
+        return self if direction is None else StepTo(flip(direction, self.ts))
 
     def init(
         self,
@@ -545,7 +534,7 @@ class ClipStepSizeController(AbstractStepSizeController):
         def move(ts):
             if ts is None:
                 return None
-            return jnp.sort(ts if direction is None else direction * ts)
+            return jnp.sort(flip(direction, ts))
 
         inner = self.controller.to_internal(direction)
         return ClipStepSizeController(

@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._custom_types import Args, RealScalarLike, Y
+from ._norm import rms_norm
 
 
 class Event(eqx.Module):
@@ -164,8 +165,6 @@ class SteadyStateEvent(AbstractDiscreteTerminatingEvent):
     norm: Callable | None = None
 
     def __call__(self, state, *, args: Args, **kwargs):
-        from ._controller import rms_norm
-
         norm = rms_norm if self.norm is None else self.norm
         return steady_state_event(self.rtol, self.atol, norm)(
             state.tprev, state.y, args, **kwargs

@@ -14,19 +14,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree, Real
+
+from ._errors import concrete
 
 
 def _as_arrays(tree: PyTree) -> PyTree:
     return jtu.tree_map(jnp.asarray, tree)
-
-
-def _concrete(x) -> np.ndarray | None:
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 def _check_ts(ts, name: str = "ts") -> Array:
@@ -43,7 +37,7 @@ def _check_ts(ts, name: str = "ts") -> Array:
     if not jnp.issubdtype(ts.dtype, jnp.floating):
         ts = ts.astype(jnp.result_type(float))
     increasing = ts[1:] > ts[:-1]  # NaN times fail too
-    known = _concrete(increasing)
+    known = concrete(increasing)
     if known is not None:
         if not known.all():
             raise ValueError(f"`{name}` must be strictly increasing (and not NaN).")

@@ -11,7 +11,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._adjoint import AbstractAdjoint, RecursiveCheckpointAdjoint, reverse_only
+from ._adjoint import AbstractAdjoint, reverse_only
+from ._checkpoint import RecursiveCheckpointAdjoint
 from ._closure import Closure, closure_convert
 from ._controller import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
@@ -25,6 +26,7 @@ from ._select import where
 from ._solution import Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
+from ._time import flip, flip_finite
 from ._unvmap import unvmap_max
 
 
@@ -39,10 +41,7 @@ class Times(NamedTuple):
     known_t0: Any
     known_t1: Any
     known_dt0: Any
-    direction: Array | None  # -1 backwards, None forwards
-
-    def to_internal(self, tau: RealScalarLike):
-        return tau if self.direction is None else self.direction * tau
+    direction: Array | None  # -1 backwards, None forwards (see `_time.py`)
 
 
 def _times(t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None) -> Times:
@@ -75,7 +74,7 @@ def _times(t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None) -
         direction = where(t1 >= t0, 1, -1).astype(dtype)
     times = Times(dtype, t0, t1, None, c0, c1, cdt, direction)
     if dt0 is not None:
-        times = times._replace(dt0=times.to_internal(jnp.asarray(dt0, dtype)))
+        times = times._replace(dt0=flip(direction, jnp.asarray(dt0, dtype)))
     return times
 
 
@@ -203,7 +202,7 @@ def _save_times(ts, times: Times):
             raise BadInputError(
                 "SaveAt(ts=...) must run in the direction from t0 to t1."
             )
-    return times.to_internal(ts)
+    return flip(times.direction, ts)
 
 
 def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):
@@ -339,8 +338,8 @@ def _problem(
         direction=times.direction,
         args=args,
         y0=y0,
-        t0=times.to_internal(times.t0),
-        t1=times.to_internal(times.t1),
+        t0=flip(times.direction, times.t0),
+        t1=flip(times.direction, times.t1),
         dt0=times.dt0,
         saves=saves,
         save_tree=save_tree,
@@ -445,13 +444,6 @@ _MESSAGES = [r.message() or "successful" for r in RESULTS]
 def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
     keep_solver_state, keep_controller_state, keep_made_jump = keep
     out = adjoint.loop(problem)
-    direction = problem.direction
-
-    def user(tau: RealScalarLike):
-        if direction is None:
-            return tau
-        return where(jnp.isfinite(tau), direction * tau, tau)
-
     ts, ys, t_end, result = out.ts, out.ys, out.t_end, out.result
     if throw:
         failed = (result != RESULTS.successful.code) & (
@@ -465,12 +457,11 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         )
     interpolation = None
     if problem.dense:
-        dense_ts = out.bufs.dense_ts.at[0].set(problem.t0)
         interpolation = DenseInterpolation(
-            dense_ts,
+            out.bufs.dense_ts,
             out.bufs.dense_info,
             out.carry.num_accepted,
-            direction,
+            problem.direction,
             problem.solver,
             problem.y0,
         )
@@ -482,9 +473,9 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         max_steps=problem.max_steps,
     )
     return Solution(
-        t0=problem.to_user(problem.t0),
-        t1=problem.to_user(t_end),
-        ts=jtu.tree_map(user, ts),
+        t0=flip(problem.direction, problem.t0),
+        t1=flip(problem.direction, t_end),
+        ts=jtu.tree_map(lambda tau: flip_finite(problem.direction, tau), ts),
         ys=ys,
         stats=stats,
         result=Result(result),

@@ -10,6 +10,7 @@ from jaxtyping import Array, PyTree
 from ._custom_types import RealScalarLike
 from ._select import where
 from ._solver import AbstractSolver
+from ._time import flip
 
 
 class DenseInterpolation(eqx.Module):
@@ -28,7 +29,7 @@ class DenseInterpolation(eqx.Module):
     y0: PyTree  # returned when no step was taken (t0 == t1)
 
     def _evaluate(self, t: RealScalarLike) -> PyTree:
-        tau = t if self.direction is None else self.direction * t
+        tau = flip(self.direction, t)
         tau = jnp.asarray(tau, self.ts.dtype)
         last = jnp.maximum(self.num_steps - 1, 0)
         index = jnp.clip(jnp.searchsorted(self.ts, tau, side="left") - 1, 0, last)

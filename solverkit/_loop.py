@@ -14,6 +14,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import optimistix as optx
 from jaxtyping import Array, PyTree
 
 from ._closure import Closure
@@ -26,6 +27,8 @@ from ._select import where
 from ._solution import RESULTS
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
+from ._time import flip
+from ._tree import tree_where
 from ._unvmap import unvmap_max, while_loop
 
 
@@ -56,10 +59,6 @@ class Problem(eqx.Module):
     event_direction: tuple | None = eqx.field(static=True, default=None)
     root_finder: Any = None  # of the event time, or None for bisection
     meter: AbstractProgressMeter = NoProgressMeter()
-
-    def to_user(self, tau: RealScalarLike):
-        """User time of internal time `tau` (the map is its own inverse)."""
-        return tau if self.direction is None else self.direction * tau
 
     @property
     def error_order(self):
@@ -144,10 +143,6 @@ class StepOut(NamedTuple):
     dense_info: PyTree
 
 
-def tree_where(pred, a, b):
-    return jtu.tree_map(lambda x, y: where(pred, x, y), a, b)
-
-
 def _all_finite(tree) -> Array:
     return and_all([all_true(jnp.isfinite(x)) for x in jtu.tree_leaves(tree)])
 
@@ -163,7 +158,7 @@ def _real_conds(problem: Problem) -> list[bool]:
 
 
 def _eval_conds(problem: Problem, tau: RealScalarLike, y: Y):
-    t = problem.to_user(tau)
+    t = flip(problem.direction, tau)
     return jtu.tree_map(
         lambda c: c(t, y, problem.args),
         problem.conds,
@@ -194,7 +189,7 @@ def _fired(problem: Problem, before, after) -> PyTree:
 
 
 def _save_value(problem: Problem, save: Save, tau: RealScalarLike, y: Y):
-    return save.fn(problem.to_user(tau), y, problem.args)
+    return save.fn(flip(problem.direction, tau), y, problem.args)
 
 
 def _inf_like(struct, lead: tuple[int, ...]):
@@ -666,7 +661,7 @@ def locate_event(problem: Problem, carry: Carry):
 
         def g(tau: RealScalarLike, closure=closure):
             y = solver.interpolate(info, tstart, tend, tau)
-            return closure(problem.to_user(tau), y, problem.args)
+            return closure(flip(problem.direction, tau), y, problem.args)
 
         active = event & f
         a = lax.stop_gradient(where(active, tstart, tend - 1))
@@ -696,8 +691,6 @@ _EVENT_ROOT_MAX_STEPS = 64
 
 
 def _optx_root(g, root_finder, a, b):
-    import optimistix as optx  # only when the user passes an optimistix root finder
-
     sol = optx.root_find(
         lambda tau, _: g(tau),
         root_finder,
@@ -732,6 +725,8 @@ def finish(problem: Problem, carry: Carry, bufs: Buffers) -> Outputs:
     ]
     ts = jtu.tree_unflatten(problem.save_tree, [o[0] for o in outs])
     ys = jtu.tree_unflatten(problem.save_tree, [o[1] for o in outs])
+    if problem.dense:  # the first step boundary (never written by a step)
+        bufs = bufs._replace(dense_ts=bufs.dense_ts.at[0].set(problem.t0))
     return Outputs(t_end, y_end, ts, ys, carry, bufs, result)
 
 

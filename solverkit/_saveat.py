@@ -9,7 +9,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._errors import BadInputError
+from ._errors import BadInputError, concrete
 
 
 def save_y(t, y, args):
@@ -52,10 +52,7 @@ class SubSaveAt(eqx.Module):
                     f"SaveAt(ts=...) must be a 1-D array of times, got shape "
                     f"{jnp.shape(self.ts)}."
                 )
-            try:
-                ts = np.asarray(self.ts)
-            except Exception:  # traced: checked at run time
-                ts = None
+            ts = concrete(self.ts)  # None when traced: checked at run time
             if ts is not None and ts.size > 1:
                 d = np.diff(ts)
                 if not (np.all(d >= 0) or np.all(d <= 0)):

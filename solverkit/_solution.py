@@ -35,6 +35,44 @@ class Result(eqx.Module):
         return self.code
 
 
+# Every outcome of a solve, as `(name, message)`, in the order of their integer codes:
+# the one vocabulary of the loop, the solvers' steps and their root finders.
+_OUTCOMES = (
+    ("successful", ""),
+    ("event_occurred", "A terminating event occurred."),
+    (
+        "max_steps_reached",
+        "The maximum number of solver steps was reached. Try increasing "
+        "`max_steps`, loosening the tolerances, or using a stiff solver.",
+    ),
+    (
+        "dt_min_reached",
+        "The step size fell below `dtmin`. Lower `dtmin`, loosen the tolerances, or "
+        "use `PIDController(..., force_dtmin=True)` to keep stepping at `dtmin`.",
+    ),
+    (
+        "nonfinite",
+        "The solution became non-finite (NaN or inf). The problem may blow up, or "
+        "the step size may be too large: try an adaptive step size controller or a "
+        "smaller `dt0`.",
+    ),
+    ("internal_error", "An internal error occurred in solverkit; please report it."),
+    (
+        "implicit_divergence",
+        "The nonlinear solve of an implicit solver diverged. With an adaptive "
+        "step-size controller the step is retried with a smaller step; with a fixed "
+        "step size, lower `dt0`, or pass a root finder that re-evaluates the "
+        "Jacobian (e.g. `root_finder=optimistix.Newton(rtol=..., atol=...)`).",
+    ),
+    (
+        "implicit_nonconvergence",
+        "The nonlinear solve of an implicit solver did not converge within "
+        "`root_find_max_steps` iterations. Lower `dt0` (with a fixed step size), "
+        "raise `root_find_max_steps`, or loosen the root finder's tolerances.",
+    ),
+)
+
+
 class _Results:
     """Enumerates the outcomes of a solve.
 
@@ -45,35 +83,8 @@ class _Results:
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.
     """
 
-    _names = (
-        "successful",
-        "event_occurred",
-        "max_steps_reached",
-        "dt_min_reached",
-        "nonfinite",
-        "internal_error",
-        "implicit_divergence",
-        "implicit_nonconvergence",
-    )
-    messages = (
-        "",
-        "A terminating event occurred.",
-        "The maximum number of solver steps was reached. Try increasing "
-        "`max_steps`, loosening the tolerances, or using a stiff solver.",
-        "The step size fell below `dtmin`. Lower `dtmin`, loosen the tolerances, or "
-        "use `PIDController(..., force_dtmin=True)` to keep stepping at `dtmin`.",
-        "The solution became non-finite (NaN or inf). The problem may blow up, or "
-        "the step size may be too large: try an adaptive step size controller or a "
-        "smaller `dt0`.",
-        "An internal error occurred in solverkit; please report it.",
-        "The nonlinear solve of an implicit solver diverged. With an adaptive "
-        "step-size controller the step is retried with a smaller step; with a fixed "
-        "step size, lower `dt0`, or pass a root finder that re-evaluates the "
-        "Jacobian (e.g. `root_finder=optimistix.Newton(rtol=..., atol=...)`).",
-        "The nonlinear solve of an implicit solver did not converge within "
-        "`root_find_max_steps` iterations. Lower `dt0` (with a fixed step size), "
-        "raise `root_find_max_steps`, or loosen the root finder's tolerances.",
-    )
+    _names = tuple(name for name, _ in _OUTCOMES)
+    messages = tuple(message for _, message in _OUTCOMES)
 
     def __init__(self):
         for code, name in enumerate(self._names):

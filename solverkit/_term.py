@@ -16,6 +16,7 @@ from jaxtyping import Array, PyTree
 
 from ._closure import Closure
 from ._custom_types import Args, RealScalarLike, Y
+from ._time import flip
 
 
 class AbstractTerm(eqx.Module):
@@ -171,15 +172,9 @@ class ClosureTerm(AbstractTerm):
 
     closure: Closure
     direction: Array | None  # None: forwards in time
-    # Runge-Kutta stages in a loop (the field traced once): for large fields.
-    loop_stages: bool = eqx.field(static=True, default=False)
-
-    def to_user(self, tau: RealScalarLike):
-        """User time of internal time `tau` (the map is its own inverse)."""
-        return tau if self.direction is None else self.direction * tau
 
     def vf(self, tau: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
-        out = like_state(self.closure(self.to_user(tau), y, args), y)
+        out = like_state(self.closure(flip(self.direction, tau), y, args), y)
         if self.direction is None:
             return out
         return jtu.tree_map(lambda o: o * self.direction.astype(o.dtype), out)

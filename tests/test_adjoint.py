@@ -20,7 +20,7 @@ from helpers import (
 )
 
 import solverkit as sk
-from solverkit import _adjoint
+from solverkit import _schedule
 
 
 pytestmark = pytest.mark.usefixtures("x64")
@@ -176,7 +176,9 @@ def _force_layout(monkeypatch, layout) -> list:
     used, to assert that the solve was traced with it."""
     used = []
     monkeypatch.setattr(
-        _adjoint, "_layout", lambda *_: used.append(layout) or _adjoint.Layout(*layout)
+        _schedule,
+        "layout",
+        lambda *_: used.append(layout) or _schedule.Layout(*layout),
     )
     return used
 
@@ -203,7 +205,7 @@ def test_mid_checkpoints(layout, max_steps, monkeypatch):
 def test_default_layout_past_buffer_times_slots():
     # 4400 steps with max_steps 5000: (128 slots, 32 buffer, 2 mid checkpoints);
     # stride 64, so every segment is walked back from its mid checkpoints.
-    assert _adjoint._layout(5000, None) == _adjoint.Layout(128, 32, 2)
+    assert _schedule.layout(5000, None) == _schedule.Layout(128, 32, 2)
 
     def final(theta):
         sol = _euler_solve(theta, RCA, 5000, 4.4, 0.001)

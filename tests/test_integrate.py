@@ -497,17 +497,17 @@ def test_new_function_does_recompile_and_is_right():
 
 @pytest.mark.parametrize("solver_cls", RK_SOLVERS)
 def test_stages_in_a_loop_match_unrolled(solver_cls):
-    # The backward solve of BacksolveAdjoint runs the stages in a loop: same numbers.
+    # `scan_kind` (set by BacksolveAdjoint on its backward solver) runs the stages in
+    # a loop: the same numbers as unrolled.
     from solverkit._term import ClosureTerm
 
     y0 = {"a": jnp.array([1.0, 0.5]), "b": jnp.asarray(0.3)}
     vf = lambda t, y, args: {"a": jnp.cos(t) * (LINEAR_A @ y["a"]), "b": -y["b"] * t}
     t0, t1 = jnp.asarray(0.1), jnp.asarray(0.3)
-    closure = sk.closure_convert(vf, t0, y0, None)
-    solver = solver_cls()
+    term = ClosureTerm(sk.closure_convert(vf, t0, y0, None), None)
     out = []
-    for loop in (False, True):
-        term = ClosureTerm(closure, None, loop_stages=loop)
+    for scan_kind in (None, "lax"):
+        solver = solver_cls(scan_kind=scan_kind)
         f0 = solver.init(term, t0, t1, y0, None)
         out.append(solver.step(term, t0, t1, y0, None, f0, False))
     (y_u, err_u, dense_u, f_u, _), (y_l, err_l, dense_l, f_l, _) = out

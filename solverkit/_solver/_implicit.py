@@ -17,6 +17,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from .._linalg import invert, jacobian
 from .._local_interpolation import (
     LocalLinearInterpolation,
     ThirdOrderHermitePolynomialInterpolation,
@@ -24,6 +25,7 @@ from .._local_interpolation import (
 from .._select import where
 from .._solution import RESULTS
 from .._term import ODETerm
+from .._tree import nograd, tree_add
 from ._base import AbstractAdaptiveSolver
 from ._implicit_tableau import (
     IMPLICIT_EULER,
@@ -36,17 +38,13 @@ from ._implicit_tableau import (
     KVAERNO5,
     SIL3,
 )
-from ._linalg import invert, jacobian
 from ._root_finder import (
     bind_tols,
     chord,
-    DIVERGED,
     implicit_root,
     is_very_chord,
-    NOT_CONVERGED,
     optx_solve,
     Stage,
-    SUCCESS,
     VeryChord,
     with_stepsize_controller_tols,
 )
@@ -62,19 +60,10 @@ class ImplicitState(NamedTuple):
     eta: Array  # the chord iteration's convergence factor, carried between stages
 
 
-def _nograd(tree):
-    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
-    return eqx.combine(lax.stop_gradient(dynamic), static)
-
-
-def _add(a, b):
-    return jtu.tree_map(jnp.add, a, b)
-
-
 class AbstractImplicitRK(AbstractAdaptiveSolver):
     """An ESDIRK (or IMEX additive) Runge--Kutta method read from its `tableau`."""
 
-    tableau: ClassVar[ImplicitTableau]
+    tableau: eqx.AbstractClassVar[ImplicitTableau]
     interpolation_cls: ClassVar[Any] = ThirdOrderHermitePolynomialInterpolation
     root_finder: Any = with_stepsize_controller_tols(VeryChord)()
     root_find_max_steps: int = 10
@@ -111,15 +100,15 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             f_implicit = im.vf(t, y, args)
         jac = None
         if self._uses_chord():
-            vf = _nograd(im)
-            jac, _ = jacobian(lambda s, x: vf.vf(s, x, _nograd(args)), *_nograd((t, y)))
+            vf = nograd(im)
+            jac, _ = jacobian(lambda s, x: vf.vf(s, x, nograd(args)), *nograd((t, y)))
         eta = jnp.asarray(1.0, jnp.result_type(*jtu.tree_leaves(y)))
         return ImplicitState(f_ex, f_implicit, jac, jnp.real(eta))
 
     def func(self, terms, t0, y0, args) -> PyTree:
         ex, im = self._terms(terms)
         f = im.vf(t0, y0, args)
-        return f if ex is None else _add(ex.vf(t0, y0, args), f)
+        return f if ex is None else tree_add(ex.vf(t0, y0, args), f)
 
     def init(self, terms, t0, t1, y0, args) -> ImplicitState:
         del t1
@@ -146,7 +135,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             stack(state.f_implicit),
             None if ex is None else stack(state.f_explicit),
             y0,
-            jnp.asarray(SUCCESS),
+            RESULTS.successful,
             state.eta,
         )
         body = functools.partial(self._stage, ex, im, t0, t1, h, y0, args, inv)
@@ -165,7 +154,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         stage = Stage(im, ti, psi, gamma_h, args)
         if inv is None:
             z, stage_status = optx_solve(
-                *_nograd((self.root_finder, stage, guess)),
+                *nograd((self.root_finder, stage, guess)),
                 self.root_find_max_steps,
             )
         else:
@@ -173,12 +162,12 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             inv_i = jtu.tree_map(lambda x: x[which], inv)
             eta0 = jnp.maximum(eta, jnp.finfo(eta.dtype).eps) ** 0.8
             z, stage_status, eta = chord(
-                *_nograd((self.root_finder, stage, guess, inv_i, eta0)),
+                *nograd((self.root_finder, stage, guess, inv_i, eta0)),
                 self.root_find_max_steps,
                 lax.stop_gradient(y0),
-                skip=status != SUCCESS,
+                skip=status != RESULTS.successful,
             )
-        status = where(status == SUCCESS, stage_status, status)
+        status = RESULTS.where(status == RESULTS.successful, stage_status, status)
         z = implicit_root(z, stage)
         # A zero step (an inactive step of a batch or scan) must not divide by zero,
         # not even in a branch that is masked out, or its gradient is NaN.
@@ -202,28 +191,19 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             f_implicit1 = None
         zero = jtu.tree_map(jnp.zeros_like, y0)
         y_error = _combine(zero, h, [(tab.b_err_im, k_im), (tab.b_err_ex, k_ex)])
-        ok = status == SUCCESS
+        ok = status == RESULTS.successful
         y_error = jtu.tree_map(lambda e: where(ok, e, jnp.inf), y_error)
         new_state = self._start(terms, t1, y1, args, f_implicit1)
         new_state = new_state._replace(eta=eta)
         f0, f1 = pick(k_im, 0), new_state.f_implicit
         if k_ex is not None:
-            f0 = _add(pick(k_ex, 0), f0)
-            f1 = _add(new_state.f_explicit, f1)
+            f0 = tree_add(pick(k_ex, 0), f0)
+            f1 = tree_add(new_state.f_explicit, f1)
         if self.interpolation_cls is LocalLinearInterpolation:
             dense_info = dict(y0=y0, y1=y1)
         else:
             dense_info = dict(y0=y0, y1=y1, f0=f0, f1=f1)
-        result = RESULTS.where(
-            status == DIVERGED,
-            RESULTS.implicit_divergence,
-            RESULTS.where(
-                status == NOT_CONVERGED,
-                RESULTS.implicit_nonconvergence,
-                RESULTS.successful,
-            ),
-        )
-        return y1, y_error, dense_info, new_state, result
+        return y1, y_error, dense_info, new_state, status
 
 
 def _inverse_index(tab: ImplicitTableau) -> np.ndarray:

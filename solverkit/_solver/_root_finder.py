@@ -20,8 +20,9 @@ import jax.tree_util as jtu
 import optimistix as optx
 from jaxtyping import Array, PyTree
 
+from .._linalg import factorise, Inverse, jacobian
 from .._select import where
-from ._linalg import factorise, Inverse, jacobian
+from .._solution import Result, RESULTS
 
 
 class _UseStepSizeTol:
@@ -189,8 +190,6 @@ def _implicit_root_jvp(primals, tangents):
 # ---------------------------------------------------------------------------------
 # The simplified Newton (chord) iteration.
 
-SUCCESS, DIVERGED, NOT_CONVERGED = 0, 1, 2
-
 
 def _scaled_norm(delta, z, rtol, atol, norm) -> Array:
     def leaf(d, zi):
@@ -214,7 +213,7 @@ class _Newton(NamedTuple):
     z: PyTree
     last: Array  # scaled norm of the previous increment
     eta: Array
-    status: Array  # SUCCESS while iterating or on convergence
+    status: Result  # successful while iterating or on convergence
     done: Array
 
 
@@ -228,8 +227,10 @@ def _verdict(s, first, theta, eta, size, delta, max_steps: int, kappa):
     hopeless = ~first & (theta**remaining / (1 - theta) * size > kappa)
     out_of_steps = remaining <= 0
     failed = ~converged & (diverged | hopeless | out_of_steps)
-    status = where(
-        diverged & ~converged, DIVERGED, where(failed, NOT_CONVERGED, SUCCESS)
+    status = RESULTS.where(
+        diverged & ~converged,
+        RESULTS.implicit_divergence,
+        RESULTS.where(failed, RESULTS.implicit_nonconvergence, RESULTS.successful),
     )
     return converged, failed, status
 
@@ -250,7 +251,8 @@ def chord(
 
     **Returns:**
 
-    `(z, status, eta)`: the iterate, `SUCCESS`/`DIVERGED`/`NOT_CONVERGED`, and the
+    `(z, result, eta)`: the iterate, a `RESULTS` member (`successful`,
+    `implicit_divergence` or `implicit_nonconvergence`), and the
     convergence factor `θ/(1-θ)` to start the next stage's iteration from.
     """
     rtol, atol, kappa = finder.rtol, finder.atol, finder.kappa
@@ -281,7 +283,7 @@ def chord(
         z0,
         jnp.asarray(1.0, real),
         jnp.asarray(eta0, real),
-        jnp.asarray(SUCCESS),
+        RESULTS.successful,
         jnp.asarray(skip),
     )
     out = lax.while_loop(lambda s: ~s.done, body, init)
@@ -295,10 +297,16 @@ def optx_solve(
 
     **Returns:**
 
-    `(z, status)`.
+    `(z, result)`, `result` a `RESULTS` member.
     """
     sol = optx.root_find(residual, finder, z0, stage, max_steps=max_steps, throw=False)
     ok = sol.result == optx.RESULTS.successful
     out_of_steps = sol.result == optx.RESULTS.max_steps_reached
-    status = where(ok, SUCCESS, where(out_of_steps, NOT_CONVERGED, DIVERGED))
-    return sol.value, status
+    result = RESULTS.where(
+        ok,
+        RESULTS.successful,
+        RESULTS.where(
+            out_of_steps, RESULTS.implicit_nonconvergence, RESULTS.implicit_divergence
+        ),
+    )
+    return sol.value, result

@@ -9,14 +9,15 @@ differentiate in forward and reverse mode like any other.
 
 from typing import ClassVar, NamedTuple
 
+import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
+from .._linalg import factorise, invert, time_derivative, value_and_jacobian
 from .._select import where
 from ._base import AbstractAdaptiveSolver, successful
-from ._linalg import factorise, invert, time_derivative, value_and_jacobian
 from ._rosenbrock_tableau import (
     RODAS4,
     RODAS5P,
@@ -58,7 +59,7 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
     Jacobian.
     """
 
-    tableau: ClassVar[RosenbrockTableau]
+    tableau: eqx.AbstractClassVar[RosenbrockTableau]
 
     def order(self, terms) -> int:
         return self.tableau.order

@@ -39,9 +39,14 @@ class AbstractRungeKutta(AbstractSolver):
     uses it).
     """
 
-    tableau: ClassVar[ButcherTableau]
-    # Accepted for diffrax compatibility (how diffrax loops over stages); solverkit's
-    # stages are unrolled, which reverse- and forward-mode autodiff both go through.
+    tableau: eqx.AbstractClassVar[ButcherTableau]
+    # How the stages are computed, as in diffrax: `None` (solverkit's default) unrolls
+    # them, so the vector field is traced once per stage; "lax", "checkpointed" or
+    # "bounded" compute them in one loop over the stages (diffrax's loop kinds; here
+    # one `fori_loop`, which both modes of autodiff go through), so the vector field
+    # is traced and compiled once: slower to run for a cheap field, faster to compile
+    # for a large one. `BacksolveAdjoint` sets "lax" on its backward solver for small
+    # adjoint systems.
     scan_kind: str | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
@@ -84,7 +89,7 @@ class AbstractRungeKutta(AbstractSolver):
         tab = self.tableau
         h = t1 - t0
         num_stages = len(tab.c)
-        if getattr(terms, "loop_stages", False):
+        if self.scan_kind is not None:
             ks = _stages_in_a_loop(tab, terms, t0, h, y0, args, solver_state)
             if tab.fsal:  # the last stage's argument is the solution
                 yi = axpy(y0, h, list(zip(tab.a[-1], ks)))

@@ -1,0 +1,261 @@
+"""`BacksolveAdjoint`: optimise-then-discretise, the continuous adjoint equations
+solved backwards in time, as a `custom_vjp` whose operand is the whole `Problem`."""
+
+import dataclasses
+import functools
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _loop
+from ._adjoint import (
+    AbstractAdjoint,
+    custom_vjp,
+    fill_zeros,
+    parameters,
+    run,
+    zeros_cotangent,
+)
+from ._closure import closure_convert
+from ._custom_types import RealScalarLike, Y
+from ._errors import UnsupportedError
+from ._loop import Outputs, Problem
+from ._norm import rms_norm
+from ._solver import AbstractRungeKutta, AbstractSolver
+from ._term import ClosureTerm, MultiTerm, total_vf
+from ._time import flip
+
+
+# The adjoint system's vector field (a field and its vjp) is large. For an augmented
+# state of at most this many numbers the backward solver's Runge-Kutta stages run in a
+# loop, which compiles faster and runs as fast (measured: LV, 8 numbers per
+# trajectory); for a large one (a neural ODE's parameter cotangents) the loop's
+# stacked stages cost more than they save, so the stages stay unrolled.
+_LOOP_STAGES_MAX_SIZE = 256
+
+
+def _stages_in_a_loop(solver: AbstractSolver, state) -> AbstractSolver:
+    """The backward solver, with its stages in a loop (`scan_kind="lax"`) for a small
+    augmented `state`, unless the user chose its `scan_kind`."""
+    if not isinstance(solver, AbstractRungeKutta) or solver.scan_kind is not None:
+        return solver
+    if sum(x.size for x in jtu.tree_leaves(state)) > _LOOP_STAGES_MAX_SIZE:
+        return solver
+    return dataclasses.replace(solver, scan_kind="lax")
+
+
+def _augmented(tau: RealScalarLike, state, aux, part: int | None = None):
+    """The adjoint system of `dy/dtau = g(tau, y, theta)` in the outer internal time:
+    `dy = g`, `da = -a dg/dy`, `dtheta_bar = -a dg/dtheta`; for a `MultiTerm`, the
+    part of it that comes from its term `part` (the parts sum to the whole)."""
+    terms, args = aux
+    y, a, _ = state
+    theta, rest = eqx.partition((terms, args), parameters((terms, args)))
+
+    def g(theta, y: Y):
+        terms, args = eqx.combine(theta, rest)
+        term = terms if part is None else terms.terms[part]
+        return term.vf(tau, y, args)
+
+    fy, pullback = jax.vjp(g, theta, y)
+    g_theta, g_y = pullback(a)
+    neg = lambda x: jtu.tree_map(jnp.negative, x)
+    return fy, neg(g_y), neg(g_theta)
+
+
+def adjoint_rms_seminorm(x) -> jax.Array:
+    """A norm for the step-size controller of [`solverkit.BacksolveAdjoint`][] that
+    measures only the state and its adjoint, not the parameter cotangents being
+    accumulated: the backward solve then takes fewer steps (Kidger, Chen and Lyons,
+    "Hey, that's not an ODE", ICML 2021). Use as `BacksolveAdjoint(
+    stepsize_controller=PIDController(..., norm=adjoint_rms_seminorm))`.
+
+    **Arguments:**
+
+    - `x`: the augmented state `(y, a, parameter cotangents...)`.
+
+    **Returns:**
+
+    The RMS norm of `(y, a)`.
+    """
+    if not isinstance(x, tuple) or len(x) < 3:
+        raise ValueError(
+            "adjoint_rms_seminorm is a norm for the adjoint system of "
+            "BacksolveAdjoint (a tuple (y, a, parameter cotangents)); got "
+            f"{jtu.tree_structure(x)}."
+        )
+    return rms_norm((x[0], x[1]))
+
+
+def _dot(a, b):
+    leaves = [
+        jnp.sum((x * y).real).astype(jnp.result_type(float))
+        for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
+    ]
+    return sum(leaves) if leaves else jnp.asarray(0.0)
+
+
+def _solve_whole(problem: Problem) -> Outputs:
+    carry, bufs = _loop.init(problem)
+    return _loop.finish(problem, *run(problem, carry, bufs))
+
+
+def _with_outputs(problem: Problem):
+    """Forward rule whose residuals are the outputs themselves."""
+    out = _solve_whole(problem)
+    return out, out
+
+
+class BacksolveAdjoint(AbstractAdjoint):
+    """Optimise-then-discretise: solve the continuous adjoint equations backwards in
+    time, in constant memory.
+
+    Differentiates with respect to `y0`, `args`, **every floating-point value the
+    vector field closes over**, `t0`, `t1` and `SaveAt(ts=...)`. Supports
+    `SaveAt(t0=..., t1=..., ts=...)` with the default `fn`; no events, `steps` or
+    `dense`. Gradients are accurate to about the solve's tolerance (not to machine
+    precision, as with `RecursiveCheckpointAdjoint`). Reverse mode only.
+
+    **Arguments:**
+
+    - `solver`: solver for the backward solve (default: the forward one).
+    - `stepsize_controller`: controller for the backward solve (default: the
+        forward one).
+    """
+
+    solver: object = None
+    stepsize_controller: object = None
+
+    def check(self, problem: Problem) -> None:
+        unsupported = []
+        if len(problem.saves) != 1:
+            unsupported.append("SaveAt(subs=...) with several SubSaveAts")
+        if problem.saves_steps:
+            unsupported.append("SaveAt(steps=...)")
+        if problem.dense:
+            unsupported.append("SaveAt(dense=True)")
+        if problem.conds is not None:
+            unsupported.append("events")
+        if not all(save.saves_y for save in problem.saves):
+            unsupported.append("SaveAt(fn=...)")
+        if unsupported:
+            raise UnsupportedError(
+                "BacksolveAdjoint does not support "
+                + ", ".join(unsupported)
+                + "; use RecursiveCheckpointAdjoint() instead."
+            )
+
+    def loop(self, problem: Problem) -> Outputs:
+        def bwd(static, dynamic, out, ct_out):
+            problem = eqx.combine(dynamic, static)
+            return (self._backward(problem, out, ct_out.ys),)
+
+        return custom_vjp(problem, _solve_whole, _with_outputs, bwd)
+
+    def _solve_back(self, problem: Problem, aux, state, ta, tb):
+        """Integrate the augmented state from internal time `ta` back to `tb`."""
+        solver = problem.solver if self.solver is None else self.solver
+        solver = _stages_in_a_loop(solver, state)
+        controller = problem.controller  # in the forward solve's internal time
+        if self.stepsize_controller is not None:
+            controller = self.stepsize_controller.to_internal(problem.direction)
+        backwards = -jnp.ones_like(ta)
+        neg_ta = flip(backwards, ta)
+
+        def adjoint_term(part):
+            augmented = functools.partial(_augmented, part=part)
+            closure = closure_convert(augmented, neg_ta, state, aux)
+            return ClosureTerm(closure, backwards)
+
+        if isinstance(problem.terms, MultiTerm):  # the adjoint of each part
+            parts = range(len(problem.terms.terms))
+            terms = MultiTerm(*[adjoint_term(i) for i in parts])
+        else:
+            terms = adjoint_term(None)
+        inner = Problem(
+            solver=solver,
+            controller=controller.to_internal(backwards),
+            terms=terms,
+            direction=backwards,
+            args=aux,
+            y0=state,
+            t0=neg_ta,
+            t1=flip(backwards, tb),
+            dt0=problem.dt0,
+            max_steps=problem.max_steps,
+        )
+        carry, _ = run(inner, *_loop.init(inner))
+        failed = (carry.t < inner.t1) | (carry.result != _loop.SUCCESS)
+        y = eqx.error_if(
+            carry.y,
+            failed,
+            "BacksolveAdjoint: the backward (adjoint) solve failed, so no gradient "
+            "can be given. Increase `max_steps` or pass BacksolveAdjoint("
+            "stepsize_controller=...) with looser tolerances. A problem that is "
+            "unstable backwards in time (diffusion, stiff decay) can't be solved "
+            "backwards at all: use RecursiveCheckpointAdjoint() instead.",
+        )
+        return y
+
+    def _backward(self, problem: Problem, out: Outputs, ct_ys):
+        aux = (problem.terms, problem.args)
+        theta, _ = eqx.partition(aux, parameters(aux))
+        g = lambda tau, y: total_vf(problem.terms, tau, y, problem.args)
+        (save,) = problem.saves
+        rows_t0 = 1 if save.t0 else 0
+        num_ts = 0 if save.ts is None else save.ts.shape[0]
+        take = lambda tree, i: jtu.tree_map(lambda x: x[i], tree)
+        zeros_y = jtu.tree_map(jnp.zeros_like, problem.y0)
+        ct_y1 = take(ct_ys, rows_t0 + num_ts) if save.t1 else zeros_y
+        T = out.t_end
+        ct_T = _dot(ct_y1, g(T, out.y_end)) if save.t1 else jnp.zeros_like(T)
+        a = ct_y1
+        theta_bar = jtu.tree_map(jnp.zeros_like, theta)
+        y = out.y_end
+        t_cur = T
+        ct_ts = None
+        if num_ts:
+            ts = save.ts
+
+            def segment(k, state):
+                i = num_ts - 1 - k
+                y, a, theta_bar, t_cur, ct_ts = state
+                t_i = ts[i]
+                y, a, theta_bar = self._solve_back(
+                    problem, aux, (y, a, theta_bar), t_cur, t_i
+                )
+                y = take(out.ys, rows_t0 + i)  # restart from the saved forward value
+                ct_row = take(ct_ys, rows_t0 + i)
+                a = jtu.tree_map(jnp.add, a, ct_row)
+                ct_ts = ct_ts.at[i].set(_dot(ct_row, g(t_i, y)).astype(ts.dtype))
+                return y, a, theta_bar, t_i, ct_ts
+
+            state = (y, a, theta_bar, t_cur, jnp.zeros_like(ts))
+            y, a, theta_bar, t_cur, ct_ts = lax.fori_loop(0, num_ts, segment, state)
+        y, a, theta_bar = self._solve_back(
+            problem, aux, (y, a, theta_bar), t_cur, problem.t0
+        )
+        ct_t0 = -_dot(a, g(problem.t0, problem.y0))
+        if save.t0:
+            a = jtu.tree_map(jnp.add, a, take(ct_ys, 0))
+        dynamic, _ = eqx.partition(problem, eqx.is_array)
+        ct = jtu.tree_map(zeros_cotangent, dynamic)
+        ct_aux = fill_zeros(theta_bar, eqx.partition(aux, eqx.is_array)[0])
+        ct = eqx.tree_at(
+            lambda p: (p.y0, p.t0, p.t1),
+            ct,
+            (a, ct_t0.astype(problem.t0.dtype), ct_T.astype(problem.t1.dtype)),
+        )
+        ct = _replace_subtrees(ct, ct_aux)
+        if ct_ts is not None:
+            ct = eqx.tree_at(lambda p: p.saves[0].ts, ct, ct_ts)
+        return ct
+
+
+def _replace_subtrees(ct, ct_aux):
+    term, args = ct_aux
+    ct = eqx.tree_at(lambda p: p.terms, ct, term, is_leaf=lambda x: x is None)
+    return eqx.tree_at(lambda p: p.args, ct, args, is_leaf=lambda x: x is None)

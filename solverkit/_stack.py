@@ -1,0 +1,76 @@
+"""`Stack`: rows of copies of one pytree, packed into one array per dtype.
+
+A row is one write and one read per dtype, not one per leaf: fewer kernels to compile
+(measured: compiling the LV and Lorenz ensemble gradients of
+`benchmarks.gradient_ab`, 1.75-2.1 s and 1.8-2.3 s before, 1.65-1.7 s and 1.5-1.6 s
+after, the same run time). The checkpointed adjoint stores its checkpoints and its
+recomputed carries so; its recomputation loop keeps the carry packed, as a row
+(`get_row`, `put_row`), and unpacks it where the step uses it (`unpack`).
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+
+Row = tuple[jax.Array, ...]  # one row, packed: a flat array per array of the stack
+
+
+class Stack(eqx.Module):
+    """Rows of copies of one pytree, one `(rows, width)` array per dtype."""
+
+    arrays: tuple[jax.Array, ...]
+    treedef: jtu.PyTreeDef = eqx.field(static=True)
+    # Per leaf: which array, where in the row, and its shape.
+    places: tuple[tuple[int, int, tuple[int, ...]], ...] = eqx.field(static=True)
+
+
+def stack(tree: PyTree, rows: int) -> Stack:
+    """`rows` zero copies of `tree`."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    dtypes, widths, places = [], [], []
+    for x in leaves:
+        dtype = jnp.result_type(x)
+        if dtype not in dtypes:
+            dtypes.append(dtype)
+            widths.append(0)
+        group = dtypes.index(dtype)
+        places.append((group, widths[group], jnp.shape(x)))
+        widths[group] += math.prod(jnp.shape(x))
+    arrays = tuple(jnp.zeros((rows, w), d) for d, w in zip(dtypes, widths))
+    return Stack(arrays, treedef, tuple(places))
+
+
+def pack(stack: Stack, tree: PyTree) -> Row:
+    """`tree` as one row of `stack`."""
+    parts = [[] for _ in stack.arrays]
+    for (g, _, _), x in zip(stack.places, jtu.tree_leaves(tree)):
+        parts[g].append(jnp.reshape(x, (-1,)))
+    return tuple(jnp.concatenate(p) for p in parts)
+
+
+def unpack(stack: Stack, row: Row) -> PyTree:
+    """The pytree of a row of `stack` (see `pack`)."""
+    leaves = [
+        lax.slice_in_dim(row[g], start, start + math.prod(shape)).reshape(shape)
+        for g, start, shape in stack.places
+    ]
+    return jtu.tree_unflatten(stack.treedef, leaves)
+
+
+def get_row(stack: Stack, i) -> Row:
+    """Row `i` of `stack`, packed."""
+    return tuple(lax.dynamic_index_in_dim(a, i, 0, False) for a in stack.arrays)
+
+
+def put_row(stack: Stack, i, row: Row) -> Stack:
+    """`stack` with the packed `row` written at `i`."""
+    arrays = tuple(
+        lax.dynamic_update_index_in_dim(a, r, i, 0) for a, r in zip(stack.arrays, row)
+    )
+    return Stack(arrays, stack.treedef, stack.places)

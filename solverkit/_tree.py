@@ -1,0 +1,26 @@
+"""Small pytree operations used across the engine."""
+
+import equinox as eqx
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from ._select import where
+
+
+def tree_where(pred, a: PyTree, b: PyTree) -> PyTree:
+    """`a` where `pred` else `b`, leaf by leaf."""
+    return jtu.tree_map(lambda x, y: where(pred, x, y), a, b)
+
+
+def tree_add(a: PyTree, b: PyTree) -> PyTree:
+    """`a + b`, leaf by leaf."""
+    return jtu.tree_map(jnp.add, a, b)
+
+
+def nograd(tree: PyTree) -> PyTree:
+    """`tree` with `stop_gradient` on every floating-point array (other leaves, such
+    as integers and static fields, unchanged)."""
+    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
+    return eqx.combine(lax.stop_gradient(dynamic), static)
