@@ -17,6 +17,7 @@ from ._closure import (
     is_closure_converted as is_closure_converted,
 )
 from ._controller import (
+    AbstractAdaptiveStepSizeController as AbstractAdaptiveStepSizeController,
     AbstractStepSizeController as AbstractStepSizeController,
     ClipStepSizeController as ClipStepSizeController,
     ConstantStepSize as ConstantStepSize,

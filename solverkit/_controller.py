@@ -7,7 +7,7 @@ solve is run forwards in `-t`).
 
 import abc
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 import equinox as eqx
 import jax.lax as lax
@@ -21,9 +21,12 @@ from ._errors import BadInputError, concrete
 from ._norm import rms_norm
 from ._select import where
 from ._solution import RESULTS
-from ._solver import AbstractSolver
 from ._term import AbstractTerm
 from ._time import flip
+
+
+if TYPE_CHECKING:  # annotations only: the solvers import this module
+    from ._solver import AbstractSolver
 
 
 class AbstractStepSizeController(eqx.Module):
@@ -85,7 +88,7 @@ class AbstractStepSizeController(eqx.Module):
 
     def check(
         self,
-        solver: AbstractSolver,
+        solver: "AbstractSolver",
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
@@ -93,6 +96,17 @@ class AbstractStepSizeController(eqx.Module):
         """Raise a `ValueError` before tracing if the controller can't be used so
         (`t0`, `t1` are NumPy values where known, else `None`; `dt0` as passed to
         `diffeqsolve`)."""
+
+
+class AbstractAdaptiveStepSizeController(AbstractStepSizeController):
+    """Base class of the controllers that size steps from an error estimate, with
+    tolerances that other parts of a solve may read: an implicit solver's root finder
+    (`with_stepsize_controller_tols`) and `steady_state_event` take `rtol`, `atol`
+    and `norm` from it."""
+
+    rtol: eqx.AbstractVar[Any]
+    atol: eqx.AbstractVar[Any]
+    norm: eqx.AbstractVar[Callable[[PyTree], Array]]
 
 
 def _times_of(t0: RealScalarLike, t1: RealScalarLike):
@@ -163,7 +177,7 @@ class ConstantStepSize(AbstractStepSizeController):
 
     def check(
         self,
-        solver: AbstractSolver,
+        solver: "AbstractSolver",
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
@@ -229,7 +243,7 @@ class StepTo(AbstractStepSizeController):
 
     def check(
         self,
-        solver: AbstractSolver,
+        solver: "AbstractSolver",
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
@@ -300,7 +314,7 @@ class PIDState(NamedTuple):
     at_dtmin: Array  # whether the last step was clipped to `dtmin`
 
 
-class PIDController(AbstractStepSizeController):
+class PIDController(AbstractAdaptiveStepSizeController):
     """Adaptive steps from an embedded error estimate, by a PID controller on the
     logarithm of the error (an I-controller by default).
 
@@ -364,7 +378,7 @@ class PIDController(AbstractStepSizeController):
 
     def check(
         self,
-        solver: AbstractSolver,
+        solver: "AbstractSolver",
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
@@ -480,7 +494,7 @@ class ClipState(NamedTuple):
     jump: Array  # the next jump after the current time (`inf` if none)
 
 
-class ClipStepSizeController(AbstractStepSizeController):
+class ClipStepSizeController(AbstractAdaptiveStepSizeController):
     """Wraps an adaptive controller so that steps also end exactly at given times.
 
     **Arguments:**
@@ -495,29 +509,34 @@ class ClipStepSizeController(AbstractStepSizeController):
         (diffrax uses it to revisit rejected step ends, which matters to SDEs).
     """
 
-    controller: AbstractStepSizeController
+    controller: AbstractAdaptiveStepSizeController
     step_ts: Any = eqx.field(default=None, converter=_times)
     jump_ts: Any = eqx.field(default=None, converter=_times)
     store_rejected_steps: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
-        if not (
-            isinstance(self.controller, AbstractStepSizeController)
-            and self.controller.adaptive
-        ):
+        if not isinstance(self.controller, AbstractAdaptiveStepSizeController):
             raise ValueError(
                 "ClipStepSizeController wraps an adaptive controller (PIDController), "
                 f"got {self.controller!r}."
             )
 
-    # The wrapped controller's settings, e.g. for `steady_state_event`.
-    rtol = property(lambda self: self.controller.rtol)
-    atol = property(lambda self: self.controller.atol)
-    norm = property(lambda self: self.controller.norm)
+    # The wrapped controller's tolerances (see `AbstractAdaptiveStepSizeController`).
+    @property
+    def rtol(self):
+        return self.controller.rtol
+
+    @property
+    def atol(self):
+        return self.controller.atol
+
+    @property
+    def norm(self):
+        return self.controller.norm
 
     def check(
         self,
-        solver: AbstractSolver,
+        solver: "AbstractSolver",
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,

@@ -10,6 +10,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from ._controller import AbstractAdaptiveStepSizeController
 from ._custom_types import Args, RealScalarLike, Y
 from ._norm import rms_norm
 
@@ -112,7 +113,7 @@ def steady_state_event(rtol=None, atol=None, norm=None) -> Callable:
         def default(value, name):
             if value is not None:
                 return value
-            if not hasattr(stepsize_controller, name):
+            if not isinstance(stepsize_controller, AbstractAdaptiveStepSizeController):
                 raise ValueError(
                     "steady_state_event: pass `rtol`, `atol` and `norm`, or solve "
                     "with an adaptive controller (PIDController) to take them from."

@@ -1,8 +1,10 @@
 """Progress meters, driven from inside the compiled loop by host callbacks."""
 
+import abc
 import itertools
 import sys
 import threading
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -17,21 +19,41 @@ _bars: dict = {}  # token -> the open bar of a solve in progress
 
 
 class AbstractProgressMeter(eqx.Module):
-    """Base class: `update(fraction)` runs on the host; one meter per solve, also
-    under `vmap` (the slowest batch element is shown)."""
+    """Base class of the progress meters: one meter per solve, also under `vmap` (the
+    slowest batch element is shown). The loop calls exactly these three methods."""
 
+    @abc.abstractmethod
     def start(self):
-        return None
+        """Called once per solve, when it is traced: a token that identifies this
+        solve's meter in `callback`, or `None` to show nothing (then neither of the
+        other methods is called)."""
 
+    @abc.abstractmethod
     def callback(self, token, fraction) -> None:
-        """Emit the host callback for a fraction in [0, 1] (batched: the minimum)."""
+        """Emit the host callback that shows `fraction` (of the interval, in [0, 1];
+        batched: the minimum is shown), from inside the compiled loop."""
+
+    @abc.abstractmethod
+    def wants(self, num_steps, shown, now) -> Any:
+        """Whether to refresh after a step (a boolean array; unbatched: `num_steps`
+        of the slowest element, `shown` the fraction last shown, `now` the slowest
+        element's fraction after the step)."""
 
 
 class NoProgressMeter(AbstractProgressMeter):
     """Shows nothing (the default)."""
 
+    def start(self):
+        return None
 
-class _HostMeter(AbstractProgressMeter):
+    def callback(self, token, fraction) -> None:
+        pass
+
+    def wants(self, num_steps, shown, now) -> Any:
+        return False
+
+
+class _AbstractHostMeter(AbstractProgressMeter):
     def start(self):
         return next(_ids)
 
@@ -39,11 +61,6 @@ class _HostMeter(AbstractProgressMeter):
         # The slowest batch element, unbatched: one callback (one bar) under vmap.
         fraction = -unvmap_max(-fraction)
         jax.debug.callback(lambda f: self._update(token, f), fraction)
-
-    def wants(self, num_steps, shown, now):
-        """Whether to refresh after a step (unbatched; `shown` is the fraction last
-        shown, `now` the slowest element's fraction after the step)."""
-        raise NotImplementedError
 
     def _update(self, token, fraction):
         value = float(np.min(np.asarray(fraction)))
@@ -61,7 +78,7 @@ class _HostMeter(AbstractProgressMeter):
                 self._show(bar, value)
 
 
-class TextProgressMeter(_HostMeter):
+class TextProgressMeter(_AbstractHostMeter):
     """Prints the progress as a percentage: `0.00%` at the start, a line each time
     it has grown by more than `minimum_increase` since the last line, and `100.00%`
     at the end (the same lines as diffrax's).
@@ -97,7 +114,7 @@ class TextProgressMeter(_HostMeter):
         print("100.00%", file=sys.stdout, flush=True)
 
 
-class TqdmProgressMeter(_HostMeter):
+class TqdmProgressMeter(_AbstractHostMeter):
     """A tqdm progress bar (needs `tqdm`).
 
     **Arguments:**

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
@@ -14,21 +15,37 @@ from .._solution import RESULTS
 from .._term import AbstractTerm
 
 
-def axpy(y: Y, h, terms: AbstractTerm):
-    """`y + h * Σ c_i k_i` leafwise, for `terms = [(c_i, k_i), ...]` (zeros skipped).
+def axpy(y: Y, h, terms, row=None) -> Y:
+    """`y + h Σ c_i k_i` leafwise, for `terms = [(c_i, k_i), ...]`: the linear
+    combination of every Runge-Kutta-type step.
 
-    The time step `h` is cast to each leaf's dtype, so float32 states stay float32
-    under float64 time.
+    Each weight `c_i` is either a number (a Python or NumPy float; zeros are skipped),
+    weighting `k_i`, a pytree of `y`'s structure; or a NumPy array of per-stage
+    weights, for `k_i` stacked along a leading stage axis (summed by one
+    `tensordot`): a vector, or a matrix whose traced `row` is used. Pairs with a
+    `None` are skipped. The step `h` is cast to each leaf's dtype, so float32 states
+    stay float32 under float64 time; with `h=None` the terms are added to `y` one by
+    one, unscaled.
     """
-    terms = [(c, k) for c, k in terms if c != 0]
+    terms = [
+        (c, k)
+        for c, k in terms
+        if c is not None and k is not None and not (np.ndim(c) == 0 and c == 0)
+    ]
     if not terms:
         return y
 
     def leaf(y_leaf, *ks):
-        acc = None
+        acc = y_leaf if h is None else None
         for (c, _), k in zip(terms, ks):
-            term = float(c) * k
+            if np.ndim(c) == 0:
+                term = float(c) * k
+            else:
+                w = jnp.asarray(c, y_leaf.dtype)
+                term = jnp.tensordot(w if row is None else w[row], k, axes=1)
             acc = term if acc is None else acc + term
+        if h is None:
+            return acc
         return y_leaf + jnp.asarray(h, dtype=y_leaf.dtype) * acc
 
     return jtu.tree_map(leaf, y, *[k for _, k in terms])

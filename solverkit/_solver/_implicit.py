@@ -26,7 +26,7 @@ from .._select import where
 from .._solution import RESULTS
 from .._term import ODETerm
 from .._tree import nograd, tree_add
-from ._base import AbstractAdaptiveSolver
+from ._base import AbstractAdaptiveSolver, axpy
 from ._implicit_tableau import (
     IMPLICIT_EULER,
     ImplicitTableau,
@@ -149,8 +149,8 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         c = jnp.asarray(tab.c, h.dtype)[i]
         ti = where(c == 1, t1, t0 + c * h)
         gamma_h = jnp.asarray(tab.a_im.diagonal(), h.dtype)[i] * h
-        psi = _combine(y0, h, [(tab.a_im, k_im), (tab.a_ex, k_ex)], i)
-        guess = _combine(psi, gamma_h, [(tab.predictor, k_im)], i)
+        psi = axpy(y0, h, [(tab.a_im, k_im), (tab.a_ex, k_ex)], i)
+        guess = axpy(psi, gamma_h, [(tab.predictor, k_im)], i)
         stage = Stage(im, ti, psi, gamma_h, args)
         if inv is None:
             z, stage_status = optx_solve(
@@ -187,10 +187,10 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             y1 = z
             f_implicit1 = pick(k_im, last)  # = f(t1, y1) at the root
         else:
-            y1 = _combine(y0, h, [(tab.b_im, k_im), (tab.b_ex, k_ex)])
+            y1 = axpy(y0, h, [(tab.b_im, k_im), (tab.b_ex, k_ex)])
             f_implicit1 = None
         zero = jtu.tree_map(jnp.zeros_like, y0)
-        y_error = _combine(zero, h, [(tab.b_err_im, k_im), (tab.b_err_ex, k_ex)])
+        y_error = axpy(zero, h, [(tab.b_err_im, k_im), (tab.b_err_ex, k_ex)])
         ok = status == RESULTS.successful
         y_error = jtu.tree_map(lambda e: where(ok, e, jnp.inf), y_error)
         new_state = self._start(terms, t1, y1, args, f_implicit1)
@@ -210,22 +210,6 @@ def _inverse_index(tab: ImplicitTableau) -> np.ndarray:
     """For each stage, which of the step's inverses it uses."""
     diag = tab.a_im.diagonal()
     return np.array([tab.diagonals.index(float(g)) if g else 0 for g in diag])
-
-
-def _combine(y, h, terms, row=None):
-    """`y + h Σ_terms coeffs[row] · stack` leafwise (`coeffs` a NumPy matrix indexed
-    by the traced `row`, or a vector when `row` is None; `None` terms skipped)."""
-    terms = [(c, k) for c, k in terms if c is not None and k is not None]
-
-    def leaf(y_leaf, *stacks):
-        acc = jnp.zeros_like(y_leaf)
-        for (coeffs, _), k in zip(terms, stacks):
-            w = jnp.asarray(coeffs, y_leaf.dtype)
-            w = w if row is None else w[row]
-            acc = acc + jnp.tensordot(w, k, axes=1)
-        return y_leaf + jnp.asarray(h, y_leaf.dtype) * acc
-
-    return jtu.tree_map(leaf, y, *[k for _, k in terms])
 
 
 class ImplicitEuler(AbstractImplicitRK):

@@ -21,19 +21,15 @@ conditions (B-series, and the coupling conditions of the additive methods).
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
-from ._tableau import frozen
+from ._tableau import check_close, frozen
 
 
 _TOL = 1e-10
-
-
-def _check_close(value, target, what: str) -> None:
-    err = float(np.max(np.abs(np.asarray(value) - target), initial=0.0))
-    if err > _TOL:
-        raise ValueError(f"ImplicitTableau: {what} (off by {err:.3g}).")
+_check_close = functools.partial(check_close, "ImplicitTableau", tol=_TOL)
 
 
 def _predictor(c: np.ndarray) -> np.ndarray:

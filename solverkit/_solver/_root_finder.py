@@ -20,6 +20,7 @@ import jax.tree_util as jtu
 import optimistix as optx
 from jaxtyping import Array, PyTree
 
+from .._controller import AbstractAdaptiveStepSizeController
 from .._linalg import factorise, Inverse, jacobian
 from .._select import where
 from .._solution import Result, RESULTS
@@ -100,7 +101,7 @@ def bind_tols(root_finder, stepsize_controller, solver_name: str):
     ]
     if not names:
         return root_finder
-    if getattr(stepsize_controller, "rtol", None) is None:
+    if not isinstance(stepsize_controller, AbstractAdaptiveStepSizeController):
         raise ValueError(
             f"{solver_name} takes the tolerances of its root finder from the "
             f"step-size controller, but {type(stepsize_controller).__name__} has "

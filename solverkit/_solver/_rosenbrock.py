@@ -17,7 +17,7 @@ from jaxtyping import Array, PyTree
 
 from .._linalg import factorise, invert, time_derivative, value_and_jacobian
 from .._select import where
-from ._base import AbstractAdaptiveSolver, successful
+from ._base import AbstractAdaptiveSolver, axpy, successful
 from ._rosenbrock_tableau import (
     RODAS4,
     RODAS5P,
@@ -40,16 +40,6 @@ class RosenbrockDense(NamedTuple):
 
     y0: PyTree
     coeffs: Array  # (p, n)
-
-
-def _combine(weights, vectors, start=None):
-    """`start + Σ w_j v_j` over the nonzero Python floats `w_j`."""
-    acc = start
-    for w, v in zip(weights, vectors):
-        if w != 0:
-            term = float(w) * v
-            acc = term if acc is None else acc + term
-    return acc
 
 
 class AbstractRosenbrock(AbstractAdaptiveSolver):
@@ -94,16 +84,16 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
             if i == 0:
                 fi = f0
             else:
-                yi = _combine(tab.a[i, :i], us, flat0)
+                yi = axpy(flat0, None, zip(tab.a[i, :i], us))
                 ti = t0 + jnp.asarray(tab.c[i], h.dtype) * h
                 fi = ravel_pytree(vf(ti, unravel(yi)))[0].astype(dtype)
             rhs = (gamma * hd) * fi
-            rhs = _combine(gamma * tab.C[i, :i], us, rhs)
+            rhs = axpy(rhs, None, zip(gamma * tab.C[i, :i], us))
             if tab.d[i] != 0:
                 rhs = rhs + (gamma * float(tab.d[i]) * hd**2) * f_t
             us.append(lu.solve(rhs))
-        y1 = _combine(tab.m, us, flat0)
-        error = _combine(tab.m_err, us, jnp.zeros_like(flat0))
+        y1 = axpy(flat0, None, zip(tab.m, us))
+        error = axpy(jnp.zeros_like(flat0), None, zip(tab.m_err, us))
         if tab.dense is None:
             f1 = ravel_pytree(vf(t1, unravel(y1)))[0].astype(dtype)
             coeffs = _hermite_coeffs(y1 - flat0, hd * f0, hd * f1)

@@ -28,18 +28,15 @@ Dense output: `y(t0 + θh) = y0 + Σ_i u_i Σ_p dense[i, p] θ**(p + 1)`; `dense
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
-from ._tableau import frozen
+from ._tableau import check, check_close, frozen
 
 
-_TOL = 1e-12
-
-
-def _check(ok: bool, what: str) -> None:
-    if not ok:
-        raise ValueError(f"RosenbrockTableau: {what}.")
+_check = functools.partial(check, "RosenbrockTableau")
+_check_close = functools.partial(check_close, "RosenbrockTableau")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,19 +91,17 @@ class RosenbrockTableau:
             _check(getattr(self, name).shape == (s,), f"{name} must be ({s},)")
         _check(self.gamma > 0, "gamma must be positive")
         alpha, gamma_matrix, _, _ = self.standard()
-        _check(
-            np.allclose(alpha.sum(axis=1), self.c, atol=_TOL, rtol=0),
-            "row sums of α = a Γ must equal c",
-        )
-        _check(
-            np.allclose(gamma_matrix.sum(axis=1), self.d, atol=1e-10, rtol=0),
-            "row sums of Γ must equal d",
+        _check_close(alpha.sum(axis=1), self.c, "row sums of α = a Γ must equal c")
+        _check_close(
+            gamma_matrix.sum(axis=1), self.d, "row sums of Γ must equal d", tol=1e-10
         )
         if self.dense is not None:
             _check(self.dense.ndim == 2 and self.dense.shape[0] == s, "dense is (s, p)")
-            _check(
-                np.allclose(self.dense.sum(axis=1), self.m, atol=1e-10, rtol=0),
+            _check_close(
+                self.dense.sum(axis=1),
+                self.m,
                 "dense output at θ = 1 must equal m",
+                tol=1e-10,
             )
 
     @property

@@ -17,6 +17,7 @@ calls Dopri8 (Prince--Dormand RK8(7)13M).
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +37,25 @@ def frozen(x: object, name: str, owner: str = "ButcherTableau") -> np.ndarray:
     return arr
 
 
+def check(owner: str, ok: bool, what: str) -> None:
+    """Raise `ValueError("owner: what.")` unless `ok`: the checks of every tableau
+    class."""
+    if not ok:
+        raise ValueError(f"{owner}: {what}.")
+
+
+def check_close(
+    owner: str,
+    value: np.ndarray | float,
+    target: np.ndarray | float,
+    what: str,
+    tol: float = _TOL,
+) -> None:
+    """`check` that `value` equals `target` to within `tol`, elementwise."""
+    err = float(np.max(np.abs(np.asarray(value) - target), initial=0.0))
+    check(owner, err <= tol, f"{what} (off by {err:.3g})")
+
+
 def _optionalfrozen(x: object, name: str) -> np.ndarray | None:
     return None if x is None else frozen(x, name)
 
@@ -47,12 +67,7 @@ def _check_shape(arr: np.ndarray, shape: tuple[int, ...], name: str) -> None:
         )
 
 
-def _check_close(
-    value: np.ndarray | float, target: np.ndarray | float, what: str
-) -> None:
-    err = float(np.max(np.abs(value - target), initial=0.0))
-    if err > _TOL:
-        raise ValueError(f"ButcherTableau: {what} (off by {err:.3g}).")
+_check_close = functools.partial(check_close, "ButcherTableau")
 
 
 @dataclasses.dataclass(frozen=True)

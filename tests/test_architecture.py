@@ -1,0 +1,137 @@
+"""The architecture as documented: the import order of docs/architecture.md is the
+order of the code, and equinox's abstract/final pattern holds (equinox no longer
+enforces it)."""
+
+import ast
+import inspect
+import pathlib
+import re
+
+import equinox as eqx
+import pytest
+
+import solverkit as sk
+
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_PACKAGE = _ROOT / "solverkit"
+
+
+def _documented_layers() -> list[list[str]]:
+    """The modules of the sentence "Imports run one way: ..." in architecture.md,
+    layer by layer (a layer is one name or a parenthesised group)."""
+    text = (_ROOT / "docs" / "architecture.md").read_text()
+    match = re.search(r"Imports run one way:(.*?[`)])\.", text, re.S)
+    assert match, "architecture.md states no import order"
+    return [
+        [name.rstrip("/") for name in re.findall(r"`([^`]+)`", part)]
+        for part in match.group(1).split("→")
+    ]
+
+
+def _module_of(path: pathlib.Path) -> str:
+    """The top-level module (or subpackage) a file belongs to: `_solver` for every
+    file of `_solver/`."""
+    rel = path.relative_to(_PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The top-level solverkit modules a file imports when it runs (not those under
+    `if TYPE_CHECKING:`, which only annotations use)."""
+    depth = len(path.relative_to(_PACKAGE).parts) - 1
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        if node.level - 1 < depth:  # within a subpackage
+            continue
+        if node.module:
+            found.add(node.module.split(".")[0])
+        else:
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_documented_import_order_is_the_code():
+    layers = _documented_layers()
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    files = sorted(_PACKAGE.rglob("*.py"))
+    modules = {_module_of(f) for f in files}
+    assert modules == set(rank), (
+        "architecture.md's import order and the package differ: "
+        f"undocumented {sorted(modules - set(rank))}, "
+        f"gone {sorted(set(rank) - modules)}"
+    )
+    wrong = [
+        f"{f.relative_to(_ROOT)} imports {dep}"
+        for f in files
+        for dep in _imports(f)
+        if dep != _module_of(f) and rank[dep] <= rank[_module_of(f)]
+    ]
+    assert not wrong, "imports against the documented order: " + "; ".join(wrong)
+
+
+def _solverkit_modules() -> list[type]:
+    classes = {
+        cls
+        for module in list(vars(sk).values())
+        for cls in [module]
+        if inspect.isclass(cls) and issubclass(cls, eqx.Module)
+    }
+    # The private classes too: every equinox Module defined in the package.
+    seen, todo = set(), list(classes)
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(c for c in cls.__mro__ if issubclass(c, eqx.Module))
+        todo.extend(cls.__subclasses__())
+    return [c for c in seen if c.__module__.startswith("solverkit")]
+
+
+def _is_abstract_name(cls: type) -> bool:
+    return cls.__name__.lstrip("_").startswith("Abstract")
+
+
+def test_only_abstract_classes_are_subclassed():
+    # Abstract/final: behaviour is inherited from `Abstract*` bases only; a concrete
+    # class is never subclassed (wrap it instead).
+    wrong = [
+        f"{cls.__name__} subclasses the concrete {base.__name__}"
+        for cls in _solverkit_modules()
+        for base in cls.__mro__[1:]
+        if base.__module__.startswith("solverkit") and not _is_abstract_name(base)
+    ]
+    assert not wrong, "; ".join(sorted(wrong))
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        sk.AbstractRungeKutta,
+        sk.AbstractERK,
+        sk.AbstractSolver,
+        sk.AbstractAdjoint,
+        sk.AbstractStepSizeController,
+        sk.AbstractAdaptiveStepSizeController,
+        sk.AbstractProgressMeter,
+        sk.AbstractTerm,
+    ],
+)
+def test_abstract_bases_do_not_instantiate(cls):
+    with pytest.raises(TypeError, match="abstract"):
+        cls()
+
+
+def test_a_user_progress_meter_must_say_when_to_refresh():
+    class Meter(sk.AbstractProgressMeter):
+        def start(self):
+            return 0
+
+        def callback(self, token, fraction):
+            pass
+
+    with pytest.raises(TypeError, match="wants"):
+        Meter()
