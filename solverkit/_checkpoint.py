@@ -47,18 +47,20 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
     one backward pass; no recomputation for a solve of at most `S` steps) and
     `max_steps` only sizes the memory. With `checkpoints=None`, `S = 128` slots
     (`max_steps` if fewer) and a buffer of 32 steps, and past `128 * 32 = 4096` steps
-    `ceil(max_steps / 4096)` mid checkpoints: the backward pass walks a long segment
-    back from evenly spaced carries stored while recomputing its first chunk (two
-    recomputations). So a short solve costs the same whatever `max_steps` is, and
-    memory grows slowly with `max_steps`: 160 states up to 4096, 185 at `10**5`,
-    305 at `10**6` (then like its cube root).
+    about `max_steps / 4096` mid checkpoints (the longest segment, a power of two
+    steps, over 32): the backward pass walks a long segment back from evenly spaced
+    carries stored while recomputing its first chunk (two recomputations). So a short
+    solve costs the same whatever `max_steps` is, and memory grows slowly with
+    `max_steps`: 160 states up to 4096, 192 at `10**5`, 310 at `10**6` (then like
+    its cube root).
 
     **Arguments:**
 
     - `checkpoints`: the number of checkpoint slots `S` (rounded up to even); `None`
         for the default above. Needed for reverse mode with `max_steps=None`
-        (chunks are then `S` steps long, and a solve of more than `S**2` steps is
-        recomputed more than once).
+        (chunks are then `S` steps long; a step is recomputed once while the
+        stride, a power of two, is at most `S`: for a solve of up to `S * 2**k`
+        steps, `2**k <= S`).
     """
 
     checkpoints: int | None = None

@@ -66,13 +66,18 @@ def layout(max_steps: int | None, checkpoints: int | None) -> Layout:
         return Layout(slots, buffer)
     assert max_steps is not None
     # At most two recomputations of a step. Memory: 128 + 32 states, plus one mid
-    # checkpoint per 4096 steps of `max_steps`; for huge `max_steps`, about
-    # `3 * max_steps**(1/3)` states.
+    # checkpoint per 32 steps of the longest segment, 1/128 of `max_steps` rounded up
+    # to a power of two; for huge `max_steps`, about `3 * (2 max_steps)**(1/3)`
+    # states.
     slots = max(_ceil_cbrt(max_steps), min(_MIN_SLOTS, max_steps))
     slots = min(max(2, slots + slots % 2), _MAX_SLOTS)
     per_slot = max(1, -(-max_steps // slots))
-    buffer = min(per_slot, max(_MIN_BUFFER, ceil_sqrt(per_slot)))
-    mid = 0 if per_slot <= buffer else -(-per_slot // buffer)
+    # A segment is as long as the stride, a power of two: up to twice `per_slot`. Its
+    # mid checkpoints must be at most a buffer apart, or a chunk between two of them
+    # is recomputed in pieces (a third recomputation: `tests/test_schedule.py`).
+    segment = 1 << (per_slot - 1).bit_length()
+    buffer = min(segment, max(_MIN_BUFFER, ceil_sqrt(segment)))
+    mid = 0 if segment <= buffer else -(-segment // buffer)
     return Layout(slots, buffer, mid)
 
 
