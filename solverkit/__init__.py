@@ -1,5 +1,9 @@
 """solverkit: ODE solvers in JAX whose vector fields may close over anything."""
 
+from ._adaptive import (
+    ClipStepSizeController as ClipStepSizeController,
+    PIDController as PIDController,
+)
 from ._adjoint import (
     AbstractAdjoint as AbstractAdjoint,
     DirectAdjoint as DirectAdjoint,
@@ -19,9 +23,7 @@ from ._closure import (
 from ._controller import (
     AbstractAdaptiveStepSizeController as AbstractAdaptiveStepSizeController,
     AbstractStepSizeController as AbstractStepSizeController,
-    ClipStepSizeController as ClipStepSizeController,
     ConstantStepSize as ConstantStepSize,
-    PIDController as PIDController,
     StepTo as StepTo,
 )
 from ._event import (

@@ -26,7 +26,8 @@ import numpy as np
 from . import _loop
 from ._errors import UnsupportedError
 from ._linalg import lu_factorisation, value_and_jacobian
-from ._loop import Buffers, Carry, Outputs, Problem
+from ._loop import Outputs
+from ._problem import Buffers, Carry, Problem
 from ._schedule import ceil_sqrt
 from ._term import ClosureTerm, total_vf
 from ._tree import nograd

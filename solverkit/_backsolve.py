@@ -22,8 +22,9 @@ from ._adjoint import (
 from ._closure import closure_convert
 from ._custom_types import RealScalarLike, Y
 from ._errors import UnsupportedError
-from ._loop import Outputs, Problem
+from ._loop import Outputs
 from ._norm import rms_norm
+from ._problem import Problem
 from ._solver import AbstractRungeKutta, AbstractSolver
 from ._term import ClosureTerm, MultiTerm, total_vf
 from ._time import flip

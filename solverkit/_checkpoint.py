@@ -25,7 +25,8 @@ from ._adjoint import (
     zeros_cotangent,
 )
 from ._errors import UnsupportedError
-from ._loop import Buffers, Carry, Outputs, Problem
+from ._loop import Outputs
+from ._problem import Buffers, Carry, Problem
 from ._schedule import Layout
 from ._select import where
 from ._stack import get_row, pack, put_row, Stack, stack, unpack

@@ -1,11 +1,13 @@
 """Closure conversion: turn any callable into a jaxpr plus an explicit pytree of every
 JAX value it closes over.
 
-This module imports nothing of solverkit, so it can be lifted into another project.
+Here: tracing, hoisting every closed-over value, and the conversion cache (a
+program's identity). The rewrites of the traced jaxpr are in `_jaxpr_rewrite.py`, its
+evaluation inside `shard_map` in `_vma_eval.py`. With those two modules this one
+imports nothing of solverkit, so the three can be lifted into another project.
 """
 
 import collections
-import contextlib
 import enum
 import re
 import threading
@@ -21,30 +23,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-
-try:  # Present in recent JAX; when True, concrete constants are inlined as literals.
-    from jax._src.config import (
-        use_simplified_jaxpr_constants as _simplified_constants,  # pyright: ignore
-    )
-except ImportError:  # pragma: no cover - older JAX always hoists constants.
-    _simplified_constants = None
-
-
-def _eval_jaxpr(jaxpr, consts, *args):
-    if hasattr(jax.core, "eval_jaxpr"):
-        return jax.core.eval_jaxpr(jaxpr, consts, *args)
-    return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, consts))(*args)  # pragma: no cover
-
-
-def _hoisting_constants():
-    """Trace so that every concrete array becomes a constvar, never an inline literal.
-
-    Which values JAX inlines depends on `jax_use_simplified_jaxpr_constants`; pinning it
-    off for the duration of our own trace makes the result the same either way.
-    """
-    if _simplified_constants is None:  # pragma: no cover
-        return contextlib.nullcontext()
-    return _simplified_constants(False)
+from ._jaxpr_rewrite import cse, hoisting_constants
+from ._vma_eval import evaluate
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -245,382 +225,6 @@ def _canonical_jaxpr(fn, jaxpr, signature):
         return jaxpr
 
 
-# --- Common subexpressions ---------------------------------------------------------
-#
-# Users index their state again and again (`y[0] * y[1] - y[0]`). XLA merges the
-# repeated slices of the forward computation, but each one's transpose under reverse
-# mode is a pad of its own cotangent, and those pads are not merged: the gradient of
-# the Lotka-Volterra benchmark ran 2x slower written so than with each slice taken
-# once. So the jaxpr is cleared of repeated equations once, on conversion.
-
-
-def _literal_key(lit):
-    value = np.asarray(lit.val)
-    if value.ndim:
-        return None
-    return ("literal", str(lit.aval), value.dtype.str, value.tobytes())
-
-
-def _is_dropped(var) -> bool:
-    # An unused output (`_`); `jax.extend.core` names the type only in newer JAX.
-    return type(var).__name__ == "DropVar"
-
-
-_CALLS = frozenset({"pjit", "jit", "closed_call"})  # nested calls merged inside too
-
-
-# --- Slices of one array as one split ---------------------------------------------
-#
-# The transpose of `slice` is a `pad` of the cotangent. A field that indexes its state
-# (`y[0]`, `y[1:]`) sums several such pads per stage, and XLA:CPU fuses the chains of
-# pads through a many-stage Runge-Kutta step into loops whose cost grows far faster
-# than the number of stages: the Lorenz ensemble's reverse step cost 10x its forward
-# step (`python -m benchmarks.vjp_stages`). So the slices of one array along one axis
-# become one `split` at every boundary they use (and `concatenate`s of its pieces
-# where a slice spans several). The transpose of `split` is a single `concatenate` of
-# the pieces' cotangents, with no pad; forward, XLA lowers a `split` to the same
-# slices as before.
-
-
-def _slice_axis(eqn, shape):
-    """The one axis a unit-stride `slice` equation cuts, else None."""
-    params = eqn.params
-    strides = params.get("strides")
-    if strides is not None and any(s != 1 for s in strides):
-        return None
-    bounds = zip(params["start_indices"], params["limit_indices"], shape)
-    cut = [d for d, (a, b, n) in enumerate(bounds) if (a, b) != (0, n)]
-    return cut[0] if len(cut) == 1 else None
-
-
-def _split_equations(x, axis, slices):
-    """Equations computing every one of `slices` (of `x`, along `axis`) from one
-    `split`, writing the slices' own output variables; None where that fails."""
-    aval = x.aval
-    starts = [int(e.params["start_indices"][axis]) for e in slices]
-    limits = [int(e.params["limit_indices"][axis]) for e in slices]
-    if any(a >= b for a, b in zip(starts, limits)):
-        return None  # an empty slice: no piece to take
-    bounds = sorted({0, aval.shape[axis], *starts, *limits})
-    at = {b: k for k, b in enumerate(bounds)}
-    sizes = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-
-    def pieces(v):
-        parts = jax.lax.split(v, sizes, axis=axis)
-        return [
-            parts[at[a]]
-            if at[b] - at[a] == 1
-            else jax.lax.concatenate(parts[at[a] : at[b]], axis)
-            for a, b in zip(starts, limits)
-        ]
-
-    struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-    with _hoisting_constants():
-        template = jax.make_jaxpr(pieces)(struct)
-    outs = template.jaxpr.outvars
-    if (
-        template.consts
-        or not all(isinstance(v, jex.Var) for v in outs)
-        or len(set(outs)) != len(outs)
-        or set(outs) & set(template.jaxpr.invars)
-        or any(v.aval != e.outvars[0].aval for v, e in zip(outs, slices))
-    ):
-        return None  # pragma: no cover - no JAX we support traces it otherwise
-    rename = {template.jaxpr.invars[0]: x}
-    rename.update(zip(outs, (e.outvars[0] for e in slices)))
-    return [
-        e.replace(
-            invars=[
-                rename.get(v, v) if isinstance(v, jex.Var) else v for v in e.invars
-            ],
-            outvars=[rename.get(v, v) for v in e.outvars],
-        )
-        for e in template.jaxpr.eqns
-    ]
-
-
-def _split_slices(jaxpr):
-    """`jaxpr` with the unit-stride slices of each array along one axis computed by
-    one `split` (see above), placed where the first of them was."""
-    if not hasattr(jax.lax, "split"):  # pragma: no cover - JAX < 0.4.36
-        return jaxpr
-    groups: dict = {}  # array -> [axis or None when not splittable, equation indices]
-    for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != "slice" or _is_dropped(eqn.outvars[0]):
-            continue
-        x = eqn.invars[0]
-        aval = getattr(x, "aval", None)
-        if not isinstance(x, jex.Var) or not isinstance(aval, jax.core.ShapedArray):
-            continue
-        if not isinstance(aval.dtype, np.dtype):
-            continue  # say, a key array: left as it is
-        axis = _slice_axis(eqn, aval.shape)
-        group = groups.setdefault(x, [axis, []])
-        if axis is None or group[0] != axis:
-            group[0] = None
-        group[1].append(i)
-    replace: dict = {}  # equation index -> the equations that take its place
-    for x, (axis, indices) in groups.items():
-        new = None
-        if axis is not None:
-            new = _split_equations(x, axis, [jaxpr.eqns[i] for i in indices])
-        if new is not None:
-            replace.update({i: [] for i in indices})
-            replace[indices[0]] = new
-    if not replace:
-        return jaxpr
-    eqns = [new for i, eqn in enumerate(jaxpr.eqns) for new in replace.get(i, [eqn])]
-    return jaxpr.replace(eqns=eqns)
-
-
-def _cse(jaxpr, memo=None):
-    """`jaxpr` with each repeated equation (same primitive, parameters and inputs, no
-    effects) removed and its outputs replaced by the first one's, and the slices of an
-    array made one split; the same inside nested `jit` calls."""
-    memo = {} if memo is None else memo  # id(inner ClosedJaxpr) -> (it, merged)
-    rename: dict = {}
-    seen: dict = {}
-    eqns = []
-    changed = False
-    for eqn in jaxpr.eqns:
-        invars = [rename.get(v, v) if isinstance(v, jex.Var) else v for v in eqn.invars]
-        params = eqn.params
-        inner = params.get("jaxpr")
-        if eqn.primitive.name in _CALLS and isinstance(inner, jex.ClosedJaxpr):
-            if id(inner) not in memo:
-                merged = _cse(inner.jaxpr, memo)
-                if merged is not inner.jaxpr:
-                    merged = jex.ClosedJaxpr(merged, inner.consts)
-                    memo[id(inner)] = (inner, merged)
-                else:
-                    memo[id(inner)] = (inner, inner)
-            if memo[id(inner)][1] is not inner:
-                params = {**params, "jaxpr": memo[id(inner)][1]}
-        key = None
-        if not eqn.effects:
-            inputs = tuple(
-                _literal_key(v) if isinstance(v, jex.Literal) else v for v in invars
-            )
-            try:
-                key = (eqn.primitive, inputs, tuple(sorted(params.items())))
-                hash(key)
-            except TypeError:
-                key = None
-            if key is not None and None in inputs:
-                key = None
-        first = None if key is None else seen.get(key)
-        if first is not None:
-            for old, new in zip(eqn.outvars, first.outvars):
-                if not _is_dropped(old):
-                    rename[old] = new
-            changed = True
-            continue
-        if params is not eqn.params or any(
-            a is not b for a, b in zip(invars, eqn.invars)
-        ):
-            eqn = eqn.replace(invars=invars, params=params)
-            changed = True
-        if key is not None and not any(_is_dropped(v) for v in eqn.outvars):
-            seen[key] = eqn
-        eqns.append(eqn)
-    if changed:
-        outvars = [
-            rename.get(v, v) if isinstance(v, jex.Var) else v for v in jaxpr.outvars
-        ]
-        jaxpr = jaxpr.replace(eqns=eqns, outvars=outvars)
-    return _split_slices(jaxpr)
-
-
-# --- Evaluation inside shard_map with varying-manual-axes checks --------------------
-#
-# A jaxpr traced outside `shard_map` types every value as invariant across the mesh's
-# manual axes. Evaluated inside `shard_map(check_vma=True)` with a varying input,
-# each primitive would see mismatched types where JAX's own tracing would have cast
-# the invariant operand with `pvary`. So, when some input varies, the jaxpr is
-# interpreted: each primitive's operands are cast to the union of their varying axes
-# (what tracing inside the shard_map would have done), nested calls are inlined, and
-# loops, conds, checkpoints and custom_jvp rules are rebuilt through JAX's own API so
-# that their bodies are typed afresh. On JAX without these types, nothing changes.
-
-
-_typeof = getattr(jax, "typeof", None) or jax.core.get_aval  # pyright: ignore
-
-
-def _vma(x) -> frozenset:
-    """The manual mesh axes `x` varies over (empty outside shard_map, or on old JAX)."""
-    try:
-        aval = _typeof(x)
-    except TypeError:
-        return frozenset()
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _pvary(x, axes: frozenset):
-    """`x` cast from invariant to varying over `axes` (a no-op on the data)."""
-    missing = tuple(sorted(axes - _vma(x), key=str))
-    if not missing:
-        return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)  # pyright: ignore  # pragma: no cover
-
-
-def _interpret(jaxpr, consts, *args):
-    """`eval_jaxpr` that casts operands to matching varying axes (see above)."""
-    env: dict = {}
-
-    def read(v):
-        return v.val if isinstance(v, jex.Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        rule = _RULES.get(eqn.primitive.name)
-        if rule is not None:
-            outs = rule(ins, **eqn.params)
-        else:
-            union = frozenset().union(*(_vma(x) for x in ins))
-            outs = _bind(eqn.primitive, eqn.params, [_pvary(x, union) for x in ins])
-        for v, o in zip(eqn.outvars, outs):
-            if not _is_dropped(v):
-                env[v] = o
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(primitive, params, ins, subfuns=None):
-    """Bind as `eval_jaxpr` does (whichever form of `get_bind_params` this JAX has),
-    optionally with other sub-functions; always a list of outputs."""
-    bind_params = primitive.get_bind_params(params)
-    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
-        old_subfuns, bind_params = bind_params
-        outs = primitive.bind(*(subfuns or old_subfuns), *ins, **bind_params)
-    else:
-        if subfuns is not None:
-            bind_params = {**bind_params, "subfuns": tuple(subfuns)}
-        outs = primitive.bind(*ins, **bind_params)
-    return outs if primitive.multiple_results else [outs]
-
-
-def _as_fn(closed):
-    """A ClosedJaxpr as a function of its flat inputs, interpreted."""
-    return lambda *xs: _interpret(closed.jaxpr, closed.consts, *xs)
-
-
-def _call_rule(ins, *, jaxpr, **_):
-    if isinstance(jaxpr, jex.ClosedJaxpr):
-        return _interpret(jaxpr.jaxpr, jaxpr.consts, *ins)
-    return _interpret(jaxpr, (), *ins)
-
-
-def _call_jaxpr_rule(ins, *, call_jaxpr, **_):
-    return _call_rule(ins, jaxpr=call_jaxpr)
-
-
-def _scan_rule(ins, *, jaxpr, num_consts, num_carry, length, reverse, unroll, **_):
-    consts, init, xs = (
-        ins[:num_consts],
-        ins[num_consts : num_consts + num_carry],
-        ins[num_consts + num_carry :],
-    )
-    body = _as_fn(jaxpr)
-    # The carry must keep its type: make it vary wherever any input does (a sound
-    # over-approximation of what the body may make it).
-    union = frozenset().union(*(_vma(x) for x in ins))
-    init = [_pvary(x, union) for x in init]
-
-    def step(carry, x):
-        out = body(*consts, *carry, *x)
-        return out[:num_carry], out[num_carry:]
-
-    carry, ys = jax.lax.scan(
-        step, init, xs, length=length, reverse=reverse, unroll=unroll
-    )
-    return [*carry, *ys]
-
-
-def _while_rule(ins, *, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts, **_):
-    cond_consts, body_consts = ins[:cond_nconsts], ins[cond_nconsts:][:body_nconsts]
-    init = ins[cond_nconsts + body_nconsts :]
-    cond, body = _as_fn(cond_jaxpr), _as_fn(body_jaxpr)
-    union = frozenset().union(*(_vma(x) for x in ins))  # as for scan
-    init = [_pvary(x, union) for x in init]
-    return jax.lax.while_loop(
-        lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), init
-    )
-
-
-def _cond_rule(ins, *, branches, **_):
-    index, *ops = ins
-    return jax.lax.switch(index, [_as_fn(b) for b in branches], *ops)
-
-
-def _remat_rule(ins, *, jaxpr, prevent_cse, policy, **_):
-    fn = lambda *xs: _call_rule(xs, jaxpr=jaxpr)
-    return jax.checkpoint(fn, prevent_cse=prevent_cse, policy=policy)(*ins)
-
-
-def _custom_jvp_rule(ins, **params):
-    """The custom_jvp call again, with its primal and JVP jaxprs interpreted."""
-    from jax._src import custom_derivatives as cd, linear_util as lu  # noqa: PLC0415
-
-    call_jaxpr, num_consts = params["call_jaxpr"], params["num_consts"]
-    jvp_jaxpr_fun = params["jvp_jaxpr_fun"]
-
-    def jvp(*xs):
-        half = len(xs) // 2
-        primals, tangents = xs[num_consts:half], xs[half + num_consts :]
-        zeros = [type(t) is cd.SymbolicZero for t in tangents]
-        jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
-        nonzero = [t for t in tangents if type(t) is not cd.SymbolicZero]
-        out = _interpret(jvp_jaxpr, jvp_consts, *primals, *nonzero)
-        out_primals, it = out[: len(out_zeros)], iter(out[len(out_zeros) :])
-        out_tangents = [
-            cd.SymbolicZero(_typeof(p).to_tangent_aval()) if z else next(it)
-            for p, z in zip(out_primals, out_zeros)
-        ]
-        return [*out_primals, *out_tangents]
-
-    union = frozenset().union(*(_vma(x) for x in ins))
-    subfuns = (
-        lu.wrap_init(_as_fn(call_jaxpr), debug_info=call_jaxpr.jaxpr.debug_info),
-        lu.wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info),
-    )
-    ins = [_pvary(x, union) for x in ins]
-    return _bind(cd.custom_jvp_call_p, params, ins, subfuns)
-
-
-def _pvary_rule(ins, *, axes, **_):
-    # A jaxpr traced inside shard_map casts where a value was invariant then; it may
-    # vary by now (say, a loop's time): cast only the axes it does not vary over yet.
-    return [_pvary(x, frozenset(axes)) for x in ins]
-
-
-_RULES = {
-    "pvary": _pvary_rule,
-    "pjit": _call_rule,
-    "jit": _call_rule,
-    "closed_call": _call_jaxpr_rule,
-    "core_call": _call_jaxpr_rule,
-    "scan": _scan_rule,
-    "while": _while_rule,
-    "cond": _cond_rule,
-    "checkpoint": _remat_rule,
-    "remat2": _remat_rule,
-    "custom_jvp_call": _custom_jvp_rule,
-}
-
-
-def _evaluate(jaxpr, consts, args):
-    """The jaxpr's outputs; interpreted when a value varies over shard_map axes."""
-    if any(_vma(x) for x in (*consts, *args)):
-        return _interpret(jaxpr, consts, *args)
-    return _eval_jaxpr(jaxpr, consts, *args)
-
-
 # --- Public API ---------------------------------------------------------------------
 
 
@@ -692,7 +296,7 @@ class Closure(eqx.Module):
                     f"{spec.dtype}, got shape {shape} and dtype {dtype}."
                 )
             flat.append(leaf)
-        out = iter(_evaluate(program.jaxpr, self.consts, flat))
+        out = iter(evaluate(program.jaxpr, self.consts, flat))
         leaves = []
         for spec in program.out_specs:
             if isinstance(spec, _Static):
@@ -724,7 +328,7 @@ def _trace(fn: Callable, in_tree, in_specs):
         # Only array leaves are traced; the others are static, as in filter_jit.
         return [x for x in leaves if _is_output_array(x)]
 
-    with _hoisting_constants():
+    with hoisting_constants():
         closed_jaxpr = jax.make_jaxpr(flat_fn)(*dynamic)
     ((out_tree, out_leaves),) = traced_out
     return closed_jaxpr, out_tree, out_leaves
@@ -764,7 +368,7 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
     leaves, in_tree = jtu.tree_flatten((args, kwargs))
     in_specs = tuple(_struct(x) if _is_array(x) else _Static(x) for x in leaves)
     closed_jaxpr, out_tree, out_leaves = _trace(fn, in_tree, in_specs)
-    jaxpr = _cse(closed_jaxpr.jaxpr)
+    jaxpr = cse(closed_jaxpr.jaxpr)
     consts = tuple(
         _as_array(c, v.aval) for c, v in zip(closed_jaxpr.consts, jaxpr.constvars)
     )

@@ -1,5 +1,7 @@
-"""`Event`: stop a solve when a condition fires (and diffrax's deprecated discrete
-terminating events, turned into one)."""
+"""Events: `Event`, which stops a solve when a condition fires (and diffrax's
+deprecated discrete terminating events, turned into one); and, for the loop, how the
+conditions are evaluated and detected after each step, and how a crossing is located
+on the last step's dense output after the loop."""
 
 import functools
 import inspect
@@ -7,12 +9,22 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PyTree
+import optimistix as optx
+from jaxtyping import Array, PyTree
 
+from ._closure import Closure
 from ._controller import AbstractAdaptiveStepSizeController
 from ._custom_types import Args, RealScalarLike, Y
 from ._norm import rms_norm
+from ._problem import Carry, dense_info_zeros, LastStep, Problem
+from ._select import where
+from ._solution import RESULTS
+from ._time import flip
+from ._tree import tree_where
 
 
 class Event(eqx.Module):
@@ -192,3 +204,146 @@ def as_event(discrete) -> Event:
             f"SteadyStateEvent, got {discrete!r}."
         )
     return Event(_DiscreteAsCondition(discrete))
+
+
+# --- Events in the loop: detection after each step, location after the loop ------
+
+
+def _real_conds(problem: Problem) -> list[bool]:
+    """For each event condition leaf: is it real-valued (True) or boolean (False)?"""
+    return [
+        not jnp.issubdtype(c.out_struct.dtype, jnp.bool_)
+        for c in jtu.tree_leaves(
+            problem.conds, is_leaf=lambda x: isinstance(x, Closure)
+        )
+    ]
+
+
+def eval_conds(problem: Problem, tau: RealScalarLike, y: Y):
+    """The event conditions at internal time `tau` and state `y`."""
+    t = flip(problem.direction, tau)
+    return jtu.tree_map(
+        lambda c: c(t, y, problem.args),
+        problem.conds,
+        is_leaf=lambda x: isinstance(x, Closure),
+    )
+
+
+def fired(problem: Problem, before, after) -> PyTree:
+    """Which conditions fired over a step: a boolean one when it is true, a real one
+    when its sign changes (in its direction), as diffrax decides."""
+
+    def leaf(b, a, direction: Array | None):
+        if jnp.issubdtype(a.dtype, jnp.bool_):
+            return a
+        sb, sa = jnp.sign(b), jnp.sign(a)
+        if direction is None:
+            return sb != sa
+        if direction:
+            return (sb <= 0) & (sa > 0)
+        return (sb > 0) & (sa <= 0)
+
+    leaves, tree = jtu.tree_flatten(after)
+    out = [
+        leaf(b, a, d)
+        for b, a, d in zip(jtu.tree_leaves(before), leaves, problem.event_direction)
+    ]
+    return jtu.tree_unflatten(tree, out)
+
+
+def init_events(problem: Problem, solver_state: PyTree):
+    """`(cond_values, event_mask, last)` at the start of the loop."""
+    if problem.conds is None:
+        return None, None, None
+    cond_values = eval_conds(problem, problem.t0, problem.y0)
+    # A boolean condition already true at t0 ends the solve there, before any step
+    # (as in diffrax); a real-valued one needs a sign change first.
+    event_mask = [
+        jnp.asarray(False) if real else jnp.asarray(value)
+        for real, value in zip(_real_conds(problem), jtu.tree_leaves(cond_values))
+    ]
+    event_mask = jtu.tree_unflatten(jtu.tree_structure(cond_values), event_mask)
+    last = None
+    if any(_real_conds(problem)):
+        last = LastStep(problem.t0, dense_info_zeros(problem, solver_state))
+    return cond_values, event_mask, last
+
+
+def _bisect(g, a, b, ga, iterations: int):
+    def it(_, state):
+        a, b, ga = state
+        m = (a + b) / 2
+        gm = g(m)
+        same = jnp.sign(gm) == jnp.sign(ga)
+        return where(same, m, a), where(same, b, m), where(same, gm, ga)
+
+    a, b, _ = lax.fori_loop(0, iterations, it, (a, b, ga))
+    return (a + b) / 2
+
+
+def _bisections(dtype) -> int:
+    """Bisections of a step that locate an event to the resolution of its time: the
+    53 (float64) or 24 (float32) bits of the mantissa, with margin for a step much
+    shorter than its time."""
+    return 64 if dtype == jnp.float64 else 32
+
+
+def locate(problem: Problem, carry: Carry):
+    """For a fired real-valued condition, find the crossing on the last step's dense
+    output. The event time is differentiable by the implicit function theorem."""
+    if carry.last is None:
+        return carry.t, carry.y
+    tstart, info = carry.last
+    tend = carry.t
+    solver = problem.solver
+    is_real = _real_conds(problem)
+    leaves = jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
+    mask = jtu.tree_leaves(carry.event_mask)
+    event = carry.result == RESULTS.event_occurred.code
+    iterations = _bisections(tend.dtype)
+    t_star = tend
+    located = jnp.asarray(False)  # whether a real-valued condition fired
+    for closure, real, f in zip(leaves, is_real, mask):
+        if not real:
+            continue
+
+        def g(tau: RealScalarLike, closure=closure):
+            y = solver.interpolate(info, tstart, tend, tau)
+            return closure(flip(problem.direction, tau), y, problem.args)
+
+        active = event & f
+        a = lax.stop_gradient(where(active, tstart, tend - 1))
+        b = lax.stop_gradient(tend)
+        if problem.root_finder is None:
+            root = _bisect(g, a, b, g(a), iterations)
+        else:
+            root = _optx_root(g, problem.root_finder, a, b)
+        root = lax.stop_gradient(where(active, root, tend))
+        # One Newton step at the root: the value stays, the derivative becomes the
+        # implicit-function-theorem one, -(dg/dp) / (dg/dt).
+        g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
+        dg_dt = lax.stop_gradient(where(dg_dt == 0, 1, dg_dt))
+        root = root - where(active, g_root / dg_dt.astype(root.dtype), 0)
+        t_star = where(active, jnp.minimum(t_star, root), t_star)
+        located = located | active
+    # Only then is the last step's dense output meaningful (a boolean condition may
+    # have fired at t0, before any step).
+    y_star = solver.interpolate(info, tstart, tend, t_star)
+    y = tree_where(located, y_star, carry.y)
+    return where(event, t_star, tend), y
+
+
+# Iterations of an optimistix root finder locating an event in one step: far more
+# than a Newton-type method needs on a smooth, bracketed crossing.
+_EVENT_ROOT_MAX_STEPS = 64
+
+
+def _optx_root(g, root_finder, a, b):
+    sol = optx.root_find(
+        lambda tau, _: g(tau),
+        root_finder,
+        (a + b) / 2,
+        throw=False,
+        max_steps=_EVENT_ROOT_MAX_STEPS,
+    )
+    return jnp.clip(sol.value, a, b)

@@ -19,7 +19,7 @@ from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete
 from ._event import as_event, Event, with_context
 from ._interpolation import DenseInterpolation
-from ._loop import Problem, Save
+from ._problem import Problem, Save
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where

@@ -1,33 +1,28 @@
 """The step loop: step, accept or reject, save, detect events.
 
 Knows nothing of adjoints: an adjoint supplies the function that runs
-`body(params, carry)` while `cond(params, carry)` holds (see `_adjoint.py`). Every user
-value reaches the loop through `Problem`, an explicit operand.
+`body(problem, carry)` while `cond(problem, carry)` holds (see `_adjoint.py`). Every
+user value reaches the loop through `Problem` (`_problem.py`), an explicit operand.
+What a step saves is written by `_save.py`; events are detected and located by
+`_event.py`.
 """
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
-import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
-import optimistix as optx
 from jaxtyping import Array, PyTree
 
-from ._closure import Closure
-from ._controller import AbstractStepSizeController
+from . import _event, _save
 from ._custom_types import RealScalarLike, Y
 from ._errors import concrete
-from ._progress import AbstractProgressMeter, NoProgressMeter
+from ._problem import adaptive, Buffers, Carry, LastStep, Problem, StepOut
 from ._reduce import all_true, and_all, or_all
 from ._select import where
 from ._solution import RESULTS
-from ._solver import AbstractSolver
-from ._term import AbstractTerm
-from ._time import flip
 from ._tree import tree_where
 from ._unvmap import unvmap_max, while_loop
 
@@ -38,168 +33,8 @@ _MAX_STEPS = int(RESULTS.max_steps_reached.code)
 _NONFINITE = int(RESULTS.nonfinite.code)
 
 
-class Problem(eqx.Module):
-    """Everything a solve needs, as one pytree (arrays are its leaves), in the loop's
-    internal time `tau = direction * t`, which always increases."""
-
-    solver: AbstractSolver
-    controller: AbstractStepSizeController  # in internal time
-    terms: AbstractTerm  # `ClosureTerm`s, alone or in a `MultiTerm`
-    direction: Array | None  # -1 for a backwards solve, None forwards
-    args: PyTree
-    y0: PyTree
-    t0: Array  # internal time
-    t1: Array  # internal time
-    dt0: Array | None  # internal time (positive)
-    max_steps: int | None = eqx.field(static=True)
-    saves: tuple["Save", ...] = ()  # one per SubSaveAt
-    save_tree: Any = eqx.field(static=True, default=jtu.tree_structure(None))
-    dense: bool = eqx.field(static=True, default=False)
-    conds: PyTree | None = None  # pytree of Closures (t, y, args) -> value
-    event_direction: tuple | None = eqx.field(static=True, default=None)
-    root_finder: Any = None  # of the event time, or None for bisection
-    meter: AbstractProgressMeter = NoProgressMeter()
-
-    @property
-    def error_order(self):
-        return self.solver.error_order(self.terms)
-
-    @property
-    def saves_steps(self) -> bool:
-        """Whether any output is saved at steps."""
-        return any(save.every for save in self.saves)
-
-
-class Save(eqx.Module):
-    """One `SubSaveAt`, in internal time, with its `fn` converted.
-
-    Its rows are laid out as diffrax lays them out: `t0`, then the `ts` and step
-    saves in time order, then `t1` (unless the last step save is the final point),
-    then `inf` padding.
-    """
-
-    ts: Array | None  # internal times
-    fn: Closure
-    t0: bool = eqx.field(static=True)
-    t1: bool = eqx.field(static=True)
-    every: int = eqx.field(static=True)  # save every n-th step (0: none)
-    saves_y: bool = eqx.field(static=True, default=True)  # `fn` is the default
-
-    def step_rows(self, max_steps: int) -> int:
-        return max_steps // self.every if self.every else 0
-
-    def t1_row(self, max_steps: int) -> bool:
-        """Whether `t1` needs a row of its own (else it may take a free step row)."""
-        return self.t1 and (self.every == 0 or max_steps % self.every != 0)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.t0 or self.t1 or self.every) and self.ts is None
-
-
-class LastStep(NamedTuple):
-    """The last accepted step, for locating an event on its dense output."""
-
-    t0: Array
-    dense_info: PyTree
-
-
-class Carry(NamedTuple):
-    t: Array
-    tnext: Array
-    y: PyTree
-    solver_state: PyTree
-    controller_state: PyTree
-    num_steps: Array
-    num_accepted: Array
-    num_rejected: Array
-    result: Array
-    cond_values: PyTree  # event conditions at (t, y), or None
-    event_mask: PyTree  # which conditions fired, or None
-    last: LastStep | None  # only with real-valued event conditions
-
-
-class SaveBuffer(NamedTuple):
-    """The rows of one `Save` written during the loop (`None` where not saved)."""
-
-    ts_ys: PyTree | None  # values at `Save.ts`
-    steps_ts: Array | None  # times of the step saves
-    steps_ys: PyTree | None  # values at the step saves
-
-
-class Buffers(NamedTuple):
-    saves: tuple[SaveBuffer, ...]
-    dense_ts: Array | None  # step boundaries, for `SaveAt(dense=True)`
-    dense_info: PyTree | None  # each accepted step's dense information
-
-
-class StepOut(NamedTuple):
-    """What one attempted step hands to the save buffers."""
-
-    accepted: Array
-    t0: Array
-    t1: Array
-    y1: PyTree
-    dense_info: PyTree
-
-
 def _all_finite(tree) -> Array:
     return and_all([all_true(jnp.isfinite(x)) for x in jtu.tree_leaves(tree)])
-
-
-def _real_conds(problem: Problem) -> list[bool]:
-    """For each event condition leaf: is it real-valued (True) or boolean (False)?"""
-    return [
-        not jnp.issubdtype(c.out_struct.dtype, jnp.bool_)
-        for c in jtu.tree_leaves(
-            problem.conds, is_leaf=lambda x: isinstance(x, Closure)
-        )
-    ]
-
-
-def _eval_conds(problem: Problem, tau: RealScalarLike, y: Y):
-    t = flip(problem.direction, tau)
-    return jtu.tree_map(
-        lambda c: c(t, y, problem.args),
-        problem.conds,
-        is_leaf=lambda x: isinstance(x, Closure),
-    )
-
-
-def _fired(problem: Problem, before, after) -> PyTree:
-    """Which conditions fired over a step: a boolean one when it is true, a real one
-    when its sign changes (in its direction), as diffrax decides."""
-
-    def leaf(b, a, direction: Array | None):
-        if jnp.issubdtype(a.dtype, jnp.bool_):
-            return a
-        sb, sa = jnp.sign(b), jnp.sign(a)
-        if direction is None:
-            return sb != sa
-        if direction:
-            return (sb <= 0) & (sa > 0)
-        return (sb > 0) & (sa <= 0)
-
-    leaves, tree = jtu.tree_flatten(after)
-    fired = [
-        leaf(b, a, d)
-        for b, a, d in zip(jtu.tree_leaves(before), leaves, problem.event_direction)
-    ]
-    return jtu.tree_unflatten(tree, fired)
-
-
-def _save_value(problem: Problem, save: Save, tau: RealScalarLike, y: Y):
-    return save.fn(flip(problem.direction, tau), y, problem.args)
-
-
-def _inf_like(struct, lead: tuple[int, ...]):
-    def leaf(s):
-        shape = lead + tuple(s.shape)
-        if jnp.issubdtype(s.dtype, jnp.inexact):
-            return jnp.full(shape, jnp.inf, s.dtype)
-        return jnp.zeros(shape, s.dtype)
-
-    return jtu.tree_map(leaf, struct)
 
 
 def batch_like(sources, tree):
@@ -222,67 +57,6 @@ def batch_like(sources, tree):
     return jtu.tree_map(lambda x: where(marker, x, x), tree)
 
 
-def adaptive(problem: Problem) -> bool:
-    """Whether the step sequence depends on the state (see `batch_like`)."""
-    return problem.controller.adaptive
-
-
-def _dense_info_zeros(problem: Problem, solver_state: PyTree) -> PyTree:
-    """Zeros shaped like one step's dense information."""
-    _, _, info, _, _ = eqx.filter_eval_shape(
-        problem.solver.step,
-        problem.terms,
-        problem.t0,
-        problem.t1,
-        problem.y0,
-        problem.args,
-        solver_state,
-        False,
-    )
-    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), info)
-
-
-def _init_events(problem: Problem, solver_state: PyTree):
-    """`(cond_values, event_mask, last)` at the start of the loop."""
-    if problem.conds is None:
-        return None, None, None
-    cond_values = _eval_conds(problem, problem.t0, problem.y0)
-    # A boolean condition already true at t0 ends the solve there, before any step
-    # (as in diffrax); a real-valued one needs a sign change first.
-    event_mask = [
-        jnp.asarray(False) if real else jnp.asarray(value)
-        for real, value in zip(_real_conds(problem), jtu.tree_leaves(cond_values))
-    ]
-    event_mask = jtu.tree_unflatten(jtu.tree_structure(cond_values), event_mask)
-    last = None
-    if any(_real_conds(problem)):
-        last = LastStep(problem.t0, _dense_info_zeros(problem, solver_state))
-    return cond_values, event_mask, last
-
-
-def _init_buffers(problem: Problem, solver_state: PyTree) -> Buffers:
-    """Save buffers, `inf`-filled (rows not written stay `inf`)."""
-    saves = []
-    for save in problem.saves:
-        struct = save.fn.out_struct
-        ts_ys = steps_ts = steps_ys = None
-        if save.ts is not None:
-            ts_ys = _inf_like(struct, (save.ts.shape[0],))
-        if save.every:
-            rows = save.step_rows(problem.max_steps)
-            steps_ts = jnp.full((rows,), jnp.inf, problem.t0.dtype)
-            steps_ys = _inf_like(struct, (rows,))
-        saves.append(SaveBuffer(ts_ys, steps_ts, steps_ys))
-    dense_ts = dense_info = None
-    if problem.dense:
-        info = _dense_info_zeros(problem, solver_state)
-        dense_ts = jnp.full((problem.max_steps + 1,), jnp.inf, problem.t0.dtype)
-        dense_info = jtu.tree_map(
-            lambda x: jnp.zeros((problem.max_steps,) + x.shape, x.dtype), info
-        )
-    return Buffers(tuple(saves), dense_ts, dense_info)
-
-
 def init(problem: Problem) -> tuple[Carry, Buffers]:
     """The loop's initial carry and save buffers."""
     terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
@@ -291,7 +65,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     )
     tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
     solver_state = problem.solver.init(terms, t0, problem.t1, y0, args)
-    cond_values, event_mask, last = _init_events(problem, solver_state)
+    cond_values, event_mask, last = _event.init_events(problem, solver_state)
     result = jnp.asarray(SUCCESS, jnp.int32)
     if event_mask is not None:
         at_t0 = or_all(jtu.tree_leaves(event_mask))
@@ -313,7 +87,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     )
     if adaptive(problem):
         carry = batch_like(problem, carry)
-    return carry, _init_buffers(problem, solver_state)
+    return carry, _save.init_buffers(problem, solver_state)
 
 
 def cond(problem: Problem, carry: Carry) -> Array:
@@ -414,8 +188,8 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     result = where(carry.result == SUCCESS, result, carry.result)
     cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last
     if problem.conds is not None:
-        new_values = _eval_conds(problem, t1, y1)
-        fired = _fired(problem, carry.cond_values, new_values)
+        new_values = _event.eval_conds(problem, t1, y1)
+        fired = _event.fired(problem, carry.cond_values, new_values)
         fired = jtu.tree_map(lambda f: f & accepted & finite, fired)
         any_fired = or_all(jtu.tree_leaves(fired))
         result = where(any_fired & (result == SUCCESS), _EVENT, result)
@@ -440,90 +214,6 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     return new, StepOut(accepted, t0, t1, y1, info)
 
 
-def write(
-    problem: Problem,
-    carry: Carry,
-    out: StepOut,
-    bufs: Buffers,
-    differentiable: bool = False,
-) -> Buffers:
-    """Write what an accepted step saves into the buffers; each row is written once.
-
-    Save times inside the step are written one row at a time by a short loop; with
-    `differentiable=True` (for reverse-mode autodiff of one step) every row is
-    computed and masked instead, which costs `len(ts)` interpolations.
-    """
-    saves = tuple(
-        _write_save(problem, save, carry, out, buf, differentiable)
-        for save, buf in zip(problem.saves, bufs.saves)
-    )
-    dense_ts, dense_info = bufs.dense_ts, bufs.dense_info
-    if problem.dense:
-        row = jnp.maximum(carry.num_accepted - 1, 0)
-        dense_ts = set_row(dense_ts, row + 1, out.accepted, out.t1)
-        dense_info = jtu.tree_map(
-            lambda b, v: set_row(b, row, out.accepted, v), dense_info, out.dense_info
-        )
-    return Buffers(saves, dense_ts, dense_info)
-
-
-def _write_save(
-    problem: Problem,
-    save: Save,
-    carry: Carry,
-    out: StepOut,
-    buf: SaveBuffer,
-    differentiable: bool,
-) -> SaveBuffer:
-    accepted, t0, t1 = out.accepted, out.t0, out.t1
-    ts_ys, steps_ts, steps_ys = buf
-    if save.ts is not None:
-        ts = save.ts
-
-        def at(tau: RealScalarLike):
-            y = problem.solver.interpolate(out.dense_info, t0, t1, tau)
-            return _save_value(problem, save, tau, y)
-
-        if differentiable:
-            rows = accepted & (ts > t0) & (ts <= t1)
-            values = jax.vmap(at)(ts)
-            ts_ys = jtu.tree_map(lambda v, b: _mask_rows(rows, v, b), values, ts_ys)
-        else:
-            ts_ys = _write_rows(ts, t0, t1, accepted, at, ts_ys)
-    if save.every:
-        n = save.every
-        k = carry.num_accepted  # after this step
-        hit = accepted & (k % n == 0)
-        row = jnp.maximum(k // n - 1, 0)
-        value = _save_value(problem, save, t1, out.y1)
-        steps_ts = set_row(steps_ts, row, hit, t1)
-        steps_ys = jtu.tree_map(lambda b, v: set_row(b, row, hit, v), steps_ys, value)
-    return SaveBuffer(ts_ys, steps_ts, steps_ys)
-
-
-def _write_rows(ts, t0: RealScalarLike, t1: RealScalarLike, accepted, at, buf):
-    """Write `at(ts[i])` into row `i` for every `t0 < ts[i] <= t1`."""
-    last = ts.shape[0] - 1
-    lo = jnp.searchsorted(ts, t0, side="right").astype(jnp.int32)
-    hi = jnp.searchsorted(ts, t1, side="right").astype(jnp.int32)
-    hi = where(accepted, hi, lo)
-
-    def body(state, active):
-        i, buf = state
-        value = at(ts[jnp.minimum(i, last)])
-        index = jnp.minimum(i, last)
-        buf = jtu.tree_map(lambda b, v: set_row(b, index, active, v), buf, value)
-        return i + active.astype(jnp.int32), buf
-
-    _, buf = while_loop(lambda s: s[0] < hi, body, (lo, buf))
-    return buf
-
-
-def set_row(buf, row, pred, value):
-    old = lax.dynamic_index_in_dim(buf, row, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buf, where(pred, value, old), row, 0)
-
-
 def body(
     problem: Problem,
     state: tuple[Carry, Buffers],
@@ -537,7 +227,7 @@ def body(
     if active is not True:
         out = out._replace(accepted=out.accepted & active)
         new = tree_where(active, new, carry)
-    return new, write(problem, new, out, bufs, differentiable)
+    return new, _save.write(problem, new, out, bufs, differentiable)
 
 
 class Progress(NamedTuple):
@@ -618,89 +308,6 @@ def run_while(
     return carry, bufs, extra
 
 
-# --- After the loop ------------------------------------------------------------------
-
-
-def _bisect(g, a, b, ga, iterations: int):
-    def it(_, state):
-        a, b, ga = state
-        m = (a + b) / 2
-        gm = g(m)
-        same = jnp.sign(gm) == jnp.sign(ga)
-        return where(same, m, a), where(same, b, m), where(same, gm, ga)
-
-    a, b, _ = lax.fori_loop(0, iterations, it, (a, b, ga))
-    return (a + b) / 2
-
-
-def _bisections(dtype) -> int:
-    """Bisections of a step that locate an event to the resolution of its time: the
-    53 (float64) or 24 (float32) bits of the mantissa, with margin for a step much
-    shorter than its time."""
-    return 64 if dtype == jnp.float64 else 32
-
-
-def locate_event(problem: Problem, carry: Carry):
-    """For a fired real-valued condition, find the crossing on the last step's dense
-    output. The event time is differentiable by the implicit function theorem."""
-    if carry.last is None:
-        return carry.t, carry.y
-    tstart, info = carry.last
-    tend = carry.t
-    solver = problem.solver
-    is_real = _real_conds(problem)
-    leaves = jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
-    fired = jtu.tree_leaves(carry.event_mask)
-    event = carry.result == _EVENT
-    iterations = _bisections(tend.dtype)
-    t_star = tend
-    located = jnp.asarray(False)  # whether a real-valued condition fired
-    for closure, real, f in zip(leaves, is_real, fired):
-        if not real:
-            continue
-
-        def g(tau: RealScalarLike, closure=closure):
-            y = solver.interpolate(info, tstart, tend, tau)
-            return closure(flip(problem.direction, tau), y, problem.args)
-
-        active = event & f
-        a = lax.stop_gradient(where(active, tstart, tend - 1))
-        b = lax.stop_gradient(tend)
-        if problem.root_finder is None:
-            root = _bisect(g, a, b, g(a), iterations)
-        else:
-            root = _optx_root(g, problem.root_finder, a, b)
-        root = lax.stop_gradient(where(active, root, tend))
-        # One Newton step at the root: the value stays, the derivative becomes the
-        # implicit-function-theorem one, -(dg/dp) / (dg/dt).
-        g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
-        dg_dt = lax.stop_gradient(where(dg_dt == 0, 1, dg_dt))
-        root = root - where(active, g_root / dg_dt.astype(root.dtype), 0)
-        t_star = where(active, jnp.minimum(t_star, root), t_star)
-        located = located | active
-    # Only then is the last step's dense output meaningful (a boolean condition may
-    # have fired at t0, before any step).
-    y_star = solver.interpolate(info, tstart, tend, t_star)
-    y = tree_where(located, y_star, carry.y)
-    return where(event, t_star, tend), y
-
-
-# Iterations of an optimistix root finder locating an event in one step: far more
-# than a Newton-type method needs on a smooth, bracketed crossing.
-_EVENT_ROOT_MAX_STEPS = 64
-
-
-def _optx_root(g, root_finder, a, b):
-    sol = optx.root_find(
-        lambda tau, _: g(tau),
-        root_finder,
-        (a + b) / 2,
-        throw=False,
-        max_steps=_EVENT_ROOT_MAX_STEPS,
-    )
-    return jnp.clip(sol.value, a, b)
-
-
 class Outputs(NamedTuple):
     t_end: Array
     y_end: PyTree
@@ -718,9 +325,9 @@ def finish(problem: Problem, carry: Carry, bufs: Buffers) -> Outputs:
     )
     t_end, y_end = carry.t, carry.y
     if problem.conds is not None:
-        t_end, y_end = locate_event(problem, carry._replace(result=result))
+        t_end, y_end = _event.locate(problem, carry._replace(result=result))
     outs = [
-        _finish_save(problem, save, buf, carry, t_end, y_end)
+        _save.finish_save(problem, save, buf, carry, t_end, y_end)
         for save, buf in zip(problem.saves, bufs.saves)
     ]
     ts = jtu.tree_unflatten(problem.save_tree, [o[0] for o in outs])
@@ -728,84 +335,3 @@ def finish(problem: Problem, carry: Carry, bufs: Buffers) -> Outputs:
     if problem.dense:  # the first step boundary (never written by a step)
         bufs = bufs._replace(dense_ts=bufs.dense_ts.at[0].set(problem.t0))
     return Outputs(t_end, y_end, ts, ys, carry, bufs, result)
-
-
-def _finish_save(
-    problem: Problem, save: Save, buf: SaveBuffer, carry: Carry, t_end, y_end
-):
-    """The rows of one `Save` (see its docstring), or `(None, None)`."""
-    if save.empty:
-        return None, None
-    t_dtype = problem.t0.dtype
-    struct = save.fn.out_struct
-    times = [jnp.zeros((0,), t_dtype)]
-    values = [_inf_like(struct, (0,))]
-    if save.ts is not None:
-        ts = save.ts
-        at_start = ts <= problem.t0
-        start = jax.vmap(lambda tau: _save_value(problem, save, tau, problem.y0))(ts)
-        # Rows past the end: not reached, or past a located event.
-        written = ts <= t_end
-        times.append(where(written | at_start, ts, jnp.inf))
-        values.append(
-            jtu.tree_map(
-                lambda s, b: _mask_rows(at_start, s, _mask_rows(written, b, jnp.inf)),
-                start,
-                buf.ts_ys,
-            )
-        )
-    if save.every:
-        valid = buf.steps_ts <= t_end
-        times.append(where(valid, buf.steps_ts, jnp.inf))
-        values.append(
-            jtu.tree_map(lambda b: _mask_rows(valid, b, jnp.inf), buf.steps_ys)
-        )
-    ts = jnp.concatenate(times)
-    ys = jtu.tree_map(lambda *p: jnp.concatenate(p), *values)
-    if save.ts is not None and save.every:  # interleave, in time order
-        order = jnp.argsort(ts, stable=True)
-        ts = ts[order]
-        ys = jtu.tree_map(lambda v: v[order], ys)
-    if save.t1 or save.every:
-        ts, ys = _put_final_row(problem, save, carry, t_end, y_end, ts, ys)
-    if save.t0:
-        value = _save_value(problem, save, problem.t0, problem.y0)
-        ts = jnp.concatenate([problem.t0[None], ts])
-        ys = jtu.tree_map(lambda v, b: jnp.concatenate([v[None], b]), value, ys)
-    return ts, ys
-
-
-def _put_final_row(problem: Problem, save: Save, carry: Carry, t_end, y_end, ts, ys):
-    """The final point goes after the last row: for `t1`, unless the last step save
-    is the final point already; and always where a located event removed that step
-    save."""
-    if save.every == 0:
-        by_steps = jnp.asarray(False)
-    elif save.every == 1:
-        by_steps = carry.num_accepted > 0
-    else:
-        by_steps = (carry.num_accepted % save.every == 0) & (carry.num_accepted > 0)
-    removed = by_steps & (carry.t > t_end)
-    put = removed | (save.t1 & ~by_steps)
-    if save.t1_row(problem.max_steps):
-        ts = jnp.concatenate([ts, jnp.full((1,), jnp.inf, ts.dtype)])
-        ys = jtu.tree_map(
-            lambda v: jnp.concatenate(
-                [v, _inf_like(jax.ShapeDtypeStruct(v.shape[1:], v.dtype), (1,))]
-            ),
-            ys,
-        )
-    if ts.shape[0]:
-        index = jnp.minimum(jnp.sum(jnp.isfinite(ts)), ts.shape[0] - 1)
-        value = _save_value(problem, save, t_end, y_end)
-        ts = set_row(ts, index, put, t_end)
-        ys = jtu.tree_map(lambda b, v: set_row(b, index, put, v), ys, value)
-    return ts, ys
-
-
-def _mask_rows(rows, v, other):
-    """Rows of `v` where `rows`, else `other` (an array or a scalar such as inf)."""
-    if np.ndim(other) == 0:
-        fill = other if jnp.issubdtype(v.dtype, jnp.inexact) else 0
-        other = jnp.full(v.shape, fill, v.dtype)
-    return where(rows.reshape((-1,) + (1,) * (v.ndim - 1)), v, other)

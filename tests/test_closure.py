@@ -735,7 +735,7 @@ def _equation_keys(jaxpr):
 def test_repeated_equations_merged():
     """`y[0]` written three times is sliced once: the merged jaxpr gives the same
     values and gradients, and its reverse mode builds the cotangent without pads (see
-    `_closure._cse` and `_closure._split_slices`)."""
+    `_jaxpr_rewrite.cse` and `_jaxpr_rewrite._split_slices`)."""
     p = jnp.array([1.5, 1.0, 3.0, 1.0])
 
     def field(y):

@@ -1,0 +1,146 @@
+"""The data of a solve: `Problem`, the one operand that every loop and custom
+derivative rule receives (every user value reaches the engine through it), and the
+loop's state types: the `Carry`, what a step hands to the saves (`StepOut`), and the
+save buffers.
+
+Everything is in the loop's internal time `tau = direction * t` (see `_time.py`).
+"""
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PyTree
+
+from ._closure import Closure
+from ._controller import AbstractStepSizeController
+from ._progress import AbstractProgressMeter, NoProgressMeter
+from ._solver import AbstractSolver
+from ._term import AbstractTerm
+
+
+class Problem(eqx.Module):
+    """Everything a solve needs, as one pytree (arrays are its leaves), in the loop's
+    internal time `tau = direction * t`, which always increases."""
+
+    solver: AbstractSolver
+    controller: AbstractStepSizeController  # in internal time
+    terms: AbstractTerm  # `ClosureTerm`s, alone or in a `MultiTerm`
+    direction: Array | None  # -1 for a backwards solve, None forwards
+    args: PyTree
+    y0: PyTree
+    t0: Array  # internal time
+    t1: Array  # internal time
+    dt0: Array | None  # internal time (positive)
+    max_steps: int | None = eqx.field(static=True)
+    saves: tuple["Save", ...] = ()  # one per SubSaveAt
+    save_tree: Any = eqx.field(static=True, default=jtu.tree_structure(None))
+    dense: bool = eqx.field(static=True, default=False)
+    conds: PyTree | None = None  # pytree of Closures (t, y, args) -> value
+    event_direction: tuple | None = eqx.field(static=True, default=None)
+    root_finder: Any = None  # of the event time, or None for bisection
+    meter: AbstractProgressMeter = NoProgressMeter()
+
+    @property
+    def error_order(self):
+        return self.solver.error_order(self.terms)
+
+    @property
+    def saves_steps(self) -> bool:
+        """Whether any output is saved at steps."""
+        return any(save.every for save in self.saves)
+
+
+class Save(eqx.Module):
+    """One `SubSaveAt`, in internal time, with its `fn` converted.
+
+    Its rows are laid out as diffrax lays them out: `t0`, then the `ts` and step
+    saves in time order, then `t1` (unless the last step save is the final point),
+    then `inf` padding.
+    """
+
+    ts: Array | None  # internal times
+    fn: Closure
+    t0: bool = eqx.field(static=True)
+    t1: bool = eqx.field(static=True)
+    every: int = eqx.field(static=True)  # save every n-th step (0: none)
+    saves_y: bool = eqx.field(static=True, default=True)  # `fn` is the default
+
+    def step_rows(self, max_steps: int) -> int:
+        return max_steps // self.every if self.every else 0
+
+    def t1_row(self, max_steps: int) -> bool:
+        """Whether `t1` needs a row of its own (else it may take a free step row)."""
+        return self.t1 and (self.every == 0 or max_steps % self.every != 0)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.t0 or self.t1 or self.every) and self.ts is None
+
+
+class LastStep(NamedTuple):
+    """The last accepted step, for locating an event on its dense output."""
+
+    t0: Array
+    dense_info: PyTree
+
+
+class Carry(NamedTuple):
+    t: Array
+    tnext: Array
+    y: PyTree
+    solver_state: PyTree
+    controller_state: PyTree
+    num_steps: Array
+    num_accepted: Array
+    num_rejected: Array
+    result: Array
+    cond_values: PyTree  # event conditions at (t, y), or None
+    event_mask: PyTree  # which conditions fired, or None
+    last: LastStep | None  # only with real-valued event conditions
+
+
+class SaveBuffer(NamedTuple):
+    """The rows of one `Save` written during the loop (`None` where not saved)."""
+
+    ts_ys: PyTree | None  # values at `Save.ts`
+    steps_ts: Array | None  # times of the step saves
+    steps_ys: PyTree | None  # values at the step saves
+
+
+class Buffers(NamedTuple):
+    saves: tuple[SaveBuffer, ...]
+    # Step boundaries, for `SaveAt(dense=True)` (row 0, `t0`, is set by `finish`).
+    dense_ts: Array | None
+    dense_info: PyTree | None  # each accepted step's dense information
+
+
+class StepOut(NamedTuple):
+    """What one attempted step hands to the save buffers."""
+
+    accepted: Array
+    t0: Array
+    t1: Array
+    y1: PyTree
+    dense_info: PyTree
+
+
+def adaptive(problem: Problem) -> bool:
+    """Whether the step sequence depends on the state (see `_loop.batch_like`)."""
+    return problem.controller.adaptive
+
+
+def dense_info_zeros(problem: Problem, solver_state: PyTree) -> PyTree:
+    """Zeros shaped like one step's dense information."""
+    _, _, info, _, _ = eqx.filter_eval_shape(
+        problem.solver.step,
+        problem.terms,
+        problem.t0,
+        problem.t1,
+        problem.y0,
+        problem.args,
+        solver_state,
+        False,
+    )
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), info)
