@@ -142,12 +142,23 @@ class BacksolveAdjoint(AbstractAdjoint):
             unsupported.append("events")
         if not all(save.saves_y for save in problem.saves):
             unsupported.append("SaveAt(fn=...)")
+        self._solver(problem)  # a backward solver that can't take tolerances: raise
         if unsupported:
             raise UnsupportedError(
                 "BacksolveAdjoint does not support "
                 + ", ".join(unsupported)
                 + "; use RecursiveCheckpointAdjoint() instead."
             )
+
+    def _solver(self, problem: Problem) -> AbstractSolver:
+        """The backward solver, with the tolerances it takes from a controller (an
+        implicit solver's root finder) bound as for the forward solve."""
+        if self.solver is None:
+            return problem.solver  # bound already
+        controller = self.stepsize_controller
+        return self.solver.bind_controller_tols(
+            problem.controller if controller is None else controller
+        )
 
     def loop(self, problem: Problem) -> Outputs:
         def bwd(static, dynamic, out, ct_out):
@@ -158,8 +169,7 @@ class BacksolveAdjoint(AbstractAdjoint):
 
     def _solve_back(self, problem: Problem, aux, state, ta, tb):
         """Integrate the augmented state from internal time `ta` back to `tb`."""
-        solver = problem.solver if self.solver is None else self.solver
-        solver = _stages_in_a_loop(solver, state)
+        solver = _stages_in_a_loop(self._solver(problem), state)
         controller = problem.controller  # in the forward solve's internal time
         if self.stepsize_controller is not None:
             controller = self.stepsize_controller.to_internal(problem.direction)

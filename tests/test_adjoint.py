@@ -507,3 +507,25 @@ def test_implicit_adjoint_rejects_saves_that_are_not_steady():
             saveat=sk.SaveAt(ts=jnp.array([0.5, 1.0])),
             adjoint=sk.ImplicitAdjoint(),
         )
+
+
+def test_backsolve_with_an_implicit_backward_solver_takes_the_tolerances():
+    # The backward solver's root finder takes the controller's tolerances, as the
+    # forward solver's does (it used to receive the unbound placeholders and crash).
+    def final(k, controller):
+        return sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -k * y),
+            sk.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.asarray(1.0),
+            stepsize_controller=controller,
+            adjoint=sk.BacksolveAdjoint(solver=sk.Kvaerno5()),
+        ).ys[-1]
+
+    pid = sk.PIDController(rtol=1e-8, atol=1e-8)
+    got = jax.grad(final)(jnp.asarray(2.0), pid)
+    np.testing.assert_allclose(got, -np.exp(-2.0), rtol=1e-6)
+    with pytest.raises(ValueError, match="tolerances of its root finder"):
+        final(jnp.asarray(2.0), sk.ConstantStepSize())
