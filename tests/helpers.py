@@ -14,7 +14,6 @@ import jax.monitoring
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-import pytest
 
 import solverkit as sk
 
@@ -69,18 +68,6 @@ def assert_tree_allclose(x, y, *, rtol: float = 1e-5, atol: float = 1e-8) -> Non
 def float64() -> Iterator[None]:
     """Context manager: 64-bit JAX types inside (`jax.enable_x64`)."""
     with jax.enable_x64(True):
-        yield
-
-
-@pytest.fixture
-def x64():
-    """Fixture: the test runs inside `float64()`.
-
-    Import it into a test file (`from helpers import x64`) and use it as
-    `pytestmark = pytest.mark.usefixtures("x64")` (whole file) or
-    `@pytest.mark.usefixtures("x64")` (one test).
-    """
-    with float64():
         yield
 
 

@@ -16,7 +16,6 @@ from helpers import (
     assert_tree_allclose,
     count_compiles,
     finite_difference,
-    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk

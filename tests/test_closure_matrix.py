@@ -36,7 +36,7 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 import scipy.integrate
-from helpers import count_compiles, x64  # noqa: F401 (x64 is a fixture)
+from helpers import count_compiles
 
 import solverkit as sk
 

@@ -13,7 +13,6 @@ from helpers import (
     linear_vf,
     rotation,
     rotation_exact,
-    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk

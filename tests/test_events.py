@@ -13,7 +13,6 @@ from helpers import (
     assert_tree_allclose,
     rotation_exact,
     solve_rotation,
-    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk

@@ -20,7 +20,6 @@ from helpers import (
     RK_SOLVERS,
     rotation,
     rotation_exact,
-    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import float64, x64  # noqa: F401 (x64 is a fixture)
+from helpers import float64
 
 import solverkit as sk
 

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import float64
 
 import solverkit as sk
 from benchmarks.stiff_problems import HIRES, OREGO, POLLU, ROBER, ROBER_1E11
@@ -40,12 +39,6 @@ ORDERS = {
     "Rodas5P": (5, 4, 4, True),
 }
 SOLVERS = {name: getattr(sk, name) for name in TABLEAUX}
-
-
-@pytest.fixture
-def x64():
-    with float64():
-        yield
 
 
 # --- Order conditions of ROW methods (Hairer & Wanner II, IV.7, Table 7.1) ---------

@@ -14,7 +14,6 @@ from helpers import (
     ROTATION_PID,
     ROTATION_Y0,
     solve_rotation,
-    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk
