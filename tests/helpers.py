@@ -67,9 +67,17 @@ RK_SOLVERS = [
 ]
 # Solvers with their own dense output (the rest use Hermite or linear interpolation).
 DENSE_SOLVERS = [sk.Tsit5, sk.Dopri5, sk.Dopri8, sk.Rosenbrock23, sk.Rodas4, sk.Rodas5P]
-# The stiff solvers that the shared matrices keep in the quick loop (one per family,
-# cheap to compile); the other stiff cases are marked slow (`solver_params`).
-QUICK_STIFF_SOLVERS = (sk.Kvaerno3, sk.KenCarp3, sk.Rosenbrock23)
+# The solvers that the compiling shared matrices keep in the quick loop (`-m "not
+# slow"`): three explicit ones of different kinds and one per stiff family, cheap to
+# compile; the other cases are marked slow (`solver_params`).
+QUICK_SOLVERS = (
+    sk.Euler,
+    sk.Tsit5,
+    sk.LeapfrogMidpoint,
+    sk.Kvaerno3,
+    sk.KenCarp3,
+    sk.Rosenbrock23,
+)
 
 _FAMILIES = {
     "explicit": EXPLICIT_SOLVERS,
@@ -119,16 +127,26 @@ def make_terms(cls, vf, split=None):
     return sk.MultiTerm(sk.ODETerm(explicit), sk.ODETerm(implicit))
 
 
-def solver_params(solvers, quick=QUICK_STIFF_SOLVERS):
-    """`pytest.param`s of `solvers` (classes, or tuples that start with one), the
-    stiff ones not in `quick` marked slow: one per family in the quick loop."""
+def quick_params(values, quick, ids=None, unpack: bool = True) -> list:
+    """`values` as `pytest.param`s for `pytest.mark.parametrize`, each marked slow
+    except those in `quick` (the cases the quick loop, `-m "not slow"`, keeps). A value
+    that is a tuple is one case of several arguments (unless `unpack=False`: one
+    argument, a tuple); `ids` as in `parametrize`."""
     params = []
-    for entry in solvers:
-        cls = entry[0] if isinstance(entry, tuple) else entry
-        values = entry if isinstance(entry, tuple) else (entry,)
-        slow = family(cls) != "explicit" and cls not in quick
-        params.append(pytest.param(*values, marks=[pytest.mark.slow] if slow else []))
+    for i, value in enumerate(values):
+        args = value if unpack and isinstance(value, tuple) else (value,)
+        marks = [] if value in quick else [pytest.mark.slow]
+        case_id = ids[i] if isinstance(ids, list) else ids(value) if ids else None
+        params.append(pytest.param(*args, marks=marks, id=case_id))
     return params
+
+
+def solver_params(solvers, quick=QUICK_SOLVERS):
+    """`pytest.param`s of `solvers` (classes, or tuples that start with one), those
+    whose class is not in `quick` marked slow."""
+    classes = [entry[0] if isinstance(entry, tuple) else entry for entry in solvers]
+    kept = [entry for cls, entry in zip(classes, solvers) if cls in quick]
+    return quick_params(solvers, kept)
 
 
 def tree_allclose(x, y, *, rtol: float = 1e-5, atol: float = 1e-8) -> bool:

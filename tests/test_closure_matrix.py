@@ -24,8 +24,8 @@ some cell. The 48 are chosen to share compilations: the solve is jitted inside
 `diffeqsolve` and keyed by the converted jaxpr, which is the same for every route that
 holds the values as constants, so under an eager transform cells that differ only in
 such a route reuse one compiled program (only `jit` and `jit(vmap(grad))` compile
-afresh per cell). A stiff cell compiles a few times longer than an explicit one: one
-cell per stiff family is in the quick loop, the others are marked slow.
+afresh per cell). The quick loop (`-m "not slow"`) runs 10 of them, with every value
+of every factor (`_quick_cells`); the others are marked slow.
 """
 
 import contextlib
@@ -526,13 +526,13 @@ _SHORT = {
 # family; the others are marked slow.
 _STIFF_DESIGN = """
 #          esdirk               rosenbrock
-closure    C.float.grad         B.int.grad
+closure    C.float.grad         D.int.grad
 default    D.int.vmap           C.mlp.vmap_grad
 global     B.bool.vmap_grad     B.key.jit
 partial    C.key.jit            D.bool.jit_vmap_grad
 method     B.mlp.grad_vmap      C.float.grad_vmap
 module     D.float.jit_vmap_grad D.key.vmap
-args       C.bool.vmap          D.float.grad
+args       C.bool.vmap          B.float.grad
 mix        D.key.vmap_grad      C.int.jit_vmap_grad
 """
 FAMILIES = tuple(_SOLVERS)
@@ -561,10 +561,26 @@ def _design_cells() -> list[Cell]:
     return cells
 
 
+# The explicit cells in the quick loop: every route, adjoint, kind and transform once
+# or more, cheap ones (the three grad cells share one compilation).
+_QUICK_EXPLICIT = [
+    ("checkpoint", "closure", "int_index", "grad"),
+    ("checkpoint", "default", "int_index", "grad"),
+    ("checkpoint", "global", "int_index", "grad"),
+    ("direct", "partial", "mlp", "jit"),
+    ("direct", "args", "float", "vmap"),
+    ("backsolve", "module", "bool_mask", "vmap_grad"),
+    ("backsolve", "method", "key", "grad_vmap"),
+    ("backsolve", "mix", "mlp", "jit_vmap_grad"),
+]
+
+
 def _quick_cells() -> set[Cell]:
-    """The stiff cells in the quick loop: each family's first (the closure route)."""
+    """The cells in the quick loop (`-m "not slow"`): `_QUICK_EXPLICIT`, and each
+    stiff family's first (the closure route)."""
     cells = [cell for cell in _design_cells() if cell[0] != "explicit"]
-    return {next(cell for cell in cells if cell[0] == f) for f in _STIFF_FAMILIES}
+    quick = {next(cell for cell in cells if cell[0] == f) for f in _STIFF_FAMILIES}
+    return quick | {("explicit", *cell) for cell in _QUICK_EXPLICIT}
 
 
 def _full_cells() -> list[Cell]:
@@ -592,7 +608,7 @@ def _params(cells):
         marks = []
         if cell in _KNOWN_FAILURES:
             marks.append(pytest.mark.xfail(strict=True, reason=_KNOWN_FAILURES[cell]))
-        if cell[0] != "explicit" and cell not in quick:
+        if cell not in quick:
             marks.append(pytest.mark.slow)
         params.append(pytest.param(*cell, id="-".join(cell), marks=marks))
     return params
@@ -611,7 +627,11 @@ def test_design_covers_every_pair():
             seen = {(cell[i], cell[j]) for cell in within}
             missing = {(a, b) for a in factors[i] for b in factors[j]} - seen
             assert not missing, (i, j, missing)
-    assert len(_quick_cells()) == len(_STIFF_FAMILIES)
+    # The quick loop's cells are design cells, with every value of every factor.
+    quick = _quick_cells()
+    assert quick <= set(cells)
+    for i, values in enumerate(factors):
+        assert {cell[i] for cell in quick} == set(values), i
 
 
 # --- Checks -------------------------------------------------------------------------

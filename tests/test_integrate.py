@@ -20,6 +20,7 @@ from helpers import (
     linear_vf,
     make_solver,
     make_terms,
+    quick_params,
     RK_SOLVERS,
     rotation,
     rotation_exact,
@@ -184,7 +185,10 @@ def _detest_solve(lib, name, solver, tol):
 _solverkit = functools.cache(functools.partial(_detest_solve, sk))
 
 
-@pytest.mark.parametrize("name, solver, tol", DETEST_CASES)
+_QUICK_DETEST = [("A", "Tsit5", 1e-8), ("D3", "Dopri8", 1e-10)]
+
+
+@pytest.mark.parametrize("name, solver, tol", quick_params(DETEST_CASES, _QUICK_DETEST))
 def test_detest_against_scipy(name, solver, tol):
     ys, _ = _solverkit(name, solver, tol)
     ref = _reference(name)
@@ -197,6 +201,7 @@ def test_detest_against_scipy(name, solver, tol):
     "name, solver, tol",
     [("A", "Tsit5", 1e-8), ("B1", "Dopri5", 1e-8), ("D3", "Dopri8", 1e-10)],
 )
+@pytest.mark.slow
 def test_detest_against_diffrax(name, solver, tol):
     ys, steps = _solverkit(name, solver, tol)
     dys, dsteps = _detest_solve(diffrax, name, solver, tol)
@@ -230,6 +235,7 @@ def test_backwards_against_analytic():
     assert sol.result == sk.RESULTS.successful
 
 
+@pytest.mark.slow
 def test_backwards_is_forwards_in_reversed_time():
     # Solving y' = f(t, y) from 1 down to -3 is solving z' = -f(-s, z) from -1 up to 3.
     def f(t, y, args):
@@ -501,7 +507,7 @@ def test_new_function_does_recompile_and_is_right():
     np.testing.assert_allclose(b, np.exp(1.0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("solver_cls", RK_SOLVERS)
+@pytest.mark.parametrize("solver_cls", solver_params(RK_SOLVERS))
 def test_stages_in_a_loop_match_unrolled(solver_cls):
     # The backward solve of BacksolveAdjoint runs the stages in a loop: same numbers.
     from solverkit._term import ClosureTerm
