@@ -449,7 +449,10 @@ _SLOW_TRACES = ("linearize", "jit_vmap", "grad_vmap")
 
 @pytest.mark.parametrize(
     "trace",
-    [pytest.param(t, marks=[pytest.mark.slow] * (t in _SLOW_TRACES)) for t in _TRACES],
+    [
+        pytest.param(t, marks=[pytest.mark.slow] if t in _SLOW_TRACES else [])
+        for t in _TRACES
+    ],
 )
 def test_every_route_and_dtype_under(trace):
     """Each capture route, closing over one value of each of the ten dtypes, under

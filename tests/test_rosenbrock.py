@@ -333,11 +333,11 @@ def test_grad_against_finite_differences(x64):
     np.testing.assert_allclose(np.asarray(grads), fd, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "adjoint, rtol",
     [("DirectAdjoint", 1e-12), ("BacksolveAdjoint", 1e-4)],
 )
-@pytest.mark.slow
 def test_grad_between_adjoints(adjoint, rtol, x64):
     """Fixed steps: DirectAdjoint differentiates the same discrete solution.
     BacksolveAdjoint integrates the adjoint ODE, which rebuilds the state backwards
@@ -387,8 +387,8 @@ def test_backwards_in_time(x64):
     np.testing.assert_allclose(np.asarray(back), [2.0, 0.0], atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["Rodas4", "Ros3P"])
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["Rodas4", "Ros3P"])
 def test_event_and_dense_output(name, x64):
     """`y' = -y²` from 1 (solution `1/(1 + t)`) stops where `y = 1/2`, at `t = 1`,
     located on the dense output; the dense output matches the solution between
