@@ -1,5 +1,6 @@
-"""Shared test helpers: the list of solvers, `tree_allclose`, float64, test problems
-(the rotation and its solve), compile counting.
+"""Shared test helpers: the lists of solvers (with `make_solver` and `make_terms`),
+`tree_allclose`, float64, test problems (the rotation and its solve), compile
+counting. (Fixtures are in conftest.py.)
 
 Import from test files as `from helpers import ...` (pytest puts `tests/` on the path,
 as it has no `__init__.py`).
@@ -19,8 +20,11 @@ import pytest
 import solverkit as sk
 
 
-# (solver class, order of the propagated solution, has an embedded error estimate)
-ALL_SOLVERS = [
+# (solver class, order of the propagated solution, has an embedded error estimate),
+# by family. The shared matrices (test_integrate.py, test_diffrax_api.py, ...) run over
+# `ALL_SOLVERS`; build a solver and its terms with `make_solver` and `make_terms`,
+# which know what each family needs.
+EXPLICIT_SOLVERS = [
     (sk.Euler, 1, False),
     (sk.Heun, 2, True),
     (sk.Midpoint, 2, True),
@@ -32,13 +36,117 @@ ALL_SOLVERS = [
     (sk.ReversibleHeun, 2, True),
     (sk.LeapfrogMidpoint, 2, False),
 ]
+# ESDIRK methods, implicit in the whole vector field: with a constant step size they
+# need a root finder with tolerances (`make_solver`).
+IMPLICIT_SOLVERS = [
+    (sk.ImplicitEuler, 1, True),
+    (sk.Kvaerno3, 3, True),
+    (sk.Kvaerno4, 4, True),
+    (sk.Kvaerno5, 5, True),
+]
+# IMEX methods: as the implicit ones, and they take `MultiTerm(explicit, implicit)`
+# (`make_terms`).
+IMEX_SOLVERS = [
+    (sk.KenCarp3, 3, True),
+    (sk.KenCarp4, 4, True),
+    (sk.KenCarp5, 5, True),
+    (sk.Sil3, 2, True),
+]
+# Rosenbrock (linearly implicit) methods: no root finder.
+ROSENBROCK_SOLVERS = [
+    (sk.Rosenbrock23, 2, True),
+    (sk.Ros3P, 3, True),
+    (sk.Rodas4, 4, True),
+    (sk.Rodas5P, 5, True),
+]
+ALL_SOLVERS = EXPLICIT_SOLVERS + IMPLICIT_SOLVERS + IMEX_SOLVERS + ROSENBROCK_SOLVERS
 ADAPTIVE_SOLVERS = [cls for cls, _, adaptive in ALL_SOLVERS if adaptive]
 # The explicit Runge-Kutta methods (one tableau each).
 RK_SOLVERS = [
     cls for cls, _, _ in ALL_SOLVERS if issubclass(cls, sk.AbstractRungeKutta)
 ]
-# Solvers with their own dense output (the rest use cubic Hermite interpolation).
-DENSE_SOLVERS = [sk.Tsit5, sk.Dopri5, sk.Dopri8]
+# Solvers with their own dense output (the rest use Hermite or linear interpolation).
+DENSE_SOLVERS = [sk.Tsit5, sk.Dopri5, sk.Dopri8, sk.Rosenbrock23, sk.Rodas4, sk.Rodas5P]
+# The solvers that the compiling shared matrices keep in the quick loop (`-m "not
+# slow"`): three explicit ones of different kinds and one per stiff family, cheap to
+# compile; the other cases are marked slow (`solver_params`).
+QUICK_SOLVERS = (
+    sk.Euler,
+    sk.Tsit5,
+    sk.LeapfrogMidpoint,
+    sk.Kvaerno3,
+    sk.KenCarp3,
+    sk.Rosenbrock23,
+)
+
+_FAMILIES = {
+    "explicit": EXPLICIT_SOLVERS,
+    "implicit": IMPLICIT_SOLVERS,
+    "imex": IMEX_SOLVERS,
+    "rosenbrock": ROSENBROCK_SOLVERS,
+}
+
+
+def family(cls) -> str:
+    """ "explicit", "implicit" (ESDIRK), "imex" or "rosenbrock"."""
+    for name, solvers in _FAMILIES.items():
+        if any(cls is c for c, _, _ in solvers):
+            return name
+    raise ValueError(f"{cls.__name__} is in none of the solver lists")
+
+
+def make_solver(
+    cls, *, root_tol: float | None = 1e-8, root_find_max_steps: int | None = None
+):
+    """An instance of solver class `cls`. An implicit or IMEX solver gets a `VeryChord`
+    root finder with tolerances `root_tol` (needed with a constant step size;
+    `root_tol=None` takes them from an adaptive controller instead) and, if given,
+    `root_find_max_steps`; other solvers ignore both."""
+    if family(cls) not in ("implicit", "imex"):
+        return cls()
+    kwargs = {}
+    if root_tol is not None:
+        kwargs["root_finder"] = sk.VeryChord(rtol=root_tol, atol=root_tol)
+    if root_find_max_steps is not None:
+        kwargs["root_find_max_steps"] = root_find_max_steps
+    return cls(**kwargs)
+
+
+def _zero_vf(t, y, args):
+    return jtu.tree_map(jnp.zeros_like, y)
+
+
+def make_terms(cls, vf, split=None):
+    """The terms that solver class `cls` takes for `y' = vf(t, y, args)`:
+    `ODETerm(vf)`, or for an IMEX solver `MultiTerm(ODETerm(explicit),
+    ODETerm(implicit))` with `split = (explicit, implicit)` (two fields that add up to
+    `vf`), by default `vf` explicit and a zero implicit part."""
+    if family(cls) != "imex":
+        return sk.ODETerm(vf)
+    explicit, implicit = (vf, _zero_vf) if split is None else split
+    return sk.MultiTerm(sk.ODETerm(explicit), sk.ODETerm(implicit))
+
+
+def quick_params(values, quick, ids=None, unpack: bool = True) -> list:
+    """`values` as `pytest.param`s for `pytest.mark.parametrize`, each marked slow
+    except those in `quick` (the cases the quick loop, `-m "not slow"`, keeps). A value
+    that is a tuple is one case of several arguments (unless `unpack=False`: one
+    argument, a tuple); `ids` as in `parametrize`."""
+    params = []
+    for i, value in enumerate(values):
+        args = value if unpack and isinstance(value, tuple) else (value,)
+        marks = [] if value in quick else [pytest.mark.slow]
+        case_id = ids[i] if isinstance(ids, list) else ids(value) if ids else None
+        params.append(pytest.param(*args, marks=marks, id=case_id))
+    return params
+
+
+def solver_params(solvers, quick=QUICK_SOLVERS):
+    """`pytest.param`s of `solvers` (classes, or tuples that start with one), those
+    whose class is not in `quick` marked slow."""
+    classes = [entry[0] if isinstance(entry, tuple) else entry for entry in solvers]
+    kept = [entry for cls, entry in zip(classes, solvers) if cls in quick]
+    return quick_params(solvers, kept)
 
 
 def tree_allclose(x, y, *, rtol: float = 1e-5, atol: float = 1e-8) -> bool:
@@ -72,18 +180,6 @@ def float64() -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def x64():
-    """Fixture: the test runs inside `float64()`.
-
-    Import it into a test file (`from helpers import x64`) and use it as
-    `pytestmark = pytest.mark.usefixtures("x64")` (whole file) or
-    `@pytest.mark.usefixtures("x64")` (one test).
-    """
-    with float64():
-        yield
-
-
 # --- Test problems ------------------------------------------------------------------
 
 # y' = cos(t) A y with A = [[-0.2, 1], [-1, -0.2]]: non-autonomous (so every stage's
@@ -93,6 +189,19 @@ LINEAR_A = np.array([[-0.2, 1.0], [-1.0, -0.2]])
 
 def linear_vf(t, y, args):
     return jnp.cos(t) * (jnp.asarray(LINEAR_A) @ y)
+
+
+# The same field split for IMEX solvers (`make_terms(cls, linear_vf, LINEAR_SPLIT)`):
+# the rotation explicit, the decay (-0.2 I) implicit.
+def _linear_rotation(t, y, args):
+    return jnp.cos(t) * (jnp.asarray(LINEAR_A + 0.2 * np.eye(2)) @ y)
+
+
+def _linear_decay(t, y, args):
+    return -0.2 * jnp.cos(t) * y
+
+
+LINEAR_SPLIT = (_linear_rotation, _linear_decay)
 
 
 # y'' = -y as a first-order system: y(t) = (cos t, -sin t) from (1, 0).

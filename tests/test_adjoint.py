@@ -16,7 +16,7 @@ from helpers import (
     assert_tree_allclose,
     count_compiles,
     finite_difference,
-    x64,  # noqa: F401 (a fixture)
+    quick_params,
 )
 
 import solverkit as sk
@@ -73,6 +73,7 @@ def _lv_params():
     return (jnp.array([1.0, 0.5]), jnp.array([1.1, 0.4, 0.9, 0.6]), jnp.asarray(2.0))
 
 
+@pytest.mark.slow
 def test_gradients_agree_across_adjoints_and_finite_differences():
     # Checkpointed adjoint with the parameters closed over, direct adjoint with them
     # in `args`, and finite differences: all agree.
@@ -102,6 +103,7 @@ def test_gradients_agree_across_adjoints_and_finite_differences():
     np.testing.assert_allclose(g_rca[2], dt1, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_grad_under_jit_does_not_recompile():
     params = _lv_params()
     _lv_grad_rca(params)
@@ -111,6 +113,7 @@ def test_grad_under_jit_does_not_recompile():
     assert counter.count == 0
 
 
+@pytest.mark.slow
 def test_forward_mode_through_direct_adjoint():
     # jax.jacfwd (a vmap of jax.jvp) w.r.t. y0, args and t1 at once, against the
     # reverse-mode gradient.
@@ -154,15 +157,18 @@ def _euler_reference_grad(theta, n=37, dt=0.1):
 
 @pytest.mark.parametrize(
     "checkpoints, max_steps",
-    [
-        # (slots, buffer) of the layout, and the stride 37 steps end with:
-        (1, 40),  # (2, 20): stride 32 > buffer, chunks recomputed from a checkpoint
-        (3, 40),  # (4, 10): stride 16 > buffer
-        (8, 40),  # (8, 5): stride 8 > buffer
-        (40, 40),  # (40, 1): every step stored, nothing recomputed
-        (None, 40),  # (40, 1): the default (at least 128 slots, at most max_steps)
-        (3, None),  # (4, 4): no bound on the steps
-    ],
+    quick_params(
+        [
+            # (slots, buffer) of the layout, and the stride 37 steps end with:
+            (1, 40),  # (2, 20): stride 32 > buffer, chunks recomputed from a checkpoint
+            (3, 40),  # (4, 10): stride 16 > buffer
+            (8, 40),  # (8, 5): stride 8 > buffer
+            (40, 40),  # (40, 1): every step stored, nothing recomputed
+            (None, 40),  # (40, 1): the default (at least 128 slots, at most max_steps)
+            (3, None),  # (4, 4): no bound on the steps
+        ],
+        quick=[(1, 40)],
+    ),
 )
 def test_few_checkpoints(checkpoints, max_steps):
     adjoint = sk.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
@@ -185,14 +191,18 @@ def _force_layout(monkeypatch, layout) -> list:
 
 @pytest.mark.parametrize(
     "layout, max_steps",
-    [
-        # (slots, buffer, mid) for the 37 steps: stride, and steps per mid checkpoint.
-        # Each case its own `max_steps`, so that `diffeqsolve`'s jit cache retraces.
-        ((4, 4, 4), 41),  # stride 16 > buffer; 4 per mid checkpoint
-        ((2, 4, 8), 42),  # stride 32; 4 per mid checkpoint
-        ((4, 2, 3), 43),  # stride 16; 6 per mid checkpoint > buffer: pieces of those
-        ((8, 8, 2), 44),  # stride 8 = buffer: mid checkpoints compiled in, not used
-    ],
+    quick_params(
+        [
+            # (slots, buffer, mid) for the 37 steps: stride, and steps per mid
+            # checkpoint. Each case its own `max_steps`, so that `diffeqsolve`'s jit
+            # cache retraces.
+            ((4, 4, 4), 41),  # stride 16 > buffer; 4 per mid checkpoint
+            ((2, 4, 8), 42),  # stride 32; 4 per mid checkpoint
+            ((4, 2, 3), 43),  # stride 16; 6 per mid checkpoint > buffer: pieces
+            ((8, 8, 2), 44),  # stride 8 = buffer: mid checkpoints compiled in, not used
+        ],
+        quick=[((4, 2, 3), 43)],
+    ),
 )
 def test_mid_checkpoints(layout, max_steps, monkeypatch):
     used = _force_layout(monkeypatch, layout)
@@ -247,6 +257,7 @@ def _batched_decay_direct():
     return _batched_decay_grads(DIRECT)
 
 
+@pytest.mark.slow
 def test_checkpoints_under_vmap_with_different_step_counts():
     # Few slots: the stride doubles while the shortest solves have long finished.
     want, steps = _batched_decay_direct()
@@ -257,6 +268,7 @@ def test_checkpoints_under_vmap_with_different_step_counts():
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, max_steps",
     [
@@ -393,6 +405,7 @@ def test_jit_vmap_closed_over_everything():
     assert len({tuple(np.round(np.asarray(r), 6)) for r in closed}) == 4
 
 
+@pytest.mark.slow
 def test_grad_vmap_closed_over_everything():
     model, batch = _model_and_batch()
     grad = eqx.filter_jit(eqx.filter_grad(_batched_loss(_closed_solve, RCA)))(
@@ -406,6 +419,7 @@ def test_grad_vmap_closed_over_everything():
     np.testing.assert_array_equal(nonzero, [[True, False], [False, True], [True, True]])
 
 
+@pytest.mark.slow
 def test_vmap_grad_closed_over_everything():
     model, batch = _model_and_batch()
 
@@ -426,6 +440,7 @@ def test_vmap_grad_closed_over_everything():
     )
 
 
+@pytest.mark.slow
 def test_backsolve_same_under_jit_as_eager():
     # Under `jit`, Python-float times must still give a static time direction: a
     # traced one was once carried as a parameter of the adjoint system, whose

@@ -6,10 +6,13 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_benchmarks_smoke(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "results"
     command = [

@@ -35,11 +35,17 @@ import solverkit as sk
 _FLAG = "jax_use_simplified_jaxpr_constants"
 _HAS_FLAG = hasattr(jax.config, _FLAG)
 _FLAG_VALUES = [False, True] if _HAS_FLAG else [None]
+# The flag's other setting (not this JAX's default) runs in the full suite only.
+_FLAG_DEFAULT = getattr(jax.config, _FLAG) if _HAS_FLAG else None
+_FLAG_PARAMS = [
+    pytest.param(v, marks=[] if v == _FLAG_DEFAULT else [pytest.mark.slow])
+    for v in _FLAG_VALUES
+]
 
 
 @pytest.fixture(
     autouse=True,
-    params=_FLAG_VALUES,
+    params=_FLAG_PARAMS,
     ids=lambda v: "flag-absent" if v is None else f"simplified-{'on' if v else 'off'}",
 )
 def simplified_constants(request):
@@ -437,7 +443,17 @@ def _assert_modes_agree(result):
             _assert_modes_agree(part)
 
 
-@pytest.mark.parametrize("trace", _TRACES)
+# Traces that the quick loop (`-m "not slow"`) leaves to the full suite.
+_SLOW_TRACES = ("linearize", "jit_vmap", "grad_vmap")
+
+
+@pytest.mark.parametrize(
+    "trace",
+    [
+        pytest.param(t, marks=[pytest.mark.slow] if t in _SLOW_TRACES else [])
+        for t in _TRACES
+    ],
+)
 def test_every_route_and_dtype_under(trace):
     """Each capture route, closing over one value of each of the ten dtypes, under
     `trace`: hoisted as arrays, and fn, Closure and eval_jaxpr agree.
@@ -732,6 +748,7 @@ def _equation_keys(jaxpr):
     return [(e.primitive, tuple(map(id, e.invars)), str(e.params)) for e in jaxpr.eqns]
 
 
+@pytest.mark.slow
 def test_repeated_equations_merged():
     """`y[0]` written three times is sliced once: the merged jaxpr gives the same
     values and gradients, and its reverse mode builds the cotangent without pads (see
@@ -784,7 +801,13 @@ def _slicing_fields():
     }
 
 
-@pytest.mark.parametrize("name", list(_slicing_fields()))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[] if n == "components" else [pytest.mark.slow])
+        for n in _slicing_fields()
+    ],
+)
 def test_slices_become_one_split(name):
     """Unit-stride slices of one array along one axis become one `split`: the same
     values, Jacobians (forward and reverse, under `vmap`), and no `pad` in reverse

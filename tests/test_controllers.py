@@ -13,7 +13,6 @@ from helpers import (
     linear_vf,
     rotation,
     rotation_exact,
-    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk
@@ -262,7 +261,9 @@ def _switch_solve(s, adjoint=sk.RecursiveCheckpointAdjoint(), t0=0.0, t1=2.0, **
     )
 
 
-@pytest.mark.parametrize("backwards", [False, True])
+@pytest.mark.parametrize(
+    "backwards", [False, pytest.param(True, marks=pytest.mark.slow)]
+)
 def test_clip_steps_land_on_step_ts_and_jump_ts(backwards):
     s = 0.7
     t0, t1 = (2.0, 0.0) if backwards else (0.0, 2.0)
@@ -283,6 +284,7 @@ def test_clip_steps_land_on_step_ts_and_jump_ts(backwards):
     assert np.any(np.abs(np.asarray(jumps.ts[1]) - s) <= 1e-15)
 
 
+@pytest.mark.slow
 def test_clip_under_jit_vmap_and_grad():
     s = jnp.array([0.5, 0.7, 1.1])
     final = jax.jit(jax.vmap(lambda s: _switch_solve(s, jump_ts=s[None]).ys[0][-1]))(s)

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optimistix as optx
 import pytest
+from helpers import float64
 
 import solverkit as sk
-from helpers import float64
 
 
 def _euler_event(lib, steps: bool, root_finder):
@@ -26,7 +26,7 @@ def _euler_event(lib, steps: bool, root_finder):
     return sol.ts, sol.ys
 
 
-@pytest.mark.parametrize("steps", [False, True])
+@pytest.mark.parametrize("steps", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_euler_dense_output_is_linear_as_diffrax(steps):
     with float64():
         ts, ys = _euler_event(sk, steps, None)
@@ -83,6 +83,7 @@ def test_nested_clip_controllers_take_python_float_times():
     np.testing.assert_allclose(sol.ys[-1], np.exp(-1.0), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_hessian_with_scan_kind_as_diffrax():
     with float64():
 

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import x64  # noqa: F401 (a fixture)
 
 import solverkit as sk
 

@@ -13,7 +13,6 @@ from helpers import (
     assert_tree_allclose,
     rotation_exact,
     solve_rotation,
-    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk
@@ -114,6 +113,7 @@ def test_event_direction():
     np.testing.assert_allclose(up.ys[0], rotation_exact(3 * np.pi / 2), atol=1e-8)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_event_pytree_of_conditions():
     # "late" (real) fires at t = 2.0, "early" (bool) once t >= 1.0 after a step.
@@ -156,6 +156,7 @@ def test_event_under_vmap():
     np.testing.assert_array_equal(np.asarray(result), [event, event, ok])
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_event_time_gradient():
     # t* = log(y0 / 0.3) / theta: dt*/dy0 = 1 / (theta y0), dt*/dtheta = -t* / theta.
@@ -178,6 +179,7 @@ def test_event_time_gradient():
     np.testing.assert_allclose(g_theta, (plus - minus) / (2 * eps), rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_boolean_event_true_at_t0_ends_before_any_step():
     # As in diffrax: a boolean condition that holds at t0 ends the solve there, with
@@ -215,6 +217,7 @@ def test_boolean_event_true_at_t0_ends_before_any_step():
     assert mask["bool"].tolist() == [True, False]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_deprecated_discrete_terminating_events_as_diffrax():
     # diffrax's older `discrete_terminating_event=`: a DiscreteTerminatingEvent on
@@ -282,6 +285,7 @@ def _two_crossings(lib, direction):
     [None, True, False, (True, True), (True, False), (False, True), (False, None)],
     ids=str,
 )
+@pytest.mark.slow
 def test_event_direction_per_condition(direction):
     t, mask = _two_crossings(sk, direction)
     ref_t, ref_mask = _two_crossings(diffrax, direction)
@@ -296,6 +300,7 @@ def test_event_direction_structure_checked():
     sk.Event([f, [f, f]], None, [True, [None, False]])
 
 
+@pytest.mark.slow
 def test_event_condition_module_with_float_fields():
     class Threshold(eqx.Module):
         level: float

@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 
 
+# Subprocesses that take a minute or more together: the full suite only.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = [
     "quickstart",

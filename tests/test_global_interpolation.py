@@ -70,11 +70,12 @@ def _compare_paths(mine, theirs, rtol=1e-10):
 @pytest.mark.parametrize(
     "ys, options",
     [
-        (_YS, {}),
+        pytest.param(_YS, {}, marks=pytest.mark.slow),
         (_missing(), {}),
-        (
+        pytest.param(
             _missing(),
             {"fill_forward_nans_at_end": True, "deriv0": np.full((3, 2), 0.7)},
+            marks=pytest.mark.slow,
         ),
         (
             _first_missing(),
@@ -118,6 +119,7 @@ def test_linear_and_rectilinear_against_diffrax():
             assert_tree_allclose(got, want)
 
 
+@pytest.mark.slow
 def test_pytree_data_and_attributes():
     ys = {"u": jnp.arange(4.0), "v": jnp.ones((4, 2))}
     ts = jnp.arange(4.0)
@@ -216,7 +218,13 @@ def drive_data():
         yield values, fd, losses
 
 
-@pytest.mark.parametrize("adjoint", sorted(_ADJOINTS))
+@pytest.mark.parametrize(
+    "adjoint",
+    [
+        pytest.param(a, marks=[] if a == "recursive" else [pytest.mark.slow])
+        for a in sorted(_ADJOINTS)
+    ],
+)
 def test_gradient_wrt_closed_over_data(adjoint, drive_data):
     values, fd, _ = drive_data
     with float64():

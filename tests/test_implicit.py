@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.integrate
-from helpers import float64
+from helpers import float64, quick_params
 
 import solverkit as sk
 from solverkit._solver._implicit_tableau import (
@@ -176,8 +176,12 @@ def _fixed_solve_imex(solver, dt):
     return sol.ys[-1]
 
 
+# Kvaerno3's solve is shared with test_optimistix_root_finder. (test_integrate.py
+# checks the orders of all of them too, KenCarp3's in the quick loop.)
 @pytest.mark.parametrize(
-    "cls", [c for c, _ in IMPLICIT + IMEX], ids=lambda c: c.__name__
+    "cls",
+    quick_params([c for c, _ in IMPLICIT + IMEX], [sk.Kvaerno3]),
+    ids=lambda c: c.__name__,
 )
 def test_convergence_order(cls):
     with float64():
@@ -230,7 +234,10 @@ def _scipy(fn, t1, y0):
 
 @pytest.mark.parametrize(
     "fn, t1, y0, rtol",
-    [(_rober, 1e4, [1.0, 0.0, 0.0], 1e-5), (_vdp, 100.0, [2.0, 0.0], 1e-4)],
+    [
+        pytest.param(_rober, 1e4, [1.0, 0.0, 0.0], 1e-5, marks=pytest.mark.slow),
+        (_vdp, 100.0, [2.0, 0.0], 1e-4),
+    ],
     ids=["rober", "vdp1000"],
 )
 def test_stiff_against_radau(fn, t1, y0, rtol):
@@ -255,6 +262,7 @@ def _linear_stiff(t, y, args):
     return a @ y + jnp.stack([jnp.sin(t), 0.0])
 
 
+@pytest.mark.slow
 def test_same_as_diffrax():
     """On a problem where both root finders converge at once, step sequences agree;
     so does the dense output (cubic Hermite for both)."""
@@ -382,6 +390,7 @@ def _grads(p, index, mask, solver, adjoint):
     return jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0, 0))(p, index, mask)
 
 
+@pytest.mark.slow
 def test_gradients_discrete_adjoints():
     """Reverse mode (RecursiveCheckpointAdjoint, vmapped) against finite differences,
     and forward mode (DirectAdjoint) against it."""
@@ -405,6 +414,7 @@ def test_gradients_discrete_adjoints():
         np.testing.assert_allclose(float(tangent), float(g_rc[1]), rtol=1e-8)
 
 
+@pytest.mark.slow
 def test_gradients_backsolve():
     """The continuous adjoint (same fixed steps backwards) agrees with the
     discrete one to the accuracy of the solves."""
@@ -450,6 +460,7 @@ def _imex_solve(p, key, adjoint, saveat, event=None):
     )
 
 
+@pytest.mark.slow
 def test_imex_events_dense_gradients_and_no_recompile():
     from helpers import count_compiles
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import float64, x64  # noqa: F401 (x64 is a fixture)
+from helpers import float64
 
 import solverkit as sk
 
@@ -90,6 +90,7 @@ def _text_output(fn, *args):
     return out.getvalue()
 
 
+@pytest.mark.slow
 def test_text_progress_meter_prints_as_diffrax():
     """Ten steps of 0.1: `0.00%`, then each 10%, as diffrax prints them; under
     vmap and grad too (one meter)."""
@@ -116,6 +117,7 @@ def test_text_progress_meter_prints_as_diffrax():
         sk.TextProgressMeter(minimum_increase=0.0)
 
 
+@pytest.mark.slow
 def test_text_meter_prints_the_lines_diffrax_prints():
     # A new line once the progress has grown by more than `minimum_increase` since
     # the last line (not on a fixed grid): 0.00%, 10.20%, 20.40%, ... under vmap.
@@ -139,6 +141,7 @@ def test_text_meter_prints_the_lines_diffrax_prints():
     assert outputs[0].split()[:3] == ["0.00%", "10.20%", "20.40%"]
 
 
+@pytest.mark.slow
 def test_tqdm_refreshes_as_diffrax_under_vmap(capfd):
     pytest.importorskip("tqdm")
 

@@ -10,9 +10,9 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 import scipy.linalg
+from helpers import finite_difference, float64
 
 import solverkit as sk
-from helpers import finite_difference, float64
 
 
 class CrankNicolson(sk.AbstractSolver):
@@ -105,7 +105,14 @@ def test_crank_nicolson_solves_the_heat_equation(heat):
         np.testing.assert_allclose(y1, exact(0.05, heat), atol=1e-5)
 
 
-@pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize(
+    "adjoint",
+    [
+        pytest.param(a, marks=[] if i == 0 else [pytest.mark.slow])
+        for i, a in enumerate(ADJOINTS)
+    ],
+    ids=lambda a: type(a).__name__,
+)
 def test_crank_nicolson_gradient_every_adjoint(heat, adjoint):
     with float64():
         loss = lambda d: jnp.sum(heat_solve(d, heat, adjoint) ** 2)
@@ -143,6 +150,7 @@ class ScaledTimeTerm(sk.AbstractTerm):
         return jax.tree_util.tree_map(lambda v: v * control, vf)
 
 
+@pytest.mark.slow
 def test_custom_term_and_multiterm_under_grad_and_vmap():
     with float64():
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import float64
+from helpers import quick_params
 
 import solverkit as sk
 from benchmarks.stiff_problems import HIRES, OREGO, POLLU, ROBER, ROBER_1E11
@@ -40,12 +40,6 @@ ORDERS = {
     "Rodas5P": (5, 4, 4, True),
 }
 SOLVERS = {name: getattr(sk, name) for name in TABLEAUX}
-
-
-@pytest.fixture
-def x64():
-    with float64():
-        yield
 
 
 # --- Order conditions of ROW methods (Hairer & Wanner II, IV.7, Table 7.1) ---------
@@ -187,7 +181,8 @@ def _fixed_step_solve(name):
     return solve
 
 
-@pytest.mark.parametrize("name", TABLEAUX)
+# (test_integrate.py checks Rosenbrock23's order in the quick loop.)
+@pytest.mark.parametrize("name", quick_params(TABLEAUX, ["Ros3P", "Rodas5P"]))
 def test_convergence_order(name, x64):
     order = ORDERS[name][0]
     solve = _fixed_step_solve(name)
@@ -230,12 +225,15 @@ def _relative_error(y, reference):
 
 @pytest.mark.parametrize(
     "name, problem, rtol, atol, tol",
-    [
-        ("Rodas5P", ROBER, 1e-10, 1e-14, 1e-8),
-        ("Rodas5P", HIRES, 1e-10, 1e-14, 1e-8),
-        ("Rodas4", OREGO, 1e-9, 1e-12, 1e-6),
-        ("Rodas4", POLLU, 1e-9, 1e-14, 1e-6),
-    ],
+    quick_params(
+        [
+            ("Rodas5P", ROBER, 1e-10, 1e-14, 1e-8),
+            ("Rodas5P", HIRES, 1e-10, 1e-14, 1e-8),
+            ("Rodas4", OREGO, 1e-9, 1e-12, 1e-6),
+            ("Rodas4", POLLU, 1e-9, 1e-14, 1e-6),
+        ],
+        quick=[("Rodas5P", ROBER, 1e-10, 1e-14, 1e-8)],  # shares test_rober_to_1e11's
+    ),
     ids=lambda x: getattr(x, "name", None),
 )
 def test_stiff_reference(name, problem, rtol, atol, tol, x64):
@@ -250,6 +248,7 @@ def test_rober_to_1e11(x64):
     np.testing.assert_allclose(np.asarray(y1), ROBER_1E11, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_float32():
     """ROBER in float32 (the default), loose tolerance."""
     y0 = jnp.asarray(ROBER.y0, jnp.float32)
@@ -319,6 +318,7 @@ def _vmapped_grad(adjoint_name, solver_name="Ros3P", fixed=False):
     return jax.jit(jax.vmap(jax.value_and_grad(loss)))
 
 
+@pytest.mark.slow
 def test_grad_against_finite_differences(x64):
     """With fixed steps the gradient of the discrete solution must match finite
     differences of it closely (a Jacobian treated as constant would not). The
@@ -333,6 +333,7 @@ def test_grad_against_finite_differences(x64):
     np.testing.assert_allclose(np.asarray(grads), fd, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "adjoint, rtol",
     [("DirectAdjoint", 1e-12), ("BacksolveAdjoint", 1e-4)],
@@ -348,6 +349,7 @@ def test_grad_between_adjoints(adjoint, rtol, x64):
     np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(want)[keep], rtol=rtol)
 
 
+@pytest.mark.slow
 def test_forward_mode_direct_adjoint(x64):
     """`jax.jvp` through DirectAdjoint agrees with reverse mode."""
     loss = functools.partial(
@@ -385,6 +387,7 @@ def test_backwards_in_time(x64):
     np.testing.assert_allclose(np.asarray(back), [2.0, 0.0], atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["Rodas4", "Ros3P"])
 def test_event_and_dense_output(name, x64):
     """`y' = -y²` from 1 (solution `1/(1 + t)`) stops where `y = 1/2`, at `t = 1`,
@@ -414,6 +417,7 @@ def test_event_and_dense_output(name, x64):
     np.testing.assert_allclose(np.asarray(dense), 1 / (1 + np.asarray(ts)), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_saveat_progress_key_and_throw(x64, capsys):
     """SaveAt ts and steps, a text progress meter, a PRNG key closed over (the
     rate is drawn from it), and max_steps reported or raised."""

@@ -9,12 +9,12 @@ import optimistix as optx
 import pytest
 from helpers import (
     assert_tree_allclose,
+    quick_params,
     rotation,
     rotation_exact,
     ROTATION_PID,
     ROTATION_Y0,
     solve_rotation,
-    x64,  # noqa: F401 (a fixture)
 )
 
 import solverkit as sk
@@ -105,7 +105,9 @@ def test_fn_pytree_output():
     assert_tree_allclose(sol.ys, expected, atol=1e-8)
 
 
-@pytest.mark.parametrize("solver", [sk.Bosh3(), sk.Heun()])
+@pytest.mark.parametrize(
+    "solver", [sk.Bosh3(), pytest.param(sk.Heun(), marks=pytest.mark.slow)]
+)
 def test_dense_hermite(solver):
     # Solvers without their own dense output interpolate by cubic Hermite.
     sol = solve_rotation(
@@ -120,6 +122,7 @@ def test_dense_hermite(solver):
     np.testing.assert_allclose(values, rotation_exact(grid), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_dense_and_ts_backwards():
     ts = jnp.array([0.0, -1.0, -2.0])
     sol = solve_rotation(sk.SaveAt(ts=ts, dense=True), t1=-2.0, dt0=-0.1)
@@ -172,8 +175,15 @@ _LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("event", [False, True], ids=["no-event", "event"])
-@pytest.mark.parametrize("layout", list(_LAYOUTS))
+# One of the twelve cases in the quick loop (`-m "not slow"`); each compiles two solves.
+@pytest.mark.parametrize(
+    "layout, event",
+    quick_params(
+        [(layout, event) for event in (False, True) for layout in _LAYOUTS],
+        quick=[("steps=3", False)],
+        ids=lambda case: f"{case[0]}-{'event' if case[1] else 'no-event'}",
+    ),
+)
 def test_rows_laid_out_as_diffrax(layout, event):
     """Rows in time order (ts and step saves interleaved), the final point after
     them, padding last; an event removes rows past it."""
@@ -203,6 +213,7 @@ def test_rows_laid_out_as_diffrax(layout, event):
     assert_tree_allclose(ys, ref_ys, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_subs_under_jit_vmap_grad():
     saveat = sk.SaveAt(
         subs=(sk.SubSaveAt(ts=jnp.linspace(0.0, 1.0, 5)), sk.SubSaveAt(t1=True))
