@@ -524,6 +524,7 @@ def test_implicit_adjoint_rejects_saves_that_are_not_steady():
         )
 
 
+@pytest.mark.slow
 def test_backsolve_with_an_implicit_backward_solver_takes_the_tolerances():
     # The backward solver's root finder takes the controller's tolerances, as the
     # forward solver's does (it used to receive the unbound placeholders and crash).
