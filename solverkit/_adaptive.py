@@ -35,10 +35,10 @@ if TYPE_CHECKING:  # annotations only: the solvers import the controllers
 
 def _initial_step(
     func: Callable[..., VF],
-    t0: RealScalarLike,
+    t0: Array,
     y0: Y,
     args: Args,
-    error_order: RealScalarLike | None,
+    error_order: RealScalarLike,
     rtol,
     atol,
     norm,
@@ -146,7 +146,9 @@ class PIDController(AbstractAdaptiveStepSizeController):
         plain = eqx.tree_at(
             lambda c: (c.step_ts, c.jump_ts), self, (None, None), is_leaf=_is_none
         )
-        clip = ClipStepSizeController(plain, self.step_ts, self.jump_ts)
+        # pyright counts the abstract `rtol`, `atol`, `norm` (properties here) as
+        # fields of `ClipStepSizeController.__init__`.
+        clip = ClipStepSizeController(plain, self.step_ts, self.jump_ts)  # pyright: ignore[reportCallIssue]
         return clip.to_internal(direction)
 
     def check(
@@ -156,15 +158,18 @@ class PIDController(AbstractAdaptiveStepSizeController):
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
     ) -> None:
-        if self.error_order is None and solver.error_order(None) is None:
+        # No terms here to pass: the built-in solvers' error orders don't use them.
+        if self.error_order is None and solver.error_order(None) is None:  # pyright: ignore[reportArgumentType]
             raise ValueError(
                 f"{type(solver).__name__} has no error estimate, so it can't be used "
                 "with PIDController: use ConstantStepSize, or a solver with an "
                 "embedded error estimate (Tsit5, Dopri5, Bosh3, Heun, ...)."
             )
 
-    def _order(self, error_order: RealScalarLike | None):
-        return self.error_order if self.error_order is not None else error_order
+    def _order(self, error_order: RealScalarLike | None) -> RealScalarLike:
+        order = self.error_order if self.error_order is not None else error_order
+        assert order is not None  # `check` raised otherwise
+        return order
 
     def init(
         self,
@@ -329,11 +334,11 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
             return jnp.sort(flip(direction, ts))
 
         inner = self.controller.to_internal(direction)
-        return ClipStepSizeController(
-            inner, move(self.step_ts), move(self.jump_ts), self.store_rejected_steps
-        )
+        steps, jumps = move(self.step_ts), move(self.jump_ts)
+        # (the ignore: see `PIDController.to_internal`)
+        return ClipStepSizeController(inner, steps, jumps, self.store_rejected_steps)  # pyright: ignore[reportArgumentType]
 
-    def _clip(self, t0: RealScalarLike, t1: RealScalarLike):
+    def _clip(self, t0: Array, t1: Array):
         """The proposed step end `t1` clipped to the next time after `t0`, and the
         next jump after `t0` (`inf` if none)."""
         jump = jnp.asarray(jnp.inf, t1.dtype)

@@ -164,6 +164,7 @@ class _AbstractDirect(AbstractAdjoint):
             )
 
     def loop(self, problem: Problem) -> Outputs:
+        assert problem.max_steps is not None  # `check` raised otherwise
         carry, bufs = _loop.init(problem)
         block = ceil_sqrt(problem.max_steps)
         blocks = -(-problem.max_steps // block)

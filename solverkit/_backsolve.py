@@ -3,6 +3,7 @@ solved backwards in time, as a `custom_vjp` whose operand is the whole `Problem`
 
 import dataclasses
 import functools
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -20,6 +21,7 @@ from ._adjoint import (
     zeros_cotangent,
 )
 from ._closure import closure_convert
+from ._controller import AbstractStepSizeController
 from ._custom_types import RealScalarLike, Y
 from ._errors import UnsupportedError
 from ._loop import Outputs
@@ -91,12 +93,12 @@ def adjoint_rms_seminorm(x) -> jax.Array:
     return rms_norm((x[0], x[1]))
 
 
-def _dot(a, b):
+def _dot(a, b) -> jax.Array:
     leaves = [
         jnp.sum((x * y).real).astype(jnp.result_type(float))
         for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b))
     ]
-    return sum(leaves) if leaves else jnp.asarray(0.0)
+    return cast(jax.Array, sum(leaves)) if leaves else jnp.asarray(0.0)
 
 
 def _solve_whole(problem: Problem) -> Outputs:
@@ -127,8 +129,8 @@ class BacksolveAdjoint(AbstractAdjoint):
         forward one).
     """
 
-    solver: object = None
-    stepsize_controller: object = None
+    solver: AbstractSolver | None = None
+    stepsize_controller: AbstractStepSizeController | None = None
 
     def check(self, problem: Problem) -> None:
         unsupported = []
@@ -167,7 +169,7 @@ class BacksolveAdjoint(AbstractAdjoint):
 
         return custom_vjp(problem, _solve_whole, _with_outputs, bwd)
 
-    def _solve_back(self, problem: Problem, aux, state, ta, tb):
+    def _solve_back(self, problem: Problem, aux, state, ta: jax.Array, tb: jax.Array):
         """Integrate the augmented state from internal time `ta` back to `tb`."""
         solver = _stages_in_a_loop(self._solver(problem), state)
         controller = problem.controller  # in the forward solve's internal time
@@ -230,6 +232,7 @@ class BacksolveAdjoint(AbstractAdjoint):
         ct_ts = None
         if num_ts:
             ts = save.ts
+            assert ts is not None  # (`num_ts` is 0 otherwise)
 
             def segment(k, state):
                 i = num_ts - 1 - k

@@ -174,6 +174,7 @@ def _source(rev: _Reverse, bounds: _schedule.Chunk, mids: Stack | None):
     source = get_row(rev.rec.store, bounds.segment_slot)
     if bounds.have is None:
         return source
+    assert mids is not None  # `layout.mid`: there are mid checkpoints
     return lax.cond(
         bounds.have, lambda: get_row(mids, bounds.mid_index), lambda: source
     )
@@ -216,6 +217,7 @@ def _refill(
     source = _source(rev, bounds, mids)
     buffer = put_row(buffer, 0, source)
     if use_mids:
+        assert mids is not None  # (likewise)
         mids = put_row(mids, _schedule.mid_row(rev.layout, bounds, begin), source)
     # With every step stored (stride 1) nothing is recomputed: `back` reads the store.
     last = jnp.where(rev.rec.level == 0, begin, end - 1)

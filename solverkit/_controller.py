@@ -18,7 +18,7 @@ from jaxtyping import Array, PyTree
 from ._custom_types import Args, RealScalarLike, VF, Y
 from ._errors import BadInputError, concrete
 from ._select import where
-from ._solution import RESULTS
+from ._solution import Result, RESULTS
 from ._term import AbstractTerm
 from ._time import flip
 
@@ -60,7 +60,7 @@ class AbstractStepSizeController(eqx.Module):
         y_error: Y | None,
         error_order: RealScalarLike | None,
         controller_state: PyTree,
-    ):
+    ) -> tuple[Any, Any, Any, Any, PyTree, Result]:
         """**Returns:** `(keep_step, next_t0, next_t1, made_jump, state, result)`."""
 
     @property
@@ -227,7 +227,7 @@ class StepTo(AbstractStepSizeController):
     def adapt_step_size(
         self,
         t0: RealScalarLike,
-        t1: RealScalarLike,
+        t1: Array,
         y0: Y,
         y1_candidate: Y,
         args: Args,

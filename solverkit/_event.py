@@ -243,6 +243,7 @@ def fired(problem: Problem, before, after) -> PyTree:
             return (sb <= 0) & (sa > 0)
         return (sb > 0) & (sa <= 0)
 
+    assert problem.event_direction is not None  # given with the conditions
     leaves, tree = jtu.tree_flatten(after)
     out = [
         leaf(b, a, d)

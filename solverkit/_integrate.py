@@ -304,7 +304,7 @@ def _legacy_event(event, discrete_terminating_event):
 
 
 def _check_no_resume(
-    solver_state: PyTree, controller_state: PyTree, made_jump: BoolScalarLike
+    solver_state: PyTree, controller_state: PyTree, made_jump: BoolScalarLike | None
 ) -> None:
     if made_jump is False:
         made_jump = None  # no jump: the default
@@ -316,7 +316,17 @@ def _check_no_resume(
 
 
 def _problem(
-    terms, solver, times, y0, args, saveat, controller, event, max_steps, meter, dt0
+    terms,
+    solver,
+    times: Times,
+    y0,
+    args,
+    saveat,
+    controller,
+    event,
+    max_steps,
+    meter,
+    dt0,
 ) -> Problem:
     """Convert every user function (terms, saves, event conditions) once and gather
     all a solve needs, in internal time."""

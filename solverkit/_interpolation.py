@@ -40,7 +40,7 @@ class DenseInterpolation(eqx.Module):
         y = self.solver.interpolate(info, self.ts[index], t1, tau)
         return jtu.tree_map(lambda a, b: where(self.num_steps == 0, b, a), y, self.y0)
 
-    def evaluate(self, t0: RealScalarLike, t1: RealScalarLike = None) -> PyTree:
+    def evaluate(self, t0: RealScalarLike, t1: RealScalarLike | None = None) -> PyTree:
         """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""
         with jax.numpy_dtype_promotion("standard"):  # see `diffeqsolve`
             if t1 is not None:

@@ -6,6 +6,8 @@ A solver names one as `interpolation_cls`; the engine builds it per step as
 `[t0, t1]`.
 """
 
+from typing import Any, ClassVar
+
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -15,11 +17,12 @@ from ._custom_types import RealScalarLike, Y
 from ._select import where
 
 
-def step_fraction(t0: RealScalarLike, t1: RealScalarLike, t: RealScalarLike) -> Array:
+def step_fraction(t0: Array, t1: Array, t: RealScalarLike) -> Array:
     """`θ = (t - t0) / (t1 - t0)`, the fraction of a step at `t` (0 for an empty
     step)."""
     h = t1 - t0
-    return (t - t0) / where(h == 0, 1, h)
+    # A NumPy `t` defers to JAX (`__array_priority__`), which NumPy's stubs don't say.
+    return (t - t0) / where(h == 0, 1, h)  # pyright: ignore[reportReturnType]
 
 
 class AbstractLocalInterpolation(eqx.Module):
@@ -29,7 +32,7 @@ class AbstractLocalInterpolation(eqx.Module):
     t1: Array
 
     def evaluate(
-        self, t0: RealScalarLike, t1: RealScalarLike = None, left: bool = True
+        self, t0: RealScalarLike, t1: RealScalarLike | None = None, left: bool = True
     ) -> PyTree:
         """`y(t0)`, or `y(t1) - y(t0)` when `t1` is given."""
         del left
@@ -83,7 +86,7 @@ class ThirdOrderHermitePolynomialInterpolation(AbstractLocalInterpolation):
 
     @classmethod
     def from_k(
-        cls, *, t0: RealScalarLike, t1: RealScalarLike, y0: Y, y1: Y, k
+        cls, *, t0: Array, t1: Array, y0: Y, y1: Y, k
     ) -> "ThirdOrderHermitePolynomialInterpolation":
         h = t1 - t0
         safe = where(h == 0, 1, h)
@@ -121,6 +124,7 @@ class FourthOrderPolynomialInterpolation(AbstractLocalInterpolation):
         at `t1`).
     """
 
+    c_mid: ClassVar[Any]  # set by a subclass
     y0: PyTree
     y1: PyTree
     k: PyTree

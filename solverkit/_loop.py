@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from . import _event, _save
-from ._custom_types import RealScalarLike, Y
+from ._custom_types import Y
 from ._errors import concrete
 from ._problem import adaptive, Buffers, Carry, LastStep, Problem, StepOut
 from ._reduce import all_true, and_all, or_all
@@ -112,7 +112,7 @@ def cond(problem: Problem, carry: Carry) -> Array:
 _LANDING_ULPS = 100
 
 
-def _solver_step(problem: Problem, carry: Carry, t1: RealScalarLike):
+def _solver_step(problem: Problem, carry: Carry, t1: Array):
     """The solver's step from `carry.t` to `t1`. A step that ends at a jump of the
     vector field stops just short of it (so that no stage sees the far side), and the
     next step starts from the field evaluated just past it, in the direction of
@@ -217,7 +217,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
 def body(
     problem: Problem,
     state: tuple[Carry, Buffers],
-    active=True,
+    active: Array | bool = True,
     differentiable: bool = False,
 ):
     """One iteration of the loop: a step, then its saves. Where `active` is False
@@ -333,5 +333,6 @@ def finish(problem: Problem, carry: Carry, bufs: Buffers) -> Outputs:
     ts = jtu.tree_unflatten(problem.save_tree, [o[0] for o in outs])
     ys = jtu.tree_unflatten(problem.save_tree, [o[1] for o in outs])
     if problem.dense:  # the first step boundary (never written by a step)
+        assert bufs.dense_ts is not None  # `init_buffers` made it
         bufs = bufs._replace(dense_ts=bufs.dense_ts.at[0].set(problem.t0))
     return Outputs(t_end, y_end, ts, ys, carry, bufs, result)

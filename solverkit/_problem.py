@@ -70,9 +70,12 @@ class Save(eqx.Module):
     def step_rows(self, max_steps: int) -> int:
         return max_steps // self.every if self.every else 0
 
-    def t1_row(self, max_steps: int) -> bool:
+    def t1_row(self, max_steps: int | None) -> bool:
         """Whether `t1` needs a row of its own (else it may take a free step row)."""
-        return self.t1 and (self.every == 0 or max_steps % self.every != 0)
+        if self.every == 0:
+            return self.t1
+        assert max_steps is not None  # step saves need one (checked by `_saves`)
+        return self.t1 and max_steps % self.every != 0
 
     @property
     def empty(self) -> bool:

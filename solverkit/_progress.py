@@ -77,6 +77,18 @@ class _AbstractHostMeter(AbstractProgressMeter):
             else:
                 self._show(bar, value)
 
+    @abc.abstractmethod
+    def _new_bar(self) -> Any:
+        """Open a bar (shown at 0)."""
+
+    @abc.abstractmethod
+    def _show(self, bar, value) -> None:
+        """Show `value` (in [0, 1)) on `bar`."""
+
+    @abc.abstractmethod
+    def _close(self, bar) -> None:
+        """Show 1 on `bar` and close it."""
+
 
 class TextProgressMeter(_AbstractHostMeter):
     """Prints the progress as a percentage: `0.00%` at the start, a line each time

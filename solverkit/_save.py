@@ -47,12 +47,14 @@ def init_buffers(problem: Problem, solver_state: PyTree) -> Buffers:
         if save.ts is not None:
             ts_ys = _inf_like(struct, (save.ts.shape[0],))
         if save.every:
+            assert problem.max_steps is not None  # `_integrate._saves` checked it
             rows = save.step_rows(problem.max_steps)
             steps_ts = jnp.full((rows,), jnp.inf, problem.t0.dtype)
             steps_ys = _inf_like(struct, (rows,))
         saves.append(SaveBuffer(ts_ys, steps_ts, steps_ys))
     dense_ts = dense_info = None
     if problem.dense:
+        assert problem.max_steps is not None  # (likewise)
         info = dense_info_zeros(problem, solver_state)
         dense_ts = jnp.full((problem.max_steps + 1,), jnp.inf, problem.t0.dtype)
         dense_info = jtu.tree_map(

@@ -83,6 +83,16 @@ class _Results:
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.
     """
 
+    # Set in `__init__`, one per outcome; declared here for type checkers.
+    successful: Result
+    event_occurred: Result
+    max_steps_reached: Result
+    dt_min_reached: Result
+    nonfinite: Result
+    internal_error: Result
+    implicit_divergence: Result
+    implicit_nonconvergence: Result
+
     _names = tuple(name for name, _ in _OUTCOMES)
     messages = tuple(message for _, message in _OUTCOMES)
 

@@ -25,7 +25,8 @@ class Stack(eqx.Module):
     """Rows of copies of one pytree, one `(rows, width)` array per dtype."""
 
     arrays: tuple[jax.Array, ...]
-    treedef: jtu.PyTreeDef = eqx.field(static=True)
+    # (jaxlib has no stub for the class that `jtu.PyTreeDef` names)
+    treedef: jtu.PyTreeDef = eqx.field(static=True)  # pyright: ignore[reportInvalidTypeForm]
     # Per leaf: which array, where in the row, and its shape.
     places: tuple[tuple[int, int, tuple[int, ...]], ...] = eqx.field(static=True)
 

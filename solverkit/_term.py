@@ -174,10 +174,11 @@ class ClosureTerm(AbstractTerm):
     direction: Array | None  # None: forwards in time
 
     def vf(self, tau: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
-        out = like_state(self.closure(flip(self.direction, tau), y, args), y)
-        if self.direction is None:
+        direction = self.direction
+        out = like_state(self.closure(flip(direction, tau), y, args), y)
+        if direction is None:
             return out
-        return jtu.tree_map(lambda o: o * self.direction.astype(o.dtype), out)
+        return jtu.tree_map(lambda o: o * direction.astype(o.dtype), out)
 
     def contr(self, t0: RealScalarLike, t1: RealScalarLike, **kwargs) -> Array:
         return jnp.asarray(t1) - jnp.asarray(t0)

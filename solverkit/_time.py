@@ -7,6 +7,8 @@ identity and adds no operation) or the array `-1` for a backwards one. The map i
 own inverse, so the same function turns internal time back into user time.
 """
 
+from typing import overload
+
 import jax.numpy as jnp
 from jaxtyping import Array
 
@@ -14,6 +16,10 @@ from ._custom_types import RealScalarLike
 from ._select import where
 
 
+@overload
+def flip(direction: Array | None, t: Array) -> Array: ...
+@overload
+def flip(direction: Array | None, t: RealScalarLike) -> RealScalarLike: ...
 def flip(direction: Array | None, t: RealScalarLike):
     """`direction * t`: the internal time of user time `t`, and the user time of
     internal time `t`."""

@@ -1,5 +1,7 @@
 """Small pytree operations used across the engine."""
 
+from typing import TypeVar
+
 import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
@@ -7,6 +9,9 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._select import where
+
+
+_T = TypeVar("_T")
 
 
 def tree_where(pred, a: PyTree, b: PyTree) -> PyTree:
@@ -19,7 +24,7 @@ def tree_add(a: PyTree, b: PyTree) -> PyTree:
     return jtu.tree_map(jnp.add, a, b)
 
 
-def nograd(tree: PyTree) -> PyTree:
+def nograd(tree: _T) -> _T:
     """`tree` with `stop_gradient` on every floating-point array (other leaves, such
     as integers and static fields, unchanged)."""
     dynamic, static = eqx.partition(tree, eqx.is_inexact_array)

@@ -11,6 +11,7 @@ and progress fractions the same way.
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -19,7 +20,7 @@ def _primitive(name: str, reduce, out_dtype):
     """A primitive computing `reduce(x)` over all of `x`, batch axes included."""
     prim = Primitive(name)
     prim.def_impl(reduce)
-    prim.def_abstract_eval(lambda x: jax.core.ShapedArray((), out_dtype or x.dtype))
+    prim.def_abstract_eval(lambda x: ShapedArray((), out_dtype or x.dtype))
     mlir.register_lowering(prim, mlir.lower_fun(reduce, multiple_results=False))
     # Batched in, unbatched out (`None`: not mapped).
     batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), None)

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
-from .._solution import RESULTS
+from .._solution import Result, RESULTS
 from .._term import AbstractTerm
 
 
@@ -46,6 +46,7 @@ def axpy(y: Y, h, terms, row=None) -> Y:
             acc = term if acc is None else acc + term
         if h is None:
             return acc
+        assert acc is not None  # `terms` is not empty
         return y_leaf + jnp.asarray(h, dtype=y_leaf.dtype) * acc
 
     return jtu.tree_map(leaf, y, *[k for _, k in terms])
@@ -112,7 +113,7 @@ class AbstractSolver(eqx.Module):
         args: Args,
         solver_state: PyTree,
         made_jump: BoolScalarLike,
-    ):
+    ) -> tuple[Y, Y | None, PyTree, PyTree, Result]:
         """One step from `t0` to `t1`.
 
         **Returns:**

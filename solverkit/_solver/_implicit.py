@@ -8,7 +8,7 @@ exact derivatives from the implicit function theorem (`_root_finder.implicit_roo
 """
 
 import functools
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TYPE_CHECKING
 
 import equinox as eqx
 import jax.lax as lax
@@ -50,6 +50,12 @@ from ._root_finder import (
 )
 
 
+if TYPE_CHECKING:  # pyright reads `eqx.AbstractClassVar` as an instance field
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
+
+
 class ImplicitState(NamedTuple):
     """What a step starts from: the fields at `(t0, y0)`, and the implicit term's
     Jacobian there (`None` with an optimistix root finder, which takes its own)."""
@@ -63,7 +69,7 @@ class ImplicitState(NamedTuple):
 class AbstractImplicitRK(AbstractAdaptiveSolver):
     """An ESDIRK (or IMEX additive) Runge--Kutta method read from its `tableau`."""
 
-    tableau: eqx.AbstractClassVar[ImplicitTableau]
+    tableau: AbstractClassVar[ImplicitTableau]
     interpolation_cls: ClassVar[Any] = ThirdOrderHermitePolynomialInterpolation
     root_finder: Any = with_stepsize_controller_tols(VeryChord)()
     root_find_max_steps: int = 10
@@ -123,6 +129,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         state: ImplicitState = solver_state
         inv = None
         if self._uses_chord():
+            assert state.jac is not None  # `_start` took it for the chord
             jac = lax.stop_gradient(state.jac)
             # One inverse of I - γhJ per distinct diagonal value (one for an ESDIRK
             # method); a matrix-vector product per chord iteration.

@@ -22,6 +22,7 @@ conditions (B-series, and the coupling conditions of the additive methods).
 
 import dataclasses
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -82,15 +83,17 @@ class ImplicitTableau:
     `ValueError` naming the first inconsistency found.
     """
 
-    c: np.ndarray
-    a_im: np.ndarray
-    b_im: np.ndarray
-    b_err_im: np.ndarray
+    # The arrays: any array-likes, stored as read-only float64 arrays.
+    c: Any
+    a_im: Any
+    b_im: Any
+    b_err_im: Any
     order: int
     embedded_order: int
-    a_ex: np.ndarray | None = None
-    b_ex: np.ndarray | None = None
-    b_err_ex: np.ndarray | None = None
+    a_ex: Any = None
+    b_ex: Any = None
+    b_err_ex: Any = None
+    predictor: np.ndarray = dataclasses.field(init=False, repr=False)  # `_predictor`
 
     def __post_init__(self) -> None:
         for name in ("c", "a_im", "b_im", "b_err_im", "a_ex", "b_ex", "b_err_ex"):

@@ -1,7 +1,7 @@
 """`ReversibleHeun`: an algebraically reversible second-order method."""
 
 import jax.tree_util as jtu
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
 from .._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from .._local_interpolation import LocalLinearInterpolation
@@ -37,8 +37,8 @@ class ReversibleHeun(AbstractAdaptiveSolver):
     def step(
         self,
         terms: AbstractTerm,
-        t0: RealScalarLike,
-        t1: RealScalarLike,
+        t0: Array,
+        t1: Array,
         y0: Y,
         args: Args,
         solver_state: PyTree,

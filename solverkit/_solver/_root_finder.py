@@ -245,7 +245,7 @@ def chord(
     max_steps: int,
     ref: PyTree,
     skip: Array | bool = False,
-) -> tuple[PyTree, Array, Array]:
+) -> tuple[PyTree, Result, Array]:
     """Solve the stage equation by the chord method with the inverted iteration
     matrix `inverse` (no gradients flow through it: see `implicit_root`). With
     `skip` (an earlier stage failed: the step will be rejected) it returns `z0`.
@@ -293,7 +293,7 @@ def chord(
 
 def optx_solve(
     finder, stage: Stage, z0: PyTree, max_steps: int
-) -> tuple[PyTree, Array]:
+) -> tuple[PyTree, Result]:
     """Solve the stage equation with an optimistix root finder (its own Jacobians).
 
     **Returns:**

@@ -7,9 +7,8 @@ stage with that factorisation. Every operation is a plain JAX operation, so step
 differentiate in forward and reverse mode like any other.
 """
 
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, TYPE_CHECKING
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
@@ -25,6 +24,12 @@ from ._rosenbrock_tableau import (
     ROSENBROCK23,
     RosenbrockTableau,
 )
+
+
+if TYPE_CHECKING:  # pyright reads `eqx.AbstractClassVar` as an instance field
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
 
 # Up to this many unknowns, each stage solves by products with the explicit inverse
@@ -49,7 +54,7 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
     Jacobian.
     """
 
-    tableau: eqx.AbstractClassVar[RosenbrockTableau]
+    tableau: AbstractClassVar[RosenbrockTableau]
 
     def order(self, terms) -> int:
         return self.tableau.order
@@ -61,7 +66,9 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
         del terms, t0, t1, y0, args
         return None
 
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+    def step(
+        self, terms, t0: Array, t1: Array, y0, args, solver_state, made_jump=False
+    ):
         del solver_state, made_jump
         tab = self.tableau
 
@@ -102,7 +109,9 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
         dense = RosenbrockDense(y0=y0, coeffs=coeffs)
         return unravel(y1), unravel(error), dense, None, successful
 
-    def interpolate(self, dense_info, t0, t1, t) -> PyTree:
+    def interpolate(
+        self, dense_info: RosenbrockDense, t0: Array, t1: Array, t
+    ) -> PyTree:
         h = t1 - t0
         theta = (t - t0) / where(h == 0, 1, h)
         flat0, unravel = ravel_pytree(dense_info.y0)

@@ -29,6 +29,7 @@ Dense output: `y(t0 + θh) = y0 + Σ_i u_i Σ_p dense[i, p] θ**(p + 1)`; `dense
 
 import dataclasses
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -61,15 +62,16 @@ class RosenbrockTableau:
     """
 
     gamma: float
-    a: np.ndarray
-    C: np.ndarray
-    c: np.ndarray
-    d: np.ndarray
-    m: np.ndarray
-    m_err: np.ndarray
+    # The arrays: any array-likes, stored as read-only float64 arrays.
+    a: Any
+    C: Any
+    c: Any
+    d: Any
+    m: Any
+    m_err: Any
     order: int
     embedded_order: int
-    dense: np.ndarray | None = None
+    dense: Any = None
 
     def __post_init__(self) -> None:
         for name in ("a", "C", "c", "d", "m", "m_err"):

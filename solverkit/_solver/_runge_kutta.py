@@ -1,13 +1,13 @@
 """Explicit Runge-Kutta solvers: one generic step reading a Butcher tableau."""
 
-from typing import ClassVar
+from typing import ClassVar, TYPE_CHECKING
 
 import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from .._local_interpolation import (
@@ -30,6 +30,12 @@ from ._tableau import (
 )
 
 
+if TYPE_CHECKING:  # pyright reads `eqx.AbstractClassVar` as an instance field
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
+
+
 class AbstractRungeKutta(AbstractSolver):
     """An explicit Runge-Kutta method defined by its `tableau`.
 
@@ -39,7 +45,7 @@ class AbstractRungeKutta(AbstractSolver):
     uses it).
     """
 
-    tableau: eqx.AbstractClassVar[ButcherTableau]
+    tableau: AbstractClassVar[ButcherTableau]
     # How the stages are computed, as in diffrax: `None` (solverkit's default) unrolls
     # them, so the vector field is traced once per stage; "lax", "checkpointed" or
     # "bounded" compute them in one loop over the stages (diffrax's loop kinds; here
@@ -78,8 +84,8 @@ class AbstractRungeKutta(AbstractSolver):
     def step(
         self,
         terms: AbstractTerm,
-        t0: RealScalarLike,
-        t1: RealScalarLike,
+        t0: Array,
+        t1: Array,
         y0: Y,
         args: Args,
         solver_state: PyTree,
@@ -121,8 +127,8 @@ class AbstractRungeKutta(AbstractSolver):
     def interpolate(
         self,
         dense_info: DenseInfo,
-        t0: RealScalarLike,
-        t1: RealScalarLike,
+        t0: Array,
+        t1: Array,
         t: RealScalarLike,
     ):
         if "k" not in dense_info:
@@ -135,6 +141,7 @@ class AbstractRungeKutta(AbstractSolver):
         h = t1 - t0
         theta = step_fraction(t0, t1, t)
         dense = self.tableau.dense
+        assert dense is not None  # (else `_dense_info` gives no `k`)
         powers = np.arange(1, dense.shape[1] + 1)
 
         def leaf(y0: Y, *ks):

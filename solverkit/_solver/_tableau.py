@@ -206,7 +206,7 @@ class ButcherTableau:
 # Helpers to write tableaux the way papers print them.
 
 
-def _lower(rows: Sequence[Sequence[float]]) -> np.ndarray:
+def _lower(rows: Sequence[Sequence[float] | np.ndarray]) -> np.ndarray:
     """`(s, s)` strictly lower triangular matrix from rows 1 ... s-1 (row i has at
     most i entries)."""
     s = len(rows) + 1
@@ -218,7 +218,7 @@ def _lower(rows: Sequence[Sequence[float]]) -> np.ndarray:
     return a
 
 
-def _pad(x: Sequence[float], n: int) -> np.ndarray:
+def _pad(x: Sequence[float] | np.ndarray, n: int) -> np.ndarray:
     out = np.zeros(n)
     out[: len(x)] = x
     return out
