@@ -346,6 +346,21 @@ def test_constant_step_needs_tolerances():
     term = sk.ODETerm(lambda t, y, args: -y)
     with pytest.raises(ValueError, match="root_finder=VeryChord"):
         sk.diffeqsolve(term, sk.Kvaerno5(), 0.0, 1.0, 0.1, jnp.array([1.0]))
+    # diffrax's own wording, which its users and tests match on.
+    for diffeqsolve in (sk.diffeqsolve, diffrax.diffeqsolve):
+        library = sk if diffeqsolve is sk.diffeqsolve else diffrax
+        with pytest.raises(
+            ValueError,
+            match="fixed step size controller is being used alongside an implicit",
+        ):
+            diffeqsolve(
+                library.ODETerm(lambda t, y, args: -y),
+                library.Kvaerno5(),
+                0.0,
+                1.0,
+                0.1,
+                jnp.array([1.0]),
+            )
     with pytest.raises(ValueError, match="taken from the step-size controller"):
         sk.with_stepsize_controller_tols(sk.VeryChord)(rtol=1e-3)
 

@@ -102,12 +102,15 @@ def bind_tols(root_finder, stepsize_controller, solver_name: str):
     if not names:
         return root_finder
     if not isinstance(stepsize_controller, AbstractAdaptiveStepSizeController):
+        # The first sentence is diffrax's, which its users and tests match on.
         raise ValueError(
-            f"{solver_name} takes the tolerances of its root finder from the "
-            f"step-size controller, but {type(stepsize_controller).__name__} has "
-            f"none. Pass them, e.g. `{solver_name}(root_finder="
-            "VeryChord(rtol=1e-6, atol=1e-6))`, or use an adaptive controller "
-            "such as `PIDController(rtol=..., atol=...)`."
+            "A fixed step size controller is being used alongside an implicit "
+            "solver, but the tolerances for the implicit solver have not been "
+            f"specified. {solver_name} takes the tolerances of its root finder from "
+            f"the step-size controller, but {type(stepsize_controller).__name__} has "
+            "none. Use an adaptive controller such as `PIDController(rtol=..., "
+            f"atol=...)`, or pass them, e.g. `{solver_name}(root_finder="
+            "VeryChord(rtol=1e-6, atol=1e-6))`."
         )
     values = tuple(getattr(stepsize_controller, n) for n in names)
     return eqx.tree_at(
