@@ -178,9 +178,10 @@ def _convert_terms(terms, solver: AbstractSolver, times: Times, y0: Y, args: Arg
             if isinstance(terms, MultiTerm)
             else type(terms).__name__
         )
-        raise ValueError(
-            f"{name} takes `MultiTerm` of {len(structure)} terms (for an IMEX "
-            f"solver: MultiTerm(explicit_term, implicit_term)), got {got}."
+        raise ValueError(  # diffrax's first words (its `TermAndSolverIncompatible`)
+            f"Terms are not compatible with solver! {name} takes `MultiTerm` of "
+            f"{len(structure)} terms (for an IMEX solver: MultiTerm(explicit_term, "
+            f"implicit_term)), got {got}."
         )
     return MultiTerm(*[_closure_term(t, times, y0, args) for t in terms.terms])
 

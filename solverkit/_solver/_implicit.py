@@ -24,7 +24,7 @@ from .._local_interpolation import (
 )
 from .._select import where
 from .._solution import RESULTS
-from .._term import ODETerm
+from .._term import AbstractTerm, MultiTerm
 from .._tree import nograd, tree_add
 from ._base import AbstractAdaptiveSolver, axpy
 from ._implicit_tableau import (
@@ -305,7 +305,9 @@ _KENCARP_CITE = """
 class AbstractIMEX(AbstractImplicitRK):
     """An additive (IMEX) Runge--Kutta method: `MultiTerm(explicit, implicit)`."""
 
-    term_structure: ClassVar = (ODETerm, ODETerm)
+    # diffrax's value, `MultiTerm[tuple[AbstractTerm, AbstractTerm]]`, so that code
+    # which builds the terms a solver asks for builds a `MultiTerm` here too.
+    term_structure: ClassVar = MultiTerm[tuple[AbstractTerm, AbstractTerm]]
 
 
 class KenCarp3(AbstractIMEX):
