@@ -482,6 +482,39 @@ def test_gradients_backsolve():
         np.testing.assert_allclose(np.asarray(g_back), np.asarray(g_rc), rtol=5e-4)
 
 
+def _rober(t, y, args):
+    a, b, c = y
+    return jnp.stack(
+        [-0.04 * a + 1e4 * b * c, 0.04 * a - 1e4 * b * c - 3e7 * b**2, 3e7 * b**2]
+    )
+
+
+@pytest.mark.usefixtures("x64")
+def test_optimistix_root_finder_tolerances_in_derivative_units():
+    # A user's optimistix root finder solves the stage equation for the stage's slope,
+    # in the units of dy/dt, as in diffrax: `atol=1e-18` is reachable there, while in
+    # the units of y (ROBER's second species is ~1e-5 and starts at 0) it is not, and
+    # the solve stalled at t0 until max_steps (it did before this was changed).
+    import optimistix as optx
+
+    out = []
+    for library in (sk, diffrax):
+        sol = library.diffeqsolve(
+            library.ODETerm(_rober),
+            library.Kvaerno5(root_finder=optx.Newton(rtol=1e-5, atol=1e-18)),
+            0.0,
+            0.01,
+            1e-6,
+            jnp.array([1.0, 0.0, 0.0]),
+            stepsize_controller=library.PIDController(rtol=1e-6, atol=1e-10),
+            max_steps=4096,
+        )
+        out.append((sol.ys[-1], int(sol.stats["num_steps"])))
+    (y_sk, steps_sk), (y_dfx, steps_dfx) = out
+    np.testing.assert_allclose(y_sk, y_dfx, rtol=1e-6, atol=1e-12)
+    assert steps_sk <= 1.5 * steps_dfx, (steps_sk, steps_dfx)  # diffrax: 100
+
+
 def test_optimistix_root_finder():
     import optimistix as optx
 

@@ -294,16 +294,39 @@ def chord(
     return out.z, out.status, out.eta
 
 
+def _slope_residual(k, stage: Stage):
+    """The stage equation for the stage's slope `k` (`z = psi + γh k`), as diffrax
+    states it: `k - f(t, psi + γh k)`, in the units of the derivative."""
+    z = _stage_value(k, stage)
+    f = stage.term.vf(stage.t, z, stage.args)
+    return jtu.tree_map(lambda ki, fi: ki - fi, k, f)
+
+
+def _stage_value(k, stage: Stage):
+    return jtu.tree_map(
+        lambda p, ki: p + jnp.asarray(stage.gamma_h, ki.dtype) * ki, stage.psi, k
+    )
+
+
 def optx_solve(
     finder, stage: Stage, z0: PyTree, max_steps: int
 ) -> tuple[PyTree, Result]:
     """Solve the stage equation with an optimistix root finder (its own Jacobians).
 
+    The finder solves for the stage's slope `k`, `k = f(t, psi + γh k)`, as in
+    diffrax, so that its tolerances mean what they mean there: units of `dy/dt`, not
+    of `y` (a relative tolerance on a state component near zero, as in stiff
+    chemistry, is then reachable).
+
     **Returns:**
 
     `(z, result)`, `result` a `RESULTS` member.
     """
-    sol = optx.root_find(residual, finder, z0, stage, max_steps=max_steps, throw=False)
+    safe = where(stage.gamma_h == 0, 1, stage.gamma_h)  # an inactive (empty) step
+    k0 = jtu.tree_map(lambda z, p: (z - p) / jnp.asarray(safe, z.dtype), z0, stage.psi)
+    sol = optx.root_find(
+        _slope_residual, finder, k0, stage, max_steps=max_steps, throw=False
+    )
     ok = sol.result == optx.RESULTS.successful
     out_of_steps = sol.result == optx.RESULTS.max_steps_reached
     result = RESULTS.where(
@@ -313,4 +336,4 @@ def optx_solve(
             out_of_steps, RESULTS.implicit_nonconvergence, RESULTS.implicit_divergence
         ),
     )
-    return sol.value, result
+    return _stage_value(sol.value, stage), result
