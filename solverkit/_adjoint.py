@@ -22,6 +22,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from . import _loop
 from ._errors import UnsupportedError
@@ -106,10 +108,54 @@ def reverse_only(adjoint: "AbstractAdjoint"):
         raise
 
 
-def custom_vjp(problem: Problem, primal: Callable, fwd: Callable, bwd: Callable, *ops):
+def _twice_in_reverse(ct, **params):
+    raise UnsupportedError(
+        f"{params['adjoint']} can't be differentiated twice in reverse mode "
+        "(`jax.grad` of `jax.grad`): its backward pass is a loop whose length "
+        "depends on the solve. Use forward-over-reverse, `jax.jacfwd(jax.grad(f))` "
+        "(`jax.hessian` is that), or `adjoint=DirectAdjoint()`, whose loop has a "
+        "fixed length."
+    )
+
+
+# The identity on the cotangents a backward pass returns. Its derivative is itself
+# (so forward-over-reverse goes through), but its transpose raises: reverse-over-
+# reverse meets it before JAX's error for the loops behind it, and says what to use.
+# It lowers to nothing.
+_first_order_p = Primitive("solverkit_first_order")
+_first_order_p.def_impl(lambda x, *, adjoint: x)
+_first_order_p.def_abstract_eval(lambda x, *, adjoint: x)
+mlir.register_lowering(_first_order_p, lambda ctx, x, *, adjoint: [x])
+batching.primitive_batchers[_first_order_p] = lambda args, dims, *, adjoint: (
+    _first_order_p.bind(*args, adjoint=adjoint),
+    dims[0],
+)
+ad.deflinear(_first_order_p, _twice_in_reverse)
+
+
+def _first_order(cotangents, adjoint: str):
+    """`cotangents`, marked as not differentiable again in reverse mode."""
+    return jtu.tree_map(
+        lambda c: (
+            _first_order_p.bind(c, adjoint=adjoint) if eqx.is_inexact_array(c) else c
+        ),
+        cotangents,
+    )
+
+
+def custom_vjp(
+    problem: Problem,
+    primal: Callable,
+    fwd: Callable,
+    bwd: Callable,
+    *ops,
+    adjoint: str = "This adjoint",
+):
     """`primal(problem, *ops)` as a `custom_vjp` with the rules `fwd(problem, *ops)
     -> (out, residuals)` and `bwd(static, dynamic, residuals, cotangents)`, which
-    returns the cotangents of `(dynamic, *ops)`.
+    returns the cotangents of `(dynamic, *ops)`. The backward pass can be
+    differentiated in forward mode, not in reverse mode (`adjoint` names the adjoint
+    in that error).
 
     The problem's arrays (`dynamic`) are an explicit operand, so every user value
     crosses the boundary explicitly; its non-array part (`static`) is static.
@@ -127,7 +173,7 @@ def custom_vjp(problem: Problem, primal: Callable, fwd: Callable, bwd: Callable,
     @_standard_promotion
     def solve_bwd(residuals, cotangents):
         dynamic, residuals = residuals
-        return bwd(static, dynamic, residuals, cotangents)
+        return _first_order(bwd(static, dynamic, residuals, cotangents), adjoint)
 
     solve.defvjp(solve_fwd, solve_bwd)
     return solve(dynamic, *ops)

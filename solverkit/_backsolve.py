@@ -167,7 +167,9 @@ class BacksolveAdjoint(AbstractAdjoint):
             problem = eqx.combine(dynamic, static)
             return (self._backward(problem, out, ct_out.ys),)
 
-        return custom_vjp(problem, _solve_whole, _with_outputs, bwd)
+        return custom_vjp(
+            problem, _solve_whole, _with_outputs, bwd, adjoint="BacksolveAdjoint"
+        )
 
     def _solve_back(self, problem: Problem, aux, state, ta: jax.Array, tb: jax.Array):
         """Integrate the augmented state from internal time `ta` back to `tb`."""

@@ -80,7 +80,9 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
             layout = _schedule.layout(problem.max_steps, self.checkpoints)
             fwd = functools.partial(_checkpointed_forward, layout=layout)
             bwd = functools.partial(_checkpointed_backward, layout=layout)
-        carry, bufs = custom_vjp(problem, run, fwd, bwd, carry, bufs)
+        carry, bufs = custom_vjp(
+            problem, run, fwd, bwd, carry, bufs, adjoint="RecursiveCheckpointAdjoint"
+        )
         return _loop.finish(problem, carry, bufs)
 
 
