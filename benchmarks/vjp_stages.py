@@ -9,9 +9,10 @@ Run: `python -m benchmarks.vjp_stages` (measured at 2da056c on 2 cores: 1 stage
 5 ms for the 7-stage forward loop; a field without indexing: 3 ms).
 
 The last column takes the components with one `lax.split`, as solverkit's closure
-conversion now does with the slices of a vector field (`_jaxpr_rewrite._split_slices`): its
-transpose is one `concatenate`, without pads. Measured in session 6 on 2 cores (JAX
-0.10.2): 7 stages, 2.1 ms forward, 42.9 ms VJP with slices, 3.9 ms with the split.
+conversion now does with the slices of a vector field
+(`_jaxpr_rewrite._split_slices`): its transpose is one `concatenate`, without pads.
+Measured in session 6 on 2 cores (JAX 0.10.2): 7 stages, 2.1 ms forward, 42.9 ms VJP
+with slices, 3.9 ms with the split.
 """
 
 import time

@@ -547,7 +547,7 @@ def test_backsolve_with_an_implicit_backward_solver_takes_the_tolerances():
         final(jnp.asarray(2.0), sk.ConstantStepSize())
 
 
-def _decay_final(theta, adjoint):
+def _forced_decay_final(theta, adjoint):
     """`y(1)` of `y' = -theta[0] y + theta[1] sin(t)`, adaptive Tsit5 (two parameters,
     so the Hessian has off-diagonal terms)."""
     field = lambda t, y, args: -theta[0] * y + theta[1] * jnp.sin(t)
@@ -569,14 +569,14 @@ def test_hessians_both_ways_against_finite_differences():
     # reverse-over-reverse through DirectAdjoint, against central differences of the
     # gradient.
     theta = jnp.array([1.3, 0.7])
-    grad = jax.grad(lambda x: _decay_final(x, RCA))
+    grad = jax.grad(lambda x: _forced_decay_final(x, RCA))
     fd = np.stack(
         [finite_difference(lambda x, i=i: grad(x)[i], theta, eps=1e-5) for i in (0, 1)]
     )
     for adjoint in (RCA, sk.BacksolveAdjoint(), DIRECT):
-        hessian = jax.hessian(_decay_final)(theta, adjoint)
+        hessian = jax.hessian(_forced_decay_final)(theta, adjoint)
         np.testing.assert_allclose(hessian, fd, rtol=1e-6, atol=1e-9)
-    twice = jax.jacrev(jax.grad(_decay_final))(theta, DIRECT)
+    twice = jax.jacrev(jax.grad(_forced_decay_final))(theta, DIRECT)
     np.testing.assert_allclose(twice, fd, rtol=1e-6, atol=1e-9)
 
 
@@ -588,4 +588,5 @@ def test_reverse_over_reverse_says_what_to_use(adjoint):
     # reverse mode. The error names what is (not JAX's error about the loop).
     name = type(adjoint).__name__
     with pytest.raises(ValueError, match=rf"{name}.*jax\.jacfwd"):
-        jax.grad(lambda x: jax.grad(_decay_final)(x, adjoint)[0])(jnp.array([1.3, 0.7]))
+        second = jax.grad(lambda x: jax.grad(_forced_decay_final)(x, adjoint)[0])
+        second(jnp.array([1.3, 0.7]))
