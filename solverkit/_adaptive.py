@@ -367,6 +367,11 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
         tnext, jump = self._clip(t0, jnp.asarray(tnext, t0.dtype))
         return tnext, ClipState(inner, jump)
 
+    def resume(self, controller_state: PyTree, fresh: PyTree) -> PyTree:
+        # The wrapped controller's history; the next jump after this solve's `t0`.
+        inner = self.controller.resume(controller_state.inner, fresh.inner)
+        return ClipState(inner, fresh.jump)
+
     def ends_on_jump(self, controller_state: PyTree, t1: RealScalarLike) -> Array:
         inner, jump = controller_state
         return (t1 == jump) | self.controller.ends_on_jump(inner, t1)

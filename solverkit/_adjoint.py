@@ -70,7 +70,8 @@ def fill_zeros(cotangent, primal):
 
 def parameters(tree):
     """Filter spec of the leaves of `tree` to differentiate: its inexact arrays,
-    except the time direction (of a `Problem` or a `ClosureTerm`: a sign, whose
+    except the states passed in to resume a solve (they reach the loop through its
+    initial carry, which is differentiated on its own), and the time direction (of a `Problem` or a `ClosureTerm`: a sign, whose
     derivative is zero; carrying its cotangent would only cost work, and backward
     steps)."""
 
@@ -80,6 +81,10 @@ def parameters(tree):
         out = jtu.tree_map(eqx.is_inexact_array, x)
         if isinstance(x, Problem):
             out = eqx.tree_at(lambda p: p.terms, out, parameters(x.terms))
+            if x.resume is not None:  # differentiated through the initial carry
+                out = eqx.tree_at(
+                    lambda p: p.resume, out, jtu.tree_map(lambda _: False, x.resume)
+                )
         if x.direction is None:
             return out
         return eqx.tree_at(lambda v: v.direction, out, False)

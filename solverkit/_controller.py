@@ -63,6 +63,15 @@ class AbstractStepSizeController(eqx.Module):
     ) -> tuple[Any, Any, Any, Any, PyTree, Result]:
         """**Returns:** `(keep_step, next_t0, next_t1, made_jump, state, result)`."""
 
+    def resume(self, controller_state: PyTree, fresh: PyTree) -> PyTree:
+        """The state to continue an earlier solve from: `controller_state`, which
+        that solve returned (`SaveAt(controller_state=True)`), or `fresh`, this
+        solve's own initial state. The default keeps the earlier state (an adaptive
+        controller's error history); a controller whose state describes the
+        interval itself takes `fresh`."""
+        del fresh
+        return controller_state
+
     @property
     def adaptive(self) -> bool:
         """Whether the steps depend on the state (through an error estimate)."""
@@ -132,6 +141,10 @@ class ConstantStepSize(AbstractStepSizeController):
     @property
     def adaptive(self) -> bool:
         return False
+
+    def resume(self, controller_state: PyTree, fresh: PyTree) -> PyTree:
+        del controller_state  # the earlier interval's steps
+        return fresh
 
     def init(
         self,
@@ -205,6 +218,10 @@ class StepTo(AbstractStepSizeController):
     @property
     def adaptive(self) -> bool:
         return False
+
+    def resume(self, controller_state: PyTree, fresh: PyTree) -> PyTree:
+        del controller_state  # the earlier interval's steps
+        return fresh
 
     def to_internal(self, direction: Array | None) -> "StepTo":
         return self if direction is None else StepTo(flip(direction, self.ts))

@@ -19,7 +19,7 @@ from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete
 from ._event import as_event, Event, with_context
 from ._interpolation import DenseInterpolation
-from ._problem import Problem, Save
+from ._problem import Problem, Resume, Save
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
@@ -304,16 +304,20 @@ def _legacy_event(event, discrete_terminating_event):
     return as_event(discrete_terminating_event)
 
 
-def _check_no_resume(
+def _resume(
     solver_state: PyTree, controller_state: PyTree, made_jump: BoolScalarLike | None
-) -> None:
-    if made_jump is False:
-        made_jump = None  # no jump: the default
-    if any(x is not None for x in (solver_state, controller_state, made_jump)):
-        raise ValueError(
-            "solverkit does not resume from `solver_state`, `controller_state` or "
-            "`made_jump`: pass None (or `made_jump=False`)."
-        )
+) -> Resume | None:
+    """The states passed in to continue an earlier solve, or `None`."""
+    if solver_state is None and controller_state is None:
+        return None
+    if made_jump is not None:
+        if jnp.shape(made_jump) != () or jnp.result_type(made_jump) != jnp.bool_:
+            raise ValueError(
+                "`made_jump` must be a boolean scalar (as `SaveAt(made_jump=True)` "
+                f"returns it), got {made_jump!r}."
+            )
+        made_jump = jnp.asarray(made_jump)
+    return Resume(solver_state, controller_state, made_jump)
 
 
 def _problem(
@@ -328,6 +332,7 @@ def _problem(
     max_steps,
     meter,
     dt0,
+    resume,
 ) -> Problem:
     """Convert every user function (terms, saves, event conditions) once and gather
     all a solve needs, in internal time."""
@@ -360,6 +365,7 @@ def _problem(
         root_finder=None if event is None else event.root_finder,
         max_steps=None if max_steps is None else int(max_steps),
         meter=meter,
+        resume=resume,
     )
 
 
@@ -418,8 +424,15 @@ def diffeqsolve(
         adaptive controller rejects such steps instead.
     - `progress_meter`: `NoProgressMeter()`, `TextProgressMeter()` or
         `TqdmProgressMeter()`.
-    - `solver_state`, `controller_state`, `made_jump`: accepted for diffrax
-        compatibility; must be `None`.
+    - `solver_state`, `controller_state`, `made_jump`: to continue an earlier solve
+        from its end, as in diffrax: pass what it returned with
+        `SaveAt(t1=True, solver_state=True, controller_state=True, made_jump=True)`
+        (and its final state as `y0`, its `t1` as `t0`). The solver's state (e.g.
+        the vector field at the join, for first-same-as-last methods) is reused
+        and the controller keeps its error history; the first step is `dt0` (or
+        chosen anew if `None`). Use the same solver, controller and direction of
+        time. Differentiable like `y0` (not through `BacksolveAdjoint`, whose
+        adjoint equations don't depend on the solver's state).
     - `discrete_terminating_event`: deprecated (as in diffrax): a
         `DiscreteTerminatingEvent` or `SteadyStateEvent`; use `event=` instead.
 
@@ -429,14 +442,14 @@ def diffeqsolve(
     """
     _check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps)
     event = _legacy_event(event, discrete_terminating_event)
-    _check_no_resume(solver_state, controller_state, made_jump)
+    resume = _resume(solver_state, controller_state, made_jump)
     times = _times(t0, t1, dt0)
     stepsize_controller.check(solver, times.known_t0, times.known_t1, dt0)
     solver = solver.bind_controller_tols(stepsize_controller)
     y0 = _as_state(y0)
     problem = _problem(
         terms, solver, times, y0, args, saveat, stepsize_controller, event,
-        max_steps, progress_meter, dt0
+        max_steps, progress_meter, dt0, resume
     )  # fmt: skip
     adjoint.check(problem)
     keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)

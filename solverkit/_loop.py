@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -64,7 +65,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         terms, t0, problem.t1, y0, problem.dt0, args, terms.vf, problem.error_order
     )
     tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
-    solver_state = problem.solver.init(terms, t0, problem.t1, y0, args)
+    solver_state, controller_state = _initial_states(problem, controller_state)
     cond_values, event_mask, last = _event.init_events(problem, solver_state)
     result = jnp.asarray(SUCCESS, jnp.int32)
     if event_mask is not None:
@@ -88,6 +89,54 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     if adaptive(problem):
         carry = batch_like(problem, carry)
     return carry, _save.init_buffers(problem, solver_state)
+
+
+def _like(name: str, passed: PyTree, fresh: PyTree) -> PyTree:
+    """`passed` (a state returned by an earlier solve), checked against the state
+    this solve would start from, `fresh`, and cast to its dtypes."""
+    passed_leaves, passed_tree = jtu.tree_flatten(passed)
+    fresh_leaves, fresh_tree = jtu.tree_flatten(fresh)
+    if passed_tree != fresh_tree:
+        raise ValueError(
+            f"`{name}` does not fit this solve: expected the structure {fresh_tree} "
+            f"(what `SaveAt({name}=True)` returns for the same solver and "
+            f"controller), got {passed_tree}."
+        )
+    out = []
+    for i, (p, f) in enumerate(zip(passed_leaves, fresh_leaves)):
+        p = jnp.asarray(p)
+        f = f if isinstance(f, jax.ShapeDtypeStruct) else jnp.asarray(f)
+        if p.shape != f.shape or not jnp.can_cast(p.dtype, f.dtype, "same_kind"):
+            raise ValueError(
+                f"`{name}` does not fit this solve: its leaf {i} should have shape "
+                f"{f.shape} and dtype {f.dtype}, got shape {p.shape} and dtype "
+                f"{p.dtype}."
+            )
+        out.append(p.astype(f.dtype))
+    return jtu.tree_unflatten(passed_tree, out)
+
+
+def _initial_states(problem: Problem, controller_state: PyTree):
+    """The solver's and the controller's states to start from: made anew, or (to
+    continue an earlier solve) the ones passed to `diffeqsolve`. A solver state is
+    made anew anyway where the earlier solve ended at a jump (`made_jump`)."""
+    terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
+    solver = problem.solver
+    fresh = lambda: solver.init(terms, t0, problem.t1, y0, args)  # noqa: E731
+    resume = problem.resume
+    if resume is None:
+        return fresh(), controller_state
+    if resume.controller_state is not None:
+        passed = _like("controller_state", resume.controller_state, controller_state)
+        controller_state = problem.controller.resume(passed, controller_state)
+    if resume.solver_state is None:
+        return fresh(), controller_state
+    passed = _like("solver_state", resume.solver_state, jax.eval_shape(fresh))
+    jump = resume.made_jump
+    known = concrete(jump)
+    if jump is None or (known is not None and not known.any()):
+        return passed, controller_state
+    return tree_where(jump, fresh(), passed), controller_state
 
 
 def cond(problem: Problem, carry: Carry) -> Array:

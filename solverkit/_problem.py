@@ -41,6 +41,7 @@ class Problem(eqx.Module):
     event_direction: tuple | None = eqx.field(static=True, default=None)
     root_finder: Any = None  # of the event time, or None for bisection
     meter: AbstractProgressMeter = NoProgressMeter()
+    resume: "Resume | None" = None  # states passed in to continue an earlier solve
 
     @property
     def error_order(self):
@@ -50,6 +51,16 @@ class Problem(eqx.Module):
     def saves_steps(self) -> bool:
         """Whether any output is saved at steps."""
         return any(save.every for save in self.saves)
+
+
+class Resume(eqx.Module):
+    """What `diffeqsolve` was passed to continue an earlier solve from its end (each
+    `None` where not passed): the states that solve returned, and whether it ended
+    at a jump of the vector field (then the solver's state is made anew)."""
+
+    solver_state: PyTree | None
+    controller_state: PyTree | None
+    made_jump: Array | None
 
 
 class Save(eqx.Module):
