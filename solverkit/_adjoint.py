@@ -70,10 +70,10 @@ def fill_zeros(cotangent, primal):
 
 def parameters(tree):
     """Filter spec of the leaves of `tree` to differentiate: its inexact arrays,
-    except the states passed in to resume a solve (they reach the loop through its
-    initial carry, which is differentiated on its own), and the time direction (of a `Problem` or a `ClosureTerm`: a sign, whose
+    except the time direction (of a `Problem` or a `ClosureTerm`: a sign, whose
     derivative is zero; carrying its cotangent would only cost work, and backward
-    steps)."""
+    steps) and the states passed in to resume a solve (they reach the loop through
+    its initial carry, which is differentiated on its own)."""
 
     def spec(x):
         if not _is_term(x):

@@ -28,6 +28,7 @@ from ._solver import AbstractSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
 from ._time import flip, flip_finite
 from ._unvmap import unvmap_max
+from ._user_solver import convert as convert_user_solver, is_user_solver
 
 
 class Times(NamedTuple):
@@ -159,18 +160,31 @@ def _closure_term(term: AbstractTerm, times: Times, y0: Y, args: Args) -> Closur
 
 
 def _convert_terms(terms, solver: AbstractSolver, times: Times, y0: Y, args: Args):
-    """Each term's vector field, closure-converted once, in the structure the solver
-    takes: one `ClosureTerm`, or a `MultiTerm` of them for a solver whose
-    `term_structure` is a tuple (an IMEX solver). Any other solver integrates the
-    sum of a `MultiTerm`'s terms."""
+    """`(solver, terms)` for the loop: each term's vector field closure-converted
+    once, in the structure the solver takes: one `ClosureTerm`, or a `MultiTerm` of
+    them for a solver whose `term_structure` is a tuple (an IMEX solver); any other
+    solver integrates the sum of a `MultiTerm`'s terms. A user's own solver gets
+    the user's terms themselves, its functions converted with them inside
+    (`_user_solver.py`)."""
     if not isinstance(terms, AbstractTerm):
         raise TypeError(
             "`terms` must be a term, e.g. ODETerm(vector_field) or MultiTerm(...), "
             f"got {type(terms).__name__}."
         )
+    if is_user_solver(solver):
+        return convert_user_solver(
+            solver,
+            terms,
+            lambda: _closure_term(terms, times, y0, args),
+            flip(times.direction, times.t0),
+            flip(times.direction, times.t1),
+            times.direction,
+            y0,
+            args,
+        )
     structure = solver.term_structure
     if not isinstance(structure, tuple):
-        return _closure_term(terms, times, y0, args)
+        return solver, _closure_term(terms, times, y0, args)
     name = type(solver).__name__
     if not isinstance(terms, MultiTerm) or len(terms.terms) != len(structure):
         got = (
@@ -183,7 +197,7 @@ def _convert_terms(terms, solver: AbstractSolver, times: Times, y0: Y, args: Arg
             f"{len(structure)} terms (for an IMEX solver: MultiTerm(explicit_term, "
             f"implicit_term)), got {got}."
         )
-    return MultiTerm(*[_closure_term(t, times, y0, args) for t in terms.terms])
+    return solver, MultiTerm(*[_closure_term(t, times, y0, args) for t in terms.terms])
 
 
 def _save_times(ts, times: Times):
@@ -347,10 +361,11 @@ def _problem(
         stepsize_controller=controller,
         max_steps=max_steps,
     )
+    engine_solver, engine_terms = _convert_terms(terms, solver, times, y0, args)
     return Problem(
-        solver=solver,
+        solver=engine_solver,
         controller=controller.to_internal(times.direction),
-        terms=_convert_terms(terms, solver, times, y0, args),
+        terms=engine_terms,
         direction=times.direction,
         args=args,
         y0=y0,

@@ -26,6 +26,7 @@ from ._select import where
 from ._solution import RESULTS
 from ._tree import tree_where
 from ._unvmap import unvmap_max, while_loop
+from ._user_solver import UserSolver
 
 
 SUCCESS = int(RESULTS.successful.code)
@@ -61,8 +62,9 @@ def batch_like(sources, tree):
 def init(problem: Problem) -> tuple[Carry, Buffers]:
     """The loop's initial carry and save buffers."""
     terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
+    func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
     tnext, controller_state = problem.controller.init(
-        terms, t0, problem.t1, y0, problem.dt0, args, terms.vf, problem.error_order
+        terms, t0, problem.t1, y0, problem.dt0, args, func, problem.error_order
     )
     tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
     solver_state, controller_state = _initial_states(problem, controller_state)
@@ -183,6 +185,11 @@ def _solver_step(problem: Problem, carry: Carry, t1: Array):
     return y1, y_error, info, solver_state, result
 
 
+def solver_name(solver) -> str:
+    """The name of the solver the user chose."""
+    return type(solver.solver if isinstance(solver, UserSolver) else solver).__name__
+
+
 def _solver_failed(result) -> Array | None:
     """Whether a solver's step failed (`None` where it can't: a constant success)."""
     code = concrete(result.code)
@@ -196,7 +203,7 @@ def _reject_failed(problem: Problem, failed, y_error: Y | None):
     converge) is rejected and the step shrinks: its error is infinite."""
     if y_error is None:
         raise ValueError(
-            f"{type(problem.solver).__name__} returns no error estimate (`y_error` is "
+            f"{solver_name(problem.solver)} returns no error estimate (`y_error` is "
             "None), so it can't be used with an adaptive step-size controller: use "
             "ConstantStepSize."
         )

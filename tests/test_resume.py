@@ -38,8 +38,7 @@ def _chain(lib, k, *, solver=None, controller=None, adjoint=None, intervals=3):
             y,
             k,
             saveat=saveat,
-            stepsize_controller=controller
-            or lib.PIDController(rtol=1e-8, atol=1e-10),
+            stepsize_controller=controller or lib.PIDController(rtol=1e-8, atol=1e-10),
             solver_state=states[0],
             controller_state=states[1],
             made_jump=states[2],
@@ -68,7 +67,9 @@ def _one(k, solver=None, controller=None, t1=3.0):
     ).ys[-1]
 
 
-@pytest.mark.parametrize("solver", ["Tsit5", "Kvaerno5"])
+@pytest.mark.parametrize(
+    "solver", ["Tsit5", pytest.param("Kvaerno5", marks=pytest.mark.slow)]
+)
 def test_chained_solves_as_diffrax(solver):
     """The same steps as diffrax's chained solves: the controller's error history and
     the first step `dt0` carry over as in diffrax."""
@@ -197,14 +198,15 @@ def test_states_that_do_not_fit_are_errors():
             0.1,
             first.ys[-1],
             2.0,
-            stepsize_controller=controller
-            or sk.PIDController(rtol=1e-6, atol=1e-8),
+            stepsize_controller=controller or sk.PIDController(rtol=1e-6, atol=1e-8),
             **kwargs,
         )
 
     with pytest.raises(ValueError, match="`solver_state` does not fit"):
         resume(sk.Kvaerno5(), solver_state=first.solver_state)
     with pytest.raises(ValueError, match="`controller_state` does not fit"):
-        resume(controller=sk.ConstantStepSize(), controller_state=first.controller_state)
+        resume(
+            controller=sk.ConstantStepSize(), controller_state=first.controller_state
+        )
     with pytest.raises(ValueError, match="`made_jump` must be a boolean"):
         resume(solver_state=first.solver_state, made_jump=jnp.array([True, False]))
