@@ -121,22 +121,30 @@ _VALUE_LIKE_NAMES = frozenset(
 )
 
 
+def _eqns_printable(jaxpr) -> bool:
+    """Whether a jaxpr's equations are fully described by its print (its own
+    constants aside)."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.invars:
+            if isinstance(var, jex.Literal) and np.ndim(var.val) > 0:
+                return False
+        if not all(_only_printable(p) for p in eqn.params.values()):
+            return False
+    return True
+
+
 def _only_printable(value) -> bool:
     """Whether a jaxpr (or an equation parameter) is fully described by its print.
 
     A whitelist: anything else (a custom_jvp/custom_vjp rule, a host callback, any
     unknown object) makes the jaxpr comparable by identity only.
     """
-    if isinstance(value, jex.ClosedJaxpr):
-        return not value.consts and _only_printable(value.jaxpr)
-    if isinstance(value, jex.Jaxpr):
-        for eqn in value.eqns:
-            for var in eqn.invars:
-                if isinstance(var, jex.Literal) and np.ndim(var.val) > 0:
-                    return False
-            if not all(_only_printable(p) for p in eqn.params.values()):
-                return False
-        return True
+    if isinstance(value, (jex.ClosedJaxpr, jex.Jaxpr)):
+        # Constants don't print. (Read through what both classes have: from JAX
+        # 0.11 a jaxpr carries its constants, and `ClosedJaxpr` is `Jaxpr`.)
+        if len(getattr(value, "consts", None) or ()):
+            return False
+        return _eqns_printable(value)
     if isinstance(value, (tuple, list)):
         return all(_only_printable(v) for v in value)
     if isinstance(value, dict):
@@ -194,7 +202,8 @@ def _spec_key(spec):
 def _canonical_jaxpr(fn, jaxpr, signature):
     """Return an earlier jaxpr equal to `jaxpr` (see above), else `jaxpr` itself."""
     text = str(jaxpr)
-    printable = _only_printable(jaxpr)
+    # Its own constants are the `Closure`'s (operands), not part of the program.
+    printable = _eqns_printable(jaxpr)
     with _canon_lock:
         if printable:
             key = (signature, text)

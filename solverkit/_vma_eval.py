@@ -104,12 +104,17 @@ def _call_jaxpr_rule(ins, *, call_jaxpr, **_):
     return _call_rule(ins, jaxpr=call_jaxpr)
 
 
-def _scan_rule(ins, *, jaxpr, num_consts, num_carry, length, reverse, unroll, **_):
-    consts, init, xs = (
-        ins[:num_consts],
-        ins[num_consts : num_consts + num_carry],
-        ins[num_consts + num_carry :],
-    )
+def _scan_rule(ins, *, jaxpr, length, reverse, unroll, **params):
+    if "ft_in" in params:  # JAX >= 0.11: the operands' grouping as a flat tree
+        consts, init, xs = (list(g) for g in params["ft_in"].update(ins).unpack())
+        num_carry = len(init)
+    else:
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        consts, init, xs = (
+            ins[:num_consts],
+            ins[num_consts : num_consts + num_carry],
+            ins[num_consts + num_carry :],
+        )
     body = _as_fn(jaxpr)
     # The carry must keep its type: make it vary wherever any input does (a sound
     # over-approximation of what the body may make it).
@@ -151,7 +156,8 @@ def _custom_jvp_rule(ins, **params):
     """The custom_jvp call again, with its primal and JVP jaxprs interpreted."""
     from jax._src import custom_derivatives as cd, linear_util as lu  # noqa: PLC0415
 
-    call_jaxpr, num_consts = params["call_jaxpr"], params["num_consts"]
+    # JAX >= 0.11 leaves `num_consts` out where it is 0.
+    call_jaxpr, num_consts = params["call_jaxpr"], params.get("num_consts", 0)
     jvp_jaxpr_fun = params["jvp_jaxpr_fun"]
 
     def jvp(*xs):
