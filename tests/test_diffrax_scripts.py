@@ -120,3 +120,65 @@ def test_forward_mode_name():
         adjoint=sk.ForwardMode(),
     ).ys[-1, 0]
     np.testing.assert_allclose(jax.jacfwd(f)(1.0), -np.exp(-1.0), rtol=1e-4)
+
+
+def _dense_errors(lib, name: str, steps, reference):
+    """Max error of the dense output between step ends (at 0.37 of each step) of
+    fixed-step solves with each step size in `steps`."""
+    fe = lambda t, y, args: 0.5 * jnp.stack([jnp.sin(t), jnp.cos(2 * t)])  # noqa: E731
+    fi = lambda t, y, args: jnp.array([[-0.5, 1.0], [-1.0, -0.5]]) @ y  # noqa: E731
+    imex = name.startswith("KenCarp")
+    terms = (
+        lib.MultiTerm(lib.ODETerm(fe), lib.ODETerm(fi))
+        if imex
+        else lib.ODETerm(lambda t, y, args: fe(t, y, args) + fi(t, y, args))
+    )
+    solver = getattr(lib, name)(root_finder=optx.Newton(rtol=1e-11, atol=1e-11))
+    errors = []
+    for h in steps:
+        sol = lib.diffeqsolve(
+            terms,
+            solver,
+            0.0,
+            2.0,
+            h,
+            jnp.array([1.0, 0.0]),
+            saveat=lib.SaveAt(dense=True),
+            max_steps=100,
+        )
+        ts = (np.arange(round(2 / h)) + 0.37) * h
+        got = jax.vmap(sol.evaluate)(jnp.asarray(ts))
+        errors.append(float(jnp.max(jnp.abs(got - reference(jnp.asarray(ts))))))
+    return np.array(errors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["KenCarp3", "KenCarp4", "KenCarp5", "Kvaerno5"])
+def test_implicit_dense_output_order_as_diffrax(name):
+    """Dense output between step ends converges at diffrax's order, with an error no
+    larger (diffrax uses the KenCarp methods' own interpolants, solverkit cubic
+    Hermite from the step's ends and slopes: measured orders 3, 4, 4 for KenCarp3/4/5
+    in both, errors 0.67, 1.01, 0.83 of diffrax's at h = 0.1)."""
+    with float64():
+        exact = sk.diffeqsolve(
+            sk.ODETerm(
+                lambda t, y, args: (
+                    0.5 * jnp.stack([jnp.sin(t), jnp.cos(2 * t)])
+                    + jnp.array([[-0.5, 1.0], [-1.0, -0.5]]) @ y
+                )
+            ),
+            sk.Dopri8(),
+            0.0,
+            2.0,
+            1e-3,
+            jnp.array([1.0, 0.0]),
+            saveat=sk.SaveAt(dense=True),
+            stepsize_controller=sk.PIDController(rtol=1e-13, atol=1e-13),
+        )
+        reference = jax.vmap(exact.evaluate)
+        steps = (0.1, 0.05)
+        ours = _dense_errors(sk, name, steps, reference)
+        theirs = _dense_errors(diffrax, name, steps, reference)
+        order = lambda e: np.log2(e[0] / e[1])  # noqa: E731
+        assert order(ours) >= order(theirs) - 0.1, (ours, theirs)
+        assert np.all(ours <= 1.05 * theirs), (ours, theirs)
