@@ -34,6 +34,7 @@ from ._schedule import ceil_sqrt
 from ._term import ClosureTerm, total_vf
 from ._tree import nograd
 from ._unvmap import unvmap_any
+from ._vma_eval import match_varying, union_of_axes, vary, varying_axes
 
 
 def _standard_promotion(fn):
@@ -148,6 +149,17 @@ def _first_order(cotangents, adjoint: str):
     )
 
 
+def _match_varying(cotangents, axes):
+    """Inside `shard_map`, each cotangent summed over the manual axes it varies over
+    beyond its primal's (an invariant input used on every device)."""
+    return jtu.tree_map(
+        lambda c, a: match_varying(c, a) if eqx.is_inexact_array(c) else c,
+        cotangents,
+        axes,
+        is_leaf=lambda x: x is None,
+    )
+
+
 def custom_vjp(
     problem: Problem,
     primal: Callable,
@@ -166,6 +178,9 @@ def custom_vjp(
     crosses the boundary explicitly; its non-array part (`static`) is static.
     """
     dynamic, static = eqx.partition(problem, eqx.is_array)
+    # Inside `shard_map`, the manual axes each input varies over: a cotangent that
+    # varies over more is summed over them (see `_match_varying`).
+    axes = jtu.tree_map(varying_axes, (dynamic, *ops))
 
     @jax.custom_vjp
     def solve(dynamic, *operands):
@@ -178,7 +193,18 @@ def custom_vjp(
     @_standard_promotion
     def solve_bwd(residuals, cotangents):
         dynamic, residuals = residuals
-        return _first_order(bwd(static, dynamic, residuals, cotangents), adjoint)
+        # Inside `shard_map`: the backward pass works on values that vary over
+        # every manual axis anything does, and sums each cotangent back to its
+        # primal's axes at the end.
+        union = union_of_axes((dynamic, residuals, cotangents))
+        if union:
+            dynamic, residuals, cotangents = vary(
+                (dynamic, residuals, cotangents), union
+            )
+        out = bwd(static, dynamic, residuals, cotangents)
+        if union:
+            out = _match_varying(out, axes)
+        return _first_order(out, adjoint)
 
     solve.defvjp(solve_fwd, solve_bwd)
     return solve(dynamic, *ops)

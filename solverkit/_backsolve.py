@@ -30,6 +30,7 @@ from ._problem import Problem
 from ._solver import AbstractRungeKutta, AbstractSolver
 from ._term import ClosureTerm, MultiTerm, total_vf
 from ._time import flip
+from ._unvmap import error_if
 
 
 # The adjoint system's vector field (a field and its vjp) is large. For an augmented
@@ -204,14 +205,17 @@ class BacksolveAdjoint(AbstractAdjoint):
         )
         carry, _ = run(inner, *_loop.init(inner))
         failed = (carry.t < inner.t1) | (carry.result != _loop.SUCCESS)
-        y = eqx.error_if(
+        y = error_if(
             carry.y,
             failed,
-            "BacksolveAdjoint: the backward (adjoint) solve failed, so no gradient "
-            "can be given. Increase `max_steps` or pass BacksolveAdjoint("
-            "stepsize_controller=...) with looser tolerances. A problem that is "
-            "unstable backwards in time (diffusion, stiff decay) can't be solved "
-            "backwards at all: use RecursiveCheckpointAdjoint() instead.",
+            0,
+            [
+                "BacksolveAdjoint: the backward (adjoint) solve failed, so no gradient "
+                "can be given. Increase `max_steps` or pass BacksolveAdjoint("
+                "stepsize_controller=...) with looser tolerances. A problem that is "
+                "unstable backwards in time (diffusion, stiff decay) can't be solved "
+                "backwards at all: use RecursiveCheckpointAdjoint() instead."
+            ],
         )
         return y
 

@@ -24,7 +24,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._jaxpr_rewrite import cse, hoisting_constants
-from ._vma_eval import evaluate
+from ._vma_eval import evaluate, varying_axes
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -317,7 +317,7 @@ class Closure(eqx.Module):
         return jtu.tree_unflatten(program.out_tree, leaves)
 
 
-def _trace(fn: Callable, in_tree, in_specs):
+def _trace(fn: Callable, in_tree, in_specs, varying=()):
     """Trace `fn` on the array leaves of its example arguments (the others static).
 
     **Returns:**
@@ -326,6 +326,10 @@ def _trace(fn: Callable, in_tree, in_specs):
     output; `out_leaves` are all of them as traced (tracers and static values).
     """
     dynamic = [s for s in in_specs if not isinstance(s, _Static)]
+    # An argument that varies over `shard_map` axes is traced as itself, so that the
+    # jaxpr types it as varying (a `ShapeDtypeStruct` can't say so outside a mesh).
+    for i, x in varying:
+        dynamic[i] = x
     traced_out = []  # (treedef, leaves) of fn's output, recorded during the trace
 
     def flat_fn(*flat):
@@ -376,7 +380,13 @@ def closure_convert(fn: Callable, *args, **kwargs) -> Closure:
         raise TypeError(f"closure_convert expects a callable, got {type(fn).__name__}.")
     leaves, in_tree = jtu.tree_flatten((args, kwargs))
     in_specs = tuple(_struct(x) if _is_array(x) else _Static(x) for x in leaves)
-    closed_jaxpr, out_tree, out_leaves = _trace(fn, in_tree, in_specs)
+    arrays = [x for x in leaves if _is_array(x)]
+    varying = [
+        (i, x)
+        for i, x in enumerate(arrays)
+        if isinstance(x, jax.Array) and varying_axes(x)
+    ]
+    closed_jaxpr, out_tree, out_leaves = _trace(fn, in_tree, in_specs, varying)
     jaxpr = cse(closed_jaxpr.jaxpr)
     consts = tuple(
         _as_array(c, v.aval) for c, v in zip(closed_jaxpr.consts, jaxpr.constvars)

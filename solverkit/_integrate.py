@@ -27,7 +27,7 @@ from ._solution import Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
 from ._time import flip, flip_finite
-from ._unvmap import unvmap_max
+from ._unvmap import error_if, unvmap_max
 from ._user_solver import convert as convert_user_solver, is_user_solver
 
 
@@ -491,9 +491,7 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         # Unbatched and non-differentiated, as equinox's error machinery needs; one
         # reduction serves both (failure codes are positive).
         index = unvmap_max(where(failed, result, 0))
-        ts, ys, t_end = eqx.branched_error_if(
-            (ts, ys, t_end), index > 0, index, _MESSAGES
-        )
+        ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, _MESSAGES)
     interpolation = None
     if problem.dense:
         interpolation = DenseInterpolation(

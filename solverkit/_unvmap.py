@@ -5,15 +5,18 @@ against its previous value on every iteration, including large save buffers writ
 row at a time, which costs a copy of each buffer per step. Our loops instead use an
 unbatched predicate (`unvmap_any` of the per-element one) and mask their own updates,
 so a buffer write stays a one-row write under `vmap`. `unvmap_max` serves error codes
-and progress fractions the same way.
+and progress fractions the same way, and `error_if` raises once for a whole batch.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+
+from ._vma_eval import union_of_axes, varying_axes
 
 
 def _primitive(name: str, reduce, out_dtype):
@@ -54,4 +57,25 @@ def while_loop(cond, body, state):
     """
     return jax.lax.while_loop(
         lambda s: unvmap_any(cond(s)), lambda s: body(s, cond(s)), state
+    )
+
+
+def error_if(x, failed, index, messages):
+    """`equinox.branched_error_if(x, failed, index, messages)` (raise at run time the
+    message `index`, under `vmap` if any element fails), which also works inside
+    `shard_map(check_vma=True)`: there any device's failure fails all, and the check
+    hangs on an invariant token that `x` then depends on (equinox's branches would
+    otherwise differ in their varying axes)."""
+    if not union_of_axes((x, failed, index)):
+        return eqx.branched_error_if(x, failed, index, messages)
+    code = jnp.where(failed, jnp.asarray(index, jnp.int32) + 1, 0)
+    axes = tuple(sorted(varying_axes(code), key=str))
+    if axes:
+        code = jax.lax.pmax(code, axes)
+    code = unvmap_max(code)
+    token = eqx.branched_error_if(
+        jnp.zeros((), jnp.int32), code > 0, jnp.maximum(code - 1, 0), messages
+    )
+    return jax.tree_util.tree_map(
+        lambda a: a + token.astype(a.dtype) if eqx.is_inexact_array(a) else a, x
     )

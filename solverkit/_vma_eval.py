@@ -41,6 +41,37 @@ def _vma(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def varying_axes(x) -> frozenset:
+    """The `shard_map` manual axes `x` varies over (empty outside, or on old JAX)."""
+    return _vma(x)
+
+
+def union_of_axes(tree) -> frozenset:
+    """The manual axes any array leaf of `tree` varies over."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return frozenset().union(*(_vma(x) for x in leaves if isinstance(x, jax.Array)))
+
+
+def vary(tree, axes: frozenset):
+    """Every JAX array leaf of `tree` cast to vary over `axes` (no-op on the data):
+    so that a backward pass's loops hold varying values from the start, and the
+    autodiff inside them sums nothing across devices (which, with a trip count
+    that differs between devices, would never meet)."""
+    return jax.tree_util.tree_map(
+        lambda x: _pvary(x, axes) if isinstance(x, jax.Array) else x, tree
+    )
+
+
+def match_varying(cotangent, axes: frozenset):
+    """A cotangent summed over the manual axes it varies over beyond `axes`, those
+    of its primal: the transpose of the implicit cast of an invariant primal to
+    varying (what JAX's own autodiff does)."""
+    extra = tuple(sorted(_vma(cotangent) - axes, key=str))
+    if not extra:
+        return cotangent
+    return jax.lax.psum(cotangent, extra)
+
+
 def _pvary(x, axes: frozenset):
     """`x` cast from invariant to varying over `axes` (a no-op on the data)."""
     missing = tuple(sorted(axes - _vma(x), key=str))
