@@ -13,7 +13,14 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 from jax.flatten_util import ravel_pytree
+from jax.lax import Precision
 from jaxtyping import Array, PyTree
+
+
+def _mul(matrix, vector):
+    """`matrix @ vector` in full float32 precision (a GPU may otherwise use
+    TF32 for a large batched product)."""
+    return jnp.matmul(matrix, vector, precision=Precision.HIGHEST)
 
 
 def jacobian(
@@ -127,9 +134,9 @@ class Inverse(eqx.Module):
         """`(I - γh J)^{-1} rhs`, with `rhs` a pytree of the state's structure."""
         flat, unravel = ravel_pytree(rhs)
         b = flat.astype(self.inverse.dtype)
-        x = self.inverse @ b
+        x = _mul(self.inverse, b)
         if self.matrix is not None:
-            x = x + self.inverse @ (b - self.matrix @ x)
+            x = x + _mul(self.inverse, b - _mul(self.matrix, x))
         return unravel(x.astype(flat.dtype))
 
 

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
 from ._custom_types import RealScalarLike, Y
@@ -136,7 +137,7 @@ class FourthOrderPolynomialInterpolation(AbstractLocalInterpolation):
         def leaf(y0: Y, y1: Y, k):
             th = theta.astype(y0.dtype)
             weights = jnp.asarray(c_mid, y0.dtype)
-            y_mid = y0 + jnp.tensordot(weights, k, axes=1)
+            y_mid = y0 + jnp.tensordot(weights, k, axes=1, precision=Precision.HIGHEST)
             k0, k1 = k[0], k[-1]
             # The quartic a θ⁴ + b θ³ + c θ² + k0 θ + y0 through y0, y_mid, y1 with
             # slopes k0 (θ = 0) and k1 (θ = 1), per unit θ.

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.lax import Precision
 from jaxtyping import PyTree
 
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
@@ -42,7 +43,8 @@ def axpy(y: Y, h, terms, row=None) -> Y:
                 term = float(c) * k
             else:
                 w = jnp.asarray(c, y_leaf.dtype)
-                term = jnp.tensordot(w if row is None else w[row], k, axes=1)
+                w = w if row is None else w[row]
+                term = jnp.tensordot(w, k, axes=1, precision=Precision.HIGHEST)
             acc = term if acc is None else acc + term
         if h is None:
             return acc

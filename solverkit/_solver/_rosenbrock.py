@@ -12,6 +12,7 @@ from typing import ClassVar, NamedTuple, TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
+from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
 from .._linalg import factorise, invert, time_derivative, value_and_jacobian
@@ -105,7 +106,11 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
             f1 = ravel_pytree(vf(t1, unravel(y1)))[0].astype(dtype)
             coeffs = _hermite_coeffs(y1 - flat0, hd * f0, hd * f1)
         else:
-            coeffs = jnp.asarray(tab.dense.T, dtype) @ jnp.stack(us)
+            coeffs = jnp.matmul(
+                jnp.asarray(tab.dense.T, dtype),
+                jnp.stack(us),
+                precision=Precision.HIGHEST,
+            )
         dense = RosenbrockDense(y0=y0, coeffs=coeffs)
         return unravel(y1), unravel(error), dense, None, successful
 
@@ -118,7 +123,8 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
         coeffs = dense_info.coeffs
         powers = np.arange(1, coeffs.shape[0] + 1)
         weights = jnp.asarray(theta, coeffs.real.dtype) ** powers
-        return unravel(flat0 + weights.astype(coeffs.dtype) @ coeffs)
+        weights = weights.astype(coeffs.dtype)
+        return unravel(flat0 + jnp.matmul(weights, coeffs, precision=Precision.HIGHEST))
 
 
 def _hermite_coeffs(delta, hf0, hf1) -> Array:

@@ -7,6 +7,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
@@ -146,8 +147,10 @@ class AbstractRungeKutta(AbstractSolver):
 
         def leaf(y0: Y, *ks):
             th = jnp.asarray(theta, dtype=y0.dtype)
-            weights = jnp.asarray(dense, dtype=y0.dtype) @ th ** powers.astype(
-                y0.real.dtype
+            weights = jnp.matmul(
+                jnp.asarray(dense, dtype=y0.dtype),
+                th ** powers.astype(y0.real.dtype),
+                precision=Precision.HIGHEST,
             )
             acc = sum(weights[i] * k for i, k in enumerate(ks))
             return y0 + jnp.asarray(h, dtype=y0.dtype) * acc
@@ -176,7 +179,8 @@ def _stages_in_a_loop(
     def body(i, stacked):
         def leaf(y: Y, k):
             coeffs = jnp.asarray(a, y.dtype)[i]
-            return y + jnp.asarray(h, y.dtype) * jnp.tensordot(coeffs, k, axes=1)
+            step = jnp.tensordot(coeffs, k, axes=1, precision=Precision.HIGHEST)
+            return y + jnp.asarray(h, y.dtype) * step
 
         yi = jtu.tree_map(leaf, y0, stacked)
         ti = t0 + jnp.asarray(c, h.dtype)[i] * h
