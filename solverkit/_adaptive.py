@@ -21,7 +21,7 @@ from ._controller import (
     times_of,
 )
 from ._custom_types import Args, RealScalarLike, VF, Y
-from ._errors import concrete
+from ._errors import BadInputError, concrete
 from ._norm import rms_norm
 from ._select import where
 from ._solution import RESULTS
@@ -160,8 +160,10 @@ class PIDController(AbstractAdaptiveStepSizeController):
     ) -> None:
         # No terms here to pass: the built-in solvers' error orders don't use them.
         if self.error_order is None and solver.error_order(None) is None:  # pyright: ignore[reportArgumentType]
-            raise ValueError(
-                f"{type(solver).__name__} has no error estimate, so it can't be used "
+            raise BadInputError(  # diffrax raises a RuntimeError
+                "Cannot use adaptive step sizes with a solver that does not provide "
+                f"error estimates: {type(solver).__name__} has no error estimate, so "
+                "it can't be used "
                 "with PIDController: use ConstantStepSize, or a solver with an "
                 "embedded error estimate (Tsit5, Dopri5, Bosh3, Heun, ...)."
             )
@@ -194,10 +196,11 @@ class PIDController(AbstractAdaptiveStepSizeController):
                 self.atol,
                 self.norm,
             )
-            if self.dtmax is not None:
-                dt0 = jnp.minimum(dt0, self.dtmax)
-            if self.dtmin is not None:
-                dt0 = jnp.maximum(dt0, self.dtmin)
+        # As diffrax does, a given `dt0` is clipped to `[dtmin, dtmax]` too.
+        if self.dtmax is not None:
+            dt0 = jnp.minimum(dt0, self.dtmax)
+        if self.dtmin is not None:
+            dt0 = jnp.maximum(dt0, self.dtmin)
         one = jnp.ones((), t0.dtype)
         return t0 + dt0, PIDState(one, one, jnp.asarray(False))
 
@@ -295,8 +298,17 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
     def __check_init__(self):
         if not isinstance(self.controller, AbstractAdaptiveStepSizeController):
             raise ValueError(
-                "ClipStepSizeController wraps an adaptive controller (PIDController), "
-                f"got {self.controller!r}."
+                "Can only apply `ClipStepSizeController` to adaptive step size "
+                "controllers (such as PIDController), but got "
+                f"{self.controller!r}."
+            )
+        if self.store_rejected_steps is not None and not (
+            isinstance(self.store_rejected_steps, (int, np.integer))
+            and self.store_rejected_steps > 0
+        ):
+            raise ValueError(
+                "`store_rejected_steps must either be `None` or a non-negative "
+                f"integer (a positive one; got {self.store_rejected_steps!r})."
             )
 
     # The wrapped controller's tolerances (see `AbstractAdaptiveStepSizeController`).

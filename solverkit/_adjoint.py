@@ -311,6 +311,8 @@ class ImplicitAdjoint(AbstractAdjoint):
             unsupported.append("SaveAt(dense=True)")
         if unsupported:
             raise UnsupportedError(
+                "Can only use `adjoint=ImplicitAdjoint()` with "
+                "`saveat=SaveAt(t1=True)` (or `SaveAt(t0=True, t1=True)`): "
                 "ImplicitAdjoint differentiates the final (steady) state only; it "
                 "does not support " + ", ".join(unsupported) + "."
             )

@@ -136,21 +136,25 @@ class BacksolveAdjoint(AbstractAdjoint):
     def check(self, problem: Problem) -> None:
         unsupported = []
         if len(problem.saves) != 1:
-            unsupported.append("SaveAt(subs=...) with several SubSaveAts")
+            unsupported.append("`SaveAt(subs=...)` with several SubSaveAts")
         if problem.saves_steps:
-            unsupported.append("SaveAt(steps=...)")
+            unsupported.append("`saveat=SaveAt(steps=True)`")
         if problem.dense:
-            unsupported.append("SaveAt(dense=True)")
+            unsupported.append("`saveat=SaveAt(dense=True)`")
         if problem.conds is not None:
-            unsupported.append("events")
+            unsupported.append(
+                "events (`BacksolveAdjoint` is not compatible with events)"
+            )
         if not all(save.saves_y for save in problem.saves):
-            unsupported.append("SaveAt(fn=...)")
+            unsupported.append("`saveat=SaveAt(fn=...)`")
         self._solver(problem)  # a backward solver that can't take tolerances: raise
         if unsupported:
             raise UnsupportedError(
-                "BacksolveAdjoint does not support "
-                + ", ".join(unsupported)
-                + "; use RecursiveCheckpointAdjoint() instead."
+                # diffrax's words, which name the options as they do
+                "Cannot use `adjoint=BacksolveAdjoint()` with "
+                + " or ".join(unsupported)
+                + ": BacksolveAdjoint does not support them; use "
+                "RecursiveCheckpointAdjoint() instead."
             )
 
     def _solver(self, problem: Problem) -> AbstractSolver:

@@ -92,6 +92,9 @@ def _forward_plain(problem: Problem, carry: Carry, bufs: Buffers):
 
 def _no_reverse_mode(static, dynamic, residuals, cotangents):
     raise UnsupportedError(
+        "Cannot reverse-mode autodifferentiate when using "
+        "`diffeqsolve(..., max_steps=None, "
+        "adjoint=RecursiveCheckpointAdjoint(checkpoints=None))`: "
         "RecursiveCheckpointAdjoint can't differentiate a solve with "
         "`max_steps=None` in reverse mode without a number of checkpoints: pass an "
         "int `max_steps`, or RecursiveCheckpointAdjoint(checkpoints=...), or use "

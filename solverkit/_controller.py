@@ -195,9 +195,9 @@ class ConstantStepSize(AbstractStepSizeController):
     ) -> None:
         if dt0 is None:
             raise ValueError(
-                "ConstantStepSize needs a step size: pass `dt0` to diffeqsolve "
-                "(dt0=None chooses it automatically only with an adaptive controller "
-                "such as PIDController)."
+                "Constant step size solvers cannot select step size automatically; "
+                "please pass a value for `dt0`. (dt0=None chooses it automatically "
+                "only with an adaptive controller such as PIDController.)"
             )
 
 
@@ -212,8 +212,14 @@ class StepTo(AbstractStepSizeController):
     ts: Any = eqx.field(converter=jnp.asarray)
 
     def __check_init__(self):
-        if jnp.ndim(self.ts) != 1 or self.ts.shape[0] < 2:
-            raise ValueError("StepTo(ts) needs a 1-D array of at least two times.")
+        if jnp.ndim(self.ts) != 1:
+            raise ValueError(
+                "`ts` must be one-dimensional: StepTo(ts) needs a 1-D array."
+            )
+        if self.ts.shape[0] < 2:
+            raise ValueError(
+                "`ts` must have length at least 2: StepTo(ts) needs a start and an end."
+            )
 
     @property
     def adaptive(self) -> bool:
@@ -264,12 +270,21 @@ class StepTo(AbstractStepSizeController):
         dt0: RealScalarLike | None,
     ) -> None:
         if dt0 is not None:
-            raise ValueError("StepTo(ts) chooses every step: pass `dt0=None`.")
+            raise ValueError(
+                "`dt0` should be `None`. Step location is already determined by "
+                "StepTo(ts=...)."
+            )
         ts = concrete(self.ts)
         if ts is None:
             return
         d = np.diff(ts)
         if not (np.all(d > 0) or np.all(d < 0)):
-            raise BadInputError("StepTo(ts): `ts` must be strictly monotonic.")
+            raise BadInputError(
+                "`StepTo(ts=...)` must be strictly increasing (or strictly decreasing "
+                "if t0 > t1): `ts` must be strictly monotonic."
+            )
         if t0 is not None and t1 is not None and (ts[0] != t0 or ts[-1] != t1):
-            raise BadInputError("StepTo(ts): `ts` must start at t0 and end at t1.")
+            raise BadInputError(
+                "Must have `t0==ts[0]` and `t1==ts[-1]`: StepTo(ts) must start at t0 "
+                "and end at t1."
+            )

@@ -13,6 +13,11 @@ class BadInputError(ValueError, RuntimeError):
     `[t0, t1]`)."""
 
 
+class StructureError(TypeError, ValueError):
+    """An output with the wrong pytree structure (e.g. a vector field's, for `y0`):
+    a `TypeError`, and the `ValueError` diffrax raises."""
+
+
 class UnsupportedError(ValueError, NotImplementedError):
     """A combination of options that solverkit does not support (e.g.
     `BacksolveAdjoint` with `SaveAt(steps=True)`)."""

@@ -72,6 +72,8 @@ class Event(eqx.Module):
         leaves = jtu.tree_leaves(self.direction, is_leaf=is_none)
         if got != want or not all(d is None or isinstance(d, bool) for d in leaves):
             raise ValueError(
+                "Missmatch in the structure of `cond_fn` and `direction` (diffrax's "
+                "words), or a direction that is not None or a bool: "
                 "Event(direction=...) must be None, a bool, or a pytree of None/bool "
                 f"with the structure of `cond_fn` ({want}); got {self.direction!r}."
             )
@@ -127,8 +129,11 @@ def steady_state_event(rtol=None, atol=None, norm=None) -> Callable:
                 return value
             if not isinstance(stepsize_controller, AbstractAdaptiveStepSizeController):
                 raise ValueError(
-                    "steady_state_event: pass `rtol`, `atol` and `norm`, or solve "
-                    "with an adaptive controller (PIDController) to take them from."
+                    "The `rtol`, `atol`, and `norm` for `steady_state_event` default "
+                    "to the values used with an adaptive step size controller (such "
+                    "as `PIDController`). Either use an adaptive step size "
+                    "controller, or pass `rtol`, `atol` and `norm` to "
+                    "steady_state_event."
                 )
             return getattr(stepsize_controller, name)
 

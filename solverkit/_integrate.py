@@ -16,7 +16,7 @@ from ._checkpoint import RecursiveCheckpointAdjoint
 from ._closure import Closure, closure_convert
 from ._controller import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
-from ._errors import BadInputError, concrete
+from ._errors import BadInputError, concrete, StructureError
 from ._event import as_event, Event, with_context
 from ._interpolation import DenseInterpolation
 from ._problem import Problem, Resume, Save
@@ -55,18 +55,25 @@ def _times(t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None) -
             )
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(*inputs, float)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise ValueError(  # diffrax's words
+            "Cannot use complex dtype for `t0`, `t1`, `dt0`, or `SaveAt(ts=...)`: "
+            f"times must be real, got dtype {dtype}."
+        )
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"Times must be real, got dtype {dtype}.")
     # Read known values before `jnp.asarray`, which under `jit` makes even a Python
     # float a tracer (a traced direction would cost a differentiated parameter).
     c0, c1, cdt = concrete(t0), concrete(t1), concrete(dt0)
     if cdt is not None and c0 is not None and c1 is not None:
+        # Both errors are also `RuntimeError`s, as diffrax's (raised by
+        # `eqx.error_if`; with `dt0 == 0` diffrax runs out of steps).
         if cdt == 0 and c0 != c1:
-            raise ValueError("`dt0` must be non-zero.")
+            raise BadInputError("`dt0` must be non-zero.")
         if (c1 - c0) * cdt < 0:
-            raise ValueError(
-                "`dt0` must have the sign of `t1 - t0`: got "
-                f"t0={c0}, t1={c1}, dt0={cdt}."
+            raise BadInputError(
+                "Must have (t1 - t0) * dt0 >= 0: `dt0` must have the sign of "
+                f"`t1 - t0`; got t0={c0}, t1={c1}, dt0={cdt}."
             )
     t0, t1 = jnp.asarray(t0, dtype), jnp.asarray(t1, dtype)
     if c0 is not None and c1 is not None:
@@ -135,8 +142,8 @@ def _check_output(closure: Closure, y0: Y, what: str) -> None:
         if len(out_leaves) == 1 and out_leaves[0].shape == ():
             out_leaves = out_leaves * y_tree.num_leaves  # a scalar, broadcast
         else:
-            raise TypeError(
-                f"The {what} must return a pytree with the structure of `y0`: "
+            raise StructureError(  # a TypeError; diffrax raises a ValueError
+                f"The {what} must return a pytree with the same structure as `y0`: "
                 f"expected {y_tree}, got {out_tree}."
             )
     for i, (y, o) in enumerate(zip(jtu.tree_leaves(y0), out_leaves)):
@@ -210,12 +217,13 @@ def _save_times(ts, times: Times):
         lo, hi = min(c0, c1), max(c0, c1)
         if cts.min() < lo or cts.max() > hi:
             raise BadInputError(
-                f"SaveAt(ts=...) must lie within [t0, t1] = [{c0}, {c1}]; got "
-                f"times from {cts.min()} to {cts.max()}."
+                "saveat.ts must lie between t0 and t1: [t0, t1] = "
+                f"[{c0}, {c1}], got times from {cts.min()} to {cts.max()}."
             )
         if cts.size > 1 and np.any(np.diff(cts) * (c1 - c0) < 0):
             raise BadInputError(
-                "SaveAt(ts=...) must run in the direction from t0 to t1."
+                "saveat.ts must be increasing or decreasing, in the direction from "
+                "t0 to t1."
             )
     return flip(times.direction, ts)
 
@@ -239,10 +247,15 @@ def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):
         )
         for sub in subs
     )
-    if max_steps is None and (saveat.dense or any(s.every for s in saves)):
+    if max_steps is None and any(s.every for s in saves):
         raise ValueError(
-            "`max_steps=None` can't be used with SaveAt(steps=...) or "
-            "SaveAt(dense=True), whose buffers have `max_steps` rows: pass an int."
+            "`max_steps=None` is incompatible with saving at `steps=n`: "
+            "SaveAt(steps=...) keeps `max_steps` rows; pass an int."
+        )
+    if max_steps is None and saveat.dense:
+        raise ValueError(
+            "`max_steps=None` is incompatible with `saveat.dense=True`: the dense "
+            "solution keeps `max_steps` steps; pass an int."
         )
     return saves, save_tree
 
@@ -266,14 +279,16 @@ def _event_conditions(
         out = c.out_struct
         if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
             raise ValueError(
-                f"An Event's cond_fn must return a scalar (boolean or real), got {out}."
+                "Event functions must return a scalar: an Event's cond_fn must return "
+                f"a scalar (boolean or real), got {out}."
             )
         if not (
             jnp.issubdtype(out.dtype, jnp.bool_)
             or jnp.issubdtype(out.dtype, jnp.floating)
         ):
             raise ValueError(
-                f"An Event's cond_fn must return a boolean or a float, got {out.dtype}."
+                "Event functions must return either a boolean or a float, got "
+                f"{out.dtype}."
             )
     return conds
 
@@ -313,7 +328,8 @@ def _legacy_event(event, discrete_terminating_event):
     )
     if event is not None:
         raise ValueError(
-            "Pass `event=...` or `discrete_terminating_event=...`, not both."
+            "Cannot pass both `event=...` and `discrete_terminating_event=...`: "
+            "pass either, not both (`event=...` is the current spelling)."
         )
     return as_event(discrete_terminating_event)
 
@@ -503,10 +519,11 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
             problem.y0,
         )
     carry = out.carry
+    count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731  # diffrax's dtype
     stats = dict(
-        num_steps=carry.num_steps,
-        num_accepted_steps=carry.num_accepted,
-        num_rejected_steps=carry.num_rejected,
+        num_steps=count(carry.num_steps),
+        num_accepted_steps=count(carry.num_accepted),
+        num_rejected_steps=count(carry.num_rejected),
         max_steps=problem.max_steps,
     )
     return Solution(

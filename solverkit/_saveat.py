@@ -56,7 +56,10 @@ class SubSaveAt(eqx.Module):
             if ts is not None and ts.size > 1:
                 d = np.diff(ts)
                 if not (np.all(d >= 0) or np.all(d <= 0)):
-                    raise BadInputError("SaveAt(ts=...) must be monotonic.")
+                    raise BadInputError(
+                        "saveat.ts must be increasing or decreasing: "
+                        "SaveAt(ts=...) must be monotonic."
+                    )
         steps = self.steps
         if isinstance(steps, bool) or steps is None:
             pass
@@ -120,8 +123,8 @@ class SaveAt(eqx.Module):
         else:
             if any(flat):
                 raise ValueError(
-                    "SaveAt: pass either `subs=...` or `t0`, `t1`, `ts`, `steps`, "
-                    "`fn`, not both."
+                    "Cannot pass both `subs` and any of `t0`, `t1`, `ts`, `steps` to "
+                    "`SaveAt` (nor `fn`): pass either `subs=...` or those, not both."
                 )
             leaves = jtu.tree_leaves(subs, is_leaf=is_sub)
             if not leaves or not all(is_sub(s) for s in leaves):

@@ -1,5 +1,6 @@
 """`RESULTS`, the outcome of a solve, and `Solution`, what a solve returns."""
 
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -39,7 +40,10 @@ class Result(eqx.Module):
 # the one vocabulary of the loop, the solvers' steps and their root finders.
 _OUTCOMES = (
     ("successful", ""),
-    ("event_occurred", "A terminating event occurred."),
+    (
+        "event_occurred",
+        "Terminating differential equation solve because an event occurred.",
+    ),
     (
         "max_steps_reached",
         "The maximum number of solver steps was reached. Try increasing "
@@ -47,12 +51,14 @@ _OUTCOMES = (
     ),
     (
         "dt_min_reached",
-        "The step size fell below `dtmin`. Lower `dtmin`, loosen the tolerances, or "
+        "The minimum step size was reached in the differential equation solver: "
+        "the step size fell below `dtmin`. Lower `dtmin`, loosen the tolerances, or "
         "use `PIDController(..., force_dtmin=True)` to keep stepping at `dtmin`.",
     ),
     (
         "nonfinite",
-        "The solution became non-finite (NaN or inf). The problem may blow up, or "
+        "Nonfinite (inf or nan) values detected during solve: the solution became "
+        "non-finite. The problem may blow up, or "
         "the step size may be too large: try an adaptive step size controller or a "
         "smaller `dt0`.",
     ),
@@ -70,7 +76,29 @@ _OUTCOMES = (
         "`root_find_max_steps` iterations. Lower `dt0` (with a fixed step size), "
         "raise `root_find_max_steps`, or loosen the root finder's tolerances.",
     ),
+    # diffrax's other names (from optimistix's and lineax's), which an ODE solve here
+    # never returns; kept so that scripts comparing against them run.
+    (
+        "max_steps_rejected",
+        "Maximum number of rejected steps was reached. Consider increasing "
+        "`ClipStepSizeController(store_rejected_steps=...)`.",
+    ),
+    ("singular", "A linear solver returned non-finite (NaN or inf) output."),
+    ("breakdown", "A form of iterative breakdown has occured in a linear solve."),
+    ("stagnation", "A stagnation in an iterative linear solve has occurred."),
+    ("conlim", "Condition number of A seems to be larger than `conlim`."),
+    (
+        "nonfinite_input",
+        "A linear solver received non-finite (NaN or inf) input and cannot "
+        "determine a solution.",
+    ),
 )
+
+# diffrax's names for the implicit solvers' failures (optimistix's), the same items.
+_ALIASES = {
+    "nonlinear_divergence": "implicit_divergence",
+    "nonlinear_max_steps_reached": "implicit_nonconvergence",
+}
 
 
 class _Results:
@@ -79,7 +107,10 @@ class _Results:
     `successful`, `event_occurred` (a terminating event fired; also a success),
     `max_steps_reached`, `dt_min_reached`, `nonfinite`, `internal_error`,
     `implicit_divergence`, `implicit_nonconvergence` (an implicit solver's nonlinear
-    solve failed; adaptive controllers reject the step and retry a smaller one).
+    solve failed; adaptive controllers reject the step and retry a smaller one; also
+    under diffrax's names `nonlinear_divergence` and `nonlinear_max_steps_reached`),
+    and diffrax's names that an ODE solve here never returns (`max_steps_rejected`,
+    `singular`, `breakdown`, `stagnation`, `conlim`, `nonfinite_input`).
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.
     """
 
@@ -92,6 +123,14 @@ class _Results:
     internal_error: Result
     implicit_divergence: Result
     implicit_nonconvergence: Result
+    max_steps_rejected: Result
+    singular: Result
+    breakdown: Result
+    stagnation: Result
+    conlim: Result
+    nonfinite_input: Result
+    nonlinear_divergence: Result
+    nonlinear_max_steps_reached: Result
 
     _names = tuple(name for name, _ in _OUTCOMES)
     messages = tuple(message for _, message in _OUTCOMES)
@@ -99,6 +138,19 @@ class _Results:
     def __init__(self):
         for code, name in enumerate(self._names):
             setattr(self, name, Result(np.int32(code)))
+        for alias, name in _ALIASES.items():
+            setattr(self, alias, getattr(self, name))
+
+    @property
+    def discrete_terminating_event_occurred(self) -> Result:
+        """Deprecated (as in diffrax): `event_occurred`."""
+        warnings.warn(
+            "`RESULTS.discrete_terminating_event_occurred` is deprecated (as in "
+            "diffrax): use `RESULTS.event_occurred`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.event_occurred
 
     def where(self, pred, a: Result, b: Result) -> Result:
         """`a` where `pred` else `b`."""
@@ -201,7 +253,8 @@ class Solution(eqx.Module):
     def _dense(self, method: str):
         if self.interpolation is None:
             raise ValueError(
-                f"Solution.{method} needs a dense solution: pass "
-                "`saveat=SaveAt(dense=True)` to diffeqsolve."
+                "Dense solution has not been saved; pass SaveAt(dense=True). "
+                f"(Solution.{method} needs `saveat=SaveAt(dense=True)` in "
+                "diffeqsolve.)"
             )
         return self.interpolation
