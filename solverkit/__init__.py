@@ -56,6 +56,7 @@ from ._progress import (
 )
 from ._saveat import save_y as save_y, SaveAt as SaveAt, SubSaveAt as SubSaveAt
 from ._solution import (
+    EventRecord as EventRecord,
     is_event as is_event,
     is_okay as is_okay,
     is_successful as is_successful,

@@ -28,7 +28,8 @@ from ._tree import tree_where
 
 
 class Event(eqx.Module):
-    """Terminate the solve when a condition fires.
+    """Terminate the solve when a condition fires; or, with an `effect` (or a
+    `terminal` count), change the state where it fires and continue.
 
     **Arguments:**
 
@@ -49,14 +50,72 @@ class Event(eqx.Module):
         crossings only; or a pytree of these with the structure of `cond_fn`, one
         per condition.
 
-    `Solution.event_mask` has the structure of `cond_fn` and says which fired.
+    - `effect`: `effect(t, y, args) -> y_new`, applied where a condition crosses
+        zero; the solve then restarts from `y_new` (the solver's state made anew,
+        as after a jump) and continues. It may close over anything, as the vector
+        field may. Conditions must then be real-valued.
+    - `terminal`: whether (`True`) or at which occurrence (an int `k`: the `k`-th,
+        as SciPy's) the solve stops; `False` never stops. Default: `True` without an
+        `effect`, `False` with one. A stop ends the solve at the crossing, before
+        the effect.
+    - `max_events`: with an effect or a `terminal` count, how many occurrences
+        `Solution.events` records; one more ends the solve with
+        `RESULTS.max_events_reached` (so an effect that makes the event fire again
+        at once stops, never hangs).
+
+    `Solution.event_mask` has the structure of `cond_fn` and says which fired (for
+    an event that continues: at its last occurrence). Occurrences of an event that
+    continues are in `Solution.events` (an [`solverkit.EventRecord`][]); their
+    times are differentiable (implicit function theorem), and so are the effects.
     """
 
     cond_fn: PyTree[Callable[..., Any]]
     root_finder: Any = None
     direction: PyTree[bool | None] = None
+    effect: Callable[..., Any] | None = None
+    terminal: bool | int | None = eqx.field(default=None, static=True)
+    max_events: int = eqx.field(default=64, static=True)
+
+    @property
+    def continues(self) -> bool:
+        """Whether the solve goes on past an occurrence (an effect or a count)."""
+        return (
+            self.effect is not None
+            or self.terminal is not None
+            and (self.terminal is False or not isinstance(self.terminal, bool))
+        )
+
+    @property
+    def stop_at(self) -> int | None:
+        """The occurrence that stops the solve (`None`: none does)."""
+        terminal = self.terminal
+        if terminal is None:
+            terminal = self.effect is None
+        if isinstance(terminal, bool):
+            return 1 if terminal else None
+        return int(terminal)
 
     def __check_init__(self):
+        if self.effect is not None and not callable(self.effect):
+            raise TypeError(
+                f"Event(effect=...) must be a callable (t, y, args) -> y, got "
+                f"{self.effect!r}."
+            )
+        if not (
+            self.terminal is None
+            or isinstance(self.terminal, bool)
+            or isinstance(self.terminal, int)
+            and self.terminal >= 1
+        ):
+            raise ValueError(
+                "Event(terminal=...) must be True, False or a positive int (stop at "
+                f"that occurrence), got {self.terminal!r}."
+            )
+        if not isinstance(self.max_events, int) or self.max_events < 1:
+            raise ValueError(
+                "Event(max_events=...) must be a positive int, got "
+                f"{self.max_events!r}."
+            )
         if not jtu.tree_leaves(self.cond_fn, is_leaf=callable):
             raise ValueError("Event(cond_fn=...) needs at least one condition.")
         for f in jtu.tree_leaves(self.cond_fn, is_leaf=callable):
@@ -270,7 +329,7 @@ def init_events(problem: Problem, solver_state: PyTree):
     ]
     event_mask = jtu.tree_unflatten(jtu.tree_structure(cond_values), event_mask)
     last = None
-    if any(_real_conds(problem)):
+    if any(_real_conds(problem)) and not problem.continues:
         last = LastStep(problem.t0, dense_info_zeros(problem, solver_state))
     return cond_values, event_mask, last
 
@@ -301,11 +360,34 @@ def locate(problem: Problem, carry: Carry):
         return carry.t, carry.y
     tstart, info = carry.last
     tend = carry.t
+    event = carry.result == RESULTS.event_occurred.code
+    mask = jtu.tree_leaves(carry.event_mask)
+    t_star, located = _earliest_crossing(problem, tstart, tend, info, mask, event)
+    # Only then is the last step's dense output meaningful (a boolean condition may
+    # have fired at t0, before any step).
+    y_star = problem.solver.interpolate(info, tstart, tend, t_star)
+    y = tree_where(located, y_star, carry.y)
+    return where(event, t_star, tend), y
+
+
+def crossing(problem: Problem, t0: Array, t1: Array, info: PyTree, fired: PyTree):
+    """The earliest crossing, over the step `[t0, t1]` with dense information
+    `info`, of the (real-valued) conditions that `fired`; differentiable by the
+    implicit function theorem. `t1` where none fired."""
+    t_star, _ = _earliest_crossing(
+        problem, t0, t1, info, jtu.tree_leaves(fired), jnp.asarray(True)
+    )
+    return t_star
+
+
+def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event):
+    """`(t_star, located)`: the earliest root over `[tstart, tend]` of the real
+    conditions whose `mask` is set (where `event`), else `tend`; and whether one
+    was located. One Newton step at the root gives `t_star` the derivative of the
+    implicit function theorem, `-(dg/dp) / (dg/dt)`."""
     solver = problem.solver
     is_real = _real_conds(problem)
     leaves = jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
-    mask = jtu.tree_leaves(carry.event_mask)
-    event = carry.result == RESULTS.event_occurred.code
     iterations = _bisections(tend.dtype)
     t_star = tend
     located = jnp.asarray(False)  # whether a real-valued condition fired
@@ -325,18 +407,12 @@ def locate(problem: Problem, carry: Carry):
         else:
             root = _optx_root(g, problem.root_finder, a, b)
         root = lax.stop_gradient(where(active, root, tend))
-        # One Newton step at the root: the value stays, the derivative becomes the
-        # implicit-function-theorem one, -(dg/dp) / (dg/dt).
         g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
         dg_dt = lax.stop_gradient(where(dg_dt == 0, 1, dg_dt))
         root = root - where(active, g_root / dg_dt.astype(root.dtype), 0)
         t_star = where(active, jnp.minimum(t_star, root), t_star)
         located = located | active
-    # Only then is the last step's dense output meaningful (a boolean condition may
-    # have fired at t0, before any step).
-    y_star = solver.interpolate(info, tstart, tend, t_star)
-    y = tree_where(located, y_star, carry.y)
-    return where(event, t_star, tend), y
+    return t_star, located
 
 
 # Iterations of an optimistix root finder locating an event in one step: far more

@@ -23,7 +23,7 @@ from ._problem import Problem, Resume, Save
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
-from ._solution import Result, RESULTS, Solution
+from ._solution import EventRecord, Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
 from ._time import flip, flip_finite
@@ -290,7 +290,23 @@ def _event_conditions(
                 "Event functions must return either a boolean or a float, got "
                 f"{out.dtype}."
             )
+        if event.continues and jnp.issubdtype(out.dtype, jnp.bool_):
+            raise ValueError(
+                "An Event with an `effect` (or a `terminal` count) needs "
+                "real-valued conditions, whose crossings can be located; got a "
+                "boolean one. Return a float that changes sign where the event "
+                "happens."
+            )
     return conds
+
+
+def _event_effect(event: Event | None, times: Times, y0: Y, args: Args):
+    """The event's effect, closure-converted and checked (or `None`)."""
+    if event is None or event.effect is None:
+        return None
+    closure = closure_convert(event.effect, times.t0, y0, args)
+    _check_output(closure, y0, "Event's effect")
+    return closure
 
 
 def _check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps):
@@ -394,6 +410,10 @@ def _problem(
         conds=_event_conditions(event, context, times, y0, args),
         event_direction=None if event is None else tuple(event.directions()),
         root_finder=None if event is None else event.root_finder,
+        effect=_event_effect(event, times, y0, args),
+        continues=event is not None and event.continues,
+        stop_at=None if event is None else event.stop_at,
+        max_events=0 if event is None else event.max_events,
         max_steps=None if max_steps is None else int(max_steps),
         meter=meter,
         resume=resume,
@@ -538,4 +558,15 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         solver_state=carry.solver_state if keep_solver_state else None,
         controller_state=carry.controller_state if keep_controller_state else None,
         interpolation=interpolation,
+        events=_record(problem, out.bufs, carry),
     )
+
+
+def _record(problem: Problem, bufs, carry) -> EventRecord | None:
+    """The occurrences of an event that continues, in user time."""
+    if not problem.continues:
+        return None
+    assert bufs.event_ts is not None and carry.hybrid is not None
+    num = jnp.minimum(carry.hybrid.count, problem.max_events)
+    ts = flip_finite(problem.direction, bufs.event_ts)
+    return EventRecord(ts, bufs.event_ys, num.astype(jnp.result_type(int)))

@@ -20,12 +20,14 @@ from jaxtyping import Array, PyTree
 from . import _event, _save
 from ._custom_types import Y
 from ._errors import concrete
-from ._problem import adaptive, Buffers, Carry, LastStep, Problem, StepOut
+from ._problem import adaptive, Buffers, Carry, Hybrid, LastStep, Problem, StepOut
 from ._reduce import all_true, and_all, or_all
 from ._select import where
 from ._solution import RESULTS
+from ._term import like_state
+from ._time import flip
 from ._tree import tree_where
-from ._unvmap import unvmap_max, while_loop
+from ._unvmap import unvmap_any, unvmap_max, while_loop
 from ._user_solver import UserSolver
 
 
@@ -33,6 +35,7 @@ SUCCESS = int(RESULTS.successful.code)
 _EVENT = int(RESULTS.event_occurred.code)
 _MAX_STEPS = int(RESULTS.max_steps_reached.code)
 _NONFINITE = int(RESULTS.nonfinite.code)
+_MAX_EVENTS = int(RESULTS.max_events_reached.code)
 
 
 def _all_finite(tree) -> Array:
@@ -74,6 +77,9 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         at_t0 = or_all(jtu.tree_leaves(event_mask))
         result = where(at_t0, _EVENT, SUCCESS).astype(jnp.int32)
     zero = jnp.asarray(0, jnp.int32)
+    hybrid = None
+    if problem.continues:
+        hybrid = Hybrid(jnp.asarray(False), t0, zero)
     carry = Carry(
         t=t0,
         tnext=tnext,
@@ -87,6 +93,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         cond_values=cond_values,
         event_mask=event_mask,
         last=last,
+        hybrid=hybrid,
     )
     if adaptive(problem):
         carry = batch_like(problem, carry)
@@ -243,7 +250,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     result = where(accepted & ~finite, _NONFINITE, result)
     result = where(carry.result == SUCCESS, result, carry.result)
     cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last
-    if problem.conds is not None:
+    if problem.conds is not None and not problem.continues:
         new_values = _event.eval_conds(problem, t1, y1)
         fired = _event.fired(problem, carry.cond_values, new_values)
         fired = jtu.tree_map(lambda f: f & accepted & finite, fired)
@@ -266,8 +273,96 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         cond_values=cond_values,
         event_mask=event_mask,
         last=last,
+        hybrid=carry.hybrid,
     )
-    return new, StepOut(accepted, t0, t1, y1, info)
+    out = StepOut(accepted, t0, t1, y1, info)
+    if problem.continues:
+        return _continue(problem, carry, new, out, finite)
+    return new, out
+
+
+def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
+    """An event that continues, after a step: a crossing found in an accepted step
+    turns it into a rejected one, and the next steps land exactly on the located
+    occurrence; a step that lands there applies the effect (the solver's state made
+    anew, as after a jump), records it, and stops the solve at the `stop_at`-th
+    (or with `max_events_reached` past `max_events`)."""
+    hybrid = carry.hybrid
+    assert hybrid is not None  # (`init` made it)
+    t0, t1, accepted = out.t0, out.t1, out.accepted
+    landing = hybrid.landing
+    landed = accepted & landing & (t1 >= hybrid.t_land)
+    # A crossing in a free step: locate it (only when some batch element has one).
+    values = _event.eval_conds(problem, t1, out.y1)
+    fired = _event.fired(problem, carry.cond_values, values)
+    fired = jtu.tree_map(lambda f: f & accepted & ~landing & finite, fired)
+    found = or_all(jtu.tree_leaves(fired))
+    t_star = lax.cond(
+        unvmap_any(found),
+        lambda: _event.crossing(problem, t0, t1, out.dense_info, fired),
+        lambda: t1,
+    )
+    # The occurrence reached: its effect, a fresh solver state, the conditions anew.
+    count = hybrid.count + landed.astype(jnp.int32)
+    stop = landed & (count >= problem.stop_at) if problem.stop_at else False
+    over = landed & (count > problem.max_events)
+    apply = landed & ~stop & ~over
+    y = new.y
+    if problem.effect is not None:
+        y = tree_where(
+            apply,
+            like_state(problem.effect(flip(problem.direction, t1), y, problem.args), y),
+            y,
+        )
+    restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
+    # A condition left at (numerically) zero by the occurrence is taken to be on
+    # the side it moves to (the sign of its rate along the flow), so that the next
+    # crossing is found even within the next step; NaN (never fires for a step)
+    # where it does not move.
+    rates = problem.solver.func(problem.terms, t1, y, problem.args)
+    after, moving = jax.jvp(
+        lambda tau, y: _event.eval_conds(problem, tau, y),
+        (t1, y),
+        (jnp.ones_like(t1), rates),
+    )
+    after = jtu.tree_map(_side, after, moving, carry.cond_values)
+    result = where(stop, _EVENT, new.result)
+    result = where(over, _MAX_EVENTS, result)
+    new = new._replace(
+        y=y,
+        solver_state=tree_where(apply, restart, new.solver_state),
+        cond_values=tree_where(
+            apply, after, tree_where(accepted & ~landing, values, carry.cond_values)
+        ),
+        result=result,
+        hybrid=Hybrid(landing & ~landed, hybrid.t_land, count),
+        tnext=where(
+            landing & ~landed, jnp.minimum(new.tnext, hybrid.t_land), new.tnext
+        ),
+    )
+    # ... and a crossing found: the step is undone, the next one ends at it.
+    undone = carry._replace(
+        tnext=t_star,
+        num_steps=new.num_steps,
+        num_rejected=carry.num_rejected + 1,
+        event_mask=fired,
+        hybrid=Hybrid(jnp.asarray(True), t_star, hybrid.count),
+    )
+    new = tree_where(found, undone, new)
+    out = out._replace(accepted=accepted & ~found, landed=landed)
+    return new, out
+
+
+def _side(value, rate, reference):
+    """A real condition's `value` just after an occurrence; where it is zero to
+    within rounding (relative to its `reference`, at the start of the step that
+    found the crossing), a tiny value on the side its `rate` moves it to."""
+    if jnp.issubdtype(value.dtype, jnp.bool_):
+        return value
+    tol = jnp.sqrt(jnp.finfo(value.dtype).eps)
+    scale = tol * jnp.abs(reference)
+    tiny = where(rate == 0, jnp.nan, jnp.sign(rate) * jnp.maximum(scale, tol))
+    return where(jnp.abs(value) <= scale, tiny.astype(value.dtype), value)
 
 
 def body(

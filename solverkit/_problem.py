@@ -42,6 +42,12 @@ class Problem(eqx.Module):
     root_finder: Any = None  # of the event time, or None for bisection
     meter: AbstractProgressMeter = NoProgressMeter()
     resume: "Resume | None" = None  # states passed in to continue an earlier solve
+    # An event that continues (`Event.continues`): its effect (or None), the
+    # occurrence that stops the solve (None: none), and how many are recorded.
+    effect: Closure | None = None
+    continues: bool = eqx.field(static=True, default=False)
+    stop_at: int | None = eqx.field(static=True, default=None)
+    max_events: int = eqx.field(static=True, default=0)
 
     @property
     def error_order(self):
@@ -100,6 +106,14 @@ class LastStep(NamedTuple):
     dense_info: PyTree
 
 
+class Hybrid(NamedTuple):
+    """The loop state of an event that continues."""
+
+    landing: Array  # the next steps end at a located occurrence, `t_land`
+    t_land: Array
+    count: Array  # occurrences so far
+
+
 class Carry(NamedTuple):
     t: Array
     tnext: Array
@@ -113,6 +127,7 @@ class Carry(NamedTuple):
     cond_values: PyTree  # event conditions at (t, y), or None
     event_mask: PyTree  # which conditions fired, or None
     last: LastStep | None  # only with real-valued event conditions
+    hybrid: Hybrid | None = None  # only with an event that continues
 
 
 class SaveBuffer(NamedTuple):
@@ -128,6 +143,9 @@ class Buffers(NamedTuple):
     # Step boundaries, for `SaveAt(dense=True)` (row 0, `t0`, is set by `finish`).
     dense_ts: Array | None
     dense_info: PyTree | None  # each accepted step's dense information
+    # An event that continues: the occurrences' times and states before them.
+    event_ts: Array | None = None
+    event_ys: PyTree | None = None
 
 
 class StepOut(NamedTuple):
@@ -138,6 +156,7 @@ class StepOut(NamedTuple):
     t1: Array
     y1: PyTree
     dense_info: PyTree
+    landed: Array | None = None  # it ended at an occurrence of an event that continues
 
 
 def adaptive(problem: Problem) -> bool:

@@ -76,6 +76,12 @@ _OUTCOMES = (
         "`root_find_max_steps` iterations. Lower `dt0` (with a fixed step size), "
         "raise `root_find_max_steps`, or loosen the root finder's tolerances.",
     ),
+    (
+        "max_events_reached",
+        "An event fired more often than `Event(max_events=...)` records: raise "
+        "`max_events`, or check that the event's effect does not make it fire again "
+        "at once (a Zeno effect).",
+    ),
     # diffrax's other names (from optimistix's and lineax's), which an ODE solve here
     # never returns; kept so that scripts comparing against them run.
     (
@@ -109,6 +115,7 @@ class _Results:
     `implicit_divergence`, `implicit_nonconvergence` (an implicit solver's nonlinear
     solve failed; adaptive controllers reject the step and retry a smaller one; also
     under diffrax's names `nonlinear_divergence` and `nonlinear_max_steps_reached`),
+    `max_events_reached` (a continuing event fired more often than it records),
     and diffrax's names that an ODE solve here never returns (`max_steps_rejected`,
     `singular`, `breakdown`, `stagnation`, `conlim`, `nonfinite_input`).
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.
@@ -123,6 +130,7 @@ class _Results:
     internal_error: Result
     implicit_divergence: Result
     implicit_nonconvergence: Result
+    max_events_reached: Result
     max_steps_rejected: Result
     singular: Result
     breakdown: Result
@@ -205,6 +213,9 @@ class Solution(eqx.Module):
     - `made_jump`, `solver_state`, `controller_state`: final internal states (`None`
         unless requested); kept for compatibility with diffrax.
     - `interpolation`: dense output, if `SaveAt(dense=True)`.
+    - `events`: with an event that continues (`Event(effect=...)` or
+        `Event(terminal=...)`), the occurrences: an [`solverkit.EventRecord`][];
+        else `None`.
     """
 
     t0: Any
@@ -218,6 +229,7 @@ class Solution(eqx.Module):
     solver_state: PyTree | None = None
     controller_state: PyTree | None = None
     interpolation: Any = None
+    events: "EventRecord | None" = None
 
     def evaluate(self, t0, t1=None, left: bool = True) -> PyTree:
         """The dense solution at `t0`, or `y(t1) - y(t0)` when `t1` is given.
@@ -258,3 +270,20 @@ class Solution(eqx.Module):
                 "diffeqsolve.)"
             )
         return self.interpolation
+
+
+class EventRecord(eqx.Module):
+    """The occurrences of an event that continues, in time order.
+
+    **Attributes:**
+
+    - `ts`: the event times, padded with `inf` to `Event(max_events=...)` rows.
+    - `ys`: the state just before each event (before its effect), padded likewise
+        (with the state's final value).
+    - `num`: how many occurred (at most `max_events`; a solve where more would have
+        ends with `RESULTS.max_events_reached`).
+    """
+
+    ts: Any
+    ys: PyTree
+    num: Any
