@@ -53,6 +53,13 @@ _EVENT = int(RESULTS.event_occurred.code)
 _CPU_LANE_FRACTION = 16
 _CPU_MIN_LANES = 64
 _ACCELERATOR_MAX_LANES = 2**16
+# Finished lanes wait until this fraction of them (or all) can be refilled at once.
+_REFILL_FRACTION = 32
+
+
+def _refill_at(lanes: int) -> int:
+    """How many finished lanes wait before they are refilled together."""
+    return max(1, lanes // _REFILL_FRACTION)
 
 
 def default_lanes(batch: int, platform: str | None = None) -> int:
@@ -418,4 +425,4 @@ def ensemble_solve(
     )  # fmt: skip
     keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
     with jax.numpy_dtype_promotion("standard"):
-        return _ensemble(problem, y0, args, lanes, 1, throw, keep)
+        return _ensemble(problem, y0, args, lanes, _refill_at(lanes), throw, keep)
