@@ -280,8 +280,9 @@ def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
     zero = jnp.asarray(0, jnp.int32)
     shown = None
     if token is not None:
-        meter.callback(token, jnp.zeros(()))
-        shown = jnp.zeros(())
+        # 0, computed from the initial state so that it is shown before the loop runs.
+        shown = jnp.minimum(jnp.min(carry.t - problem.t0), 0).astype(float)
+        meter.callback(token, shown)
     state = _Lanes(
         carry=carry,
         bufs=bufs,
@@ -298,7 +299,10 @@ def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
     # written and refilled by the first iteration, which steps nothing for them.
     state = lax.while_loop(lambda s: jnp.any(s.index < batch), body, state)
     if token is not None:
-        meter.callback(token, jnp.maximum(state.done - state.done, 0) + 1)
+        # 1, computed from the final state (a float: `x - x` of an integer would be
+        # folded away) so that it is shown after every tick.
+        t = state.carry.t
+        meter.callback(token, jnp.maximum(jnp.max(t - t), 0) + 1)
     return state
 
 
