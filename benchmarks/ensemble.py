@@ -4,7 +4,8 @@ take very different numbers of steps.
 
 `python -m benchmarks.ensemble [--quick] [--sizes 4096] [--lanes 256,512]`
 
-Cases (float64, one process, whatever device JAX sees):
+Cases (float64, one process, whatever device JAX sees; the parameters are shuffled
+with a fixed seed unless `--sorted`):
 
 - `lorenz28`, `lorenz100`: the Lorenz system, rho = linspace(0, 28 or 100, N),
   y0 = (1, 0, 0), t in [0, 10], Tsit5, PIDController(rtol=atol=1e-6), dt0 = 1e-3.
@@ -85,9 +86,12 @@ DT0 = 1e-3
 MAX_STEPS = 100_000
 
 
-def _inputs(case: Case, n: int):
+def _inputs(case: Case, n: int, shuffle: bool):
     y0 = jnp.tile(jnp.asarray(case.y0), (n, 1))
-    return y0, jnp.asarray(case.params(n))
+    params = case.params(n)
+    if shuffle:  # as random parameters come: no order a chunking could exploit
+        params = np.random.default_rng(0).permutation(params)
+    return y0, jnp.asarray(params)
 
 
 def _controller():
@@ -165,8 +169,10 @@ HEADER = (
 )
 
 
-def run_case(case: Case, n: int, lane_counts, repeats: int, with_diffrax: bool):
-    args = _inputs(case, n)
+def run_case(
+    case: Case, n: int, lane_counts, repeats: int, with_diffrax: bool, shuffle: bool
+):
+    args = _inputs(case, n, shuffle)
     first_l, run_l, (y_l, steps_l) = _time(lockstep(case), args, repeats)
     steps_l = np.asarray(steps_l)
     eff = steps_l.mean() / steps_l.max()
@@ -205,6 +211,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-diffrax", action="store_true")
+    parser.add_argument(
+        "--sorted", action="store_true", help="parameters in order, not shuffled"
+    )
     opts = parser.parse_args(argv)
     sizes = [512] if opts.quick else [4096]
     if opts.sizes:
@@ -218,7 +227,10 @@ def main(argv=None) -> None:
     print("|" + " --- |" * (HEADER.count("|") - 1))
     for name in opts.cases.split(","):
         for n in sizes:
-            run_case(CASES[name], n, lane_counts, repeats, not opts.no_diffrax)
+            run_case(
+                CASES[name], n, lane_counts, repeats, not opts.no_diffrax,
+                not opts.sorted,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
