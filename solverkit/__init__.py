@@ -26,6 +26,10 @@ from ._controller import (
     ConstantStepSize as ConstantStepSize,
     StepTo as StepTo,
 )
+from ._ensemble import (
+    default_lanes as default_lanes,
+    ensemble_solve as ensemble_solve,
+)
 from ._event import (
     AbstractDiscreteTerminatingEvent as AbstractDiscreteTerminatingEvent,
     DiscreteTerminatingEvent as DiscreteTerminatingEvent,

@@ -1,0 +1,239 @@
+"""`ensemble_solve`: a batch solved on lanes that are refilled from a queue gives
+what `jax.vmap(diffeqsolve)` gives, to round-off, in the input order, whatever the
+number of lanes; failures per trajectory; what it does not support raises."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tree_allclose
+
+import solverkit as sk
+
+
+pytestmark = pytest.mark.usefixtures("x64")
+
+N = 13  # a prime: no lane count below it divides it
+T1 = 1.0
+PID = sk.PIDController(rtol=1e-6, atol=1e-6)
+TS = np.linspace(0.0, T1, 7)
+
+
+def lorenz(t, y, args):
+    rho = args["rho"]
+    x, u, z = y[0], y[1], y[2]
+    return jnp.stack(
+        [args["sigma"] * (u - x), x * (rho - z) - u, x * u - (8.0 / 3.0) * z]
+    )
+
+
+TERM = sk.ODETerm(lorenz)
+
+
+def inputs(n: int = N):
+    y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0]), (n, 1))
+    # An array leaf per trajectory (rho spread over [0, 100]) and a shared Python
+    # number.
+    args = dict(rho=jnp.linspace(0.0, 100.0, n), sigma=10.0)
+    return y0, args
+
+
+def vmapped(y0, args, **kw):
+    def one(y, rho):
+        return sk.diffeqsolve(
+            TERM, sk.Tsit5(), 0.0, T1, 1e-3, y, dict(rho=rho, sigma=10.0), **kw
+        )
+
+    return jax.jit(jax.vmap(one))(y0, args["rho"])
+
+
+def ensemble(y0, args, **kw):
+    return sk.ensemble_solve(TERM, sk.Tsit5(), 0.0, T1, 1e-3, y0, args, **kw)
+
+
+def same(sol, ref, *, tol=1e-9):
+    """`sol` (ensemble) equals `ref` (vmapped) to round-off, field by field."""
+    assert tree_allclose(sol.ts, ref.ts, rtol=tol, atol=tol)
+    assert tree_allclose(sol.ys, ref.ys, rtol=tol, atol=tol)
+    assert tree_allclose(sol.t0, ref.t0) and tree_allclose(sol.t1, ref.t1)
+    np.testing.assert_array_equal(sol.result.code, ref.result.code)
+    for key in ("num_steps", "num_accepted_steps", "num_rejected_steps", "max_steps"):
+        np.testing.assert_array_equal(sol.stats[key], ref.stats[key])
+
+
+@functools.cache
+def _reference_ts():
+    y0, args = inputs()
+    return vmapped(y0, args, saveat=sk.SaveAt(t0=True, ts=TS), stepsize_controller=PID)
+
+
+@pytest.mark.parametrize("lanes", [4, 5, N, 32, None])
+def test_adaptive_ts_matches_vmap(lanes):
+    # 4 and 5 lanes do not divide N; 32 > N is clipped to N; None is the default.
+    y0, args = inputs()
+    sol = ensemble(
+        y0, args, saveat=sk.SaveAt(t0=True, ts=TS), stepsize_controller=PID,
+        lanes=lanes,
+    )  # fmt: skip
+    ref = _reference_ts()
+    assert ref.stats["num_steps"].min() < ref.stats["num_steps"].max()  # spread
+    same(sol, ref)
+    assert sol.stats["lanes"] == min(N, lanes or sk.default_lanes(N))
+    assert sol.stats["lane_steps"] >= sol.stats["num_steps"].sum()
+
+
+def test_under_jit_and_the_work_done():
+    y0, args = inputs()
+    solve = jax.jit(
+        lambda y, a: sk.ensemble_solve(
+            TERM, sk.Tsit5(), 0.0, T1, 1e-3, y, dict(rho=a, sigma=10.0),
+            saveat=sk.SaveAt(t0=True, ts=TS), stepsize_controller=PID, lanes=3,
+        )
+    )  # fmt: skip
+    sol = solve(y0, args["rho"])
+    same(sol, _reference_ts())
+    # 3 lanes, 13 trajectories: far less work than 13 lanes in lockstep.
+    steps = np.asarray(sol.stats["num_steps"])
+    assert sol.stats["lane_steps"] < N * steps.max()
+
+
+def test_fixed_steps_and_step_saves():
+    y0, args = inputs()
+    kw = dict(saveat=sk.SaveAt(t1=True, steps=True), max_steps=120)
+    sol = sk.ensemble_solve(TERM, sk.Tsit5(), 0.0, T1, 0.01, y0, args, lanes=4, **kw)
+    ref = jax.jit(
+        jax.vmap(
+            lambda y, rho: sk.diffeqsolve(
+                TERM, sk.Tsit5(), 0.0, T1, 0.01, y, dict(rho=rho, sigma=10.0), **kw
+            )
+        )
+    )(y0, args["rho"])
+    same(sol, ref)
+    assert np.all(np.asarray(sol.stats["num_steps"]) == 100)
+
+
+def test_backwards_pytree_state_and_saveat_fn():
+    # A dict state, integrated from 1 back to 0, saving a function of it.
+    y0, args = inputs(6)
+    y0 = dict(a=y0[:, :2], b=y0[:, 2])
+
+    def field(t, y, rho):  # a rotation at rate rho, and a decay
+        a = y["a"]
+        return dict(a=rho * jnp.stack([a[1], -a[0]]), b=-0.5 * y["b"] * t)
+
+    saveat = sk.SaveAt(ts=TS[::-1], fn=lambda t, y, args: y["a"].sum() + t)
+    kw = dict(saveat=saveat, stepsize_controller=PID)
+    term = sk.ODETerm(field)
+    sol = sk.ensemble_solve(
+        term, sk.Tsit5(), T1, 0.0, -1e-3, y0, args["rho"] / 10, lanes=4, **kw
+    )
+    ref = jax.jit(
+        jax.vmap(
+            lambda y, a: sk.diffeqsolve(term, sk.Tsit5(), T1, 0.0, -1e-3, y, a, **kw)
+        )
+    )(y0, args["rho"] / 10)
+    same(sol, ref)
+
+
+def test_failed_trajectories_throw_false_and_true():
+    y0, args = inputs()
+    kw = dict(stepsize_controller=PID, max_steps=60)
+    ref = vmapped(y0, args, throw=False, **kw)
+    codes = np.asarray(ref.result.code)
+    failed = codes == sk.RESULTS.max_steps_reached.code
+    assert failed.any() and not failed.all()
+    sol = ensemble(y0, args, throw=False, lanes=4, **kw)
+    same(sol, ref)
+    with pytest.raises(RuntimeError, match="maximum number of solver steps"):
+        jax.block_until_ready(ensemble(y0, args, throw=True, lanes=4, **kw).ys)
+
+
+def test_events_match_vmap():
+    # A real-valued condition (located on the dense output) fires for some
+    # trajectories only: x falls back to 1 / 2 after rising.
+    y0, args = inputs()
+
+    def cond(t, y, args, **kwargs):
+        return y[0] - 0.5
+
+    kw = dict(
+        saveat=sk.SaveAt(t1=True),
+        stepsize_controller=PID,
+        event=sk.Event(cond, direction=False),
+    )
+    ref = vmapped(y0, args, **kw)
+    fired = np.asarray(ref.result.code) == sk.RESULTS.event_occurred.code
+    assert fired.any() and not fired.all()
+    sol = ensemble(y0, args, lanes=4, **kw)
+    same(sol, ref)
+    np.testing.assert_array_equal(sol.event_mask, ref.event_mask)
+
+
+def test_zero_length_and_one_trajectory():
+    y0, args = inputs(1)
+    sol = sk.ensemble_solve(TERM, sk.Tsit5(), 0.5, 0.5, 0.01, y0, args)
+    np.testing.assert_array_equal(sol.ys, y0[:, None])
+    assert sol.stats["num_steps"].tolist() == [0]
+
+
+def test_progress_meter_counts_trajectories(capsys):
+    y0, args = inputs()
+    meter = sk.TextProgressMeter(minimum_increase=0.1)
+    sol = ensemble(y0, args, stepsize_controller=PID, progress_meter=meter, lanes=4)
+    jax.block_until_ready(sol.ys)
+    lines = re.findall(r"([\d.]+)%", capsys.readouterr().out)
+    values = [float(v) for v in lines]
+    assert values[0] == 0.0 and values[-1] == 100.0
+    assert values == sorted(values) and len(values) > 2
+
+
+def test_not_differentiable():
+    y0, args = inputs(4)
+
+    def loss(y0):
+        return ensemble(y0, args, lanes=2).ys.sum()
+
+    with pytest.raises(ValueError, match=r"jax\.vmap\(diffeqsolve\)"):
+        jax.grad(loss)(y0)
+    with pytest.raises(ValueError, match=r"jax\.vmap\(diffeqsolve\)"):
+        jax.jvp(loss, (y0,), (y0,))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(saveat=sk.SaveAt(dense=True)), "dense"),
+        (dict(adjoint=sk.RecursiveCheckpointAdjoint()), "adjoint"),
+    ],
+)
+def test_unsupported_options_raise(kw, match):
+    y0, args = inputs(4)
+    with pytest.raises(ValueError, match=match) as info:
+        ensemble(y0, args, **kw)
+    assert isinstance(info.value, NotImplementedError)
+    assert "jax.vmap(diffeqsolve)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "y0, args, lanes, match",
+    [
+        (jnp.ones((4, 3)), dict(rho=jnp.ones(5), sigma=1.0), None, "same leading"),
+        (jnp.ones((4, 3)), dict(rho=jnp.ones(()), sigma=1.0), None, "scalar"),
+        (jnp.ones((4, 3)), dict(rho=jnp.ones(4), sigma=1.0), 0, "positive"),
+        (jnp.ones((0, 3)), dict(rho=jnp.ones(0), sigma=1.0), None, "at least one"),
+    ],
+)
+def test_bad_batches_raise(y0, args, lanes, match):
+    with pytest.raises(ValueError, match=match):
+        ensemble(y0, args, lanes=lanes)
+
+
+def test_default_lanes():
+    assert sk.default_lanes(4096, "cpu") == 256
+    assert sk.default_lanes(100, "cpu") == 64
+    assert sk.default_lanes(10, "cpu") == 10
+    assert sk.default_lanes(4096, "gpu") == 4096
+    assert sk.default_lanes(2**20, "gpu") == 2**18
