@@ -307,25 +307,7 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
     stop = landed & (count >= problem.stop_at) if problem.stop_at else False
     over = landed & (count > problem.max_events)
     apply = landed & ~stop & ~over
-    y = new.y
-    if problem.effect is not None:
-        y = tree_where(
-            apply,
-            like_state(problem.effect(flip(problem.direction, t1), y, problem.args), y),
-            y,
-        )
-    restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
-    # A condition left at (numerically) zero by the occurrence is taken to be on
-    # the side it moves to (the sign of its rate along the flow), so that the next
-    # crossing is found even within the next step; NaN (never fires for a step)
-    # where it does not move.
-    rates = problem.solver.func(problem.terms, t1, y, problem.args)
-    after, moving = jax.jvp(
-        lambda tau, y: _event.eval_conds(problem, tau, y),
-        (t1, y),
-        (jnp.ones_like(t1), rates),
-    )
-    after = jtu.tree_map(_side, after, moving, carry.cond_values)
+    y, restart, after = _after_occurrence(problem, t1, new.y, apply, carry.cond_values)
     result = where(stop, _EVENT, new.result)
     result = where(over, _MAX_EVENTS, result)
     new = new._replace(
@@ -351,6 +333,28 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
     new = tree_where(found, undone, new)
     out = out._replace(accepted=accepted & ~found, landed=landed)
     return new, out
+
+
+def _after_occurrence(problem: Problem, t1, y, apply, reference):
+    """Where `apply`: the state after the effect at `t1`, the solver's state made
+    anew there, and the conditions evaluated anew (`reference`: their values at the
+    start of the step that found the crossing).
+
+    A condition left at (numerically) zero by the occurrence is taken to be on the
+    side it moves to (the sign of its rate along the flow), so that the next
+    crossing is found even within the next step; NaN (never fires for a step) where
+    it does not move."""
+    if problem.effect is not None:
+        changed = problem.effect(flip(problem.direction, t1), y, problem.args)
+        y = tree_where(apply, like_state(changed, y), y)
+    restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
+    rates = problem.solver.func(problem.terms, t1, y, problem.args)
+    after, moving = jax.jvp(
+        lambda tau, y: _event.eval_conds(problem, tau, y),
+        (t1, y),
+        (jnp.ones_like(t1), rates),
+    )
+    return y, restart, jtu.tree_map(_side, after, moving, reference)
 
 
 def _side(value, rate, reference):
