@@ -102,6 +102,7 @@ from ._term import (
     MultiTerm as MultiTerm,
     ODETerm as ODETerm,
 )
+from ._timed_event import TimedEvent as TimedEvent
 
 
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from . import _timed_event as _timed
 from ._adjoint import AbstractAdjoint, reverse_only
 from ._checkpoint import RecursiveCheckpointAdjoint
 from ._closure import Closure, closure_convert
@@ -27,6 +28,7 @@ from ._solution import EventRecord, Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
 from ._time import flip, flip_finite
+from ._timed_event import TimedEvent
 from ._unvmap import error_if, unvmap_max
 from ._user_solver import convert as convert_user_solver, is_user_solver
 
@@ -300,6 +302,48 @@ def _event_conditions(
     return conds
 
 
+def _split_events(event) -> tuple[Event | None, TimedEvent | None]:
+    """`diffeqsolve(event=...)`: an `Event`, a `TimedEvent`, or one of each in a
+    tuple or list."""
+    parts = list(event) if isinstance(event, (tuple, list)) else [event]
+    found: dict[type, Any] = {Event: None, TimedEvent: None}
+    for part in parts:
+        kind = type(part) if type(part) in found else None
+        if part is None:
+            continue
+        if kind is None:
+            raise TypeError(
+                "`event` must be an Event, a TimedEvent, or one of each in a tuple, "
+                f"got {type(part).__name__}."
+            )
+        if found[kind] is not None:
+            raise ValueError(
+                f"`event` holds two {kind.__name__}s: give one (an Event takes a "
+                "pytree of conditions; a TimedEvent a list of times)."
+            )
+        found[kind] = part
+    return found[Event], found[TimedEvent]
+
+
+def _timed_event(timed: TimedEvent | None, times: Times, y0: Y, args: Args):
+    """The `TimedEvent` for the engine (its effect converted), or `None`."""
+    if timed is None:
+        return None
+    effect = None
+    if timed.effect is not None:
+        effect = closure_convert(timed.effect, times.t0, y0, args)
+        _check_output(effect, y0, "TimedEvent's effect")
+    return _timed.prepare(
+        timed,
+        times.direction,
+        times.dtype,
+        times.known_t0,
+        times.known_t1,
+        y0,
+        effect,
+    )
+
+
 def _event_effect(event: Event | None, times: Times, y0: Y, args: Args):
     """The event's effect, closure-converted and checked (or `None`)."""
     if event is None or event.effect is None:
@@ -383,6 +427,7 @@ def _problem(
     """Convert every user function (terms, saves, event conditions) once and gather
     all a solve needs, in internal time."""
     saves, save_tree = _saves(saveat, times, y0, args, max_steps)
+    event, timed = _split_events(event)
     context = dict(
         terms=terms,
         solver=solver,
@@ -414,6 +459,7 @@ def _problem(
         continues=event is not None and event.continues,
         stop_at=None if event is None else event.stop_at,
         max_events=0 if event is None else event.max_events,
+        timed=_timed_event(timed, times, y0, args),
         max_steps=None if max_steps is None else int(max_steps),
         meter=meter,
         resume=resume,
@@ -432,7 +478,7 @@ def diffeqsolve(
     saveat: SaveAt = SaveAt(t1=True),
     stepsize_controller: AbstractStepSizeController = ConstantStepSize(),
     adjoint: AbstractAdjoint = RecursiveCheckpointAdjoint(),
-    event: Event | None = None,
+    event: Event | TimedEvent | tuple | None = None,
     max_steps: int | None = 4096,
     throw: bool = True,
     progress_meter: AbstractProgressMeter = NoProgressMeter(),
@@ -464,7 +510,10 @@ def diffeqsolve(
         a `ClipStepSizeController` around one.
     - `adjoint`: how to differentiate: `RecursiveCheckpointAdjoint()` (default),
         `BacksolveAdjoint()` or `DirectAdjoint()`.
-    - `event`: an optional [`solverkit.Event`][] that terminates the solve.
+    - `event`: an optional [`solverkit.Event`][] that terminates the solve (or,
+        with an effect, changes the state and continues); or a
+        [`solverkit.TimedEvent`][] that changes the state at given times (a dosing
+        schedule); or one of each, as a tuple.
     - `max_steps`: the most steps to take (a positive int), or `None` for no bound
         (not with `SaveAt(steps=...)` or `SaveAt(dense=True)`, nor for reverse mode
         through `RecursiveCheckpointAdjoint`).

@@ -7,6 +7,7 @@ What a step saves is written by `_save.py`; events are detected and located by
 `_event.py`.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from . import _event, _save
+from . import _event, _save, _timed_event as _timed
 from ._custom_types import Y
 from ._errors import concrete
 from ._problem import adaptive, Buffers, Carry, Hybrid, LastStep, Problem, StepOut
@@ -64,6 +65,11 @@ def batch_like(sources, tree):
 
 def init(problem: Problem) -> tuple[Carry, Buffers]:
     """The loop's initial carry and save buffers."""
+    saves_from = problem  # saves at `t0` show `y0`, before any event there
+    timed_index, at_t0 = None, None
+    if problem.timed is not None:
+        timed_index, at_t0, y0 = _timed_at_t0(problem)
+        problem = dataclasses.replace(problem, y0=y0)
     terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
     func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
     tnext, controller_state = problem.controller.init(
@@ -71,6 +77,9 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     )
     tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
     solver_state, controller_state = _initial_states(problem, controller_state)
+    if at_t0 is not None and problem.resume is not None:  # made anew after an event
+        fresh = problem.solver.init(terms, t0, problem.t1, y0, args)
+        solver_state = tree_where(at_t0, fresh, solver_state)
     cond_values, event_mask, last = _event.init_events(problem, solver_state)
     result = jnp.asarray(SUCCESS, jnp.int32)
     if event_mask is not None:
@@ -94,10 +103,33 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         event_mask=event_mask,
         last=last,
         hybrid=hybrid,
+        timed_index=timed_index,
     )
     if adaptive(problem):
         carry = batch_like(problem, carry)
-    return carry, _save.init_buffers(problem, solver_state)
+    return carry, _save.init_buffers(saves_from, solver_state)
+
+
+def _timed_at_t0(problem: Problem):
+    """The first `TimedEvent` time at or after `t0`, applied there if it is at
+    `t0`: the index of the next, whether one was applied, and the state after."""
+    timed, direction, args = problem.timed, problem.direction, problem.args
+    assert timed is not None
+    t0, before = problem.t0, problem.y0
+    index = _timed.first(timed, t0)
+    t_event = _timed.next_time(timed, index)
+    at_t0 = (t_event == t0) & (t0 < problem.t1)
+    t_event = where(at_t0, t_event, t0)  # the event's own time, for its derivative
+    effect = lambda y: _timed.apply(timed, direction, t_event, y, args, index)
+    rate = lambda y: problem.solver.func(problem.terms, t0, y, args)
+    after, moved = jax.jvp(effect, (before,), (rate(before),))
+    # Its derivative with respect to its time is the one-sided one, of moving it
+    # into the solve (earlier, it would be skipped): as for an event at a later
+    # time, where the step that lands on it carries this derivative.
+    shift = t_event - lax.stop_gradient(t_event)
+    after = jtu.tree_map(lambda a, m, r: a + shift * (m - r), after, moved, rate(after))
+    y0 = tree_where(at_t0, after, before)
+    return index + at_t0.astype(jnp.int32), at_t0, y0
 
 
 def _like(name: str, passed: PyTree, fresh: PyTree) -> PyTree:
@@ -223,6 +255,11 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     """One attempted step. Returns the new carry and what this step saves."""
     t0 = carry.t
     t1 = jnp.minimum(carry.tnext, problem.t1)
+    t_timed = None
+    if problem.timed is not None:  # land on the next `TimedEvent` time
+        assert carry.timed_index is not None
+        t_timed = _timed.next_time(problem.timed, carry.timed_index)
+        t1 = where(t_timed < t1, t_timed, t1)
     y1, y_error, info, solver_state, solver_result = _solver_step(problem, carry, t1)
     failed = _solver_failed(solver_result)
     if adaptive(problem):
@@ -274,11 +311,46 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         event_mask=event_mask,
         last=last,
         hybrid=carry.hybrid,
+        timed_index=carry.timed_index,
     )
     out = StepOut(accepted, t0, t1, y1, info)
     if problem.continues:
-        return _continue(problem, carry, new, out, finite)
+        new, out = _continue(problem, carry, new, out, finite)
+    if t_timed is not None:
+        new = _after_timed(problem, new, out, t_timed)
     return new, out
+
+
+def _after_timed(problem: Problem, new: Carry, out: StepOut, t_timed: Array) -> Carry:
+    """After a step that landed on a `TimedEvent` time (and did not end the solve):
+    the event's change of state, the solver's state made anew, the conditions of an
+    `Event` evaluated anew. Computed only when some batch element landed."""
+    timed = problem.timed
+    assert timed is not None and new.timed_index is not None
+    due = (
+        out.accepted
+        & (out.t1 == t_timed)
+        & (t_timed < problem.t1)
+        & (new.result == SUCCESS)
+    )
+
+    def land(new: Carry) -> Carry:
+        t, args, index = out.t1, problem.args, new.timed_index
+        assert index is not None
+        y = _timed.apply(timed, problem.direction, t, new.y, args, index)
+        y = tree_where(due, y, new.y)
+        restart = problem.solver.init(problem.terms, t, problem.t1, y, args)
+        cond_values = new.cond_values
+        if problem.conds is not None:
+            cond_values = tree_where(due, _event.eval_conds(problem, t, y), cond_values)
+        return new._replace(
+            y=y,
+            solver_state=tree_where(due, restart, new.solver_state),
+            cond_values=cond_values,
+            timed_index=index + due.astype(jnp.int32),
+        )
+
+    return lax.cond(unvmap_any(due), land, lambda new: new, new)
 
 
 def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):

@@ -18,6 +18,7 @@ from ._controller import AbstractStepSizeController
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
+from ._timed_event import Timed
 
 
 class Problem(eqx.Module):
@@ -48,6 +49,7 @@ class Problem(eqx.Module):
     continues: bool = eqx.field(static=True, default=False)
     stop_at: int | None = eqx.field(static=True, default=None)
     max_events: int = eqx.field(static=True, default=0)
+    timed: "Timed | None" = None  # events at given times (`TimedEvent`)
 
     @property
     def error_order(self):
@@ -128,6 +130,7 @@ class Carry(NamedTuple):
     event_mask: PyTree  # which conditions fired, or None
     last: LastStep | None  # only with real-valued event conditions
     hybrid: Hybrid | None = None  # only with an event that continues
+    timed_index: Array | None = None  # the next `TimedEvent` time (only with one)
 
 
 class SaveBuffer(NamedTuple):

@@ -1,0 +1,218 @@
+"""Events at given times (`TimedEvent`): a dosing schedule, a reset or a switch that
+changes the state at known times, and how the loop applies them.
+
+Steps land exactly on each time (as on `jump_ts`); the step that lands there ends
+with the state just before the event, which is what every save at that time shows
+(the left limit); the event then changes the state and the solver restarts from the
+new one, as after a jump. An event at `t0` is applied before the first step; one at
+`t1` is not applied (it belongs to a solve that continues from `t1`).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, ArrayLike, PyTree
+
+from ._closure import Closure
+from ._errors import BadInputError, concrete
+from ._select import where
+from ._term import like_state
+from ._time import flip
+
+
+class TimedEvent(eqx.Module):
+    """Change the state at given times and continue: a dosing schedule, a periodic
+    reset, a switch. Pass it as `diffeqsolve(..., event=...)`, alone or with an
+    [`solverkit.Event`][] as `event=(Event(...), TimedEvent(...))`.
+
+    **Arguments:**
+
+    - `ts`: the times, a 1-D array, increasing in the direction from `t0` to `t1`
+        (strictly: give two doses at one time as one). Times outside `[t0, t1)` are
+        skipped, so one schedule serves a solve split into pieces. Or, instead of
+        `ts`:
+    - `start`, `interval`, `count`: `count` times from `start`, `interval` apart
+        (a repeated dose), as `start + interval * arange(count)`.
+    - `amount`: what each event adds to the state: a pytree with the structure of
+        `y0` whose leaves have the shape of the state's (or are scalars), the same
+        amount each time; or with one more, leading, axis of length `len(ts)`: one
+        amount per time. Or, instead of `amount`:
+    - `effect`: `effect(t, y, args) -> y_new`, which may close over anything, as the
+        vector field may.
+
+    Steps land exactly on each time. A value saved at an event's time is the state
+    just before it (the left limit), and an event at `t0` is applied before the
+    first step (so `SaveAt(t0=True)` shows `y0`). Gradients flow to the times, the
+    amounts and whatever the effect closes over, with `RecursiveCheckpointAdjoint`
+    or `DirectAdjoint`.
+    """
+
+    ts: Array
+    amount: PyTree[ArrayLike] | None
+    effect: Callable[..., Any] | None
+
+    def __init__(
+        self,
+        ts: ArrayLike | None = None,
+        *,
+        amount: PyTree[ArrayLike] | None = None,
+        effect: Callable[..., Any] | None = None,
+        start: ArrayLike | None = None,
+        interval: ArrayLike | None = None,
+        count: int | None = None,
+    ):
+        if (amount is None) == (effect is None):
+            raise ValueError(
+                "TimedEvent needs exactly one of `amount=` (added to the state) and "
+                "`effect=` (a function (t, y, args) -> y)."
+            )
+        if effect is not None and not callable(effect):
+            raise TypeError(
+                "TimedEvent(effect=...) must be a callable (t, y, args) -> y, got "
+                f"{effect!r}."
+            )
+        repeated = (start, interval, count)
+        if ts is None:
+            if interval is None or count is None:
+                raise ValueError(
+                    "TimedEvent needs its times: `ts=`, or `interval=` and `count=` "
+                    "(with `start=`, default 0)."
+                )
+            if not isinstance(count, (int, np.integer)) or count < 1:
+                raise ValueError(
+                    f"TimedEvent(count=...) must be a positive int, got {count!r}."
+                )
+            start = 0.0 if start is None else start
+            if jnp.ndim(start) != 0 or jnp.ndim(interval) != 0:
+                raise ValueError(
+                    "TimedEvent(start=..., interval=...) must be scalars, got shapes "
+                    f"{jnp.shape(start)} and {jnp.shape(interval)}."
+                )
+            ts = start + interval * jnp.arange(count)
+        elif any(r is not None for r in repeated):
+            raise ValueError(
+                "TimedEvent takes either `ts=` or `start=`/`interval=`/`count=`, "
+                "not both."
+            )
+        ts = jnp.asarray(ts)
+        if ts.ndim != 1 or ts.size == 0:
+            raise ValueError(
+                f"TimedEvent(ts=...) must be a non-empty 1-D array, got shape "
+                f"{ts.shape}."
+            )
+        if not (
+            jnp.issubdtype(ts.dtype, jnp.floating)
+            or jnp.issubdtype(ts.dtype, jnp.integer)
+        ):
+            raise TypeError(
+                f"TimedEvent(ts=...) must hold real times, got dtype {ts.dtype}."
+            )
+        known = concrete(ts)
+        if known is not None and known.size > 1:
+            steps = np.diff(known)
+            if not (np.all(steps > 0) or np.all(steps < 0)):
+                raise BadInputError(
+                    "TimedEvent(ts=...) must be strictly increasing (or, for a "
+                    "backwards solve, strictly decreasing): give events at one time "
+                    f"as one; got {known}."
+                )
+        self.ts = ts
+        self.amount = amount
+        self.effect = effect
+
+
+class Timed(eqx.Module):
+    """A `TimedEvent` inside the engine: times in internal time (increasing), the
+    amount with a leading axis or not per leaf (`per_event`), or the converted
+    effect."""
+
+    ts: Array
+    amount: PyTree[Array] | None
+    effect: Closure | None
+    per_event: tuple[bool, ...] = eqx.field(static=True)
+
+
+def prepare(
+    timed: TimedEvent, direction, dtype, known_t0, known_t1, y0: PyTree, effect
+) -> Timed:
+    """`timed` for the engine: its times checked against the direction of the solve
+    and flipped to internal time; its amount checked against `y0` (`effect`: the
+    converted effect, or `None`)."""
+    ts = jnp.asarray(timed.ts, dtype)
+    known = concrete(ts)
+    if (
+        known is not None
+        and known.size > 1
+        and known_t0 is not None
+        and known_t1 is not None
+        and known_t0 != known_t1
+        and (known[1] - known[0]) * (known_t1 - known_t0) < 0
+    ):
+        raise BadInputError(
+            "TimedEvent(ts=...) must run in the direction from t0 to t1 "
+            f"({known_t0} to {known_t1}); got {known}."
+        )
+    if timed.amount is None:
+        return Timed(flip(direction, ts), None, effect, ())
+    y_leaves, y_tree = jtu.tree_flatten(y0)
+    a_leaves, a_tree = jtu.tree_flatten(timed.amount)
+    if a_tree != y_tree:
+        raise ValueError(
+            "TimedEvent(amount=...) must have the structure of `y0`: expected "
+            f"{y_tree}, got {a_tree}."
+        )
+    amounts, per_event = [], []
+    for i, (a, y) in enumerate(zip(a_leaves, y_leaves)):
+        a = jnp.asarray(a)
+        y_shape = tuple(jnp.shape(y))
+        each = a.ndim == len(y_shape) + 1 and a.shape[0] == ts.size
+        shape = a.shape[1:] if each else a.shape
+        try:
+            fits = jnp.broadcast_shapes(shape, y_shape) == y_shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"TimedEvent(amount=...): leaf {i} must have the shape of the state's "
+                f"leaf {y_shape} (or broadcast to it), or ({ts.size}, *{y_shape}) for "
+                f"one amount per time; got {a.shape}."
+            )
+        if jnp.iscomplexobj(a) and not jnp.iscomplexobj(y):
+            raise TypeError(
+                f"TimedEvent(amount=...): leaf {i} is complex but the state's is real "
+                f"({jnp.result_type(y)})."
+            )
+        amounts.append(a)
+        per_event.append(bool(each))
+    return Timed(
+        flip(direction, ts), jtu.tree_unflatten(a_tree, amounts), None, tuple(per_event)
+    )
+
+
+def next_time(timed: Timed, index: Array) -> Array:
+    """The internal time of event `index` (`inf` past the last)."""
+    n = timed.ts.shape[0]
+    return where(index < n, timed.ts[jnp.minimum(index, n - 1)], jnp.inf)
+
+
+def first(timed: Timed, t0: Array) -> Array:
+    """The index of the first event at or after `t0`."""
+    return jnp.searchsorted(timed.ts, t0, side="left").astype(jnp.int32)
+
+
+def apply(timed: Timed, direction, t: Array, y: PyTree, args: PyTree, index: Array):
+    """The state after event `index` at internal time `t`."""
+    if timed.effect is not None:
+        return like_state(timed.effect(flip(direction, t), y, args), y)
+    i = jnp.minimum(index, timed.ts.shape[0] - 1)
+    leaves, tree = jtu.tree_flatten(timed.amount)
+    y_leaves = jtu.tree_leaves(y)
+    out = []
+    for a, each, yl in zip(leaves, timed.per_event, y_leaves):
+        a = a[i] if each else a
+        out.append(yl + a.astype(yl.dtype))
+    return jtu.tree_unflatten(tree, out)

@@ -1,0 +1,295 @@
+"""Events at given times (`TimedEvent`): a one-compartment pharmacokinetic model with
+a repeated oral dose, against its analytic solution (values, and gradients with
+respect to the rates, the amount and every dose time, the one at `t0` and one at a
+save time included); schedules given as `start`/`interval`/`count`, one amount per
+dose, an effect that closes over a differentiated float and a vmapped integer
+index; backwards time; a solve split in two; with an `Event`; bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import float64
+
+import solverkit as sk
+
+
+TS = np.linspace(0.0, 60.0, 61)
+
+
+def _analytic(t, ka, ke, amount, doses):
+    """Gut and central amounts after oral doses at `doses` (the left limit at each)."""
+    s = jnp.asarray(t)[:, None] - doses[None, :]
+    on = s > 0
+    s = jnp.where(on, s, 0.0)
+    gut = jnp.where(on, amount * jnp.exp(-ka * s), 0.0).sum(-1)
+    central = ka / (ka - ke) * (jnp.exp(-ke * s) - jnp.exp(-ka * s))
+    central = jnp.where(on, amount * central, 0.0).sum(-1)
+    return jnp.stack([gut, central], -1)
+
+
+def _pk(ka, ke, amount, doses, adjoint=None, t1=60.0, ts=TS, y0=None, **kwargs):
+    rates = lambda t, y, args: jnp.stack([-ka * y[0], ka * y[0] - ke * y[1]])
+    return sk.diffeqsolve(
+        sk.ODETerm(rates),
+        sk.Tsit5(),
+        0.0,
+        t1,
+        0.1,
+        jnp.zeros(2) if y0 is None else y0,
+        saveat=sk.SaveAt(ts=ts),
+        event=sk.TimedEvent(doses, amount=jnp.stack([amount, 0.0]), **kwargs),
+        stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        adjoint=adjoint or sk.RecursiveCheckpointAdjoint(),
+    )
+
+
+def test_repeated_dose_against_analytic():
+    with float64():
+        doses = jnp.array([0.0, 12.0, 24.0, 36.0])
+        sol = _pk(1.2, 0.2, 100.0, doses)
+        want = _analytic(TS, 1.2, 0.2, 100.0, doses)
+        np.testing.assert_allclose(sol.ys, want, rtol=0, atol=1e-8)
+        # Saves at a dose time show the state just before it.
+        assert float(sol.ys[12, 0]) < 1e-3 and float(sol.ys[0, 0]) == 0.0
+        assert sol.result == sk.RESULTS.successful
+
+
+@pytest.mark.parametrize(
+    "adjoint", [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
+)
+def test_gradients_against_analytic(adjoint):
+    """With respect to the rates, the amount and each dose time: at `t0`, between
+    saves, and at a save time (the one-sided derivative of moving the dose later)."""
+    with float64():
+
+        def loss(p):
+            sol = _pk(p[0], p[1], p[2], p[3:], adjoint)
+            return jnp.sum(sol.ys[:, 1] ** 2)
+
+        def exact(p):
+            return jnp.sum(_analytic(TS, p[0], p[1], p[2], p[3:])[:, 1] ** 2)
+
+        p = jnp.array([1.2, 0.2, 100.0, 0.0, 12.3, 24.0, 36.5])
+        got, want = jax.grad(loss)(p), jax.grad(exact)(p)
+        np.testing.assert_allclose(got, want, rtol=1e-7)
+
+
+def test_time_gradients_do_not_grow_with_the_steps():
+    """Regression: a step cut short by an event used to pass the derivative of its
+    end on to every later step, multiplied by each step's factor."""
+    with float64():
+        doses = jnp.array([1.0, 12.3, 24.5, 36.5])
+        loss = lambda d: jnp.sum(_pk(1.2, 0.2, 100.0, d).ys[:, 1] ** 2)
+        exact = lambda d: jnp.sum(_analytic(TS, 1.2, 0.2, 100.0, d)[:, 1] ** 2)
+        np.testing.assert_allclose(
+            jax.grad(loss)(doses), jax.grad(exact)(doses), rtol=1e-7
+        )
+
+
+def test_interval_count_and_one_amount_per_dose():
+    with float64():
+        sol = _pk(1.2, 0.2, 100.0, None, start=2.0, interval=8.0, count=5)
+        doses = 2.0 + 8.0 * jnp.arange(5)
+        np.testing.assert_allclose(
+            sol.ys, _analytic(TS, 1.2, 0.2, 100.0, doses), atol=1e-8
+        )
+        # Doses of different sizes, one amount per dose (a leading axis).
+        amounts = jnp.array([[100.0, 0.0], [50.0, 0.0], [25.0, 5.0]])
+        rates = lambda t, y, args: jnp.stack([-1.2 * y[0], 1.2 * y[0] - 0.2 * y[1]])
+        sol = sk.diffeqsolve(
+            sk.ODETerm(rates),
+            sk.Tsit5(),
+            0.0,
+            30.0,
+            0.1,
+            jnp.zeros(2),
+            saveat=sk.SaveAt(ts=[9.0, 30.0]),
+            event=sk.TimedEvent([0.0, 10.0, 20.0], amount=amounts),
+            stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        )
+        want = sum(
+            _analytic(np.array([9.0, 30.0]), 1.2, 0.2, a, jnp.array([td]))
+            for a, td in zip([100.0, 50.0, 25.0], [0.0, 10.0, 20.0])
+        )
+        # The central dose of 5 at t = 20 decays with ke alone.
+        want = want.at[1, 1].add(5.0 * np.exp(-0.2 * 10.0))
+        np.testing.assert_allclose(sol.ys, want, atol=1e-8)
+
+
+def test_effect_closes_over_anything_under_vmap_and_grad():
+    """An effect that closes over a differentiated float and a vmapped integer
+    index; a schedule batched under `vmap`."""
+    table = np.array([1.0, 2.0, 3.0])
+
+    def final(scale, k, doses):
+        effect = lambda t, y, args: y + scale * jnp.asarray(table)[k]
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -0.5 * y),
+            sk.Tsit5(),
+            0.0,
+            10.0,
+            0.1,
+            jnp.array(0.0),
+            event=sk.TimedEvent(doses, effect=effect),
+            stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        )
+        return sol.ys[-1]
+
+    def exact(scale, k, doses):
+        return jnp.sum(scale * jnp.asarray(table)[k] * jnp.exp(-0.5 * (10.0 - doses)))
+
+    with float64():
+        ks = jnp.array([0, 2])
+        doses = jnp.array([[1.0, 4.0, 7.5], [0.5, 2.0, 9.0]])
+        got = jax.jit(jax.vmap(final, (None, 0, 0)))(2.0, ks, doses)
+        np.testing.assert_allclose(
+            got, jax.vmap(exact, (None, 0, 0))(2.0, ks, doses), rtol=1e-9
+        )
+        grad = jax.grad(
+            lambda s, d: jax.vmap(final, (None, 0, 0))(s, ks, d).sum(), (0, 1)
+        )
+        want = jax.grad(
+            lambda s, d: jax.vmap(exact, (None, 0, 0))(s, ks, d).sum(), (0, 1)
+        )
+        for g, w in zip(grad(2.0, doses), want(2.0, doses)):
+            np.testing.assert_allclose(g, w, rtol=1e-8)
+
+
+def test_backwards_in_time():
+    """Events at times decreasing from `t0` to `t1`; a solve backwards from 10 to 0
+    of y' = 0 with `+1` at 8, 5 and 2 (and 10, `t0`; 0, `t1`, is not applied)."""
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: jnp.zeros_like(y)),
+        sk.Tsit5(),
+        10.0,
+        0.0,
+        -0.5,
+        jnp.array(0.0),
+        saveat=sk.SaveAt(ts=[10.0, 9.0, 5.0, 4.0, 0.0]),
+        event=sk.TimedEvent([10.0, 8.0, 5.0, 2.0, 0.0], amount=1.0),
+        stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6),
+    )
+    np.testing.assert_allclose(sol.ys, [0.0, 1.0, 2.0, 3.0, 4.0])
+
+
+def test_split_solve_equals_one_solve():
+    """Times outside `[t0, t1)` are skipped, and one at `t1` is left to the solve
+    that continues from there: two halves give the one solve's answer."""
+    with float64():
+        doses = jnp.array([0.0, 12.0, 24.0, 36.0])
+        whole = _pk(1.2, 0.2, 100.0, doses, ts=[24.0, 30.0], t1=30.0)
+        first = _pk(1.2, 0.2, 100.0, doses, ts=[24.0], t1=24.0)
+        rates = lambda t, y, args: jnp.stack([-1.2 * y[0], 1.2 * y[0] - 0.2 * y[1]])
+        second = sk.diffeqsolve(
+            sk.ODETerm(rates),
+            sk.Tsit5(),
+            24.0,
+            30.0,
+            0.1,
+            first.ys[-1],
+            saveat=sk.SaveAt(ts=[30.0]),
+            event=sk.TimedEvent(doses, amount=jnp.array([100.0, 0.0])),
+            stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        )
+        np.testing.assert_allclose(first.ys[-1], whole.ys[0], atol=1e-9)
+        np.testing.assert_allclose(second.ys[-1], whole.ys[-1], atol=1e-9)
+
+
+def test_constant_steps_land_on_the_times():
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: jnp.ones_like(y)),
+        sk.Euler(),
+        0.0,
+        1.0,
+        0.3,
+        jnp.array(0.0),
+        saveat=sk.SaveAt(steps=True),
+        event=sk.TimedEvent([0.5], amount=10.0),
+    )
+    n = int(sol.stats["num_accepted_steps"])
+    ts = np.asarray(sol.ts[:n])
+    assert 0.5 in ts and ts[-1] == 1.0 and n == 4
+    np.testing.assert_allclose(sol.ys[:n], ts + 10.0 * (ts > 0.5), rtol=1e-6)
+
+
+def _lif_spikes(kicks, amount, t1, threshold=1.5):
+    """Exact spike times of v' = 1 - v/2 (reset to 0 at `threshold`, kicked by
+    `amount` at `kicks`; a kick across the threshold is not a spike)."""
+    t, v, spikes = 0.0, 0.0, []
+    for stop in [*kicks, t1]:
+        while v < threshold:  # crosses before `stop`?
+            tc = t + 2 * np.log((2 - v) / (2 - threshold))
+            if tc >= stop:
+                break
+            spikes.append(tc)
+            t, v = tc, 0.0
+        v = 2 + (v - 2) * np.exp(-(stop - t) / 2)
+        t = stop
+        if stop != t1:
+            v += amount
+    return np.array(spikes), v
+
+
+def test_with_a_continuing_event():
+    """A leaky integrate-and-fire neuron, kicked at given times, spiking and reset
+    where it crosses a threshold: `event=(Event, TimedEvent)`."""
+    with float64():
+        spike = sk.Event(
+            lambda t, y, args: y - 1.5,
+            direction=True,
+            effect=lambda t, y, args: jnp.zeros_like(y),
+        )
+        kicks = [0.5, 4.0, 6.0, 11.5]
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: 1.0 - 0.5 * y),
+            sk.Tsit5(),
+            0.0,
+            14.0,
+            0.1,
+            jnp.array(0.0),
+            event=(spike, sk.TimedEvent(kicks, amount=0.25)),
+            stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        )
+        spikes, v_end = _lif_spikes(kicks, 0.25, 14.0)
+        assert len(spikes) == int(sol.events.num) == 4
+        np.testing.assert_allclose(sol.events.ts[:4], spikes, atol=1e-9)
+        np.testing.assert_allclose(sol.ys[-1], v_end, atol=1e-9)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="exactly one of"):
+        sk.TimedEvent([1.0])
+    with pytest.raises(ValueError, match="exactly one of"):
+        sk.TimedEvent([1.0], amount=1.0, effect=lambda t, y, a: y)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        sk.TimedEvent([1.0, 1.0], amount=1.0)
+    with pytest.raises(ValueError, match="1-D"):
+        sk.TimedEvent([[1.0]], amount=1.0)
+    with pytest.raises(ValueError, match="count"):
+        sk.TimedEvent(interval=1.0, count=0, amount=1.0)
+    with pytest.raises(ValueError, match="not both"):
+        sk.TimedEvent([1.0], interval=1.0, count=2, amount=1.0)
+    with pytest.raises(ValueError, match="needs its times"):
+        sk.TimedEvent(amount=1.0)
+    term = sk.ODETerm(lambda t, y, args: -y)
+
+    def solve(event, **kwargs):
+        return sk.diffeqsolve(
+            term, sk.Tsit5(), 0.0, 1.0, 0.1, jnp.ones(2), event=event, **kwargs
+        )
+
+    with pytest.raises(ValueError, match="leaf 0 must have the shape"):
+        solve(sk.TimedEvent([0.5], amount=jnp.ones(3)))
+    with pytest.raises(ValueError, match="structure of `y0`"):
+        solve(sk.TimedEvent([0.5], amount=(1.0, 2.0)))
+    with pytest.raises(ValueError, match="direction from t0 to t1"):
+        solve(sk.TimedEvent([0.8, 0.5], amount=1.0))
+    with pytest.raises(ValueError, match="TimedEvent's effect"):
+        solve(sk.TimedEvent([0.5], effect=lambda t, y, a: jnp.ones(3)))
+    with pytest.raises(ValueError, match="two TimedEvents"):
+        solve((sk.TimedEvent([0.5], amount=1.0), sk.TimedEvent([0.6], amount=1.0)))
+    with pytest.raises(TypeError, match="must be an Event, a TimedEvent"):
+        solve((sk.TimedEvent([0.5], amount=1.0), "x"))
+    with pytest.raises(ValueError, match="BacksolveAdjoint"):
+        solve(sk.TimedEvent([0.5], amount=1.0), adjoint=sk.BacksolveAdjoint())
