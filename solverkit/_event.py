@@ -370,28 +370,43 @@ def locate(problem: Problem, carry: Carry):
     return where(event, t_star, tend), y
 
 
-def crossing(problem: Problem, t0: Array, t1: Array, info: PyTree, fired: PyTree):
+def crossing(
+    problem: Problem, t0: Array, t1: Array, info: PyTree, fired: PyTree, start: PyTree
+):
     """The earliest crossing, over the step `[t0, t1]` with dense information
-    `info`, of the (real-valued) conditions that `fired`; differentiable by the
-    implicit function theorem. `t1` where none fired."""
+    `info`, of the (real-valued) conditions that `fired`, whose values at `t0` were
+    `start`; differentiable by the implicit function theorem. `t1` where none
+    fired."""
     t_star, _ = _earliest_crossing(
-        problem, t0, t1, info, jtu.tree_leaves(fired), jnp.asarray(True)
+        problem,
+        t0,
+        t1,
+        info,
+        jtu.tree_leaves(fired),
+        jnp.asarray(True),
+        jtu.tree_leaves(start),
     )
     return t_star
 
 
-def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event):
+def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=None):
     """`(t_star, located)`: the earliest root over `[tstart, tend]` of the real
     conditions whose `mask` is set (where `event`), else `tend`; and whether one
     was located. One Newton step at the root gives `t_star` the derivative of the
-    implicit function theorem, `-(dg/dp) / (dg/dt)`."""
+    implicit function theorem, `-(dg/dp) / (dg/dt)`.
+
+    `start`: the conditions' values at `tstart` as the loop holds them: after an
+    occurrence that left a condition at zero to within rounding, on the side it
+    moves to (see `_loop._side`), which the bisection takes as the sign at
+    `tstart`, where the dense output's own value may lie on either side."""
     solver = problem.solver
     is_real = _real_conds(problem)
     leaves = jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
     iterations = _bisections(tend.dtype)
     t_star = tend
     located = jnp.asarray(False)  # whether a real-valued condition fired
-    for closure, real, f in zip(leaves, is_real, mask):
+    starts = [None] * len(leaves) if start is None else start
+    for closure, real, f, before in zip(leaves, is_real, mask, starts):
         if not real:
             continue
 
@@ -403,7 +418,8 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event):
         a = lax.stop_gradient(where(active, tstart, tend - 1))
         b = lax.stop_gradient(tend)
         if problem.root_finder is None:
-            root = _bisect(g, a, b, g(a), iterations)
+            ga = g(a) if before is None else before.astype(tend.dtype)
+            root = _bisect(g, a, b, ga, iterations)
         else:
             root = _optx_root(g, problem.root_finder, a, b)
         root = lax.stop_gradient(where(active, root, tend))

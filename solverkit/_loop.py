@@ -37,6 +37,7 @@ _EVENT = int(RESULTS.event_occurred.code)
 _MAX_STEPS = int(RESULTS.max_steps_reached.code)
 _NONFINITE = int(RESULTS.nonfinite.code)
 _MAX_EVENTS = int(RESULTS.max_events_reached.code)
+_ACCUMULATED = int(RESULTS.events_accumulated.code)
 
 
 def _all_finite(tree) -> Array:
@@ -88,7 +89,8 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     zero = jnp.asarray(0, jnp.int32)
     hybrid = None
     if problem.continues:
-        hybrid = Hybrid(jnp.asarray(False), t0, zero)
+        hybrid = Hybrid(jnp.asarray(False), t0, zero, jnp.zeros_like(t0))
+        cond_values = _start_sides(problem, cond_values)
     carry = Carry(
         t=t0,
         tnext=tnext,
@@ -371,17 +373,23 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
     found = or_all(jtu.tree_leaves(fired))
     t_star = lax.cond(
         unvmap_any(found),
-        lambda: _event.crossing(problem, t0, t1, out.dense_info, fired),
+        lambda: _event.crossing(
+            problem, t0, t1, out.dense_info, fired, carry.cond_values
+        ),
         lambda: t1,
     )
     # The occurrence reached: its effect, a fresh solver state, the conditions anew.
     count = hybrid.count + landed.astype(jnp.int32)
     stop = landed & (count >= problem.stop_at) if problem.stop_at else False
     over = landed & (count > problem.max_events)
-    apply = landed & ~stop & ~over
+    # An occurrence at the time of the previous one (its landing step has no
+    # length): they accumulate there, and the solve can't go past.
+    accumulated = landed & (t1 <= t0) & (hybrid.count > 0) & ~stop & ~over
+    apply = landed & ~stop & ~over & ~accumulated
     y, restart, after = _after_occurrence(problem, t1, new.y, apply, carry.cond_values)
     result = where(stop, _EVENT, new.result)
     result = where(over, _MAX_EVENTS, result)
+    result = where(accumulated, _ACCUMULATED, result)
     new = new._replace(
         y=y,
         solver_state=tree_where(apply, restart, new.solver_state),
@@ -389,9 +397,17 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
             apply, after, tree_where(accepted & ~landing, values, carry.cond_values)
         ),
         result=result,
-        hybrid=Hybrid(landing & ~landed, hybrid.t_land, count),
+        hybrid=hybrid._replace(landing=landing & ~landed, count=count),
         tnext=where(
-            landing & ~landed, jnp.minimum(new.tnext, hybrid.t_land), new.tnext
+            landing & ~landed,
+            jnp.minimum(new.tnext, hybrid.t_land),
+            # After the occurrence, at least the step that found it: the landing
+            # step may be far shorter (or of no length, for one at `t0`).
+            where(
+                landed,
+                jnp.maximum(new.tnext, t1 + lax.stop_gradient(hybrid.h)),
+                new.tnext,
+            ),
         ),
     )
     # ... and a crossing found: the step is undone, the next one ends at it.
@@ -400,7 +416,7 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
         num_steps=new.num_steps,
         num_rejected=carry.num_rejected + 1,
         event_mask=fired,
-        hybrid=Hybrid(jnp.asarray(True), t_star, hybrid.count),
+        hybrid=Hybrid(jnp.asarray(True), t_star, hybrid.count, t1 - t0),
     )
     new = tree_where(found, undone, new)
     out = out._replace(accepted=accepted & ~found, landed=landed)
@@ -426,19 +442,43 @@ def _after_occurrence(problem: Problem, t1, y, apply, reference):
         (t1, y),
         (jnp.ones_like(t1), rates),
     )
-    return y, restart, jtu.tree_map(_side, after, moving, reference)
+    # The time within which a located crossing is known (a thousand of `t1`'s ulps).
+    window = 1000 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
+    side = lambda a, m, r: _side(a, m, r, window)
+    return y, restart, jtu.tree_map(side, after, moving, reference)
 
 
-def _side(value, rate, reference):
+def _start_sides(problem: Problem, cond_values: PyTree) -> PyTree:
+    """An event that continues, at `t0`: a real condition at zero there (to within
+    the time its crossings are located to) is taken to be on the side it comes
+    from, against its rate, so that it fires in the first step if its direction
+    allows (an occurrence at `t0`, as SciPy's `solve_ivp` finds one)."""
+    t0, y0, args = problem.t0, problem.y0, problem.args
+    rates = problem.solver.func(problem.terms, t0, y0, args)
+    _, moving = jax.jvp(
+        lambda tau, y: _event.eval_conds(problem, tau, y),
+        (t0, y0),
+        (jnp.ones_like(t0), rates),
+    )
+    window = 1000 * jnp.finfo(t0.dtype).eps * jnp.maximum(jnp.abs(t0), 1)
+    zero = jnp.zeros((), t0.dtype)
+    side = lambda v, m: _side(v, -m, zero, window)
+    return jtu.tree_map(side, cond_values, moving)
+
+
+def _side(value, rate, reference, window):
     """A real condition's `value` just after an occurrence; where it is zero to
     within rounding (relative to its `reference`, at the start of the step that
-    found the crossing), a tiny value on the side its `rate` moves it to."""
+    found the crossing; or less than its `rate` moves it in the time `window` that
+    the crossing's location is known to), a tiny value on the side its `rate`
+    moves it to."""
     if jnp.issubdtype(value.dtype, jnp.bool_):
         return value
     tol = jnp.sqrt(jnp.finfo(value.dtype).eps)
     scale = tol * jnp.abs(reference)
     tiny = where(rate == 0, jnp.nan, jnp.sign(rate) * jnp.maximum(scale, tol))
-    return where(jnp.abs(value) <= scale, tiny.astype(value.dtype), value)
+    at_zero = (jnp.abs(value) <= scale) | (jnp.abs(value) <= jnp.abs(rate) * window)
+    return where(at_zero, tiny.astype(value.dtype), value)
 
 
 def body(

@@ -114,6 +114,7 @@ class Hybrid(NamedTuple):
     landing: Array  # the next steps end at a located occurrence, `t_land`
     t_land: Array
     count: Array  # occurrences so far
+    h: Array  # the length of the step that found it (the first step after it)
 
 
 class Carry(NamedTuple):

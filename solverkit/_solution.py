@@ -82,6 +82,15 @@ _OUTCOMES = (
         "`max_events`, or check that the event's effect does not make it fire again "
         "at once (a Zeno effect).",
     ),
+    (
+        "events_accumulated",
+        "An event that continues fired again at the time of its previous occurrence: "
+        "its occurrences accumulate there (a Zeno point, as of a bouncing ball whose "
+        "bounces shrink to nothing, or an effect that makes the event fire again at "
+        "once), and no solver can go past it. The solve stopped there: end it "
+        "earlier (`t1`, `Event(terminal=k)`) or change the effect (e.g. to stop "
+        "bouncing below a speed).",
+    ),
     # diffrax's other names (from optimistix's and lineax's), which an ODE solve here
     # never returns; kept so that scripts comparing against them run.
     (
@@ -116,6 +125,7 @@ class _Results:
     solve failed; adaptive controllers reject the step and retry a smaller one; also
     under diffrax's names `nonlinear_divergence` and `nonlinear_max_steps_reached`),
     `max_events_reached` (a continuing event fired more often than it records),
+    `events_accumulated` (its occurrences accumulate at one time: a Zeno point),
     and diffrax's names that an ODE solve here never returns (`max_steps_rejected`,
     `singular`, `breakdown`, `stagnation`, `conlim`, `nonfinite_input`).
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.

@@ -252,3 +252,68 @@ def test_spike_time_gradient_after_many_spikes():
             got = jax.grad(spike)(1.5, tol)
             fd = (spike(1.5 + h, tol) - spike(1.5 - h, tol)) / (2 * h)
             np.testing.assert_allclose(got, fd, rtol=rtol)
+
+
+def _zeno_ball(e, y0, t1, **kwargs):
+    event = sk.Event(
+        lambda t, y, args: y[0],
+        direction=False,
+        effect=lambda t, y, args: jnp.stack([y[0], -e * y[1]]),
+        **kwargs,
+    )
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: jnp.stack([y[1], -G + 0 * y[0]])),
+        sk.Tsit5(),
+        0.0,
+        t1,
+        0.01 if t1 > 0 else -0.01,
+        y0,
+        event=event,
+        stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
+        throw=False,
+    )
+
+
+def test_zeno_point_is_a_result_not_a_fall_through_the_floor():
+    """A ball whose bounces shrink to nothing at t = t_1 (1 + e) / (1 - e): the solve
+    follows the bounces down to the resolution of time, then stops there with
+    `RESULTS.events_accumulated` (it used to lose the crossing and fall through)."""
+    with float64():
+        sol = _zeno_ball(0.5, jnp.array([1.0, 0.0]), 3.0)
+        t_zeno = np.sqrt(2 * H0 / G) * 1.5 / 0.5
+        assert sol.result == sk.RESULTS.events_accumulated
+        np.testing.assert_allclose(sol.ts[-1], t_zeno, rtol=1e-9)
+        assert int(sol.events.num) > 40  # bounces down to ~1e-16 s apart
+        assert float(sol.ys[-1, 0]) > -1e-12  # on the floor, not below it
+        with pytest.raises(RuntimeError, match="accumulate"):
+            sk.diffeqsolve(
+                sk.ODETerm(lambda t, y, args: jnp.stack([y[1], -G + 0 * y[0]])),
+                sk.Tsit5(),
+                0.0,
+                3.0,
+                0.01,
+                jnp.array([1.0, 0.0]),
+                event=sk.Event(
+                    lambda t, y, args: y[0],
+                    direction=False,
+                    effect=lambda t, y, args: jnp.stack([y[0], -0.5 * y[1]]),
+                ),
+                stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
+            )
+
+
+def test_occurrence_at_t0_and_backwards_in_time():
+    """A condition at zero at `t0` moving in the event's direction fires there (as
+    in SciPy); moving the other way it does not. Backwards in time, the impacts
+    are those of the ball run forwards, mirrored."""
+    with float64():
+        falling = _zeno_ball(0.8, jnp.array([0.0, -1.0]), 0.5)
+        assert float(falling.events.ts[0]) == 0.0
+        np.testing.assert_allclose(falling.events.ts[1], 2 * 0.8 / G, rtol=1e-9)
+        rising = _zeno_ball(0.8, jnp.array([0.0, 1.0]), 0.5)
+        np.testing.assert_allclose(rising.events.ts[0], 2 / G, rtol=1e-9)
+        back = _zeno_ball(0.8, jnp.array([H0, 0.0]), -1.5)
+        np.testing.assert_allclose(
+            back.events.ts[:2], -_impacts(0.8, 2), rtol=0, atol=1e-9
+        )
+        assert back.result == sk.RESULTS.successful
