@@ -141,6 +141,7 @@ class _Results:
     implicit_divergence: Result
     implicit_nonconvergence: Result
     max_events_reached: Result
+    events_accumulated: Result
     max_steps_rejected: Result
     singular: Result
     breakdown: Result
