@@ -29,6 +29,7 @@ EXAMPLES = [
     "heat_pde",
     "stiff_chemistry",
     "steady_state",
+    "bouncing_ball",
 ]
 DOCS = "docs"
 TIMEOUT = 600  # seconds per job; each takes well under a minute on an idle machine
