@@ -30,6 +30,7 @@ EXAMPLES = [
     "stiff_chemistry",
     "steady_state",
     "bouncing_ball",
+    "spiking_neurons",
 ]
 DOCS = "docs"
 TIMEOUT = 600  # seconds per job; each takes well under a minute on an idle machine
