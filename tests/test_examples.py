@@ -29,6 +29,8 @@ EXAMPLES = [
     "heat_pde",
     "stiff_chemistry",
     "steady_state",
+    "bouncing_ball",
+    "spiking_neurons",
     "pharmacokinetics",
 ]
 DOCS = "docs"
