@@ -45,6 +45,7 @@ import json
 import math
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -374,6 +375,19 @@ def run(size: int, repeats: int, max_spikes: int, variants: list[str]) -> list[d
     return rows
 
 
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N=64, 1 repeat")
@@ -392,6 +406,7 @@ def main(argv=None) -> None:
             "jax": jax.__version__,
             "diffrax": diffrax.__version__,
             "python": platform.python_version(),
+            "commit": _commit(),
             "command": " ".join(["python -m benchmarks.events", *sys.argv[1:]]),
         }
         with open(opts.json, "w") as f:
