@@ -54,3 +54,26 @@ def test_benchmarks_smoke(tmp_path: pathlib.Path) -> None:
     assert "| forward | 8 | solverkit |" in table
     assert "unsupported" in table
     assert "| forward | 8 | solverkit |" in proc.stdout  # the table is printed
+
+
+@pytest.mark.slow
+def test_events_benchmark_smoke(tmp_path: pathlib.Path) -> None:
+    """`python -m benchmarks.events --quick`: every method's spike times checked
+    against the exact ones and timed, the rows written to `--json`."""
+    out = tmp_path / "events.json"
+    command = [sys.executable, "-m", "benchmarks.events", "--quick", "--json", str(out)]
+    proc = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {(r["variant"], r["method"]): r for r in data["results"]}
+    methods = ("solverkit effect", "diffrax loop", "solverkit loop")
+    assert set(rows) == {(v, m) for v in ("forward", "grad") for m in methods}
+    for (variant, method), row in rows.items():
+        assert row["first_call_s"] > 0 and row["run_median_s"] > 0
+        assert row["steps"] > 0 and row["spikes"] > 0
+        if variant == "forward" or method != "solverkit effect":
+            assert row["note"] == "", (variant, method, row["note"])
+    assert rows[("forward", "diffrax loop")]["run_ratio"] == 1.0
+    assert "| forward | solverkit effect |" in proc.stdout
