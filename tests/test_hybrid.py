@@ -161,19 +161,10 @@ def test_integrate_and_fire_closures_vmap_grad():
         np.testing.assert_allclose(grads, -2 * TAU / (2.0 - 0.2), rtol=1e-7)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: under an adaptive controller the derivative of the k-th event time "
-    "has an error that grows geometrically with k (x -81 an occurrence here, x -8 "
-    "with Tsit5 at 1e-8): the step after a landing is (t1 - t0) * factor with the "
-    "landing step's t1 - t0 differentiated, so later step ends carry d(t_star)/dp "
-    "scaled by step / landing step. With ConstantStepSize, or with the proposed "
-    "step size under stop_gradient (a monkeypatch of PIDController.adapt_step_size "
-    "returning next_t0 + stop_gradient(next_t1 - next_t0)), the errors are 3e-11.",
-)
 def test_gradient_of_later_spike_times_under_an_adaptive_controller():
     """d(k-th spike time)/d(reset) = -k tau / (I - reset), for k up to 9 (the third,
-    above, is right to 2e-10; the eighth is off by 0.8, the tenth by 5e3)."""
+    above, was right to 2e-10 when the eighth was off by 0.8 and the tenth by 5e3:
+    the landing step's length was differentiated into the later step sizes)."""
     with float64():
         times = lambda reset: _neuron(2.0, reset, jnp.array([1.0]), 0).events.ts[:10]
         grads = jax.jacrev(times)(0.2)
