@@ -2,7 +2,7 @@
 and against diffrax (`jax.vmap(diffrax.diffeqsolve)`), on ensembles whose members
 take very different numbers of steps.
 
-`python -m benchmarks.ensemble [--quick] [--sizes 4096] [--lanes 256,512]`
+`python -m benchmarks.ensemble [--quick] [--sizes 4096] [--lanes 256,512] [--grad]`
 
 Cases (float64, one process, whatever device JAX sees; the parameters are shuffled
 with a fixed seed unless `--sorted`):
@@ -22,6 +22,16 @@ batch_size=lanes)`: the same working set, without refill), the first call
 the batch), and the work: lane steps taken by the refill loop (idle lanes
 included) against the sum of the trajectories' steps. `max |diff|` is the largest
 difference between the two solutions' final states.
+
+With `--grad`, four more columns: the gradient of `sum(final states ** 2)` with
+respect to `y0` and the parameters (the default `RecursiveCheckpointAdjoint`),
+through `ensemble_solve` (its refill forward pass, then the backward pass that
+solves each trajectory again in chunks of `lanes` sorted by their steps) and through
+the lockstep `jit(vmap(diffeqsolve))`, the ratio of the two run times, the work of
+the backward pass (lane steps of its chunks, each as long as its longest
+trajectory, over the sum of the trajectories' steps; a lockstep `vmap` does
+`N * max` of them), and the largest difference between the two gradients relative
+to the largest entry.
 """
 
 import argparse
@@ -131,6 +141,39 @@ def refill(case: Case, lanes: int | None):
     return jax.jit(solve)
 
 
+def _final_sum(ys):
+    return jnp.sum(ys**2)
+
+
+def lockstep_grad(case: Case):
+    """`jit(grad)` of a loss on the final states of `vmap(diffeqsolve)`, with
+    respect to `y0` and the parameters."""
+    term, solver = sk.ODETerm(case.vf), getattr(sk, case.solver)()
+
+    def one(y0, p):
+        sol = sk.diffeqsolve(
+            term, solver, 0.0, case.t1, DT0, y0, p,
+            stepsize_controller=_controller(), max_steps=MAX_STEPS,
+        )  # fmt: skip
+        return sol.ys[-1]
+
+    return jax.jit(jax.grad(lambda y0, p: _final_sum(jax.vmap(one)(y0, p)), (0, 1)))
+
+
+def refill_grad(case: Case, lanes: int | None):
+    """The same gradient through `ensemble_solve`."""
+    term, solver = sk.ODETerm(case.vf), getattr(sk, case.solver)()
+
+    def loss(y0, p):
+        sol = sk.ensemble_solve(
+            term, solver, 0.0, case.t1, DT0, y0, p,
+            stepsize_controller=_controller(), max_steps=MAX_STEPS, lanes=lanes,
+        )  # fmt: skip
+        return _final_sum(sol.ys[:, -1])
+
+    return jax.jit(jax.grad(loss, (0, 1)))
+
+
 def diffrax_lockstep(case: Case):
     import diffrax
 
@@ -167,10 +210,34 @@ HEADER = (
     "refill 1st s | lockstep 1st s | lockstep eff. | lane steps / sum steps | "
     "max abs diff |"
 )
+GRAD_HEADER = (
+    " refill grad s | lockstep grad s | grad ratio | backward lane steps / sum "
+    "steps | grad rel diff |"
+)
+
+
+def _relative_diff(a, b) -> float:
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+    a, b = flat(a), flat(b)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _backward_work(steps: np.ndarray, lanes: int) -> float:
+    """The lane steps of the backward pass's chunks (`lanes` trajectories each,
+    sorted by steps, longest first; each runs as long as its longest) over the sum
+    of the steps."""
+    steps = np.sort(steps)[::-1]
+    return float(np.sum(steps[::lanes]) * lanes / np.sum(steps))
 
 
 def run_case(
-    case: Case, n: int, lane_counts, repeats: int, with_diffrax: bool, shuffle: bool
+    case: Case,
+    n: int,
+    lane_counts,
+    repeats: int,
+    with_diffrax: bool,
+    shuffle: bool,
+    with_grad: bool = False,
 ):
     args = _inputs(case, n, shuffle)
     first_l, run_l, (y_l, steps_l) = _time(lockstep(case), args, repeats)
@@ -180,6 +247,8 @@ def run_case(
     if with_diffrax:
         _, run_d, _ = _time(diffrax_lockstep(case), args, repeats)
         diffrax_s = f"{run_d:.3f}"
+    if with_grad:
+        _, run_gl, grad_l = _time(lockstep_grad(case), args, repeats)
     rows = []
     for lanes in lane_counts:
         first_r, run_r, (y_r, steps_r, lane_steps) = _time(
@@ -191,12 +260,20 @@ def run_case(
         work = int(lane_steps) / int(np.sum(steps_r))
         diff = float(jnp.max(jnp.abs(y_r - y_l)))
         same = bool(np.all(np.asarray(steps_r) == steps_l))
-        rows.append(
+        row = (
             f"| {case.name} | {n} | {label} | {run_r:.3f} | {run_l:.3f} | "
             f"{run_r / run_l:.2f} | {run_c:.3f} | {diffrax_s} | "
             f"{first_r:.2f} | {first_l:.2f} | "
             f"{eff:.2f} | {work:.3f} | {diff:.1e}{'' if same else ' (steps differ)'} |"
         )
+        if with_grad:
+            _, run_gr, grad_r = _time(refill_grad(case, lanes), args, repeats)
+            row += (
+                f" {run_gr:.3f} | {run_gl:.3f} | {run_gr / run_gl:.2f} | "
+                f"{_backward_work(np.asarray(steps_r), used):.3f} | "
+                f"{_relative_diff(grad_r, grad_l):.1e} |"
+            )
+        rows.append(row)
         print(rows[-1], flush=True)
     return rows
 
@@ -214,6 +291,11 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--sorted", action="store_true", help="parameters in order, not shuffled"
     )
+    parser.add_argument(
+        "--grad",
+        action="store_true",
+        help="also time the gradient (refill forward + backward vs lockstep vmap)",
+    )
     opts = parser.parse_args(argv)
     sizes = [512] if opts.quick else [4096]
     if opts.sizes:
@@ -223,13 +305,14 @@ def main(argv=None) -> None:
         lane_counts = [None if s == "d" else int(s) for s in opts.lanes.split(",")]
     repeats = opts.repeats or (1 if opts.quick else 3)
     print(f"device: {jax.devices()[0].device_kind}, float64, repeats {repeats}")
-    print(HEADER)
-    print("|" + " --- |" * (HEADER.count("|") - 1))
+    header = HEADER + (GRAD_HEADER if opts.grad else "")
+    print(header)
+    print("|" + " --- |" * (header.count("|") - 1))
     for name in opts.cases.split(","):
         for n in sizes:
             run_case(
                 CASES[name], n, lane_counts, repeats, not opts.no_diffrax,
-                not opts.sorted,
+                not opts.sorted, opts.grad,
             )  # fmt: skip
 
 

@@ -114,13 +114,21 @@ def reverse_only(adjoint: "AbstractAdjoint"):
         raise
 
 
+# What the error for reverse-over-reverse suggests, by the name `custom_vjp` is given
+# (`_first_order_p` carries the name only: a short parameter keeps jaxprs short).
+_SECOND_ORDER = (
+    "Use forward-over-reverse, `jax.jacfwd(jax.grad(f))` (`jax.hessian` is that), "
+    "or `adjoint=DirectAdjoint()`, whose loop has a fixed length."
+)
+_second_order: dict[str, str] = {}
+
+
 def _twice_in_reverse(ct, **params):
+    name = params["adjoint"]
     raise UnsupportedError(
-        f"{params['adjoint']} can't be differentiated twice in reverse mode "
-        "(`jax.grad` of `jax.grad`): its backward pass is a loop whose length "
-        "depends on the solve. Use forward-over-reverse, `jax.jacfwd(jax.grad(f))` "
-        "(`jax.hessian` is that), or `adjoint=DirectAdjoint()`, whose loop has a "
-        "fixed length."
+        f"{name} can't be differentiated twice in reverse mode (`jax.grad` of "
+        "`jax.grad`): its backward pass is a loop whose length depends on the "
+        f"solve. {_second_order.get(name, _SECOND_ORDER)}"
     )
 
 
@@ -167,16 +175,19 @@ def custom_vjp(
     bwd: Callable,
     *ops,
     adjoint: str = "This adjoint",
+    second_order: str | None = None,
 ):
     """`primal(problem, *ops)` as a `custom_vjp` with the rules `fwd(problem, *ops)
     -> (out, residuals)` and `bwd(static, dynamic, residuals, cotangents)`, which
     returns the cotangents of `(dynamic, *ops)`. The backward pass can be
     differentiated in forward mode, not in reverse mode (`adjoint` names the adjoint
-    in that error).
+    in that error; `second_order`, if given, replaces what it suggests instead).
 
     The problem's arrays (`dynamic`) are an explicit operand, so every user value
     crosses the boundary explicitly; its non-array part (`static`) is static.
     """
+    if second_order is not None:
+        _second_order[adjoint] = second_order
     dynamic, static = eqx.partition(problem, eqx.is_array)
     # Inside `shard_map`, the manual axes each input varies over: a cotangent that
     # varies over more is summed over them (see `_match_varying`).

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, TYPE_CHECKING
 
 import equinox as eqx
+import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
@@ -161,8 +162,9 @@ class ConstantStepSize(AbstractStepSizeController):
         dt0 = jnp.asarray(dt0, t0.dtype)
         finite = jnp.isfinite(t1)
         # `nextafter`: a `dt0` that divides the interval up to rounding gives `n`
-        # steps, not `n + 1`.
-        n = jnp.ceil((t1 - t0) / jnp.nextafter(dt0, jnp.inf))
+        # steps, not `n + 1`. (`n`, an integer, has no derivative: `stop_gradient`
+        # keeps a differentiated `dt0` away from `nextafter`, which has no rule.)
+        n = jnp.ceil((t1 - t0) / jnp.nextafter(lax.stop_gradient(dt0), jnp.inf))
         n = where(finite, jnp.where(finite, n, 0).astype(jnp.int32), -1)
         end = where(finite, t1, dt0)  # the end, or with `t1 = inf` the step size
         return t0 + dt0, ConstantState(jnp.asarray(1, jnp.int32), n, t0, end)

@@ -13,8 +13,14 @@ pays nothing for it.
 
 The `Problem` is built once, for one trajectory, by the same steps as
 `diffeqsolve`'s; each lane swaps in its own `y0` and `args`.
+
+Reverse mode: the lane loop is the forward pass of a `custom_vjp` whose operands
+are the `Problem`'s arrays, `y0` and `args`; its backward pass (`_backward`)
+solves each trajectory again with the adjoint, as `diffeqsolve` does, in chunks of
+`lanes` trajectories sorted by the steps each took forwards.
 """
 
+import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -27,7 +33,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from . import _loop
-from ._adjoint import AbstractAdjoint
+from ._adjoint import AbstractAdjoint, custom_vjp, fill_zeros, parameters
 from ._checkpoint import RecursiveCheckpointAdjoint
 from ._controller import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import RealScalarLike
@@ -119,44 +125,31 @@ def _check_lanes(lanes, batch: int) -> int:
     return int(min(lanes, batch))
 
 
-def _check_unsupported(saveat: SaveAt, adjoint) -> None:
-    alternative = (
-        "; for that, use `jax.vmap(diffeqsolve)` (a lockstep batch) instead of "
-        "ensemble_solve."
-    )
-    if adjoint is not None:
-        raise UnsupportedError(
-            "ensemble_solve solves forward only and takes no `adjoint`: gradients "
-            "through it are not supported" + alternative
-        )
+def _check_unsupported(saveat: SaveAt) -> None:
     if saveat.dense:
         raise UnsupportedError(
-            "ensemble_solve does not support SaveAt(dense=True) (dense output)"
-            + alternative
+            "ensemble_solve does not support SaveAt(dense=True) (dense output); for "
+            "that, use `jax.vmap(diffeqsolve)` (a lockstep batch) instead of "
+            "ensemble_solve."
         )
 
 
-@jax.custom_jvp
-def _not_differentiable(x):
-    return x
-
-
-@_not_differentiable.defjvp
-def _not_differentiable_jvp(primals, tangents):
-    del primals, tangents
-    raise UnsupportedError(
-        "ensemble_solve can't be differentiated (neither jax.grad nor jax.jvp): its "
-        "lanes take trajectories in an order that depends on the solve. To "
-        "differentiate a batch of solves use `jax.vmap(diffeqsolve)` with the "
-        "adjoint of your choice."
-    )
-
-
-def _guard(tree: PyTree) -> PyTree:
-    """`tree`, raising a clear error if its floating-point arrays are
-    differentiated."""
-    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
-    return eqx.combine(_not_differentiable(dynamic), static)
+@contextlib.contextmanager
+def _reverse_only():
+    """Turn JAX's error for forward-mode autodiff of the `custom_vjp` around the
+    lanes into one that says what to use instead."""
+    try:
+        yield
+    except TypeError as e:
+        text = str(e)
+        if "custom_vjp" in text and ("forward-mode" in text or "jvp" in text):
+            raise UnsupportedError(
+                "ensemble_solve supports reverse-mode differentiation (jax.grad, "
+                "jax.vjp) only, not forward mode (jax.jvp, jax.jacfwd): for forward "
+                "mode differentiate a lockstep batch, `jax.vmap(diffeqsolve)` with "
+                f"`adjoint=DirectAdjoint()`. (JAX said: {e})"
+            ) from None
+        raise
 
 
 class _Lanes(NamedTuple):
@@ -182,9 +175,8 @@ def _with_lane(problem: Problem, y0: PyTree, args_dynamic: PyTree) -> Problem:
     return dataclasses.replace(problem, y0=y0, args=args)
 
 
-def _lane_outputs(problem: Problem, carry: Carry, bufs: Buffers, keep) -> dict:
-    """What a finished lane hands back for its trajectory (internal time)."""
-    out = _loop.finish(problem, carry, bufs)
+def _row(out: _loop.Outputs, keep) -> dict:
+    """What a finished solve hands back for its trajectory (internal time)."""
     keep_solver_state, keep_controller_state = keep
     return dict(
         ts=out.ts,
@@ -198,6 +190,11 @@ def _lane_outputs(problem: Problem, carry: Carry, bufs: Buffers, keep) -> dict:
         solver_state=out.carry.solver_state if keep_solver_state else None,
         controller_state=out.carry.controller_state if keep_controller_state else None,
     )
+
+
+def _lane_outputs(problem: Problem, carry: Carry, bufs: Buffers, keep) -> dict:
+    """What a finished lane hands back for its trajectory (internal time)."""
+    return _row(_loop.finish(problem, carry, bufs), keep)
 
 
 def _gather(tree: PyTree, index: Array, batch: int) -> PyTree:
@@ -306,12 +303,117 @@ def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
     return state
 
 
+def _solve_lanes(
+    problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep, adjoint
+):
+    """Every trajectory's outputs (the rows of `_Lanes.out`) and the number of loop
+    iterations, differentiable in reverse mode: a `custom_vjp` whose forward pass is
+    the lane loop and whose backward pass solves each trajectory again with
+    `adjoint` (`_backward`). The problem's arrays (every value the user's functions
+    close over), `y0` and `args` cross it as operands."""
+
+    def primal(problem: Problem, y0, args_dynamic):
+        state = _run(problem, y0, args_dynamic, lanes, refill_at, keep)
+        return state.out, state.iterations
+
+    def fwd(problem: Problem, y0, args_dynamic):
+        out, iterations = primal(problem, y0, args_dynamic)
+        return (out, iterations), (y0, args_dynamic, out["num_steps"])
+
+    def bwd(static, dynamic, residuals, cotangents):
+        ct_out, _ = cotangents
+        return _backward(static, dynamic, residuals, ct_out, lanes, keep, adjoint)
+
+    return custom_vjp(
+        problem, primal, fwd, bwd, y0, args_dynamic,
+        adjoint="ensemble_solve",
+        second_order=(
+            "Use forward-over-reverse, `jax.jacfwd(jax.grad(f))` (`jax.hessian` is "
+            "that), or differentiate a lockstep batch, `jax.vmap(diffeqsolve)` with "
+            "`adjoint=DirectAdjoint()`."
+        ),
+    )  # fmt: skip
+
+
+def _backward(static, dynamic, residuals, ct_out, lanes: int, keep, adjoint):
+    """The cotangents of the problem's arrays, `y0` and `args` (its array leaves),
+    from those of every trajectory's outputs.
+
+    Each trajectory is solved again as `diffeqsolve` solves it, with `adjoint`, and
+    pulled back through that solve (the same steps as the lane loop took for it). The
+    trajectories go through in chunks of `lanes`, each chunk a lockstep `vmap`,
+    longest first (sorted by the steps each took forwards), so that the trajectories
+    of a chunk take about as many steps as one another and few lanes idle: the work
+    is close to the sum of the steps, as in the forward pass, rather than `N` times
+    the longest.
+    """
+    y0, args_dynamic, num_steps = residuals
+    ct_out = eqx.filter(ct_out, eqx.is_inexact_array)
+    # A lane's own `y0` and `args` replace the problem's (`_with_lane`).
+    spec = dataclasses.replace(parameters(dynamic), y0=False, args=False)
+    p_diff, p_rest = eqx.partition(dynamic, spec)
+    a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
+
+    def one(p_diff, y, a_diff, a_rest):
+        problem = eqx.combine(p_diff, p_rest, static)
+        problem = dataclasses.replace(problem, meter=NoProgressMeter())
+        problem = _with_lane(problem, y, eqx.combine(a_diff, a_rest))
+        return eqx.filter(_row(adjoint.loop(problem), keep), eqx.is_inexact_array)
+
+    def pull_back(y, a_diff, a_rest, ct):
+        solve = jax.vmap(one, in_axes=(None, 0, 0, 0))
+        _, vjp = jax.vjp(lambda p, y, a: solve(p, y, a, a_rest), p_diff, y, a_diff)
+        return vjp(ct)
+
+    batch = num_steps.shape[0]
+    chunks = -(-batch // lanes)
+    if chunks == 1:
+        ct_p, ct_y, ct_a = pull_back(y0, a_diff, a_rest, ct_out)
+    else:
+        size = chunks * lanes
+        # The last chunk is padded with copies of the shortest trajectory, which get
+        # no cotangent.
+        order = jnp.argsort(-num_steps, stable=True)
+        order = jnp.concatenate([order, jnp.full(size - batch, order[-1])])
+        valid = jnp.arange(size) < batch
+
+        def rows(x, mask: bool = False):
+            x = x[order]
+            if mask:
+                x = jnp.where(valid.reshape((size,) + (1,) * (x.ndim - 1)), x, 0)
+            return x.reshape((chunks, lanes) + x.shape[1:])
+
+        def body(ct_p, xs):
+            dp, dy, da = pull_back(*xs)
+            ct_p = jtu.tree_map(lambda c, d: c + d.astype(c.dtype), ct_p, dp)
+            return ct_p, (dy, da)
+
+        xs = jtu.tree_map(rows, (y0, a_diff, a_rest))
+        xs = (*xs, jtu.tree_map(lambda c: rows(c, mask=True), ct_out))
+        zeros = jtu.tree_map(lambda p: jnp.zeros(p.shape, p.dtype), p_diff)
+        ct_p, (ct_y, ct_a) = lax.scan(body, zeros, xs)
+        # Trajectory `i` is row `position[i]` of the chunks.
+        position = (
+            jnp.zeros(batch, order.dtype)
+            .at[order[:batch]]
+            .set(jnp.arange(batch, dtype=order.dtype))
+        )
+        unsort = lambda x: x.reshape((size,) + x.shape[2:])[position]  # noqa: E731
+        ct_y, ct_a = jtu.tree_map(unsort, (ct_y, ct_a))
+    nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
+    ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
+    ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
+    return ct_dynamic, fill_zeros(ct_y, y0), ct_args
+
+
 @eqx.filter_jit
-def _ensemble(problem: Problem, y0, args, lanes: int, refill_at: int, throw, keep):
-    problem, y0, args = _guard((problem, y0, args))
+def _ensemble(
+    problem: Problem, y0, args, lanes: int, refill_at: int, throw, keep, adjoint
+):
     args_dynamic, _ = eqx.partition(args, eqx.is_array)
-    state = _run(problem, y0, args_dynamic, lanes, refill_at, keep[:2])
-    out = state.out
+    out, iterations = _solve_lanes(
+        problem, y0, args_dynamic, lanes, refill_at, keep[:2], adjoint
+    )
     ts, ys, t_end, result = out["ts"], out["ys"], out["t_end"], out["result"]
     if throw:
         failed = (result != _SUCCESS) & (result != _EVENT)
@@ -327,7 +429,7 @@ def _ensemble(problem: Problem, y0, args, lanes: int, refill_at: int, throw, kee
         if problem.max_steps is None
         else jnp.full((batch,), problem.max_steps, jnp.result_type(int)),
         lanes=lanes,
-        lane_steps=count(state.iterations) * lanes,
+        lane_steps=count(iterations) * lanes,
     )
     t0 = flip(problem.direction, problem.t0)
     return Solution(
@@ -360,7 +462,7 @@ def ensemble_solve(
     throw: bool = True,
     progress_meter: AbstractProgressMeter = NoProgressMeter(),
     lanes: int | None = None,
-    adjoint: AbstractAdjoint | None = None,
+    adjoint: AbstractAdjoint = RecursiveCheckpointAdjoint(),
 ) -> Solution:
     """Solve a batch of problems of one ODE, with finished lanes refilled.
 
@@ -395,7 +497,10 @@ def ensemble_solve(
     - `lanes`: how many trajectories are solved side by side; default
         `default_lanes(N)` (on a CPU `N // 16`, at least 64; on an accelerator
         every trajectory up to 65,536). At most `N`.
-    - `adjoint`: not supported (forward solves only); must be `None`.
+    - `adjoint`: how to differentiate each trajectory in reverse mode, as for
+        `diffeqsolve`: `RecursiveCheckpointAdjoint()` (default; `None` means it
+        too), `BacksolveAdjoint()`, `DirectAdjoint()` or `ImplicitAdjoint()`, with
+        the options each supports (checked as `diffeqsolve` checks them).
 
     **Returns:**
 
@@ -404,16 +509,31 @@ def ensemble_solve(
     holds `lanes` and `lane_steps` (steps taken over all lanes, idle ones
     included: the work done, to compare with the sum of `num_steps`).
 
-    !!! note
+    **Differentiation:**
 
-        Not differentiable: `jax.grad` or `jax.jvp` through it raises. To
-        differentiate a batch of solves use `jax.vmap(diffeqsolve)`. Composes with
-        `jax.jit`; under `jax.vmap` it runs as a batch of ensembles.
+    Reverse mode (`jax.grad`, `jax.vjp`) with respect to `y0`, the floating-point
+    leaves of `args`, every value the vector field (and `SaveAt.fn`, the event's
+    functions) closes over, `t0`, `t1` and `SaveAt(ts=...)`, through the
+    differentiable outputs (`ys`, `ts`, `t1`, and the solver's and controller's
+    states where kept). The forward pass is the lane loop above; the backward pass
+    solves each trajectory again with `adjoint`, as `diffeqsolve` would, and pulls
+    its cotangent back through that solve: in chunks of `lanes` trajectories sorted
+    by the steps each took (longest first), each chunk a lockstep `vmap`, so the
+    work is close to the sum of the trajectories' steps rather than `N` times the
+    longest. The gradient is that of `jax.vmap(diffeqsolve)` to round-off; a
+    gradient costs one refill forward pass plus, per chunk, the reverse pass of
+    `adjoint` for `lanes` trajectories at once (its memory too).
+
+    Forward mode (`jax.jvp`, `jax.jacfwd`) is not supported: it raises (for
+    forward mode use `jax.vmap(diffeqsolve)` with `adjoint=DirectAdjoint()`).
+    Nor is reverse-over-reverse; forward-over-reverse (`jax.hessian`) works.
+
+    Composes with `jax.jit`; under `jax.vmap` it runs as a batch of ensembles.
     """
-    _check_arguments(
-        solver, saveat, stepsize_controller, RecursiveCheckpointAdjoint(), max_steps
-    )
-    _check_unsupported(saveat, adjoint)
+    if adjoint is None:  # the default, as before `adjoint` was supported
+        adjoint = RecursiveCheckpointAdjoint()
+    _check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps)
+    _check_unsupported(saveat)
     batch = _batch_size(y0, args)
     lanes = _check_lanes(lanes, batch)
     times = _times(t0, t1, dt0)
@@ -427,6 +547,9 @@ def ensemble_solve(
         terms, solver, times, first(y0), first(args), saveat, stepsize_controller,
         event, max_steps, progress_meter, dt0, None
     )  # fmt: skip
+    adjoint.check(problem)
     keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
-    with jax.numpy_dtype_promotion("standard"):
-        return _ensemble(problem, y0, args, lanes, _refill_at(lanes), throw, keep)
+    with jax.numpy_dtype_promotion("standard"), _reverse_only():
+        return _ensemble(
+            problem, y0, args, lanes, _refill_at(lanes), throw, keep, adjoint
+        )

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    finite_difference,
     LINEAR_A,
     linear_vf,
     rotation,
@@ -69,6 +70,20 @@ def test_constant_steps_under_vmap_report_nonfinite_per_element():
     assert steps.tolist() == [10, 10, 10]
     np.testing.assert_allclose(ys[0], np.exp(-1.0) * np.ones(2), rtol=1e-2)
     assert np.all(np.isnan(ys[1]))
+
+
+def test_constant_steps_differentiable_in_dt0():
+    # The step count, an integer, is computed with `nextafter` (which JAX can't
+    # differentiate) from `dt0`: a differentiated `dt0` must not reach it. The first
+    # step ends at t0 + dt0, the others share the rest evenly.
+    def final(dt0):
+        return sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -y), sk.Heun(), 0.0, 1.0, dt0, 1.0
+        ).ys[-1]
+
+    grad = jax.grad(final)(0.3)
+    assert np.isfinite(grad) and grad != 0
+    np.testing.assert_allclose(grad, finite_difference(final, 0.3), rtol=1e-6)
 
 
 def test_step_to_is_euler_on_the_grid():
