@@ -6,7 +6,7 @@ on the last step's dense output after the loop."""
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -24,7 +24,7 @@ from ._problem import Carry, dense_info_zeros, LastStep, Problem
 from ._select import where
 from ._solution import RESULTS
 from ._time import flip
-from ._tree import tree_where
+from ._tree import nograd, tree_where
 
 
 class Event(eqx.Module):
@@ -334,23 +334,52 @@ def init_events(problem: Problem, solver_state: PyTree):
     return cond_values, event_mask, last
 
 
-def _bisect(g, a, b, ga, iterations: int):
-    def it(_, state):
-        a, b, ga = state
-        m = (a + b) / 2
-        gm = g(m)
-        same = jnp.sign(gm) == jnp.sign(ga)
-        return where(same, m, a), where(same, b, m), where(same, gm, ga)
-
-    a, b, _ = lax.fori_loop(0, iterations, it, (a, b, ga))
-    return (a + b) / 2
+class _Bracket(NamedTuple):
+    a: Array
+    b: Array
+    ga: Array  # the sign of the condition at `a`
+    x: Array  # the latest estimate
+    done: Array
+    count: Array
 
 
-def _bisections(dtype) -> int:
-    """Bisections of a step that locate an event to the resolution of its time: the
-    53 (float64) or 24 (float32) bits of the mantissa, with margin for a step much
-    shorter than its time."""
-    return 64 if dtype == jnp.float64 else 32
+# A bound on the root finder's steps (it takes a handful on a smooth crossing).
+_ROOT_MAX_STEPS = 100
+
+
+def _root(g, a, b, ga, done):
+    """A root of `g` in `[a, b]` (`ga`: the sign to take at `a`) by Newton's method
+    kept inside a shrinking bracket (a step that would leave it bisects instead),
+    from the secant point. It stops when a step moves less than a thousand ulps
+    of the time (short of `g`'s rounding noise): after three to five evaluations
+    on a smooth crossing, where 64 bisections took as many.
+    Where `done` from the start, `a`. Not differentiated (see
+    `_earliest_crossing`)."""
+    gb = g(b)
+    secant = (a * gb - b * ga) / (gb - ga)
+    x = where(jnp.isfinite(secant) & (secant > a) & (secant < b), secant, (a + b) / 2)
+
+    def narrow(s: _Bracket) -> _Bracket:
+        gx, slope = jax.jvp(g, (s.x,), (jnp.ones_like(s.x),))
+        like_a = jnp.sign(gx) == jnp.sign(s.ga)
+        a, b = where(like_a, s.x, s.a), where(like_a, s.b, s.x)
+        newton = s.x - gx / slope
+        inside = jnp.isfinite(newton) & (newton > a) & (newton < b)
+        x = where(inside, newton, (a + b) / 2)
+        # Near enough for the Newton step of `_earliest_crossing`, which follows,
+        # to land on the root to rounding, even where the condition's slope is
+        # small against its curvature (a grazing crossing); out of its noise.
+        tol = 1000 * jnp.finfo(x.dtype).eps * jnp.maximum(jnp.abs(a), jnp.abs(b))
+        done = (gx == 0) | (jnp.abs(x - s.x) <= tol) | (b - a <= tol)
+        x = where(gx == 0, s.x, x)
+        new = _Bracket(a, b, s.ga, x, done, s.count + 1)
+        return jtu.tree_map(lambda n, o: where(s.done, o, n), new, s)
+
+    start = _Bracket(a, b, ga, where(done, a, x), done, jnp.zeros((), jnp.int32))
+    end = lax.while_loop(
+        lambda s: jnp.any(~s.done) & (s.count < _ROOT_MAX_STEPS), narrow, start
+    )
+    return end.x
 
 
 def locate(problem: Problem, carry: Carry):
@@ -389,6 +418,13 @@ def crossing(
     return t_star
 
 
+def _cond_on(problem: Problem, closure, info, tstart, tend, tau):
+    """A condition at `tau` along the dense output `info` of the step
+    `[tstart, tend]`."""
+    y = problem.solver.interpolate(info, tstart, tend, tau)
+    return closure(flip(problem.direction, tau), y, problem.args)
+
+
 def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=None):
     """`(t_star, located)`: the earliest root over `[tstart, tend]` of the real
     conditions whose `mask` is set (where `event`), else `tend`; and whether one
@@ -402,7 +438,6 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=
     solver = problem.solver
     is_real = _real_conds(problem)
     leaves = jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
-    iterations = _bisections(tend.dtype)
     t_star = tend
     located = jnp.asarray(False)  # whether a real-valued condition fired
     starts = [None] * len(leaves) if start is None else start
@@ -418,14 +453,23 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=
         a = lax.stop_gradient(where(active, tstart, tend - 1))
         b = lax.stop_gradient(tend)
         if problem.root_finder is None:
-            ga = g(a) if before is None else before.astype(tend.dtype)
-            root = _bisect(g, a, b, ga, iterations)
+            # The search is not differentiated (the Newton step below gives the
+            # derivative), so it may stop when it has converged.
+            fixed = nograd((problem, closure, info, tstart, tend))
+            h = lambda tau, fixed=fixed: _cond_on(
+                fixed[0], fixed[1], fixed[2], fixed[3], fixed[4], tau
+            )
+            ga = h(a) if before is None else before.astype(tend.dtype)
+            root = _root(h, a, b, ga, ~active)
         else:
             root = _optx_root(g, problem.root_finder, a, b)
         root = lax.stop_gradient(where(active, root, tend))
         g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
         dg_dt = lax.stop_gradient(where(dg_dt == 0, 1, dg_dt))
         root = root - where(active, g_root / dg_dt.astype(root.dtype), 0)
+        # Within the step (the clip moves the value by rounding only, not the
+        # derivative).
+        root = root + lax.stop_gradient(jnp.clip(root, a, b) - root)
         t_star = where(active, jnp.minimum(t_star, root), t_star)
         located = located | active
     return t_star, located

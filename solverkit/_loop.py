@@ -383,8 +383,9 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
     stop = landed & (count >= problem.stop_at) if problem.stop_at else False
     over = landed & (count > problem.max_events)
     # An occurrence at the time of the previous one (its landing step has no
-    # length): they accumulate there, and the solve can't go past.
-    accumulated = landed & (t1 <= t0) & (hybrid.count > 0) & ~stop & ~over
+    # length, to a hundred ulps): they accumulate there, and the solve can't go past.
+    close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
+    accumulated = landed & (t1 - t0 <= close) & (hybrid.count > 0) & ~stop & ~over
     apply = landed & ~stop & ~over & ~accumulated
     y, restart, after = _after_occurrence(problem, t1, new.y, apply, carry.cond_values)
     result = where(stop, _EVENT, new.result)

@@ -143,15 +143,16 @@ class AbstractRungeKutta(AbstractSolver):
         theta = step_fraction(t0, t1, t)
         dense = self.tableau.dense
         assert dense is not None  # (else `_dense_info` gives no `k`)
-        powers = np.arange(1, dense.shape[1] + 1)
 
         def leaf(y0: Y, *ks):
             th = jnp.asarray(theta, dtype=y0.dtype)
-            weights = jnp.matmul(
-                jnp.asarray(dense, dtype=y0.dtype),
-                th ** powers.astype(y0.real.dtype),
-                precision=Precision.HIGHEST,
-            )
+            # Each stage's weight, the polynomial `sum_j dense[i, j] theta^(j+1)`,
+            # by Horner's rule: multiplications only (no float `power`), one pass.
+            column = lambda j: jnp.asarray(np.asarray(dense)[:, j], dtype=y0.dtype)
+            weights = column(-1)
+            for j in range(dense.shape[1] - 2, -1, -1):
+                weights = column(j) + th * weights
+            weights = th * weights
             acc = sum(weights[i] * k for i, k in enumerate(ks))
             return y0 + jnp.asarray(h, dtype=y0.dtype) * acc
 
