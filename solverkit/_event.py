@@ -369,9 +369,12 @@ def _root(g, a, b, ga, done):
         # Near enough for the Newton step of `_earliest_crossing`, which follows,
         # to land on the root to rounding, even where the condition's slope is
         # small against its curvature (a grazing crossing); out of its noise.
+        # (A Newton step that small ends the search even where it lands on an end
+        # of the bracket, as it does at the root: not a bisection then.)
         tol = 1000 * jnp.finfo(x.dtype).eps * jnp.maximum(jnp.abs(a), jnp.abs(b))
-        done = (gx == 0) | (jnp.abs(x - s.x) <= tol) | (b - a <= tol)
-        x = where(gx == 0, s.x, x)
+        converged = (gx == 0) | (jnp.isfinite(newton) & (jnp.abs(newton - s.x) <= tol))
+        done = converged | (jnp.abs(x - s.x) <= tol) | (b - a <= tol)
+        x = where(converged, s.x, x)
         new = _Bracket(a, b, s.ga, x, done, s.count + 1)
         return jtu.tree_map(lambda n, o: where(s.done, o, n), new, s)
 
