@@ -290,15 +290,10 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     result = where(carry.result == SUCCESS, result, carry.result)
     cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last
     if problem.conds is not None and not problem.continues:
-        new_values = _event.eval_conds(problem, t1, y1)
-        fired = _event.fired(problem, carry.cond_values, new_values)
-        fired = jtu.tree_map(lambda f: f & accepted & finite, fired)
-        any_fired = or_all(jtu.tree_leaves(fired))
-        result = where(any_fired & (result == SUCCESS), _EVENT, result)
-        cond_values = tree_where(accepted, new_values, carry.cond_values)
-        event_mask = fired
-        if last is not None:
-            last = tree_where(accepted, LastStep(t0, info), last)
+        out = StepOut(accepted, t0, t1, y1, info)
+        cond_values, event_mask, last, result = _stopping_event(
+            problem, carry, out, finite, result
+        )
     new = Carry(
         t=where(accepted, t1, t0),
         tnext=next_t1,
@@ -355,12 +350,27 @@ def _after_timed(problem: Problem, new: Carry, out: StepOut, t_timed: Array) -> 
     return lax.cond(unvmap_any(due), land, lambda new: new, new)
 
 
+def _stopping_event(problem: Problem, carry: Carry, out: StepOut, finite, result):
+    """An event that stops the solve, after a step: the conditions at its end,
+    which fired, the step kept for locating a crossing, and the result."""
+    accepted = out.accepted
+    new_values = _event.eval_conds(problem, out.t1, out.y1)
+    fired = _event.fired(problem, carry.cond_values, new_values)
+    fired = jtu.tree_map(lambda f: f & accepted & finite, fired)
+    any_fired = or_all(jtu.tree_leaves(fired))
+    result = where(any_fired & (result == SUCCESS), _EVENT, result)
+    cond_values = tree_where(accepted, new_values, carry.cond_values)
+    last = carry.last
+    if last is not None:
+        last = tree_where(accepted, LastStep(out.t0, out.dense_info), last)
+    return cond_values, fired, last, result
+
+
 def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
     """An event that continues, after a step: a crossing found in an accepted step
     turns it into a rejected one, and the next steps land exactly on the located
     occurrence; a step that lands there applies the effect (the solver's state made
-    anew, as after a jump), records it, and stops the solve at the `stop_at`-th
-    (or with `max_events_reached` past `max_events`)."""
+    anew, as after a jump), records it, or ends the solve (`_occurrence_ends`)."""
     hybrid = carry.hybrid
     assert hybrid is not None  # (`init` made it)
     t0, t1, accepted = out.t0, out.t1, out.accepted
@@ -380,17 +390,8 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
     )
     # The occurrence reached: its effect, a fresh solver state, the conditions anew.
     count = hybrid.count + landed.astype(jnp.int32)
-    stop = landed & (count >= problem.stop_at) if problem.stop_at else False
-    over = landed & (count > problem.max_events)
-    # An occurrence at the time of the previous one (its landing step has no
-    # length, to a hundred ulps): they accumulate there, and the solve can't go past.
-    close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
-    accumulated = landed & (t1 - t0 <= close) & (hybrid.count > 0) & ~stop & ~over
-    apply = landed & ~stop & ~over & ~accumulated
+    apply, result = _occurrence_ends(problem, hybrid, landed, count, out, new.result)
     y, restart, after = _after_occurrence(problem, t1, new.y, apply, carry.cond_values)
-    result = where(stop, _EVENT, new.result)
-    result = where(over, _MAX_EVENTS, result)
-    result = where(accumulated, _ACCUMULATED, result)
     new = new._replace(
         y=y,
         solver_state=tree_where(apply, restart, new.solver_state),
@@ -422,6 +423,23 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
     new = tree_where(found, undone, new)
     out = out._replace(accepted=accepted & ~found, landed=landed)
     return new, out
+
+
+def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, result):
+    """Whether the occurrence a step `landed` on is applied, and the result: the
+    solve stops at the `stop_at`-th (`event_occurred`, before the effect), past
+    `max_events` (`max_events_reached`), or where an occurrence comes at the time
+    of the previous one (its landing step has no length, to a hundred ulps):
+    occurrences accumulate there and no solve goes past (`events_accumulated`)."""
+    t0, t1 = out.t0, out.t1
+    stop = landed & (count >= problem.stop_at) if problem.stop_at else False
+    over = landed & (count > problem.max_events)
+    close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
+    accumulated = landed & (t1 - t0 <= close) & (hybrid.count > 0) & ~stop & ~over
+    result = where(stop, _EVENT, result)
+    result = where(over, _MAX_EVENTS, result)
+    result = where(accumulated, _ACCUMULATED, result)
+    return landed & ~stop & ~over & ~accumulated, result
 
 
 def _after_occurrence(problem: Problem, t1, y, apply, reference):

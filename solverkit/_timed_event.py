@@ -75,54 +75,57 @@ class TimedEvent(eqx.Module):
                 "TimedEvent(effect=...) must be a callable (t, y, args) -> y, got "
                 f"{effect!r}."
             )
-        repeated = (start, interval, count)
-        if ts is None:
-            if interval is None or count is None:
-                raise ValueError(
-                    "TimedEvent needs its times: `ts=`, or `interval=` and `count=` "
-                    "(with `start=`, default 0)."
-                )
-            if not isinstance(count, (int, np.integer)) or count < 1:
-                raise ValueError(
-                    f"TimedEvent(count=...) must be a positive int, got {count!r}."
-                )
-            start = 0.0 if start is None else start
-            if jnp.ndim(start) != 0 or jnp.ndim(interval) != 0:
-                raise ValueError(
-                    "TimedEvent(start=..., interval=...) must be scalars, got shapes "
-                    f"{jnp.shape(start)} and {jnp.shape(interval)}."
-                )
-            ts = start + interval * jnp.arange(count)
-        elif any(r is not None for r in repeated):
-            raise ValueError(
-                "TimedEvent takes either `ts=` or `start=`/`interval=`/`count=`, "
-                "not both."
-            )
-        ts = jnp.asarray(ts)
-        if ts.ndim != 1 or ts.size == 0:
-            raise ValueError(
-                f"TimedEvent(ts=...) must be a non-empty 1-D array, got shape "
-                f"{ts.shape}."
-            )
-        if not (
-            jnp.issubdtype(ts.dtype, jnp.floating)
-            or jnp.issubdtype(ts.dtype, jnp.integer)
-        ):
-            raise TypeError(
-                f"TimedEvent(ts=...) must hold real times, got dtype {ts.dtype}."
-            )
-        known = concrete(ts)
-        if known is not None and known.size > 1:
-            steps = np.diff(known)
-            if not (np.all(steps > 0) or np.all(steps < 0)):
-                raise BadInputError(
-                    "TimedEvent(ts=...) must be strictly increasing (or, for a "
-                    "backwards solve, strictly decreasing): give events at one time "
-                    f"as one; got {known}."
-                )
-        self.ts = ts
+        self.ts = _event_times(ts, start, interval, count)
         self.amount = amount
         self.effect = effect
+
+
+def _event_times(ts, start, interval, count) -> Array:
+    """`TimedEvent`'s times: `ts`, or `count` of them from `start`, `interval`
+    apart; checked."""
+    repeated = (start, interval, count)
+    if ts is None:
+        if interval is None or count is None:
+            raise ValueError(
+                "TimedEvent needs its times: `ts=`, or `interval=` and `count=` "
+                "(with `start=`, default 0)."
+            )
+        if not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError(
+                f"TimedEvent(count=...) must be a positive int, got {count!r}."
+            )
+        start = 0.0 if start is None else start
+        if jnp.ndim(start) != 0 or jnp.ndim(interval) != 0:
+            raise ValueError(
+                "TimedEvent(start=..., interval=...) must be scalars, got shapes "
+                f"{jnp.shape(start)} and {jnp.shape(interval)}."
+            )
+        ts = start + interval * jnp.arange(count)
+    elif any(r is not None for r in repeated):
+        raise ValueError(
+            "TimedEvent takes either `ts=` or `start=`/`interval=`/`count=`, not both."
+        )
+    ts = jnp.asarray(ts)
+    if ts.ndim != 1 or ts.size == 0:
+        raise ValueError(
+            f"TimedEvent(ts=...) must be a non-empty 1-D array, got shape {ts.shape}."
+        )
+    if not (
+        jnp.issubdtype(ts.dtype, jnp.floating) or jnp.issubdtype(ts.dtype, jnp.integer)
+    ):
+        raise TypeError(
+            f"TimedEvent(ts=...) must hold real times, got dtype {ts.dtype}."
+        )
+    known = concrete(ts)
+    if known is not None and known.size > 1:
+        steps = np.diff(known)
+        if not (np.all(steps > 0) or np.all(steps < 0)):
+            raise BadInputError(
+                "TimedEvent(ts=...) must be strictly increasing (or, for a "
+                "backwards solve, strictly decreasing): give events at one time "
+                f"as one; got {known}."
+            )
+    return ts
 
 
 class Timed(eqx.Module):
