@@ -258,14 +258,9 @@ class PIDController(AbstractAdaptiveStepSizeController):
             where(keep, 1, self.factormin),
             where(keep, self.factormax, self.safety),
         )
+        factor = lax.stop_gradient(factor)
         inv = where((inv == 0) | jnp.isinf(inv), 1, inv)
-        # No derivative flows through a step size: the next step shifts with this
-        # one's end, it does not stretch with its length. (Else a step cut short, at
-        # an event, a clip or a rejection, would pass the derivative of its end on
-        # to every later step, multiplied by each step's factor, and a gradient
-        # with respect to an event time would grow without bound with the steps.)
-        dt = lax.stop_gradient((t1 - t0) * factor)
-        dt, at_dtmin, result = self._bounded(dt, factor, at_dtmin)
+        dt, at_dtmin, result = self._bounded((t1 - t0) * factor, factor, at_dtmin)
         next_t0 = where(keep, t1, t0)
         state = PIDState(
             where(keep, inv, prev),

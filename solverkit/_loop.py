@@ -340,8 +340,11 @@ def _after_timed(problem: Problem, new: Carry, out: StepOut, t_timed: Array) -> 
         cond_values = new.cond_values
         if problem.conds is not None:
             cond_values = tree_where(due, _event.eval_conds(problem, t, y), cond_values)
+        # The next step shifts with the event's time (see `_continue`).
+        tnext = t + lax.stop_gradient(new.tnext - t)
         return new._replace(
             y=y,
+            tnext=where(due, tnext, new.tnext),
             solver_state=tree_where(due, restart, new.solver_state),
             cond_values=cond_values,
             timed_index=index + due.astype(jnp.int32),
@@ -405,9 +408,13 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
             jnp.minimum(new.tnext, hybrid.t_land),
             # After the occurrence, at least the step that found it: the landing
             # step may be far shorter (or of no length, for one at `t0`).
+            # It shifts with the occurrence's time, it does not stretch with the
+            # landing step: else that step's derivative would reach every later
+            # step, multiplied by each step's factor (a spike time's gradient grew
+            # ~25-fold a spike).
             where(
                 landed,
-                jnp.maximum(new.tnext, t1 + lax.stop_gradient(hybrid.h)),
+                t1 + lax.stop_gradient(jnp.maximum(new.tnext - t1, hybrid.h)),
                 new.tnext,
             ),
         ),
