@@ -28,3 +28,14 @@ def x64():
     """
     with float64():
         yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilation_caches():
+    """Each test file starts with JAX's caches emptied. Files share compiled
+    functions within themselves, rarely across; without this the whole suite
+    (800+ tests in one process) holds every executable it ever compiled, and XLA's
+    CPU compiler crashed (a segmentation fault in `backend_compile_and_load`) in
+    the last file, `tests/test_user_solver.py`, which passes alone."""
+    yield
+    jax.clear_caches()
