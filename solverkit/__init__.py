@@ -46,6 +46,10 @@ from ._global_interpolation import (
 )
 from ._integrate import diffeqsolve as diffeqsolve
 from ._interpolation import DenseInterpolation as DenseInterpolation
+from ._linear_solver import (
+    AbstractLinearSolver as AbstractLinearSolver,
+    DenseLinearSolver as DenseLinearSolver,
+)
 from ._local_interpolation import (
     AbstractLocalInterpolation as AbstractLocalInterpolation,
     FourthOrderPolynomialInterpolation as FourthOrderPolynomialInterpolation,

@@ -1,0 +1,131 @@
+"""Linear solvers of the stiff solvers: solves with the iteration matrix `A = M - γh J`.
+
+A stiff solver works on the ravelled state `x` (a vector of `n` unknowns) and the
+vector field as a function of it, `fn(x) = ravel(f(t, unravel(x)))`. The protocol has
+three steps, kept apart so that a solver may reuse each result across steps and
+stages (Jacobian reuse, factorisation reuse):
+
+1. `linearise(fn, x) -> (fn(x), jac)`: the field's value and this linear solver's
+   representation of the Jacobian `∂fn/∂x` at `x` (a dense matrix, bands, a
+   compressed sparse Jacobian, or only the point `x` for a matrix-free solver).
+2. `factorise(jac, gamma_h, mass) -> factor`: what solves with `M - γh J` need (an LU
+   factorisation, an inverse, a preconditioner).
+3. `solve(factor, rhs, fn) -> x`: `(M - γh J)^{-1} rhs`; `fn` is the field at the
+   current time, used only by matrix-free solvers (for Jacobian-vector products at
+   the linearisation point kept in `factor`).
+
+Every result is a pytree of arrays, so it may be carried in a solver's state through
+a `while_loop`. `mass` is `None` (the identity), a vector `(n,)` (a diagonal mass
+matrix) or a matrix `(n, n)`.
+"""
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from ._linalg import Inverse, lu_factorisation, value_and_jacobian
+
+
+FlatFn = Callable[[Array], Array]
+
+# Up to this many unknowns, the dense solver inverts the iteration matrix (each solve
+# a matrix-vector product, with one step of refinement) instead of factorising it:
+# for small systems, above all under vmap, several times faster (benchmarks/stiff.py).
+_INVERSE_MAX = 32
+
+
+def mass_matvec(mass: Array | None, v: Array) -> Array:
+    """`M v` for a mass matrix given as `None` (identity), a vector (diagonal) or a
+    matrix."""
+    if mass is None:
+        return v
+    if mass.ndim == 1:
+        return mass.astype(v.dtype) * v
+    return jnp.matmul(mass.astype(v.dtype), v, precision="highest")
+
+
+def iteration_matrix(jac: Array, gamma_h: Array, mass: Array | None) -> Array:
+    """The dense `M - γh J`."""
+    n = jac.shape[0]
+    if mass is None:
+        m = jnp.eye(n, dtype=jac.dtype)
+    elif mass.ndim == 1:
+        m = jnp.diag(mass.astype(jac.dtype))
+    else:
+        m = mass.astype(jac.dtype)
+    return m - jnp.asarray(gamma_h, jac.dtype) * jac
+
+
+class AbstractLinearSolver(eqx.Module):
+    """How a stiff solver (`BDF`, the Rosenbrock and ESDIRK solvers) solves its linear
+    systems `(M - γh J) x = b`. See the module docstring for the protocol."""
+
+    @abc.abstractmethod
+    def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Any]:
+        """The field and its Jacobian at `x`.
+
+        **Arguments:**
+
+        - `fn`: the vector field on the ravelled state, `(n,) -> (n,)`.
+        - `x`: the point, `(n,)`.
+
+        **Returns:**
+
+        `(fn(x), jac)`, `jac` in this solver's representation.
+        """
+
+    @abc.abstractmethod
+    def factorise(self, jac: Any, gamma_h: Array, mass: Array | None) -> Any:
+        """Prepare solves with `M - gamma_h * J`.
+
+        **Arguments:**
+
+        - `jac`: from `linearise`.
+        - `gamma_h`: the scalar `γh`.
+        - `mass`: `None`, a vector or a matrix (see the module docstring).
+
+        **Returns:**
+
+        The factor, a pytree of arrays, for `solve`.
+        """
+
+    @abc.abstractmethod
+    def solve(self, factor: Any, rhs: Array, fn: FlatFn) -> Array:
+        """`(M - γh J)^{-1} rhs`.
+
+        **Arguments:**
+
+        - `factor`: from `factorise`.
+        - `rhs`: the right-hand side, `(n,)`.
+        - `fn`: the vector field on the ravelled state (for matrix-free solvers).
+
+        **Returns:**
+
+        The solution, `(n,)`, of `rhs`'s dtype.
+        """
+
+
+class DenseLinearSolver(AbstractLinearSolver):
+    """Dense Jacobians (one forward-mode pass of `n` columns) and dense LU
+    factorisations; for up to 32 unknowns, an explicit inverse with one step of
+    iterative refinement per solve. The default, and the right choice up to a few
+    hundred unknowns.
+    """
+
+    def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Array]:
+        value, jac, _ = value_and_jacobian(lambda _, y: fn(y), jnp.zeros(()), x)
+        return value, jac
+
+    def factorise(self, jac: Array, gamma_h: Array, mass: Array | None):
+        matrix = iteration_matrix(jac, gamma_h, mass)
+        if matrix.shape[0] <= _INVERSE_MAX:
+            return Inverse(jnp.linalg.inv(matrix), matrix)
+        return lu_factorisation(matrix)
+
+    def solve(self, factor, rhs: Array, fn: FlatFn) -> Array:
+        del fn
+        return factor.solve(rhs)
