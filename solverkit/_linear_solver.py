@@ -60,6 +60,31 @@ def iteration_matrix(jac: Array, gamma_h: Array, mass: Array | None) -> Array:
     return m - jnp.asarray(gamma_h, jac.dtype) * jac
 
 
+def algebraic_residual(mass: Array | None, f: Array) -> Array:
+    """The part of `f` outside the range of the mass matrix `M`: zero for a regular
+    `M`; for a singular one, the residual of the algebraic equations of `M y' = f`
+    (the initial values of a DAE are consistent when it vanishes at `t0`).
+
+    **Arguments:**
+
+    - `mass`: `None`, a vector (diagonal) or a matrix, as in the module docstring.
+    - `f`: the ravelled vector field, `(n,)`.
+
+    **Returns:**
+
+    The residual, `(n,)` (for a diagonal `M`: `f` where `M` has a zero diagonal;
+    for a matrix: `f` projected onto the left null space of `M`).
+    """
+    if mass is None:
+        return jnp.zeros_like(f)
+    if mass.ndim == 1:
+        return jnp.where(mass == 0, f, 0)
+    u, s, _ = jnp.linalg.svd(mass.astype(f.dtype))
+    tol = jnp.max(s) * mass.shape[0] * jnp.finfo(s.dtype).eps
+    coords = jnp.matmul(jnp.conj(u.T), f, precision="highest")
+    return jnp.matmul(u, jnp.where(s <= tol, coords, 0), precision="highest")
+
+
 class AbstractLinearSolver(eqx.Module):
     """How a stiff solver (`BDF`, the Rosenbrock and ESDIRK solvers) solves its linear
     systems `(M - γh J) x = b`. See the module docstring for the protocol."""

@@ -38,6 +38,8 @@ _MAX_STEPS = int(RESULTS.max_steps_reached.code)
 _NONFINITE = int(RESULTS.nonfinite.code)
 _MAX_EVENTS = int(RESULTS.max_events_reached.code)
 _ACCUMULATED = int(RESULTS.events_accumulated.code)
+_INCONSISTENT = int(RESULTS.inconsistent_initial_values.code)
+_SINGULAR = int(RESULTS.singular.code)
 
 
 def _all_finite(tree) -> Array:
@@ -284,8 +286,16 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     next_t1 = where(close, problem.t1, next_t1)
     finite = _all_finite(y1)
     result = jnp.asarray(controller_result.code, jnp.int32)
-    if failed is not None and not adaptive(problem):
-        result = where(failed, jnp.asarray(solver_result.code, jnp.int32), result)
+    if failed is not None:
+        code = jnp.asarray(solver_result.code, jnp.int32)
+        # A failure that a smaller step can't mend ends the solve even under an
+        # adaptive controller (which otherwise rejects a failed step and retries).
+        fatal = (
+            failed
+            if not adaptive(problem)
+            else (code == _INCONSISTENT) | (code == _SINGULAR)
+        )
+        result = where(fatal, code, result)
     result = where(accepted & ~finite, _NONFINITE, result)
     result = where(carry.result == SUCCESS, result, carry.result)
     cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last

@@ -91,8 +91,17 @@ _OUTCOMES = (
         "earlier (`t1`, `Event(terminal=k)`) or change the effect (e.g. to stop "
         "bouncing below a speed).",
     ),
+    (
+        "inconsistent_initial_values",
+        "The initial values of a differential-algebraic equation (a singular "
+        "`mass_matrix`) are inconsistent: the algebraic equations do not hold at "
+        "`t0` (`f(t0, y0, args)` has a component outside the range of the mass "
+        "matrix). Solve the algebraic equations for the algebraic components of "
+        "`y0` first.",
+    ),
     # diffrax's other names (from optimistix's and lineax's), which an ODE solve here
-    # never returns; kept so that scripts comparing against them run.
+    # returns only from a stiff solver's linear solve (`singular`) or never; kept so
+    # that scripts comparing against them run.
     (
         "max_steps_rejected",
         "Maximum number of rejected steps was reached. Consider increasing "
@@ -126,8 +135,11 @@ class _Results:
     under diffrax's names `nonlinear_divergence` and `nonlinear_max_steps_reached`),
     `max_events_reached` (a continuing event fired more often than it records),
     `events_accumulated` (its occurrences accumulate at one time: a Zeno point),
-    and diffrax's names that an ODE solve here never returns (`max_steps_rejected`,
-    `singular`, `breakdown`, `stagnation`, `conlim`, `nonfinite_input`).
+    `inconsistent_initial_values` (a differential-algebraic equation's `y0` does
+    not satisfy its algebraic equations), `singular` (a stiff solver's iteration
+    matrix is singular even as the step shrinks), and diffrax's names that an ODE
+    solve here never returns (`max_steps_rejected`, `breakdown`, `stagnation`,
+    `conlim`, `nonfinite_input`).
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.
     """
 
