@@ -154,6 +154,7 @@ class _Results:
     implicit_nonconvergence: Result
     max_events_reached: Result
     events_accumulated: Result
+    inconsistent_initial_values: Result
     max_steps_rejected: Result
     singular: Result
     breakdown: Result
