@@ -472,16 +472,24 @@ def _after_occurrence(problem: Problem, t1, y, apply, reference):
         changed = problem.effect(flip(problem.direction, t1), y, problem.args)
         y = tree_where(apply, like_state(changed, y), y)
     restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
-    rates = problem.solver.func(problem.terms, t1, y, problem.args)
-    after, moving = jax.jvp(
-        lambda tau, y: _event.eval_conds(problem, tau, y),
-        (t1, y),
-        (jnp.ones_like(t1), rates),
-    )
-    # The time within which a located crossing is known (a thousand of `t1`'s ulps).
-    window = 1000 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
-    side = lambda a, m, r: _side(a, m, r, window)
+    after, moving = _conditions_along_flow(problem, t1, y)
+    side = lambda a, m, r: _side(a, m, r, _window(t1))
     return y, restart, jtu.tree_map(side, after, moving, reference)
+
+
+def _conditions_along_flow(problem: Problem, t, y) -> tuple[PyTree, PyTree]:
+    """The event conditions at `(t, y)` and their rates of change along the flow."""
+    rates = problem.solver.func(problem.terms, t, y, problem.args)
+    return jax.jvp(
+        lambda tau, x: _event.eval_conds(problem, tau, x),
+        (t, y),
+        (jnp.ones_like(t), rates),
+    )
+
+
+def _window(t):
+    """The time within which a located crossing is known: a thousand of `t`'s ulps."""
+    return 1000 * jnp.finfo(t.dtype).eps * jnp.maximum(jnp.abs(t), 1)
 
 
 def _start_sides(problem: Problem, cond_values: PyTree) -> PyTree:
@@ -489,16 +497,10 @@ def _start_sides(problem: Problem, cond_values: PyTree) -> PyTree:
     the time its crossings are located to) is taken to be on the side it comes
     from, against its rate, so that it fires in the first step if its direction
     allows (an occurrence at `t0`, as SciPy's `solve_ivp` finds one)."""
-    t0, y0, args = problem.t0, problem.y0, problem.args
-    rates = problem.solver.func(problem.terms, t0, y0, args)
-    _, moving = jax.jvp(
-        lambda tau, y: _event.eval_conds(problem, tau, y),
-        (t0, y0),
-        (jnp.ones_like(t0), rates),
-    )
-    window = 1000 * jnp.finfo(t0.dtype).eps * jnp.maximum(jnp.abs(t0), 1)
+    t0 = problem.t0
+    _, moving = _conditions_along_flow(problem, t0, problem.y0)
     zero = jnp.zeros((), t0.dtype)
-    side = lambda v, m: _side(v, -m, zero, window)
+    side = lambda v, m: _side(v, -m, zero, _window(t0))
     return jtu.tree_map(side, cond_values, moving)
 
 
