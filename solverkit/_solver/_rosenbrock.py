@@ -25,7 +25,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.lax import Precision
-from jaxtyping import Array, Bool, PyTree
+from jaxtyping import Array, PyTree
 
 from .._linalg import time_derivative
 from .._linear_solver import (
@@ -79,8 +79,11 @@ def _check_mass(mass: Any, name: str, singular_ok: bool) -> Array | None:
             f"{name}(mass_matrix=...) must be a real (floating or integer) array; got "
             f"dtype {dtype}."
         )
-    if not singular_ok and not isinstance(mass, jax.core.Tracer):
-        m = np.asarray(mass, np.float64)
+    if not singular_ok:
+        try:
+            m = np.asarray(mass, np.float64)
+        except jax.errors.TracerArrayConversionError:
+            return mass  # traced (under `jit`): not checked
         singular = (
             np.any(m == 0)
             if m.ndim == 1
@@ -109,7 +112,7 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
     # accurate methods (`y1` is the last stage's value), Hairer & Wanner II, §VI.4.
     singular_mass: ClassVar[bool] = False
     linear_solver: AbstractLinearSolver = DenseLinearSolver()
-    mass_matrix: Array | None = None
+    mass_matrix: Array | np.ndarray | None = None
 
     def __check_init__(self) -> None:
         if not isinstance(self.linear_solver, AbstractLinearSolver):
@@ -117,9 +120,7 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
                 f"{type(self).__name__}(linear_solver=...) must be a solverkit "
                 f"`AbstractLinearSolver`, got {self.linear_solver!r}."
             )
-        _check_mass(
-            self.mass_matrix, type(self).__name__, self.singular_mass
-        )
+        _check_mass(self.mass_matrix, type(self).__name__, self.singular_mass)
 
     def order(self, terms) -> int:
         return self.tableau.order
@@ -136,9 +137,9 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
                 f"{tuple(mass.shape)}, but the ravelled state `y0` has {n} entries: "
                 f"pass a vector `({n},)` or a matrix `({n}, {n})`."
             )
-        return mass
+        return None if mass is None else jnp.asarray(mass)
 
-    def init(self, terms, t0, t1, y0, args) -> Bool[Array, ""] | None:
+    def init(self, terms, t0, t1, y0, args) -> Array | None:
         del terms, t0, t1, args
         if self.mass_matrix is None:
             return None
