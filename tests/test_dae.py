@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg
+from helpers import quick_params
 
 import solverkit as sk
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.usefixtures("x64")
 
 RTOL, ATOL = 1e-9, 1e-11
 TS = np.linspace(0.0, 3.0, 7)
+FORMS = ["diagonal", "dense"]
 
 
 def _controller():
@@ -38,8 +40,13 @@ def _linear(t, y, args):
     return jnp.asarray(A_REG) @ y
 
 
-@pytest.mark.parametrize("name", ["Rosenbrock23", "Ros3P", "Rodas4", "Rodas5P"])
-@pytest.mark.parametrize("form", ["dense", "diagonal"])
+@pytest.mark.parametrize(
+    "name, form",
+    quick_params(
+        [(n, f) for n in ("Rosenbrock23", "Ros3P", "Rodas4", "Rodas5P") for f in FORMS],
+        quick=[("Ros3P", "dense"), ("Rodas5P", "dense")],
+    ),
+)
 def test_regular_mass_matches_exact(name, form):
     mass = M_REG if form == "dense" else np.diag(M_REG)
     full = M_REG if form == "dense" else np.diag(np.diag(M_REG))
@@ -114,6 +121,7 @@ def _rober(k, mass_diag, mass_dense):
     return out
 
 
+@pytest.mark.slow
 def test_rober_dae_matches_ode():
     diag = jnp.array([1.0, 1.0, 0.0])
     out = _rober(K, diag, jnp.diag(diag))
@@ -170,8 +178,13 @@ def _solve_sing(scale, index, form, name, y0=None, throw=True):
 _solve_sing_jit = jax.jit(_solve_sing, static_argnames=("form", "name", "throw"))
 
 
-@pytest.mark.parametrize("name", ["Rodas4", "Rodas5P"])
-@pytest.mark.parametrize("form", ["diagonal", "dense"])
+@pytest.mark.parametrize(
+    "name, form",
+    quick_params(
+        [(n, f) for n in ("Rodas4", "Rodas5P") for f in FORMS],
+        quick=[("Rodas5P", "diagonal"), ("Rodas5P", "dense")],
+    ),
+)
 def test_singular_mass_matches_exact(name, form):
     sol = _solve_sing_jit(jnp.asarray(1.0), jnp.asarray(1), form, name)
     w = 2.0
@@ -191,7 +204,7 @@ def test_vmap_over_closed_over_int_index():
     np.testing.assert_allclose(out, exact, rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("form", ["diagonal", "dense"])
+@pytest.mark.parametrize("form", quick_params(FORMS, quick=["diagonal"]))
 def test_grad_wrt_closed_over_float_matches_fd(form):
     def loss(scale):
         ys = _solve_sing(scale, jnp.asarray(1), form, "Rodas5P").ys
@@ -209,6 +222,7 @@ def test_grad_wrt_closed_over_float_matches_fd(form):
     np.testing.assert_allclose(grad, jax.grad(exact_loss)(0.7), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_grad_wrt_mass_matrix_matches_fd():
     # The mass matrix is an ordinary (differentiable) field of the solver.
     def loss(m00):
