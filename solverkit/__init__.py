@@ -76,6 +76,7 @@ from ._solver import (
     AbstractERK as AbstractERK,
     AbstractRungeKutta as AbstractRungeKutta,
     AbstractSolver as AbstractSolver,
+    BDF as BDF,
     Bosh3 as Bosh3,
     Dopri5 as Dopri5,
     Dopri8 as Dopri8,

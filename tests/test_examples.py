@@ -28,6 +28,7 @@ EXAMPLES = [
     "multi_process",  # launches two JAX processes (jax.distributed, gloo on CPU)
     "heat_pde",
     "stiff_chemistry",
+    "dae",
     "steady_state",
     "bouncing_ball",
     "spiking_neurons",

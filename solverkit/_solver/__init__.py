@@ -2,6 +2,7 @@ from ._base import (
     AbstractAdaptiveSolver as AbstractAdaptiveSolver,
     AbstractSolver as AbstractSolver,
 )
+from ._bdf import BDF as BDF
 from ._implicit import (
     AbstractImplicitRK as AbstractImplicitRK,
     ImplicitEuler as ImplicitEuler,

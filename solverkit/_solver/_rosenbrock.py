@@ -1,22 +1,41 @@
 """Rosenbrock (linearly implicit) solvers: one generic step reading a tableau.
 
-Each step computes the Jacobian `J = ∂f/∂y` at the step's start by forward-mode
-autodiff (with the vector field's value from the same pass) and `∂f/∂t` (which XLA
-drops for an autonomous field), factorises `I - γhJ` once, and solves once per
-stage with that factorisation. Every operation is a plain JAX operation, so steps
-differentiate in forward and reverse mode like any other.
+Each step linearises the vector field at the step's start (its value and Jacobian
+`J = ∂f/∂y`, through the solver's `linear_solver`), takes `∂f/∂t` (which XLA drops
+for an autonomous field), factorises the iteration matrix `M - γhJ` once, and solves
+once per stage with that factorisation. Every operation is a plain JAX operation, so
+steps differentiate in forward and reverse mode like any other.
+
+With a constant mass matrix `M` (`M y' = f(t, y)`), stage `i` of the method in the
+form of Hairer & Wanner (II, §VI.4, eq. (4.11) multiplied by `γh`) reads
+
+    (M - γhJ) u_i = γh f(t0 + c_i h, y0 + Σ_j a_ij u_j) + M Σ_j γ C_ij u_j
+                    + γ d_i h² ∂f/∂t,
+
+with `y1 = y0 + Σ m_i u_i`: only the coupling of the stages is multiplied by `M`.
+For a singular `M` (an index-1 DAE) the method must be stiffly accurate (`Rodas4`,
+`Rodas5P`), and `y0` must satisfy the algebraic equations at `t0`.
 """
 
-from typing import ClassVar, NamedTuple, TYPE_CHECKING
+from typing import Any, ClassVar, NamedTuple, TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
-from .._linalg import factorise, invert, time_derivative, value_and_jacobian
+from .._linalg import time_derivative
+from .._linear_solver import (
+    AbstractLinearSolver,
+    algebraic_residual,
+    DenseLinearSolver,
+    mass_matvec,
+)
 from .._select import where
+from .._solution import RESULTS
 from ._base import AbstractAdaptiveSolver, axpy, successful
 from ._rosenbrock_tableau import (
     RODAS4,
@@ -33,13 +52,6 @@ else:
     from equinox import AbstractClassVar
 
 
-# Up to this many unknowns, each stage solves by products with the explicit inverse
-# of `I - γhJ` (with one refinement step) instead of LAPACK triangular solves: for
-# small systems, and above all for vmapped ensembles of them, several times faster
-# (benchmarks/stiff.py).
-_INVERSE_MAX = 32
-
-
 class RosenbrockDense(NamedTuple):
     """One step's dense output: `y(t0 + θh) = y0 + Σ_p θ^(p+1) coeffs[p]`, with
     `coeffs` on the ravelled state."""
@@ -48,14 +60,67 @@ class RosenbrockDense(NamedTuple):
     coeffs: Array  # (p, n)
 
 
+def _check_mass(mass: Any, name: str, singular_ok: bool) -> Array | None:
+    """`mass` as an array, after checking its rank and dtype (and, when concrete and
+    the method cannot take one, that it is not singular); a `ValueError` otherwise."""
+    if mass is None:
+        return None
+    if not hasattr(mass, "ndim"):
+        mass = np.asarray(mass)
+    if mass.ndim not in (1, 2) or (mass.ndim == 2 and mass.shape[0] != mass.shape[1]):
+        raise ValueError(
+            f"{name}(mass_matrix=...) must be None, a vector `(n,)` (a diagonal mass "
+            "matrix) or a square matrix `(n, n)`, in the order of the ravelled state "
+            f"(`jax.flatten_util.ravel_pytree(y0)`); got shape {tuple(mass.shape)}."
+        )
+    dtype = np.dtype(mass.dtype)
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+        raise ValueError(
+            f"{name}(mass_matrix=...) must be a real (floating or integer) array; got "
+            f"dtype {dtype}."
+        )
+    if not singular_ok:
+        try:
+            m = np.asarray(mass, np.float64)
+        except jax.errors.TracerArrayConversionError:
+            return mass  # traced (under `jit`): not checked
+        singular = (
+            np.any(m == 0)
+            if m.ndim == 1
+            else np.linalg.matrix_rank(m) < m.shape[0]
+            if m.size
+            else False
+        )
+        if singular:
+            raise ValueError(
+                f"{name}(mass_matrix=...) is singular (a differential-algebraic "
+                f"equation), which {name} cannot solve: it is not stiffly accurate. "
+                "Use `Rodas4` or `Rodas5P`."
+            )
+    return mass
+
+
 class AbstractRosenbrock(AbstractAdaptiveSolver):
     """A Rosenbrock method defined by its `tableau` (see `_rosenbrock_tableau.py`).
 
-    The solver state is `None`: the vector field at the step's start comes with the
-    Jacobian.
+    The solver state is `None`; with a mass matrix, a flag that the initial values
+    are still to be checked for consistency.
     """
 
     tableau: AbstractClassVar[RosenbrockTableau]
+    # Whether a singular mass matrix (an index-1 DAE) is allowed: for the stiffly
+    # accurate methods (`y1` is the last stage's value), Hairer & Wanner II, §VI.4.
+    singular_mass: ClassVar[bool] = False
+    linear_solver: AbstractLinearSolver = DenseLinearSolver()
+    mass_matrix: Array | np.ndarray | None = None
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.linear_solver, AbstractLinearSolver):
+            raise TypeError(
+                f"{type(self).__name__}(linear_solver=...) must be a solverkit "
+                f"`AbstractLinearSolver`, got {self.linear_solver!r}."
+            )
+        _check_mass(self.mass_matrix, type(self).__name__, self.singular_mass)
 
     def order(self, terms) -> int:
         return self.tableau.order
@@ -63,30 +128,48 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
     def error_order(self, terms) -> float:
         return min(self.tableau.order, self.tableau.embedded_order) + 1
 
-    def init(self, terms, t0, t1, y0, args) -> None:
-        del terms, t0, t1, y0, args
-        return None
+    def _mass(self, n: int) -> Array | None:
+        """The mass matrix, checked against the state's size `n`."""
+        mass = self.mass_matrix
+        if mass is not None and mass.shape[0] != n:
+            raise ValueError(
+                f"{type(self).__name__}(mass_matrix=...) has shape "
+                f"{tuple(mass.shape)}, but the ravelled state `y0` has {n} entries: "
+                f"pass a vector `({n},)` or a matrix `({n}, {n})`."
+            )
+        return None if mass is None else jnp.asarray(mass)
+
+    def init(self, terms, t0, t1, y0, args) -> Array | None:
+        del terms, t0, t1, args
+        if self.mass_matrix is None:
+            return None
+        self._mass(ravel_pytree(y0)[0].shape[0])
+        return jnp.asarray(True)  # the initial values are still to be checked
 
     def step(
         self, terms, t0: Array, t1: Array, y0, args, solver_state, made_jump=False
     ):
-        del solver_state, made_jump
+        del made_jump
         tab = self.tableau
-
-        def vf(t, y):
-            return terms.vf(t, y, args)
-
-        f0, jac, unravel = value_and_jacobian(vf, t0, y0)
-        flat0, _ = ravel_pytree(y0)
+        flat0, unravel = ravel_pytree(y0)
         dtype = flat0.dtype
+        mass = self._mass(flat0.shape[0])
+
+        def fn_at(t):
+            def fn(x):
+                return ravel_pytree(terms.vf(t, unravel(x), args))[0].astype(dtype)
+
+            return fn
+
+        fn0 = fn_at(t0)
+        f0, jac = self.linear_solver.linearise(fn0, flat0)
         h = t1 - t0
         hd = jnp.asarray(h, dtype)
         gamma = tab.gamma
-        f_t = ravel_pytree(time_derivative(vf, t0, y0))[0].astype(dtype)
-        if jac.shape[0] <= _INVERSE_MAX:
-            lu = invert(jac, gamma * hd, refine=True)
-        else:
-            lu = factorise(jac, gamma * hd)
+        f_t = ravel_pytree(time_derivative(lambda t, y: terms.vf(t, y, args), t0, y0))[
+            0
+        ].astype(dtype)
+        factor = self.linear_solver.factorise(jac, gamma * hd, mass)
         us = []
         for i in range(tab.num_stages):
             if i == 0:
@@ -94,17 +177,23 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
             else:
                 yi = axpy(flat0, None, zip(tab.a[i, :i], us))
                 ti = t0 + jnp.asarray(tab.c[i], h.dtype) * h
-                fi = ravel_pytree(vf(ti, unravel(yi)))[0].astype(dtype)
+                fi = fn_at(ti)(yi)
             rhs = (gamma * hd) * fi
-            rhs = axpy(rhs, None, zip(gamma * tab.C[i, :i], us))
+            if mass is None:
+                rhs = axpy(rhs, None, zip(gamma * tab.C[i, :i], us))
+            elif i > 0:
+                coupling = zip(gamma * tab.C[i, :i], us)
+                rhs = rhs + mass_matvec(mass, axpy(jnp.zeros_like(rhs), None, coupling))
             if tab.d[i] != 0:
                 rhs = rhs + (gamma * float(tab.d[i]) * hd**2) * f_t
-            us.append(lu.solve(rhs))
+            us.append(self.linear_solver.solve(factor, rhs, fn0))
         y1 = axpy(flat0, None, zip(tab.m, us))
         error = axpy(jnp.zeros_like(flat0), None, zip(tab.m_err, us))
         if tab.dense is None:
-            f1 = ravel_pytree(vf(t1, unravel(y1)))[0].astype(dtype)
-            coeffs = _hermite_coeffs(y1 - flat0, hd * f0, hd * f1)
+            f1 = fn_at(t1)(y1)
+            coeffs = _hermite_coeffs(
+                y1 - flat0, hd * _solve_mass(mass, f0), hd * _solve_mass(mass, f1)
+            )
         else:
             coeffs = jnp.matmul(
                 jnp.asarray(tab.dense.T, dtype),
@@ -112,7 +201,20 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
                 precision=Precision.HIGHEST,
             )
         dense = RosenbrockDense(y0=y0, coeffs=coeffs)
-        return unravel(y1), unravel(error), dense, None, successful
+        result = successful
+        state = None
+        if mass is not None:
+            # A singular iteration matrix: a non-finite factorisation of a finite
+            # Jacobian (no step size helps; fatal, see `_loop.step`).
+            singular = _all_finite(jac) & ~_all_finite(factor)
+            result = RESULTS.where(singular, RESULTS.singular, result)
+            result = RESULTS.where(
+                solver_state & ~_consistent(mass, f0, flat0),
+                RESULTS.inconsistent_initial_values,
+                result,
+            )
+            state = jnp.asarray(False)
+        return unravel(y1), unravel(error), dense, state, result
 
     def interpolate(
         self, dense_info: RosenbrockDense, t0: Array, t1: Array, t
@@ -127,11 +229,56 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
         return unravel(flat0 + jnp.matmul(weights, coeffs, precision=Precision.HIGHEST))
 
 
+def _all_finite(tree) -> Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jtu.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _consistent(mass: Array, f0: Array, flat0: Array) -> Array:
+    """Whether `y0` satisfies the algebraic equations of `M y' = f` at `t0`, to a
+    relative `√eps` of the state and field."""
+    residual = algebraic_residual(mass, f0)
+    real = jnp.finfo(f0.dtype).dtype
+    scale = 1 + jnp.maximum(jnp.max(jnp.abs(flat0)), jnp.max(jnp.abs(f0)))
+    tol = jnp.sqrt(jnp.finfo(real).eps) * scale
+    return jnp.max(jnp.abs(residual)) <= tol
+
+
+def _solve_mass(mass: Array | None, v: Array) -> Array:
+    """`M^{-1} v` (a regular mass matrix), for the Hermite interpolant's slopes."""
+    if mass is None:
+        return v
+    if mass.ndim == 1:
+        return v / mass.astype(v.dtype)
+    return jnp.linalg.solve(mass.astype(v.dtype), v)
+
+
 def _hermite_coeffs(delta, hf0, hf1) -> Array:
     """Cubic Hermite interpolation from `y1 - y0`, `h f0`, `h f1`, in powers of θ."""
     return jnp.stack(
         [hf0, 3 * delta - 2 * hf0 - hf1, -2 * delta + hf0 + hf1],
     )
+
+
+_ARGUMENTS = """
+
+    **Arguments:**
+
+    - `linear_solver`: solves with the iteration matrix `M - γhJ`; a
+        [`solverkit.AbstractLinearSolver`][] (default: `DenseLinearSolver()`).
+    - `mass_matrix`: `None` (the identity), a vector `(n,)` (a diagonal mass matrix)
+        or a matrix `(n, n)`, constant, in the order of the ravelled state
+        (`jax.flatten_util.ravel_pytree(y0)`): solves `M y' = f(t, y)`.{singular}
+    """
+_REGULAR = (
+    " It must be regular (a `ValueError` when it is concrete and singular): for a "
+    "DAE use `Rodas4` or `Rodas5P`."
+)
+_SINGULAR = (
+    " It may be singular (an index-1 differential-algebraic equation); `y0` must "
+    "then satisfy the algebraic equations at `t0` (else "
+    "`RESULTS.inconsistent_initial_values`)."
+)
 
 
 class Rosenbrock23(AbstractRosenbrock):
@@ -145,6 +292,8 @@ class Rosenbrock23(AbstractRosenbrock):
         L. F. Shampine and M. W. Reichelt, The MATLAB ODE suite, SIAM J. Sci.
         Comput. 18(1):1-22, 1997.
     """
+
+    __doc__ = (__doc__ or "") + _ARGUMENTS.format(singular=_REGULAR)
 
     tableau: ClassVar[RosenbrockTableau] = ROSENBROCK23
 
@@ -165,6 +314,8 @@ class Ros3P(AbstractRosenbrock):
         designed for parabolic problems, BIT 41(4):731-738, 2001.
     """
 
+    __doc__ = (__doc__ or "") + _ARGUMENTS.format(singular=_REGULAR)
+
     tableau: ClassVar[RosenbrockTableau] = ROS3P
 
 
@@ -178,7 +329,10 @@ class Rodas4(AbstractRosenbrock):
         ed., Springer, 1996, section IV.7.
     """
 
+    __doc__ = (__doc__ or "") + _ARGUMENTS.format(singular=_SINGULAR)
+
     tableau: ClassVar[RosenbrockTableau] = RODAS4
+    singular_mass: ClassVar[bool] = True
 
 
 class Rodas5P(AbstractRosenbrock):
@@ -193,4 +347,7 @@ class Rodas5P(AbstractRosenbrock):
         Numer. Math. 63:27, 2023.
     """
 
+    __doc__ = (__doc__ or "") + _ARGUMENTS.format(singular=_SINGULAR)
+
     tableau: ClassVar[RosenbrockTableau] = RODAS5P
+    singular_mass: ClassVar[bool] = True

@@ -1,0 +1,367 @@
+"""Mass matrices and differential-algebraic equations with the Rosenbrock solvers.
+
+`M y' = f(t, y)` with `M` None, diagonal, dense, regular or singular (index 1),
+against the equivalent ODE `y' = M⁻¹ f` and against exact solutions; `jit`, `vmap`
+over a closed-over integer index, `grad` with respect to a closed-over float checked
+against central differences; inconsistent initial values, bad mass matrices and a
+singular iteration matrix. Everything runs in float64; the solves are shared jitted
+functions.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg
+from helpers import quick_params
+
+import solverkit as sk
+
+
+pytestmark = pytest.mark.usefixtures("x64")
+
+RTOL, ATOL = 1e-9, 1e-11
+TS = np.linspace(0.0, 3.0, 7)
+FORMS = ["diagonal", "dense"]
+
+
+def _controller():
+    return sk.PIDController(rtol=RTOL, atol=ATOL)
+
+
+# --- A regular dense M: M y' = A y, exactly y(t) = expm(t M⁻¹A) y0 -----------------
+
+M_REG = np.array([[2.0, 1.0], [1.0, 3.0]])
+A_REG = np.array([[-1.0, 2.0], [-3.0, -2.0]])
+Y0_REG = np.array([1.0, 0.5])
+
+
+def _linear(t, y, args):
+    return jnp.asarray(A_REG) @ y
+
+
+@pytest.mark.parametrize(
+    "name, form",
+    quick_params(
+        [(n, f) for n in ("Rosenbrock23", "Ros3P", "Rodas4", "Rodas5P") for f in FORMS],
+        quick=[("Ros3P", "dense"), ("Rodas5P", "dense")],
+    ),
+)
+def test_regular_mass_matches_exact(name, form):
+    mass = M_REG if form == "dense" else np.diag(M_REG)
+    full = M_REG if form == "dense" else np.diag(np.diag(M_REG))
+    solver = getattr(sk, name)(mass_matrix=jnp.asarray(mass))
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_linear),
+        solver,
+        0.0,
+        3.0,
+        0.01,
+        jnp.asarray(Y0_REG),
+        saveat=sk.SaveAt(ts=TS, dense=True),
+        # Ros3P's error estimate vanishes on a linear problem: bound its steps.
+        stepsize_controller=sk.PIDController(rtol=RTOL, atol=ATOL, dtmax=0.01),
+    )
+    b = np.linalg.solve(full, A_REG)
+    exact = np.stack([scipy.linalg.expm(t * b) @ Y0_REG for t in TS])
+    tol = {"Rosenbrock23": 1e-5, "Ros3P": 1e-6}.get(name, 1e-7)
+    np.testing.assert_allclose(sol.ys, exact, rtol=0, atol=tol)
+    # Dense output between the steps (Ros3P's Hermite slopes need M⁻¹f).
+    t = 1.2345
+    np.testing.assert_allclose(
+        sol.evaluate(t), scipy.linalg.expm(t * b) @ Y0_REG, rtol=0, atol=10 * tol
+    )
+
+
+# --- ROBER as a DAE: y3 = 1 - y1 - y2 algebraic ----------------------------------
+
+
+def _rober_ode(t, y, k):
+    y1, y2, y3 = y[0], y[1], y[2]
+    return jnp.stack(
+        [
+            -k[0] * y1 + k[2] * y2 * y3,
+            k[0] * y1 - k[1] * y2**2 - k[2] * y2 * y3,
+            k[1] * y2**2,
+        ]
+    )
+
+
+def _rober_dae(t, y, k):
+    f = _rober_ode(t, y, k)
+    return f.at[2].set(y[0] + y[1] + y[2] - 1)
+
+
+K = np.array([0.04, 3e7, 1e4])
+
+
+@jax.jit
+def _rober(k, mass_diag, mass_dense):
+    def run(term, solver):
+        return sk.diffeqsolve(
+            sk.ODETerm(term),
+            solver,
+            0.0,
+            40.0,
+            1e-6,
+            jnp.array([1.0, 0.0, 0.0]),
+            k,
+            saveat=sk.SaveAt(ts=jnp.array([0.4, 4.0, 40.0])),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-12),
+        ).ys
+
+    out = {}
+    for name in ("Rodas4", "Rodas5P"):
+        cls = getattr(sk, name)
+        out[name] = (
+            run(_rober_ode, cls()),
+            run(_rober_dae, cls(mass_matrix=mass_diag)),
+            run(_rober_dae, cls(mass_matrix=mass_dense)),
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_rober_dae_matches_ode():
+    diag = jnp.array([1.0, 1.0, 0.0])
+    out = _rober(K, diag, jnp.diag(diag))
+    for name, (ode, dae_diag, dae_dense) in out.items():
+        for dae in (dae_diag, dae_dense):
+            np.testing.assert_allclose(dae, ode, rtol=1e-6, atol=1e-12, err_msg=name)
+            # The algebraic equation holds along the solution.
+            np.testing.assert_allclose(jnp.sum(dae, axis=1), 1.0, atol=1e-12)
+
+
+# --- A linear non-autonomous index-1 DAE with an exact solution --------------------
+# y1' = -y1 + y2, 0 = y2 - cos(w t): y1 = (cos wt + w sin wt)/(1 + w²) + c e^{-t}.
+# Written with a dense singular M (multiplied by T from the left) and a closed-over
+# integer index that picks w, and w scaled by a closed-over float.
+
+T_MIX = np.array([[1.0, 2.0], [3.0, 4.0]])
+# NumPy constants (float64): JAX arrays made at import would be float32.
+M_SING = {"diagonal": np.array([1.0, 0.0]), "dense": T_MIX @ np.diag([1.0, 0.0])}
+OMEGAS = np.array([1.0, 2.0, 0.5])
+
+
+def _exact(w, t, y10=1.0):
+    c = y10 - 1 / (1 + w**2)
+    y1 = (jnp.cos(w * t) + w * jnp.sin(w * t)) / (1 + w**2) + c * jnp.exp(-t)
+    return jnp.stack([y1, jnp.cos(w * t)], axis=-1)
+
+
+def _field(scale, index, form):
+    table = jnp.asarray(OMEGAS)  # a closed-over float array, a closed-over int index
+
+    def f(t, y, args):
+        w = scale * table[index]
+        out = jnp.stack([-y[0] + y[1], y[1] - jnp.cos(w * t)])
+        return jnp.asarray(T_MIX) @ out if form == "dense" else out
+
+    return f
+
+
+def _solve_sing(scale, index, form, name, y0=None, throw=True):
+    solver = getattr(sk, name)(mass_matrix=jnp.asarray(M_SING[form]))
+    return sk.diffeqsolve(
+        sk.ODETerm(_field(scale, index, form)),
+        solver,
+        0.0,
+        3.0,
+        0.01,
+        jnp.array([1.0, 1.0]) if y0 is None else y0,
+        saveat=sk.SaveAt(ts=jnp.asarray(TS), dense=True),
+        stepsize_controller=_controller(),
+        throw=throw,
+    )
+
+
+_solve_sing_jit = jax.jit(_solve_sing, static_argnames=("form", "name", "throw"))
+
+
+@pytest.mark.parametrize(
+    "name, form",
+    quick_params(
+        [(n, f) for n in ("Rodas4", "Rodas5P") for f in FORMS],
+        quick=[("Rodas5P", "diagonal"), ("Rodas5P", "dense")],
+    ),
+)
+def test_singular_mass_matches_exact(name, form):
+    sol = _solve_sing_jit(jnp.asarray(1.0), jnp.asarray(1), form, name)
+    w = 2.0
+    np.testing.assert_allclose(sol.ys, _exact(w, jnp.asarray(TS)), rtol=0, atol=1e-7)
+    t = 1.2345
+    np.testing.assert_allclose(sol.evaluate(t), _exact(w, t), rtol=0, atol=1e-6)
+
+
+def test_vmap_over_closed_over_int_index():
+    @jax.jit
+    @jax.vmap
+    def final(index):
+        return _solve_sing(jnp.asarray(1.0), index, "diagonal", "Rodas5P").ys[-1]
+
+    out = final(jnp.arange(3))
+    exact = jnp.stack([_exact(w, 3.0) for w in OMEGAS])
+    np.testing.assert_allclose(out, exact, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("form", quick_params(FORMS, quick=["diagonal"]))
+def test_grad_wrt_closed_over_float_matches_fd(form):
+    def loss(scale):
+        ys = _solve_sing(scale, jnp.asarray(1), form, "Rodas5P").ys
+        return jnp.sum(ys[:, 0] ** 2)
+
+    grad = jax.jit(jax.grad(loss))(jnp.asarray(0.7))
+    eps = 1e-5
+    f = jax.jit(loss)
+    fd = (f(jnp.asarray(0.7 + eps)) - f(jnp.asarray(0.7 - eps))) / (2 * eps)
+
+    def exact_loss(scale):
+        return jnp.sum(_exact(2.0 * scale, jnp.asarray(TS))[:, 0] ** 2)
+
+    np.testing.assert_allclose(grad, fd, rtol=1e-6)
+    np.testing.assert_allclose(grad, jax.grad(exact_loss)(0.7), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_grad_wrt_mass_matrix_matches_fd():
+    # The mass matrix is an ordinary (differentiable) field of the solver.
+    def loss(m00):
+        solver = sk.Rodas5P(mass_matrix=jnp.stack([m00, jnp.asarray(0.0)]))
+        sol = sk.diffeqsolve(
+            sk.ODETerm(_field(jnp.asarray(1.0), 1, "diagonal")),
+            solver,
+            0.0,
+            2.0,
+            0.01,
+            jnp.array([1.0, 1.0]),
+            stepsize_controller=_controller(),
+        )
+        return sol.ys[-1, 0]
+
+    grad = jax.jit(jax.grad(loss))(jnp.asarray(1.3))
+    f = jax.jit(loss)
+    eps = 1e-5
+    fd = (f(jnp.asarray(1.3 + eps)) - f(jnp.asarray(1.3 - eps))) / (2 * eps)
+    np.testing.assert_allclose(grad, fd, rtol=1e-6)
+
+
+# --- Errors -------------------------------------------------------------------------
+
+
+def test_inconsistent_initial_values():
+    y0 = jnp.array([1.0, 0.5])  # y2(0) must be cos(0) = 1
+    sol = _solve_sing_jit(
+        jnp.asarray(1.0), jnp.asarray(1), "dense", "Rodas5P", y0, False
+    )
+    assert sol.result == sk.RESULTS.inconsistent_initial_values
+    assert np.all(np.isfinite(sol.ys) | np.isinf(sol.ys))
+    with pytest.raises(RuntimeError, match="mass_matrix"):
+        _solve_sing(jnp.asarray(1.0), jnp.asarray(1), "diagonal", "Rodas4", y0)
+
+
+@pytest.mark.parametrize(
+    "mass, match",
+    [
+        (np.ones((2, 2, 2)), "vector `\\(n,\\)`"),
+        (np.ones((2, 3)), "square"),
+        (np.ones(2, np.complex64), "real"),
+        (np.ones(3), "has 2 entries"),
+        (np.ones((3, 3)), "has 2 entries"),
+    ],
+)
+def test_bad_mass_matrix(mass, match):
+    with pytest.raises(ValueError, match=match):
+        sk.diffeqsolve(
+            sk.ODETerm(_linear),
+            sk.Rodas5P(mass_matrix=mass),
+            0.0,
+            1.0,
+            0.1,
+            jnp.asarray(Y0_REG),
+        )
+
+
+@pytest.mark.parametrize("name", ["Rosenbrock23", "Ros3P"])
+@pytest.mark.parametrize("mass", [np.array([1.0, 0.0]), T_MIX @ np.diag([1.0, 0.0])])
+def test_singular_mass_needs_stiffly_accurate_method(name, mass):
+    with pytest.raises(ValueError, match="Rodas5P"):
+        getattr(sk, name)(mass_matrix=mass)
+
+
+def test_bad_linear_solver():
+    with pytest.raises(TypeError, match="linear_solver"):
+        sk.Rodas5P(linear_solver="dense")  # type: ignore[arg-type]
+
+
+def test_singular_iteration_matrix():
+    # The algebraic equation `0 = 0` leaves y2 undetermined: M - γhJ is singular
+    # for every step size.
+    def f(t, y, args):
+        return jnp.stack([-y[0], 0 * y[1]])
+
+    sol = sk.diffeqsolve(
+        sk.ODETerm(f),
+        sk.Rodas5P(mass_matrix=jnp.array([1.0, 0.0])),
+        0.0,
+        1.0,
+        0.1,
+        jnp.array([1.0, 0.0]),
+        stepsize_controller=_controller(),
+        throw=False,
+    )
+    assert sol.result == sk.RESULTS.singular
+    assert not np.any(np.isnan(sol.ys))
+
+
+# --- The linear-solver protocol -----------------------------------------------------
+
+
+class _LUSolver(sk.AbstractLinearSolver):
+    """Always an LU factorisation (never the small-system inverse)."""
+
+    def linearise(self, fn, x):
+        return fn(x), jax.jacfwd(fn)(x)
+
+    def factorise(self, jac, gamma_h, mass):
+        m = jnp.eye(jac.shape[0]) if mass is None else jnp.diag(mass)
+        return jax.scipy.linalg.lu_factor(m - gamma_h * jac)
+
+    def solve(self, factor, rhs, fn):
+        return jax.scipy.linalg.lu_solve(factor, rhs)
+
+
+def test_user_linear_solver():
+    def run(linear_solver):
+        return sk.diffeqsolve(
+            sk.ODETerm(_field(jnp.asarray(1.0), 1, "diagonal")),
+            sk.Rodas4(linear_solver=linear_solver, mass_matrix=M_SING["diagonal"]),
+            0.0,
+            3.0,
+            0.01,
+            jnp.array([1.0, 1.0]),
+            stepsize_controller=_controller(),
+        )
+
+    a, b = run(sk.DenseLinearSolver()), run(_LUSolver())
+    np.testing.assert_allclose(a.ys, b.ys, rtol=1e-10)
+    assert a.stats["num_steps"] == b.stats["num_steps"]
+
+
+def test_pytree_state_ravelled_order():
+    # `mass_matrix` is in the order of `ravel_pytree(y0)`: here (y1, y2) as a tuple.
+    def f(t, y, args):
+        y1, y2 = y
+        return (-y1 + y2, y2 - jnp.cos(2.0 * t))
+
+    sol = sk.diffeqsolve(
+        sk.ODETerm(f),
+        sk.Rodas5P(mass_matrix=jnp.array([1.0, 0.0])),
+        0.0,
+        3.0,
+        0.01,
+        (jnp.asarray(1.0), jnp.asarray(1.0)),
+        stepsize_controller=_controller(),
+    )
+    np.testing.assert_allclose(
+        jnp.stack([sol.ys[0][-1], sol.ys[1][-1]]), _exact(2.0, 3.0), atol=1e-7
+    )
