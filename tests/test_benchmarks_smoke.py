@@ -77,3 +77,40 @@ def test_events_benchmark_smoke(tmp_path: pathlib.Path) -> None:
             assert row["note"] == "", (variant, method, row["note"])
     assert rows[("forward", "diffrax loop")]["run_ratio"] == 1.0
     assert "| forward | solverkit effect |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_stiff_large_benchmark_smoke(tmp_path: pathlib.Path) -> None:
+    """`python -m benchmarks.stiff_large --quick`: the small versions of the large
+    problems, every configuration run or skipped with its reason, SciPy BDF's rows
+    and the matched-error ratios written."""
+    out = tmp_path / "stiff-large"
+    command = [
+        sys.executable, "-m", "benchmarks.stiff_large", "--quick",
+        "--problems", "burgers-100,rober-blocks-34", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("results.json", "results.md", "burgers-100.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "references" / "burgers-100.npz").exists()
+    data = json.loads((out / "results.json").read_text())
+    rows = data["rows"]
+    assert {r["problem"] for r in rows} == {"burgers-100", "rober-blocks-34"}
+    for row in rows:
+        assert row["status"] in ("ok", "skipped"), row
+        if row["status"] == "skipped":
+            assert row["note"], row
+            continue
+        assert row["run_s"] > 0 and row["steps"] > 0
+        assert row["error"] < 1e-1, row
+        assert row["peak_rss_mib"] > 0
+        if row["config"] != "scipy-BDF":
+            assert row["first_call_s"] > 0
+    assert any(r["config"] == "scipy-BDF" and r["status"] == "ok" for r in rows)
+    assert any(r["config"] == "BDF+dense" and r["status"] == "ok" for r in rows)
+    goals = data["goals"]
+    assert len(goals) == 4 and all(g["solverkit"] is not None for g in goals)
+    assert "| burgers-100 | 100 |" in (out / "results.md").read_text()

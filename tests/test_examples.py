@@ -33,6 +33,7 @@ EXAMPLES = [
     "bouncing_ball",
     "spiking_neurons",
     "pharmacokinetics",
+    "brusselator",
 ]
 DOCS = "docs"
 TIMEOUT = 600  # seconds per job; each takes well under a minute on an idle machine
