@@ -48,6 +48,7 @@ from ._integrate import diffeqsolve as diffeqsolve
 from ._interpolation import DenseInterpolation as DenseInterpolation
 from ._linear_solver import (
     AbstractLinearSolver as AbstractLinearSolver,
+    BandedLinearSolver as BandedLinearSolver,
     DenseLinearSolver as DenseLinearSolver,
 )
 from ._local_interpolation import (
