@@ -50,6 +50,7 @@ from ._linear_solver import (
     AbstractLinearSolver as AbstractLinearSolver,
     BandedLinearSolver as BandedLinearSolver,
     DenseLinearSolver as DenseLinearSolver,
+    SparseLinearSolver as SparseLinearSolver,
 )
 from ._local_interpolation import (
     AbstractLocalInterpolation as AbstractLocalInterpolation,
