@@ -48,7 +48,9 @@ from ._integrate import diffeqsolve as diffeqsolve
 from ._interpolation import DenseInterpolation as DenseInterpolation
 from ._linear_solver import (
     AbstractLinearSolver as AbstractLinearSolver,
+    BandedLinearSolver as BandedLinearSolver,
     DenseLinearSolver as DenseLinearSolver,
+    SparseLinearSolver as SparseLinearSolver,
 )
 from ._local_interpolation import (
     AbstractLocalInterpolation as AbstractLocalInterpolation,

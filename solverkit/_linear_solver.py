@@ -24,10 +24,22 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import numpy as np
 from jaxtyping import Array
 
+from ._banded import band_lu, band_lu_solve, band_matvec, BandLU, dense_to_bands
 from ._linalg import Inverse, lu_factorisation, value_and_jacobian
+from ._sparsity import (
+    bandwidths,
+    colour_columns,
+    components,
+    coordinates,
+    reverse_cuthill_mckee,
+)
+from ._unvmap import error_if
 
 
 FlatFn = Callable[[Array], Array]
@@ -154,3 +166,381 @@ class DenseLinearSolver(AbstractLinearSolver):
     def solve(self, factor, rhs: Array, fn: FlatFn) -> Array:
         del fn
         return factor.solve(rhs)
+
+
+def _check_point(fn: FlatFn, x: Array, name: str) -> None:
+    """Static checks of `linearise`'s arguments: `x` a vector, `fn(x)` one like it."""
+    if x.ndim != 1:
+        raise ValueError(f"{name}.linearise: `x` must be a vector (n,), got {x.shape}")
+    out = jax.eval_shape(fn, x)
+    if out.shape != x.shape:
+        raise ValueError(
+            f"{name}.linearise: `fn(x)` must have the shape of `x`, {x.shape}; "
+            f"got {out.shape}"
+        )
+
+
+def _check_mass(mass: Array | None, n: int, name: str) -> None:
+    if mass is not None and mass.shape not in ((n,), (n, n)):
+        raise ValueError(
+            f"{name}.factorise: `mass` must be None, a vector ({n},) or a matrix "
+            f"({n}, {n}); got shape {mass.shape}"
+        )
+
+
+def _probe_failed(
+    jvp: FlatFn, product: Callable[[Array], tuple[Array, Array]], n: int, dtype
+) -> Array:
+    """Whether the Jacobian (by one JVP) and its compressed representation (by
+    `product`) differ on a random probe vector by more than rounding: then the
+    Jacobian has entries outside the structure the solver assumed."""
+    v = jax.random.uniform(jax.random.key(0), (n,), dtype, 0.5, 1.5)
+    exact = jvp(v)
+    assumed, scale = product(v)
+    tol = jnp.sqrt(jnp.finfo(dtype).eps)
+    return jnp.any(jnp.abs(exact - assumed) > tol * (scale + jnp.abs(exact)))
+
+
+class BandedLinearSolver(AbstractLinearSolver):
+    """Banded Jacobians: `lower` sub-diagonals and `upper` super-diagonals.
+
+    The Jacobian costs `lower + upper + 1` Jacobian-vector products (columns `c` with
+    the same `c mod (lower + upper + 1)` share one: no row has two of them in its
+    band), is stored as bands (`O(n·bw)` memory), and `M - γh J` is factorised by
+    band Gaussian elimination with partial pivoting (`O(n·bw²)` work). For 1-D
+    discretised PDEs and chains of reactions, and for any field whose unknowns can be
+    ordered so that each couples only to near neighbours.
+
+    **Arguments:**
+
+    - `lower`, `upper`: the numbers of sub- and super-diagonals of `∂f/∂y` (of the
+      ravelled state).
+    - `check`: each `linearise` also compares one more Jacobian-vector product,
+      with a random vector, against the banded product, and raises an error (at run
+      time, also under `jit`) if the Jacobian has entries outside the bands.
+
+    A mass matrix may be `None`, a vector, or a dense matrix with no entries outside
+    the bands (checked at run time). An exactly singular `M - γh J` gives a NaN
+    solution (a stiff solver rejects the step); no error is raised.
+    """
+
+    lower: int = eqx.field(static=True)
+    upper: int = eqx.field(static=True)
+    check: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        for name in ("lower", "upper"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(
+                    f"BandedLinearSolver: `{name}` must be an int >= 0, got {value!r}"
+                )
+
+    def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Array]:
+        _check_point(fn, x, "BandedLinearSolver")
+        n = x.shape[0]
+        lower, width = self.lower, self.lower + self.upper + 1
+        colours = min(width, n)
+        seeds = jnp.arange(n)[None, :] % width == jnp.arange(colours)[:, None]
+        value, jvp = jax.linearize(fn, x)
+        compressed = jax.vmap(jvp)(seeds.astype(x.dtype))  # (colours, n)
+        col = jnp.arange(n)[:, None] - lower + jnp.arange(width)[None, :]
+        inside = (col >= 0) & (col < n)
+        rows = jnp.broadcast_to(jnp.arange(n)[:, None], col.shape)
+        bands = jnp.where(
+            inside, compressed[jnp.where(inside, col, 0) % width, rows], 0
+        )
+        if self.check:
+            failed = _probe_failed(
+                jvp,
+                lambda v: (
+                    band_matvec(bands, lower, v),
+                    band_matvec(jnp.abs(bands), lower, v),
+                ),
+                n,
+                x.dtype,
+            )
+            bands = error_if(
+                bands,
+                failed,
+                0,
+                [
+                    f"BandedLinearSolver(lower={self.lower}, upper={self.upper}): "
+                    "the Jacobian has entries outside these bands; pass the right "
+                    "bandwidths (or use SparseLinearSolver / DenseLinearSolver)"
+                ],
+            )
+        return value, bands
+
+    def factorise(self, jac: Array, gamma_h: Array, mass: Array | None) -> BandLU:
+        n = jac.shape[0]
+        _check_mass(mass, n, "BandedLinearSolver")
+        matrix = -jnp.asarray(gamma_h, jac.dtype) * jac
+        if mass is None:
+            matrix = matrix.at[:, self.lower].add(1)
+        elif mass.ndim == 1:
+            matrix = matrix.at[:, self.lower].add(mass.astype(jac.dtype))
+        else:
+            banded = dense_to_bands(mass.astype(jac.dtype), self.lower, self.upper)
+            offset = jnp.arange(n)[None, :] - jnp.arange(n)[:, None]
+            outside_band = (offset > self.upper) | (-offset > self.lower)
+            outside = jnp.any(jnp.where(outside_band, mass, 0) != 0)
+            banded = error_if(
+                banded,
+                outside,
+                0,
+                [
+                    f"BandedLinearSolver(lower={self.lower}, upper={self.upper}): "
+                    "the mass matrix has entries outside the bands"
+                ],
+            )
+            matrix = matrix + banded
+        return band_lu(matrix, self.lower)
+
+    def solve(self, factor: BandLU, rhs: Array, fn: FlatFn) -> Array:
+        del fn
+        return band_lu_solve(factor, rhs).astype(rhs.dtype)
+
+
+# SparseLinearSolver: connected components up to this size are factorised as dense
+# blocks (batched LU); above this many unknowns a pattern is never factorised densely.
+_BLOCK_MAX = 32
+_DENSE_MAX = 4096
+
+
+class _HostArrays:
+    """Named numpy int32 arrays, read-only, hashed and compared by value (so that a
+    solver holding them may be a static argument and its indices constants)."""
+
+    def __init__(self, **arrays: np.ndarray):
+        self._arrays = {}
+        for name, array in arrays.items():
+            array = np.array(array, np.int32)
+            array.flags.writeable = False
+            self._arrays[name] = array
+        self._hash = hash(
+            tuple((k, a.shape, a.tobytes()) for k, a in self._arrays.items())
+        )
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._arrays[name]
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _HostArrays) and (
+            self is other
+            or (
+                self._hash == other._hash
+                and self._arrays.keys() == other._arrays.keys()
+                and all(
+                    np.array_equal(a, other._arrays[k]) for k, a in self._arrays.items()
+                )
+            )
+        )
+
+
+class SparseLinearSolver(AbstractLinearSolver):
+    """Jacobians with a known sparsity pattern.
+
+    At construction (on the host, with numpy) the columns are coloured so that no row
+    has two nonzeros of one colour: the Jacobian then costs one Jacobian-vector
+    product per colour (3 for a tridiagonal pattern, 5 for a 2-D 5-point stencil,
+    the block size for independent blocks), stored as its nonzeros only. The
+    factorisation of `M - γh J` follows the pattern's shape:
+
+    - independent blocks of at most 32 unknowns (the pattern's connected
+      components, e.g. many copies of a small reaction network): a batched dense LU
+      of the blocks;
+    - otherwise, reordered by reverse Cuthill–McKee to a small bandwidth: the band LU
+      of [`BandedLinearSolver`][solverkit.BandedLinearSolver] when the bandwidth is
+      at most half of `n` (or `n > 4096`);
+    - otherwise a dense LU, for up to 4096 unknowns (above, a `ValueError`: use
+      [`KrylovLinearSolver`][solverkit.KrylovLinearSolver]).
+
+    **Arguments:**
+
+    - `pattern`: the nonzeros of `∂f/∂y` (of the ravelled state): a boolean `(n, n)`
+      array-like, or a scipy.sparse matrix (its stored entries). The diagonal is
+      always added.
+    - `check`: each `linearise` also compares one more Jacobian-vector product, with
+      a random vector, against the sparse product, and raises an error (at run time,
+      also under `jit`) if the Jacobian has entries outside the pattern.
+
+    A mass matrix may be `None`, a vector, or a dense matrix with no entries outside
+    the pattern (checked at run time). An exactly singular `M - γh J` gives a NaN
+    solution (a stiff solver rejects the step); no error is raised.
+    """
+
+    n: int = eqx.field(static=True)
+    n_colours: int = eqx.field(static=True)
+    kind: str = eqx.field(static=True)  # "blocks", "banded" or "dense"
+    lower: int = eqx.field(static=True)  # banded: the bandwidths after reordering
+    block: int = eqx.field(static=True)  # blocks: the block size
+    size: int = eqx.field(static=True)  # length of the (padded, reordered) vector
+    check: bool = eqx.field(static=True)
+    # Host index arrays (static: the solver is hashable, its indices constants):
+    # the nonzeros (with the diagonal), sorted by row; the colour of each column;
+    # the index of each (i, i) among the nonzeros; the flat index of each nonzero in
+    # the factorised matrix; the diagonal of the padding (blocks); the index of each
+    # unknown in the (padded, reordered) vector.
+    _indices: _HostArrays = eqx.field(static=True)
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self._indices["rows"]
+
+    @property
+    def cols(self) -> np.ndarray:
+        return self._indices["cols"]
+
+    @property
+    def colour(self) -> np.ndarray:
+        return self._indices["colour"]
+
+    def __init__(self, pattern, check: bool = True):
+        n, rows, cols = coordinates(pattern)
+        self.n, self.check = n, check
+        colour = colour_columns(n, rows, cols)
+        self.n_colours = int(colour.max()) + 1
+        self.lower, self.block = 0, 0
+        label = components(n, rows, cols)
+        sizes = np.bincount(label)
+        pads = np.zeros(0, np.int64)
+        if len(sizes) > 1 and sizes.max() <= _BLOCK_MAX:
+            self.kind, b = "blocks", int(sizes.max())
+            order = np.argsort(label, kind="stable")
+            local = np.empty(n, np.int64)
+            local[order] = np.arange(n) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            places = label * b + local
+            slots = label[rows] * b * b + local[rows] * b + local[cols]
+            self.block, self.size = b, len(sizes) * b
+            unused = np.setdiff1d(np.arange(self.size), places)
+            pads = (unused // b) * b * b + (unused % b) * (b + 1)
+        else:
+            order = reverse_cuthill_mckee(n, rows, cols)
+            places = np.empty(n, np.int64)
+            places[order] = np.arange(n)
+            lower, upper = bandwidths(rows, cols, places)
+            width = lower + upper + 1
+            if 2 * width <= n or n > _DENSE_MAX:
+                if 2 * width > n:
+                    raise ValueError(
+                        f"SparseLinearSolver: {n} unknowns whose pattern has "
+                        f"bandwidth {width} even after reordering: too large for a "
+                        "direct solve; use KrylovLinearSolver"
+                    )
+                self.kind, self.lower = "banded", lower
+                slots = places[rows] * width + (places[cols] - places[rows] + lower)
+            else:
+                self.kind, places = "dense", np.arange(n)
+                slots = rows.astype(np.int64) * n + cols
+            self.size, self.block = n, width
+        self._indices = _HostArrays(
+            rows=rows,
+            cols=cols,
+            colour=colour,
+            diagonal=np.flatnonzero(rows == cols),
+            slots=slots,
+            pads=pads,
+            places=places,
+        )
+
+    def _product(self, values: Array, v: Array) -> Array:
+        return jax.ops.segment_sum(
+            values * v[self.cols], self.rows, self.n, indices_are_sorted=True
+        )
+
+    def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Array]:
+        _check_point(fn, x, "SparseLinearSolver")
+        if x.shape[0] != self.n:
+            raise ValueError(
+                f"SparseLinearSolver.linearise: `x` must have shape ({self.n},) (the "
+                f"pattern's), got {x.shape}"
+            )
+        seeds = self.colour[None, :] == np.arange(self.n_colours)[:, None]
+        value, jvp = jax.linearize(fn, x)
+        compressed = jax.vmap(jvp)(jnp.asarray(seeds, x.dtype))
+        values = compressed[self.colour[self.cols], self.rows]
+        if self.check:
+            failed = _probe_failed(
+                jvp,
+                lambda v: (self._product(values, v), self._product(jnp.abs(values), v)),
+                self.n,
+                x.dtype,
+            )
+            values = error_if(
+                values,
+                failed,
+                0,
+                [
+                    "SparseLinearSolver: the Jacobian has entries outside the "
+                    "sparsity pattern; pass a pattern holding every nonzero (or "
+                    "use DenseLinearSolver)"
+                ],
+            )
+        return value, values
+
+    def factorise(self, jac: Array, gamma_h: Array, mass: Array | None):
+        _check_mass(mass, self.n, "SparseLinearSolver")
+        values = -jnp.asarray(gamma_h, jac.dtype) * jac
+        if mass is None:
+            values = values.at[self._indices["diagonal"]].add(1)
+        elif mass.ndim == 1:
+            values = values.at[self._indices["diagonal"]].add(mass.astype(jac.dtype))
+        else:
+            inside = mass[self.rows, self.cols].astype(jac.dtype)
+            outside = jnp.any(mass.at[self.rows, self.cols].set(0) != 0)
+            inside = error_if(
+                inside,
+                outside,
+                0,
+                ["SparseLinearSolver: the mass matrix has entries outside the pattern"],
+            )
+            values = values + inside
+        if self.kind == "banded":
+            buffer = (
+                jnp.zeros(self.n * self.block, jac.dtype)
+                .at[self._indices["slots"]]
+                .add(values)
+            )
+            return band_lu(buffer.reshape(self.n, self.block), self.lower)
+        if self.kind == "blocks":
+            b = self.block
+            buffer = (
+                jnp.zeros(self.size * b, jac.dtype)
+                .at[self._indices["slots"]]
+                .add(values)
+            )
+            matrix = buffer.at[self._indices["pads"]].set(1).reshape(-1, b, b)
+        else:
+            buffer = (
+                jnp.zeros(self.n * self.n, jac.dtype)
+                .at[self._indices["slots"]]
+                .add(values)
+            )
+            matrix = buffer.reshape(self.n, self.n)
+        lu, pivots, _ = jax.lax.linalg.lu(matrix)
+        return lu, pivots
+
+    def solve(self, factor, rhs: Array, fn: FlatFn) -> Array:
+        del fn
+        if self.kind == "banded":
+            b = (
+                jnp.zeros(self.size, factor.u_rows.dtype)
+                .at[self._indices["places"]]
+                .set(rhs)
+            )
+            return band_lu_solve(factor, b)[self._indices["places"]].astype(rhs.dtype)
+        lu, pivots = factor
+        b = jnp.zeros(self.size, lu.dtype).at[self._indices["places"]].set(rhs)
+        if self.kind == "blocks":
+            blocks = b.reshape(-1, self.block, 1)
+            x = jsl.lu_solve((lu, pivots), blocks).reshape(-1)
+        else:
+            x = jsl.lu_solve((lu, pivots), b)
+        singular = jnp.any(jnp.diagonal(lu, axis1=-2, axis2=-1) == 0)
+        return jnp.where(singular, jnp.nan, x[self._indices["places"]]).astype(
+            rhs.dtype
+        )

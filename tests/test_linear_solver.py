@@ -1,0 +1,263 @@
+"""The linear solvers of the stiff solvers, through their protocol (`linearise`,
+`factorise`, `solve`), against `DenseLinearSolver` on random banded and sparse
+systems in float64: with each kind of mass matrix, under `jit`, `vmap` and `grad`;
+wrong structures are detected and singular matrices give NaN."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import finite_difference
+
+import solverkit as sk
+
+
+pytestmark = pytest.mark.usefixtures("x64")
+
+_N = 12
+
+
+def _banded_matrix(n, lower, upper, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(n, n))
+    i, j = np.indices((n, n))
+    a[(j - i > upper) | (i - j > lower)] = 0
+    return a
+
+
+def _field(matrix):
+    """A nonlinear field whose Jacobian has `matrix`'s pattern: `A tanh(x) + p x`."""
+    a = jnp.asarray(matrix)
+
+    def fn(x, p=jnp.asarray(0.3)):
+        return a @ jnp.tanh(x) + p * x
+
+    return fn
+
+
+def _masses(n, lower, upper):
+    rng = np.random.default_rng(7)
+    dense = _banded_matrix(n, lower, upper, seed=3) * 0.1 + np.eye(n)
+    return [None, jnp.asarray(rng.uniform(0.5, 2.0, n)), jnp.asarray(dense)]
+
+
+def _run(solver, fn, x, gamma_h, mass, rhs):
+    value, jac = solver.linearise(fn, x)
+    factor = solver.factorise(jac, gamma_h, mass)
+    return value, solver.solve(factor, rhs, fn)
+
+
+_run_jit = jax.jit(_run, static_argnums=(0, 1))
+
+
+@pytest.mark.parametrize("lower,upper", [(1, 1), (2, 0), (0, 3), (2, 3)])
+@pytest.mark.parametrize("mass_index", [0, 1, 2])
+def test_banded_matches_dense(lower, upper, mass_index):
+    fn = _field(_banded_matrix(_N, lower, upper))
+    mass = _masses(_N, lower, upper)[mass_index]
+    x = jnp.linspace(-1.0, 1.0, _N)
+    rhs = jnp.cos(jnp.arange(_N, dtype=jnp.float64))
+    solver = sk.BandedLinearSolver(lower, upper)
+    value, sol = _run_jit(solver, fn, x, 0.7, mass, rhs)
+    value_d, sol_d = _run(sk.DenseLinearSolver(), fn, x, 0.7, mass, rhs)
+    np.testing.assert_allclose(value, value_d, rtol=1e-13)
+    np.testing.assert_allclose(sol, sol_d, rtol=1e-10, atol=1e-12)
+
+
+def test_banded_vmap_over_rhs_and_point():
+    fn = _field(_banded_matrix(_N, 1, 2))
+    solver = sk.BandedLinearSolver(1, 2)
+    xs = jnp.linspace(-1.0, 1.0, 3 * _N).reshape(3, _N)
+    rhs = jnp.sin(jnp.arange(3 * _N, dtype=jnp.float64)).reshape(3, _N)
+
+    def both(s, x, b):
+        return _run(s, fn, x, 0.5, None, b)[1]
+
+    batched = jax.jit(jax.vmap(both, in_axes=(None, 0, 0)), static_argnums=0)
+    got = batched(solver, xs, rhs)
+    want = jax.vmap(both, in_axes=(None, 0, 0))(sk.DenseLinearSolver(), xs, rhs)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _loss(solver, matrix):
+    a = jnp.asarray(matrix)
+
+    def loss(params):
+        p, rhs = params[0], params[1:]
+
+        def fn(x):  # closes over the differentiated `p`
+            return a @ jnp.tanh(x) + p * x**2
+
+        x = jnp.linspace(-1.0, 1.0, a.shape[0])
+        return jnp.sum(_run(solver, fn, x, 0.4, None, rhs)[1] ** 2)
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "solver", [sk.BandedLinearSolver(2, 1)], ids=lambda s: type(s).__name__
+)
+def test_grad_against_dense_and_finite_differences(solver):
+    matrix = _banded_matrix(_N, 2, 1)
+    params = jnp.concatenate([jnp.array([0.3]), jnp.cos(jnp.arange(_N) * 1.0)])
+    grad = jax.jit(jax.grad(_loss(solver, matrix)))(params)
+    grad_dense = jax.grad(_loss(sk.DenseLinearSolver(), matrix))(params)
+    np.testing.assert_allclose(grad, grad_dense, rtol=1e-9, atol=1e-11)
+    fd = finite_difference(_loss(solver, matrix), params)
+    np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_banded_wrong_bandwidth_is_detected():
+    fn = _field(_banded_matrix(_N, 2, 2))
+    x = jnp.zeros(_N)
+    with pytest.raises(Exception, match="outside these bands"):
+        jax.jit(sk.BandedLinearSolver(1, 1).linearise, static_argnums=0)(fn, x)
+    # The right bandwidths pass; unchecked, no error.
+    jax.jit(sk.BandedLinearSolver(2, 2).linearise, static_argnums=0)(fn, x)
+    sk.BandedLinearSolver(1, 1, check=False).linearise(fn, x)
+
+
+def test_banded_mass_outside_bands_is_detected():
+    solver = sk.BandedLinearSolver(1, 1)
+    _, jac = solver.linearise(_field(_banded_matrix(_N, 1, 1)), jnp.zeros(_N))
+    with pytest.raises(Exception, match="mass matrix has entries outside"):
+        solver.factorise(jac, 0.5, jnp.ones((_N, _N)))
+    with pytest.raises(ValueError, match="`mass` must be None"):
+        solver.factorise(jac, 0.5, jnp.ones(_N + 1))
+
+
+def test_banded_bad_arguments():
+    with pytest.raises(ValueError, match="`lower` must be an int"):
+        sk.BandedLinearSolver(-1, 1)
+    with pytest.raises(ValueError, match="`fn\\(x\\)` must have the shape"):
+        sk.BandedLinearSolver(1, 1).linearise(lambda x: x[:2], jnp.zeros(4))
+
+
+def test_banded_singular_gives_nan():
+    matrix = np.diag(np.arange(_N, dtype=np.float64))  # J[0, 0] = 0
+    solver = sk.BandedLinearSolver(1, 1)
+    _, jac = solver.linearise(lambda x: jnp.asarray(matrix) @ x, jnp.ones(_N))
+    # M - γh J with M = diag(e_0 ...): row 0 vanishes.
+    mass = jnp.asarray(np.arange(_N) > 0, jnp.float64)
+    factor = solver.factorise(jac, -1.0, mass)
+    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), None)))
+
+
+def _sparse_matrix(kind, seed=0):
+    """A random (12, 12) matrix whose pattern takes each path of SparseLinearSolver."""
+    rng = np.random.default_rng(seed)
+    if kind == "blocks":  # four 3x3 blocks, shuffled
+        a = np.kron(np.eye(4), np.ones((3, 3))) * rng.normal(size=(_N, _N))
+        perm = rng.permutation(_N)
+        return a[perm][:, perm]
+    if kind == "banded":  # a ring (periodic tridiagonal) of 12, shuffled
+        i, j = np.indices((_N, _N))
+        ring = (np.abs(i - j) <= 1) | (np.abs(i - j) == _N - 1)
+        perm = rng.permutation(_N)
+        return (ring * rng.normal(size=(_N, _N)))[perm][:, perm]
+    a = rng.normal(size=(_N, _N))  # "dense": about half the entries
+    return np.where(rng.uniform(size=(_N, _N)) < 0.5, a, 0) + 3 * np.eye(_N)
+
+
+@pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
+@pytest.mark.parametrize("mass_index", [0, 1, 2])
+def test_sparse_matches_dense(kind, mass_index):
+    matrix = _sparse_matrix(kind)
+    solver = sk.SparseLinearSolver(matrix != 0)
+    assert solver.kind == kind
+    fn = _field(matrix)
+    mass = _masses(_N, 0, 0)[mass_index]
+    if mass is not None and mass.ndim == 2:  # a mass matrix within the pattern
+        mass = mass + 0.1 * jnp.asarray(matrix)
+    x = jnp.linspace(-1.0, 1.0, _N)
+    rhs = jnp.cos(jnp.arange(_N, dtype=jnp.float64))
+    value, sol = _run_jit(solver, fn, x, 0.7, mass, rhs)
+    value_d, sol_d = _run(sk.DenseLinearSolver(), fn, x, 0.7, mass, rhs)
+    np.testing.assert_allclose(value, value_d, rtol=1e-13)
+    np.testing.assert_allclose(sol, sol_d, rtol=1e-10, atol=1e-12)
+
+
+def test_sparse_vmap_over_rhs_and_point():
+    matrix = _sparse_matrix("blocks")
+    fn = _field(matrix)
+    xs = jnp.linspace(-1.0, 1.0, 3 * _N).reshape(3, _N)
+    rhs = jnp.sin(jnp.arange(3 * _N, dtype=jnp.float64)).reshape(3, _N)
+
+    def both(s, x, b):
+        return _run(s, fn, x, 0.5, None, b)[1]
+
+    for kind in ("blocks", "banded"):
+        solver = sk.SparseLinearSolver(_sparse_matrix(kind) != 0 | (matrix != 0))
+        got = jax.jit(jax.vmap(both, in_axes=(None, 0, 0)), static_argnums=0)(
+            solver, xs, rhs
+        )
+        want = jax.vmap(both, in_axes=(None, 0, 0))(sk.DenseLinearSolver(), xs, rhs)
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["blocks", "banded"])
+def test_sparse_grad_against_dense_and_finite_differences(kind):
+    matrix = _sparse_matrix(kind)
+    solver = sk.SparseLinearSolver(matrix != 0)
+    params = jnp.concatenate([jnp.array([0.3]), jnp.cos(jnp.arange(_N) * 1.0)])
+    grad = jax.jit(jax.grad(_loss(solver, matrix)))(params)
+    grad_dense = jax.grad(_loss(sk.DenseLinearSolver(), matrix))(params)
+    np.testing.assert_allclose(grad, grad_dense, rtol=1e-9, atol=1e-11)
+    fd = finite_difference(_loss(solver, matrix), params)
+    np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_sparse_wrong_pattern_is_detected():
+    matrix = _sparse_matrix("banded")
+    pattern = matrix != 0
+    i, j = np.argwhere(pattern & ~np.eye(_N, dtype=bool))[0]
+    pattern[i, j] = False  # drop one off-diagonal nonzero
+    fn = _field(matrix)
+    with pytest.raises(Exception, match="outside the sparsity pattern"):
+        jax.jit(sk.SparseLinearSolver(pattern).linearise, static_argnums=0)(
+            fn, jnp.zeros(_N)
+        )
+    sk.SparseLinearSolver(pattern, check=False).linearise(fn, jnp.zeros(_N))
+
+
+def test_sparse_bad_arguments():
+    with pytest.raises(ValueError, match="must be a boolean"):
+        sk.SparseLinearSolver(np.ones((3, 3)))
+    with pytest.raises(ValueError, match="must be square"):
+        sk.SparseLinearSolver(np.ones((3, 4), bool))
+    solver = sk.SparseLinearSolver(np.eye(3, dtype=bool))
+    with pytest.raises(ValueError, match=r"must have shape \(3,\)"):
+        solver.linearise(lambda x: x, jnp.zeros(4))
+
+
+@pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
+def test_sparse_singular_gives_nan(kind):
+    matrix = _sparse_matrix(kind)
+    solver = sk.SparseLinearSolver(matrix != 0)
+    _, jac = solver.linearise(_field(matrix), jnp.zeros(_N))
+    factor = solver.factorise(jnp.zeros_like(jac), 0.5, jnp.zeros(_N))
+    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), None)))
+
+
+def _laplacian_2d(m):
+    i, j = np.indices((m * m, m * m))
+    xi, yi, xj, yj = i // m, i % m, j // m, j % m
+    return np.abs(xi - xj) + np.abs(yi - yj) <= 1
+
+
+def test_colours():
+    tridiagonal = np.abs(np.subtract.outer(np.arange(50), np.arange(50))) <= 1
+    assert sk.SparseLinearSolver(tridiagonal).n_colours == 3
+    assert sk.SparseLinearSolver(_laplacian_2d(10)).n_colours <= 5
+    blocks = np.kron(np.eye(20, dtype=bool), np.ones((3, 3), bool))
+    solver = sk.SparseLinearSolver(blocks)
+    assert (solver.n_colours, solver.kind, solver.block) == (3, "blocks", 3)
+
+
+def test_sparse_accepts_scipy():
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    matrix = _sparse_matrix("banded")
+    solver = sk.SparseLinearSolver(scipy_sparse.csr_matrix(matrix))
+    reference = sk.SparseLinearSolver(matrix != 0)
+    np.testing.assert_array_equal(solver.rows, reference.rows)
+    np.testing.assert_array_equal(solver.cols, reference.cols)
