@@ -555,6 +555,11 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--no-diffrax", action="store_true")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows of --out/results.json that this run does not redo",
+    )
     parser.add_argument("--worker-problem", help=argparse.SUPPRESS)
     parser.add_argument("--worker-config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -590,6 +595,14 @@ def main(argv=None) -> list[Row]:
     from .stiff_large_problems import problem as build
 
     rows: list[Row] = []
+    previous = args.out / "results.json"
+    if args.append and previous.exists():
+        redo = {(p, c) for p in args.problems for c in args.solvers}
+        rows = [
+            Row(**r)
+            for r in json.loads(previous.read_text())["rows"]
+            if (r["problem"], r["config"]) not in redo
+        ]
     for name in args.problems:
         problem = build(name)
         start = time.perf_counter()
@@ -603,7 +616,7 @@ def main(argv=None) -> list[Row]:
             for row in run_config(problem, config, args):
                 _progress(row)
                 rows.append(row)
-        write(args, rows)
+            write(args, rows)
     result = write(args, rows)
     print((args.out / "results.md").read_text())
     print(json.dumps(result["goals"], indent=1))
