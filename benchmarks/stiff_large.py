@@ -94,7 +94,7 @@ class Row:
 # --- references ---------------------------------------------------------------------
 
 
-def reference(problem, directory: pathlib.Path) -> "np.ndarray":  # noqa: F821
+def reference(problem, directory: pathlib.Path):
     """The state at `t1`: from the cache, else SciPy Radau at `REFERENCE_RTOL`
     (`atol = atol_factor * REFERENCE_RTOL`) with the sparse Jacobian pattern, saved
     as `directory/<name>.npz` (the final state only)."""
@@ -276,6 +276,7 @@ def worker(args) -> None:
         Row(problem.name, problem.size, config, r, r * problem.atol_factor)
         for r in args.rtols
     ]
+    sparsity = None
     if config == "scipy-BDF":
         sparsity = problem.sparsity()
         run = None
@@ -283,7 +284,7 @@ def worker(args) -> None:
         module, solver, why = jax_solver(config, problem)
         if solver is None:
             for row in rows:
-                row.status, row.note = "skipped", why
+                row.status, row.note = "skipped", why or ""
                 _emit(row)
             return
         solve = _jax_runner(module, solver, problem)
@@ -324,7 +325,7 @@ def worker(args) -> None:
             _emit(row)
             too_slow = row.rtol
             continue
-        row.run_s = min(times)
+        run_s = row.run_s = min(times)
         row.steps = int(steps) if steps is not None else None
         row.stats = stats
         row.error = relative_error(np.asarray(y1), ref, problem.error_floor)
@@ -332,7 +333,7 @@ def worker(args) -> None:
             row.status, row.note = "failed", "solver did not succeed"
         row.peak_rss_mib = _peak_rss_mib()
         row.rss_growth_mib = row.peak_rss_mib - baseline
-        if row.run_s + (row.first_call_s or 0) > args.budget:
+        if run_s + (row.first_call_s or 0) > args.budget:
             too_slow = row.rtol
         _emit(row)
 
@@ -419,9 +420,11 @@ def goals(rows: list[Row]) -> list[dict]:
                 r
                 for r in ok
                 if r.config not in ("scipy-BDF", "diffrax-Kvaerno5")
+                and r.error is not None
+                and ref.error is not None
                 and r.error <= ref.error
             ]
-            best = min(ours, key=lambda r: r.run_s, default=None)
+            best = min(ours, key=lambda r: r.run_s or 0.0, default=None)
             out.append(
                 {
                     "problem": name,
@@ -436,7 +439,7 @@ def goals(rows: list[Row]) -> list[dict]:
                         "rtol": best.rtol,
                         "error": best.error,
                         "run_s": best.run_s,
-                        "ratio": best.run_s / ref.run_s,
+                        "ratio": (best.run_s or 0.0) / (ref.run_s or 1.0),
                     },
                 }
             )

@@ -217,7 +217,7 @@ def _rober_np(params: dict, copies: int):
 
 def _rober_sparsity(copies: int) -> sps.csr_matrix:
     block = sps.csr_matrix(np.ones((3, 3), dtype=np.int8))
-    return sps.block_diag([block] * copies, format="csr")
+    return sps.csr_matrix(sps.block_diag([block] * copies))
 
 
 def rober_blocks(copies: int) -> LargeProblem:
@@ -268,6 +268,11 @@ def _burgers_np(params: dict):
     return np_field
 
 
+def _tridiagonal_pattern(n: int) -> sps.csr_matrix:
+    i = np.arange(n)
+    return _pattern_from_stencil(n, [i, i, i], [i - 1, i, i + 1])
+
+
 def burgers(n: int) -> LargeProblem:
     """Burgers' equation on `n` interior points, `t` in [0, 0.5]."""
     dx = 1.0 / (n + 1)
@@ -281,9 +286,7 @@ def burgers(n: int) -> LargeProblem:
         params=params,
         field=burgers_field,
         np_field=_burgers_np(params),
-        sparsity=lambda: sps.diags(
-            [np.ones(n - 1), np.ones(n), np.ones(n - 1)], [-1, 0, 1], format="csr"
-        ).astype(np.int8),
+        sparsity=lambda: _tridiagonal_pattern(n),
         bandwidths=(1, 1),
         error_floor=1e-3,
         atol_factor=1.0,

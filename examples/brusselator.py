@@ -119,13 +119,15 @@ def make_solve(n: int, t1: float, ts: tuple[float, ...], rtol: float):
     snapshots = jax.jit(lambda alpha: solve(alpha, sk.SaveAt(ts=jnp.asarray(ts))))
 
     def mean_u(alpha):
-        return jnp.mean(solve(alpha, sk.SaveAt(t1=True)).ys[-1, ..., 0])
+        ys = solve(alpha, sk.SaveAt(t1=True)).ys
+        assert ys is not None
+        return jnp.mean(ys[-1, ..., 0])
 
     return solver, snapshots, jax.jit(mean_u), jax.jit(jax.grad(mean_u))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="The 2-D Brusselator.")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
     parser.add_argument("--n", type=int, default=None, help="grid size (default 128)")
     parser.add_argument(
@@ -172,21 +174,23 @@ def main() -> None:
 def plot(path: pathlib.Path, ys: jax.Array, ts: tuple[float, ...], n: int) -> None:
     fig, axes = plt.subplots(1, len(ts), figsize=(3.2 * len(ts), 3.2))
     vmax = float(jnp.max(ys[..., 0]))
-    image = None
+    image = []
     for ax, t, y in zip(axes, ts, ys):
-        image = ax.imshow(
-            y[..., 0].T,
-            origin="lower",
-            extent=(0, 1, 0, 1),
-            vmin=0,
-            vmax=vmax,
-            cmap="viridis",
-        )
+        image = [
+            ax.imshow(
+                y[..., 0].T,
+                origin="lower",
+                extent=(0, 1, 0, 1),
+                vmin=0,
+                vmax=vmax,
+                cmap="viridis",
+            )
+        ]
         ax.set_title(f"u at t = {t:g}")
         ax.set_xticks([])
         ax.set_yticks([])
     fig.suptitle(f"2-D Brusselator, {n} x {n} cells, {2 * n * n} unknowns")
-    fig.colorbar(image, ax=list(axes), shrink=0.8)
+    fig.colorbar(image[0], ax=list(axes), shrink=0.8)
     fig.savefig(path, dpi=100)
     print("wrote", path)
 
