@@ -1,4 +1,4 @@
-"""The 2-D Brusselator on a 128 x 128 grid (32,768 unknowns) with a Krylov Newton.
+"""The 2-D Brusselator on a 128 x 128 grid (32,768 unknowns) with a sparse Newton.
 
 The reaction-diffusion system of Hairer and Wanner (*Solving Ordinary Differential
 Equations II*, §IV.10, the 2-D BRUSS problem), here with zero-flux boundaries:
@@ -9,9 +9,10 @@ Equations II*, §IV.10, the 2-D BRUSS problem), here with zero-flux boundaries:
 on the unit square, `u(x, y, 0) = 22 y (1 - y)^1.5`, `v(x, y, 0) = 27 x (1 - x)^1.5`,
 and a source `f = 5` switched on at `t = 1.1` in the disc of radius 0.1 about
 (0.3, 0.6). The method of lines on `N x N` cells gives `2 N^2` stiff ODEs (the
-diffusion's eigenvalues reach `-8 alpha N^2`). The stiff solver's Newton iterations
-solve with `M - gamma h J` by GMRES (`sk.KrylovLinearSolver`), matrix-free: no
-Jacobian is ever formed, only Jacobian-vector products of the vector field, which
+diffusion's eigenvalues reach `-8 alpha N^2`). `Rodas5P` solves with `M - gamma h J`
+by GMRES (`sk.KrylovLinearSolver`, matrix-free) where this solverkit has it, else
+with `sk.SparseLinearSolver`: the Jacobian from 5 Jacobian-vector products (a
+colouring of its sparsity pattern) and a sparse (reordered band) LU. The vector field
 closes over the diffusion coefficient `alpha`.
 
 Then `jax.grad` of a scalar of the final state (the mean of `u`) with respect to
@@ -78,23 +79,45 @@ def brusselator(alpha: jax.Array, n: int):
     return vector_field
 
 
+def sparsity(n: int):
+    """The Jacobian's nonzeros on the ravelled `(n, n, 2)` state, a SciPy sparse
+    matrix: u and v of a cell couple; each couples to its four neighbours."""
+    import numpy as np
+    import scipy.sparse as sps
+
+    idx = np.arange(2 * n * n).reshape(n, n, 2)
+    rows, cols = [], []
+    for a in (0, 1):
+        for b in (0, 1):
+            rows.append(idx[..., a].ravel())
+            cols.append(idx[..., b].ravel())
+    for di, dj in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+        i = np.clip(np.arange(n)[:, None] + di, 0, n - 1)
+        j = np.clip(np.arange(n)[None, :] + dj, 0, n - 1)
+        i, j = np.broadcast_arrays(i, j)
+        for a in (0, 1):
+            rows.append(idx[..., a].ravel())
+            cols.append(idx[i, j, a].ravel())
+    r, c = np.concatenate(rows), np.concatenate(cols)
+    return sps.csr_matrix((np.ones(r.size, bool), (r, c)), shape=(2 * n * n,) * 2)
+
+
 def stiff_solver(n: int) -> sk.AbstractSolver:
-    """A stiff solver with a Krylov Newton where this solverkit has one; otherwise
-    `Rodas5P` with dense Jacobians, which only small grids can afford."""
+    """`Rodas5P` with a Krylov Newton where this solverkit has one, else with a
+    sparse direct one (the pattern coloured: 5 Jacobian-vector products per
+    Jacobian), else with dense Jacobians, which only small grids can afford."""
     krylov = getattr(sk, "KrylovLinearSolver", None)
+    sparse = getattr(sk, "SparseLinearSolver", None)
     if krylov is not None:
-        for name in ("Rodas5P", "BDF", "Kvaerno5"):
-            cls = getattr(sk, name, None)
-            try:
-                return cls(linear_solver=krylov("gmres"))  # pyright: ignore
-            except TypeError:
-                continue
+        return sk.Rodas5P(linear_solver=krylov("gmres"))  # pyright: ignore
+    if sparse is not None:
+        return sk.Rodas5P(linear_solver=sparse(sparsity(n)))  # pyright: ignore
     if 2 * n * n > 2048:
         raise SystemExit(
-            f"--n {n}: 2n² = {2 * n * n} unknowns need sk.KrylovLinearSolver and a "
-            "stiff solver taking linear_solver=; this solverkit has neither"
+            f"--n {n}: 2n² = {2 * n * n} unknowns need sk.KrylovLinearSolver or "
+            "sk.SparseLinearSolver; this solverkit has neither"
         )
-    print("note: no Krylov Newton in this solverkit; Rodas5P with dense Jacobians")
+    print("note: no sparse or Krylov Newton in this solverkit; dense Jacobians")
     return sk.Rodas5P()
 
 
