@@ -42,6 +42,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -279,9 +280,9 @@ def worker(args) -> None:
     ]
     sparsity = None
     mode = {"static": False}
+    run: Callable | None = None
     if config == "scipy-BDF":
         sparsity = problem.sparsity()
-        run = None
     else:
         module, solver, why = jax_solver(config, problem)
         if solver is None:
@@ -293,7 +294,7 @@ def worker(args) -> None:
         params = jax.tree_util.tree_map(jnp.asarray, problem.params)
         y0 = jnp.asarray(problem.y0)
 
-        def run(r, a):
+        def run_jax(r, a):
             if not mode["static"]:
                 try:
                     out = traced(params, y0, jnp.asarray(r), jnp.asarray(a))
@@ -301,6 +302,8 @@ def worker(args) -> None:
                 except jax.errors.JAXTypeError:  # rtol used in Python: static
                     mode["static"] = True
             return jax.block_until_ready(static(params, y0, r, a))
+
+        run = run_jax
 
     baseline = _reset_peak_rss()
     too_slow = None
