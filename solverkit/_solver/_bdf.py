@@ -136,13 +136,14 @@ def _update(D: Array, d: Array, order: Array) -> Array:
     """The differences after a step of order `k` with correction `d`: `D[k+2] = d -
     D[k+1]`, `D[k+1] = d`, and `D[i] += D[i+1]` for `i = k, ..., 0`."""
     rows = np.arange(D.shape[0])[:, None]
+    d = d[None, :]
     below = jnp.where(rows <= order, D, 0)
     # D_new[i] = Σ_{i<=j<=k} D[j] + d for i <= k.
     tail = jnp.flip(jnp.cumsum(jnp.flip(below, 0), axis=0), 0) + d
     prev = jnp.sum(jnp.where(rows == order + 1, D, 0), axis=0)
     out = jnp.where(rows <= order, tail, D)
     out = jnp.where(rows == order + 1, d, out)
-    return jnp.where(rows == order + 2, d - prev, out)
+    return jnp.where(rows == order + 2, d - prev[None, :], out)
 
 
 def _correction(static, d, t1, c, y_pred, psi, dynamic):
@@ -249,7 +250,7 @@ class BDF(AbstractAdaptiveSolver):
     rtol: float | None = None
     atol: float | None = None
     # Bound from the step-size controller by `bind_controller_tols`.
-    norm: Callable[[PyTree], Array] = rms_norm
+    norm: Callable[[PyTree], Array] = eqx.field(default=rms_norm, static=True)
     safety: float = 0.9
     exponent: float = 2.0  # the controller's `error_order / icoeff`
     adaptive: bool = eqx.field(default=False, static=True)
@@ -390,7 +391,8 @@ class BDF(AbstractAdaptiveSolver):
         rtol, _ = self._tols()
         mass = self.mass_matrix
         eps = float(jnp.finfo(y_pred.dtype).eps)
-        tol = max(10 * eps / rtol, min(0.03, rtol**0.5))
+        rtol = jnp.asarray(rtol, y_pred.dtype)
+        tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, jnp.sqrt(rtol)))
         maxiter = self.newton_max_steps
 
         def cond(carry):
