@@ -174,7 +174,12 @@ def test_ndf_and_bdf_forms():
 def _decay_dense(k):
     saveat = sk.SaveAt(ts=jnp.linspace(0.0, 3.0, 7), dense=True)
     return _solve(
-        lambda t, y, args: -k * y, sk.BDF(), 3.0, jnp.array([1.0, 2.0]), 1e-9, 1e-12,
+        lambda t, y, args: -k * y,
+        sk.BDF(),
+        3.0,
+        jnp.array([1.0, 2.0]),
+        1e-9,
+        1e-12,
         saveat=saveat,
     )
 
@@ -304,7 +309,12 @@ def test_clip_controller():
 
 def _rober_loss(k1, solver, adjoint, rtol=1e-8):
     sol = _solve(
-        _rober(k1), solver, 10.0, jnp.array([1.0, 0, 0]), rtol, 1e-3 * rtol,
+        _rober(k1),
+        solver,
+        10.0,
+        jnp.array([1.0, 0, 0]),
+        rtol,
+        1e-3 * rtol,
         adjoint=adjoint,
     )
     return sol.ys[-1, 0] + 1e4 * sol.ys[-1, 1]
@@ -312,7 +322,12 @@ def _rober_loss(k1, solver, adjoint, rtol=1e-8):
 
 def _bruss_loss(alpha, solver, adjoint, rtol=1e-8):
     sol = _solve(
-        _brusselator(alpha), solver, 1.5, jnp.asarray(BRUSS_Y0), rtol, rtol,
+        _brusselator(alpha),
+        solver,
+        1.5,
+        jnp.asarray(BRUSS_Y0),
+        rtol,
+        rtol,
         adjoint=adjoint,
     )
     return jnp.sum(sol.ys[-1, 0] ** 2)
@@ -399,7 +414,12 @@ def test_backsolve():
 
     def loss(k, solver):
         sol = _solve(
-            lambda t, y, args: -k * y, solver, 3.0, jnp.ones(2), 1e-8, 1e-10,
+            lambda t, y, args: -k * y,
+            solver,
+            3.0,
+            jnp.ones(2),
+            1e-8,
+            1e-10,
             adjoint=sk.BacksolveAdjoint(),
         )
         return jnp.sum(sol.ys[-1])

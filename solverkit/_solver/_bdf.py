@@ -167,9 +167,7 @@ def _correction(static, d, t1, c, y_pred, psi, dynamic):
         field = lambda x: _flat_field(terms, args, unravel, t1, x, d.dtype)
         _, jac = linear_solver.linearise(field, y_pred + d)
         factor = linear_solver.factorise(jac, c, mass)
-        _, dg = jax.jvp(
-            lambda *p: residual(d, *p), primals[1:], tangents[1:]
-        )
+        _, dg = jax.jvp(lambda *p: residual(d, *p), primals[1:], tangents[1:])
         return d, linear_solver.solve(factor, dg, field)
 
     return fn(d, t1, c, y_pred, psi, dynamic)
@@ -316,7 +314,7 @@ class BDF(AbstractAdaptiveSolver):
                 f"{type(stepsize_controller).__name__}."
             )
         c: Any = controller
-        order = c.error_order if c.error_order is not None else self.error_order(None)
+        order = c.error_order if c.error_order is not None else 2.0
         return dataclasses.replace(
             self,
             rtol=c.rtol,
@@ -481,9 +479,7 @@ class BDF(AbstractAdaptiveSolver):
         jac_age = jnp.where(stale, 0, state.jac_age)
         c_old = state.c_factor
         change = jnp.abs(n_c - c_old) > _REFACTOR_CHANGE * jnp.abs(c_old)
-        refactor = (
-            stale | (c_old == 0) | change | (state.factor_age >= _REFACTOR_STEPS)
-        )
+        refactor = stale | (c_old == 0) | change | (state.factor_age >= _REFACTOR_STEPS)
         factor = maybe(refactor, lambda: new_factor(jac), state.factor)
         factor_age = jnp.where(refactor, 0, state.factor_age)
         d, converged, iters = self._newton(
@@ -595,7 +591,7 @@ class BDF(AbstractAdaptiveSolver):
         dense = BDFDense(y1=unravel(y1), D=D_new[1 : K + 1], order=k)
         return unravel(y1), y_error, dense, new_state, result
 
-    def interpolate(self, dense_info: BDFDense, t0, t1, t) -> PyTree:
+    def interpolate(self, dense_info: BDFDense, t0: Array, t1: Array, t) -> PyTree:
         flat1, unravel = ravel_pytree(dense_info.y1)
         dtype = flat1.dtype
         h = jnp.asarray(t1 - t0)
