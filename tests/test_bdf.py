@@ -8,6 +8,7 @@ Compiles are few: each jitted solve below is shared by the tests that use it.
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -428,3 +429,48 @@ def test_backsolve():
     assert jnp.allclose(g, -2 * 3.0 * jnp.exp(-4.5), rtol=1e-5)
     with pytest.raises(ValueError, match="BacksolveAdjoint"):
         jax.grad(lambda k: loss(k, sk.BDF(mass_matrix=jnp.ones(2))))(1.5)
+
+
+class _Counting(AbstractLinearSolver):
+    """The dense solver, counting its Jacobians and factorisations at run time."""
+
+    counts: dict = eqx.field(static=True)
+
+    def _count(self, name):
+        self.counts[name] += 1
+
+    def linearise(self, fn, x):
+        jax.debug.callback(
+            lambda: self.counts.__setitem__("jac", self.counts["jac"] + 1)
+        )
+        return sk.DenseLinearSolver().linearise(fn, x)
+
+    def factorise(self, jac, gamma_h, mass):
+        jax.debug.callback(lambda: self._count("lu"))
+        return sk.DenseLinearSolver().factorise(jac, gamma_h, mass)
+
+    def solve(self, factor, rhs, fn):
+        return sk.DenseLinearSolver().solve(factor, rhs, fn)
+
+
+def test_jacobian_and_factor_reuse():
+    """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
+    counters in the state obey the limits."""
+    counts = {"jac": 0, "lu": 0}
+    solver = sk.BDF(linear_solver=_Counting(counts))
+    sol = _solve(
+        ROBER.field(1.0),
+        solver,
+        ROBER.t1,
+        jnp.asarray(ROBER.y0),
+        1e-6,
+        1e-10,
+        saveat=sk.SaveAt(t1=True, solver_state=True),
+    )
+    steps = int(sol.stats["num_steps"])
+    print("steps", steps, "jacobians", counts["jac"], "factorisations", counts["lu"])
+    # (One Jacobian at `init`; each eager `lax.cond` branch runs only when taken.)
+    assert 1 <= counts["jac"] < steps / 5, (counts, steps)
+    assert 1 <= counts["lu"] < steps / 2, (counts, steps)
+    state = sol.solver_state
+    assert int(state.jac_age) <= 50 and int(state.factor_age) <= 20
