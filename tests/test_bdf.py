@@ -474,3 +474,23 @@ def test_jacobian_and_factor_reuse():
     assert 1 <= counts["lu"] < steps / 2, (counts, steps)
     state = sol.solver_state
     assert int(state.jac_age) <= 50 and int(state.factor_age) <= 20
+
+
+def test_forward_mode_and_y0():
+    """Forward mode (`ForwardMode`, `jax.jacfwd`) agrees with finite differences;
+    the gradient with respect to `y0` with the reverse one."""
+    x = jnp.asarray(0.04)
+    g = jax.jit(jax.jacfwd(lambda x: _rober_loss(x, sk.BDF(), sk.ForwardMode())))(x)
+    assert jnp.allclose(g, _fd("rober", x), rtol=2e-5), g
+
+    def loss(y0, adjoint):
+        sol = _solve(_rober(0.04), sk.BDF(), 10.0, y0, 1e-8, 1e-11, adjoint=adjoint)
+        return sol.ys[-1, 0] + 1e4 * sol.ys[-1, 1]
+
+    y0 = jnp.array([1.0, 0.0, 0.0])
+    rev = jax.grad(loss)(y0, sk.RecursiveCheckpointAdjoint())
+    fwd = jax.jacfwd(loss)(y0, sk.ForwardMode())
+    assert jnp.allclose(rev, fwd, rtol=1e-6, atol=1e-8), (rev, fwd)
+    e = jnp.eye(3)[0] * 1e-6
+    fd0 = (loss(y0 + e, sk.ForwardMode()) - loss(y0 - e, sk.ForwardMode())) / 2e-6
+    assert jnp.allclose(rev[0], fd0, rtol=1e-4), (rev[0], fd0)
