@@ -136,13 +136,14 @@ def _update(D: Array, d: Array, order: Array) -> Array:
     """The differences after a step of order `k` with correction `d`: `D[k+2] = d -
     D[k+1]`, `D[k+1] = d`, and `D[i] += D[i+1]` for `i = k, ..., 0`."""
     rows = np.arange(D.shape[0])[:, None]
+    d = d[None, :]
     below = jnp.where(rows <= order, D, 0)
     # D_new[i] = Σ_{i<=j<=k} D[j] + d for i <= k.
     tail = jnp.flip(jnp.cumsum(jnp.flip(below, 0), axis=0), 0) + d
     prev = jnp.sum(jnp.where(rows == order + 1, D, 0), axis=0)
     out = jnp.where(rows <= order, tail, D)
     out = jnp.where(rows == order + 1, d, out)
-    return jnp.where(rows == order + 2, d - prev, out)
+    return jnp.where(rows == order + 2, d - prev[None, :], out)
 
 
 def _correction(static, d, t1, c, y_pred, psi, dynamic):
@@ -166,9 +167,7 @@ def _correction(static, d, t1, c, y_pred, psi, dynamic):
         field = lambda x: _flat_field(terms, args, unravel, t1, x, d.dtype)
         _, jac = linear_solver.linearise(field, y_pred + d)
         factor = linear_solver.factorise(jac, c, mass)
-        _, dg = jax.jvp(
-            lambda *p: residual(d, *p), primals[1:], tangents[1:]
-        )
+        _, dg = jax.jvp(lambda *p: residual(d, *p), primals[1:], tangents[1:])
         return d, linear_solver.solve(factor, dg, field)
 
     return fn(d, t1, c, y_pred, psi, dynamic)
@@ -249,7 +248,7 @@ class BDF(AbstractAdaptiveSolver):
     rtol: float | None = None
     atol: float | None = None
     # Bound from the step-size controller by `bind_controller_tols`.
-    norm: Callable[[PyTree], Array] = rms_norm
+    norm: Callable[[PyTree], Array] = eqx.field(default=rms_norm, static=True)
     safety: float = 0.9
     exponent: float = 2.0  # the controller's `error_order / icoeff`
     adaptive: bool = eqx.field(default=False, static=True)
@@ -315,7 +314,7 @@ class BDF(AbstractAdaptiveSolver):
                 f"{type(stepsize_controller).__name__}."
             )
         c: Any = controller
-        order = c.error_order if c.error_order is not None else self.error_order(None)
+        order = c.error_order if c.error_order is not None else 2.0
         return dataclasses.replace(
             self,
             rtol=c.rtol,
@@ -390,7 +389,8 @@ class BDF(AbstractAdaptiveSolver):
         rtol, _ = self._tols()
         mass = self.mass_matrix
         eps = float(jnp.finfo(y_pred.dtype).eps)
-        tol = max(10 * eps / rtol, min(0.03, rtol**0.5))
+        rtol = jnp.asarray(rtol, y_pred.dtype)
+        tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, jnp.sqrt(rtol)))
         maxiter = self.newton_max_steps
 
         def cond(carry):
@@ -479,9 +479,7 @@ class BDF(AbstractAdaptiveSolver):
         jac_age = jnp.where(stale, 0, state.jac_age)
         c_old = state.c_factor
         change = jnp.abs(n_c - c_old) > _REFACTOR_CHANGE * jnp.abs(c_old)
-        refactor = (
-            stale | (c_old == 0) | change | (state.factor_age >= _REFACTOR_STEPS)
-        )
+        refactor = stale | (c_old == 0) | change | (state.factor_age >= _REFACTOR_STEPS)
         factor = maybe(refactor, lambda: new_factor(jac), state.factor)
         factor_age = jnp.where(refactor, 0, state.factor_age)
         d, converged, iters = self._newton(
@@ -593,7 +591,7 @@ class BDF(AbstractAdaptiveSolver):
         dense = BDFDense(y1=unravel(y1), D=D_new[1 : K + 1], order=k)
         return unravel(y1), y_error, dense, new_state, result
 
-    def interpolate(self, dense_info: BDFDense, t0, t1, t) -> PyTree:
+    def interpolate(self, dense_info: BDFDense, t0: Array, t1: Array, t) -> PyTree:
         flat1, unravel = ravel_pytree(dense_info.y1)
         dtype = flat1.dtype
         h = jnp.asarray(t1 - t0)

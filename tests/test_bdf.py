@@ -1,0 +1,496 @@
+"""BDF: accuracy against the Test Set references and SciPy, step counts, fixed-step
+order, dense output, events, vmap/jit/closures, mass matrices (DAEs), bad input, and
+gradients against finite differences under every adjoint, with the dense and a
+matrix-free linear solver.
+
+Compiles are few: each jitted solve below is shared by the tests that use it.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import solverkit as sk
+from benchmarks.stiff_problems import HIRES, ROBER, VDPOL
+from solverkit._linear_solver import AbstractLinearSolver, mass_matvec
+
+
+pytestmark = pytest.mark.usefixtures("x64")
+
+
+class MatrixFree(AbstractLinearSolver):
+    """A test-only matrix-free linear solver: `linearise` keeps only the point,
+    `solve` materialises `M - γhJ` there from Jacobian-vector products of the field
+    it is given and solves densely."""
+
+    def linearise(self, fn, x):
+        return fn(x), x
+
+    def factorise(self, jac, gamma_h, mass):
+        return jac, jnp.asarray(gamma_h), mass
+
+    def solve(self, factor, rhs, fn):
+        x, gamma_h, mass = factor
+        n = x.shape[0]
+        cols = jax.vmap(lambda v: jax.jvp(fn, (x,), (v,))[1])(jnp.eye(n, dtype=x.dtype))
+        matrix = jax.vmap(lambda c: mass_matvec(mass, c))(jnp.eye(n, dtype=x.dtype))
+        matrix = matrix.T - gamma_h * cols.T
+        return jnp.linalg.solve(matrix, rhs)
+
+
+def _rober(k1):
+    def vf(t, y, args):
+        y1, y2, y3 = y[0], y[1], y[2]
+        return jnp.stack(
+            [
+                -k1 * y1 + 1e4 * y2 * y3,
+                k1 * y1 - 3e7 * y2 * y2 - 1e4 * y2 * y3,
+                3e7 * y2 * y2,
+            ]
+        )
+
+    return vf
+
+
+def _rober_dae(k1):
+    """ROBER with its conservation law `y1 + y2 + y3 = 1` as the third equation."""
+
+    def vf(t, y, args):
+        f = _rober(k1)(t, y, args)
+        return f.at[2].set(y[0] + y[1] + y[2] - 1)
+
+    return vf
+
+
+_N = 6
+_xs = np.linspace(0, 1, _N)
+_X, _Y = np.meshgrid(_xs, _xs)
+BRUSS_Y0 = np.stack([22 * _Y * (1 - _Y) ** 1.5, 27 * _X * (1 - _X) ** 1.5])
+
+
+def _brusselator(alpha):
+    """The 2-D Brusselator on a periodic 6×6 grid, diffusion `alpha`."""
+
+    def lap(w):
+        s = jnp.roll(w, 1, 0) + jnp.roll(w, -1, 0) + jnp.roll(w, 1, 1)
+        return (s + jnp.roll(w, -1, 1) - 4 * w) * (_N - 1) ** 2
+
+    def vf(t, y, args):
+        u, v = y[0], y[1]
+        du = 1.0 + u * u * v - 4.4 * u + alpha * lap(u)
+        dv = 3.4 * u - u * u * v + alpha * lap(v)
+        return jnp.stack([du, dv])
+
+    return vf
+
+
+def _solve(vf, solver, t1, y0, rtol, atol, **kwargs):
+    kwargs.setdefault("max_steps", 100_000)
+    return sk.diffeqsolve(
+        sk.ODETerm(vf),
+        solver,
+        0.0,
+        t1,
+        None,
+        y0,
+        stepsize_controller=sk.PIDController(rtol=rtol, atol=atol),
+        **kwargs,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("name", "solver"))
+def _problem_solve(name, solver):
+    problem = {"rober": ROBER, "hires": HIRES, "vdpol": VDPOL}[name]
+    tol = {"rober": (1e-8, 1e-14), "hires": (1e-8, 1e-12), "vdpol": (1e-8, 1e-8)}
+    return _solve(
+        problem.field(1.0), solver, problem.t1, jnp.asarray(problem.y0), *tol[name]
+    )
+
+
+def _scipy_bdf(name):
+    from scipy.integrate import solve_ivp
+
+    problem = {"rober": ROBER, "hires": HIRES, "vdpol": VDPOL}[name]
+    vf = problem.field(1.0)
+    out = solve_ivp(
+        lambda t, y: np.asarray(vf(t, jnp.asarray(y), None)),
+        (0.0, problem.t1),
+        problem.y0,
+        method="BDF",
+        rtol=1e-8,
+        atol={"rober": 1e-14, "hires": 1e-12, "vdpol": 1e-8}[name],
+    )
+    return out.y[:, -1], len(out.t) - 1
+
+
+@pytest.mark.parametrize(
+    "name", ["rober", pytest.param("hires", marks=pytest.mark.slow), "vdpol"]
+)
+def test_stiff_test_set(name):
+    """Against the Test Set's references, with about SciPy's BDF's step count."""
+    problem = {"rober": ROBER, "hires": HIRES, "vdpol": VDPOL}[name]
+    sol = _problem_solve(name, sk.BDF())
+    assert sol.result == sk.RESULTS.successful
+    y = np.asarray(sol.ys[-1])
+    ref = problem.reference
+    scale = np.abs(ref) + {"rober": 1e-12, "hires": 1e-8, "vdpol": 1e-4}[name]
+    assert np.max(np.abs(y - ref) / scale) < 1e-4
+    scipy_y, scipy_steps = _scipy_bdf(name)
+    assert np.max(np.abs(y - scipy_y) / scale) < 1e-4
+    steps = int(sol.stats["num_accepted_steps"])
+    assert 0.5 * scipy_steps < steps < 1.5 * scipy_steps
+
+
+@pytest.mark.parametrize("max_order", [1, 2])
+def test_fixed_step_order(max_order):
+    """With a constant step the error falls as `dt^max_order` (linear problem)."""
+    a = jnp.array([[-1.0, 2.0], [-2.0, -1.0]])
+    y0 = jnp.array([1.0, 0.0])
+    exact = jax.scipy.linalg.expm(2.0 * a) @ y0
+    solver = sk.BDF(max_order=max_order, rtol=1e-10, atol=1e-10)
+    errors = []
+    for n in (200, 400, 800):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: a @ y), solver, 0.0, 2.0, 2.0 / n, y0
+        )
+        errors.append(float(jnp.max(jnp.abs(sol.ys[-1] - exact))))
+    slopes = np.log2(np.asarray(errors[:-1]) / np.asarray(errors[1:]))
+    assert np.all(np.abs(slopes - max_order) < 0.2), slopes
+
+
+def test_ndf_and_bdf_forms():
+    """Both forms are accurate; `ndf=False` are the classical BDFs."""
+    for ndf in (True, False):
+        sol = _solve(
+            lambda t, y, args: -y, sk.BDF(ndf=ndf), 5.0, jnp.ones(2), 1e-8, 1e-10
+        )
+        assert jnp.allclose(sol.ys[-1], jnp.exp(-5.0), rtol=1e-6)
+
+
+@jax.jit
+def _decay_dense(k):
+    saveat = sk.SaveAt(ts=jnp.linspace(0.0, 3.0, 7), dense=True)
+    return _solve(
+        lambda t, y, args: -k * y,
+        sk.BDF(),
+        3.0,
+        jnp.array([1.0, 2.0]),
+        1e-9,
+        1e-12,
+        saveat=saveat,
+    )
+
+
+def test_saveat_ts_and_dense():
+    sol = _decay_dense(1.5)
+    ts = jnp.linspace(0.0, 3.0, 7)
+    exact = jnp.exp(-1.5 * ts)[:, None] * jnp.array([[1.0, 2.0]])
+    assert jnp.allclose(sol.ys, exact, rtol=1e-6, atol=1e-12)
+    for t in (0.1, 1.234, 2.99):
+        assert jnp.allclose(
+            sol.evaluate(t), jnp.exp(-1.5 * t) * jnp.array([1.0, 2.0]), rtol=1e-5
+        )
+
+
+def test_event():
+    """A zero crossing located through the dense output."""
+    event = sk.Event(lambda t, y, args, **kw: y[0] - 0.5)
+    sol = _solve(
+        lambda t, y, args: -y, sk.BDF(), 5.0, jnp.ones(1), 1e-9, 1e-12, event=event
+    )
+    assert sol.result == sk.RESULTS.event_occurred
+    assert jnp.allclose(sol.ts[-1], jnp.log(2.0), rtol=1e-6)
+
+
+@jax.jit
+def _rober_batch(scales, index):
+    """Closes over a float array, an int index (vmapped) and a bool."""
+    table = jnp.array([0.02, 0.04, 0.08])
+    flag = jnp.array(True)
+
+    def one(scale, i):
+        k1 = jnp.where(flag, table[i] * scale, 0.0)
+        return _solve(_rober(k1), sk.BDF(), 40.0, jnp.array([1.0, 0, 0]), 1e-7, 1e-12)
+
+    return jax.vmap(one)(scales, index).ys[:, -1]
+
+
+def test_vmap_jit_closures():
+    scales = jnp.array([1.0, 0.5, 2.0])
+    index = jnp.array([1, 2, 0], jnp.int32)
+    ys = _rober_batch(scales, index)
+    for s, i, y in zip(scales, index, ys):
+        k1 = float(jnp.array([0.02, 0.04, 0.08])[i] * s)
+        one = _solve(_rober(k1), sk.BDF(), 40.0, jnp.array([1.0, 0, 0]), 1e-7, 1e-12)
+        assert jnp.allclose(y, one.ys[-1], rtol=1e-6, atol=1e-12)
+
+
+@jax.jit
+def _rober_dae_solve(y0):
+    solver = sk.BDF(mass_matrix=jnp.array([1.0, 1.0, 0.0]))
+    return _solve(_rober_dae(0.04), solver, 40.0, y0, 1e-8, 1e-12, throw=False)
+
+
+def test_mass_matrix_dae():
+    """ROBER as an index-1 DAE (diagonal singular mass) agrees with the ODE."""
+    sol = _rober_dae_solve(jnp.array([1.0, 0.0, 0.0]))
+    assert sol.result == sk.RESULTS.successful
+    ode = _solve(_rober(0.04), sk.BDF(), 40.0, jnp.array([1.0, 0, 0]), 1e-8, 1e-12)
+    assert jnp.allclose(sol.ys[-1], ode.ys[-1], rtol=1e-5, atol=1e-11)
+    assert jnp.allclose(jnp.sum(sol.ys[-1]), 1.0, atol=1e-12)
+
+
+def test_inconsistent_initial_values():
+    sol = _rober_dae_solve(jnp.array([1.0, 0.0, 0.5]))
+    assert sol.result == sk.RESULTS.inconsistent_initial_values
+    solver = sk.BDF(mass_matrix=jnp.array([1.0, 1.0, 0.0]))
+    with pytest.raises(RuntimeError, match="nconsistent"):
+        _solve(_rober_dae(0.04), solver, 1.0, jnp.array([1.0, 0, 0.5]), 1e-6, 1e-9)
+
+
+def test_dense_mass_matrix():
+    """`M y' = M f` with a full invertible `M` has the solution of `y' = f`."""
+    m = jnp.array([[2.0, 1.0, 0.0], [0.5, 3.0, 0.2], [0.0, 0.3, 1.0]])
+    vf = lambda t, y, args: m @ _rober(0.04)(t, y, args)
+    sol = _solve(vf, sk.BDF(mass_matrix=m), 40.0, jnp.array([1.0, 0, 0]), 1e-8, 1e-12)
+    ode = _solve(_rober(0.04), sk.BDF(), 40.0, jnp.array([1.0, 0, 0]), 1e-8, 1e-12)
+    assert jnp.allclose(sol.ys[-1], ode.ys[-1], rtol=1e-5, atol=1e-11)
+
+
+def test_bad_input():
+    vf = lambda t, y, args: -y
+    y0 = jnp.ones(2)
+    with pytest.raises(ValueError, match="max_order"):
+        sk.BDF(max_order=6)
+    with pytest.raises(ValueError, match="newton_max_steps"):
+        sk.BDF(newton_max_steps=0)
+    with pytest.raises(ValueError, match="mass_matrix"):
+        sk.BDF(mass_matrix=jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="mass_matrix"):
+        _solve(vf, sk.BDF(mass_matrix=jnp.ones(3)), 1.0, y0, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="I-controller"):
+        sk.diffeqsolve(
+            sk.ODETerm(vf),
+            sk.BDF(),
+            0.0,
+            1.0,
+            0.1,
+            y0,
+            stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6, pcoeff=0.3),
+        )
+    with pytest.raises(ValueError, match="tolerances"):
+        sk.diffeqsolve(sk.ODETerm(vf), sk.BDF(), 0.0, 1.0, 0.1, y0)
+    # With a fixed step and tolerances given, it runs.
+    sol = sk.diffeqsolve(sk.ODETerm(vf), sk.BDF(rtol=1e-6, atol=1e-6), 0, 1, 0.01, y0)
+    assert jnp.allclose(sol.ys[-1], jnp.exp(-1.0), rtol=1e-3)
+
+
+def test_clip_controller():
+    controller = sk.ClipStepSizeController(
+        sk.PIDController(rtol=1e-8, atol=1e-10), step_ts=jnp.array([0.5, 1.7])
+    )
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -y),
+        sk.BDF(),
+        0.0,
+        3.0,
+        None,
+        jnp.ones(1),
+        stepsize_controller=controller,
+    )
+    assert jnp.allclose(sol.ys[-1], jnp.exp(-3.0), rtol=1e-6)
+
+
+# --- gradients --------------------------------------------------------------------
+
+
+def _rober_loss(k1, solver, adjoint, rtol=1e-8):
+    sol = _solve(
+        _rober(k1),
+        solver,
+        10.0,
+        jnp.array([1.0, 0, 0]),
+        rtol,
+        1e-3 * rtol,
+        adjoint=adjoint,
+    )
+    return sol.ys[-1, 0] + 1e4 * sol.ys[-1, 1]
+
+
+def _bruss_loss(alpha, solver, adjoint, rtol=1e-8):
+    sol = _solve(
+        _brusselator(alpha),
+        solver,
+        1.5,
+        jnp.asarray(BRUSS_Y0),
+        rtol,
+        rtol,
+        adjoint=adjoint,
+    )
+    return jnp.sum(sol.ys[-1, 0] ** 2)
+
+
+def _central(f, x, eps):
+    return (f(x + eps) - f(x - eps)) / (2 * eps)
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "solver", "adjoint"))
+def _grad(problem, solver, adjoint, x):
+    loss = {"rober": _rober_loss, "bruss": _bruss_loss}[problem]
+    return jax.grad(lambda x: loss(x, solver, adjoint))(x)
+
+
+@functools.partial(jax.jit, static_argnames=("problem",))
+def _fd(problem, x):
+    loss = {"rober": _rober_loss, "bruss": _bruss_loss}[problem]
+    eps = {"rober": 1e-5, "bruss": 1e-5}[problem]
+    f = lambda x: loss(x, sk.BDF(), sk.RecursiveCheckpointAdjoint(), 1e-11)
+    return _central(f, x, eps)
+
+
+ADJOINTS = [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
+
+
+@pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize("linear_solver", [sk.DenseLinearSolver(), MatrixFree()])
+def test_grad_rober(adjoint, linear_solver):
+    x = jnp.asarray(0.04)
+    g = _grad("rober", sk.BDF(linear_solver=linear_solver), adjoint, x)
+    fd = _fd("rober", x)
+    assert jnp.allclose(g, fd, rtol=2e-5), (g, fd)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
+def test_grad_brusselator(adjoint):
+    """The 6×6 Brusselator: BDF's gradient against finite differences and
+    Rodas5P's."""
+    x = jnp.asarray(0.02)
+    g = _grad("bruss", sk.BDF(), adjoint, x)
+    fd = _fd("bruss", x)
+    rodas = _grad("bruss", sk.Rodas5P(), sk.RecursiveCheckpointAdjoint(), x)
+    assert jnp.allclose(g, fd, rtol=1e-5), (g, fd)
+    assert jnp.allclose(g, rodas, rtol=1e-5), (g, rodas)
+
+
+@pytest.mark.slow
+def test_grad_brusselator_matrix_free():
+    x = jnp.asarray(0.02)
+    g = _grad("bruss", sk.BDF(linear_solver=MatrixFree()), ADJOINTS[0], x)
+    assert jnp.allclose(g, _fd("bruss", x), rtol=1e-5)
+
+
+def test_grad_vmapped_index():
+    """Gradient with respect to a closed-over float, vmapped over a closed-over int
+    index."""
+    table = jnp.array([0.02, 0.04, 0.08])
+
+    @jax.jit
+    def grads(x, index):
+        def one(i):
+            return jax.grad(
+                lambda x: _rober_loss(
+                    x * table[i], sk.BDF(), sk.RecursiveCheckpointAdjoint()
+                )
+            )(x)
+
+        return jax.vmap(one)(index)
+
+    index = jnp.array([0, 2], jnp.int32)
+    g = grads(jnp.asarray(1.0), index)
+    for i, gi in zip(index, g):
+        f = lambda x: _rober_loss(
+            x * table[i], sk.BDF(), sk.RecursiveCheckpointAdjoint(), 1e-11
+        )
+        assert jnp.allclose(gi, _central(f, 1.0, 1e-5), rtol=2e-5)
+
+
+def test_backsolve():
+    """BacksolveAdjoint: matches the exact gradient; with a mass matrix it raises
+    clearly."""
+
+    def loss(k, solver):
+        sol = _solve(
+            lambda t, y, args: -k * y,
+            solver,
+            3.0,
+            jnp.ones(2),
+            1e-8,
+            1e-10,
+            adjoint=sk.BacksolveAdjoint(),
+        )
+        return jnp.sum(sol.ys[-1])
+
+    g = jax.grad(lambda k: loss(k, sk.BDF()))(1.5)
+    assert jnp.allclose(g, -2 * 3.0 * jnp.exp(-4.5), rtol=1e-5)
+    with pytest.raises(ValueError, match="BacksolveAdjoint"):
+        jax.grad(lambda k: loss(k, sk.BDF(mass_matrix=jnp.ones(2))))(1.5)
+
+
+class _Counting(AbstractLinearSolver):
+    """The dense solver, counting its Jacobians and factorisations at run time."""
+
+    counts: dict = eqx.field(static=True)
+
+    def _count(self, name):
+        self.counts[name] += 1
+
+    def linearise(self, fn, x):
+        jax.debug.callback(
+            lambda: self.counts.__setitem__("jac", self.counts["jac"] + 1)
+        )
+        return sk.DenseLinearSolver().linearise(fn, x)
+
+    def factorise(self, jac, gamma_h, mass):
+        jax.debug.callback(lambda: self._count("lu"))
+        return sk.DenseLinearSolver().factorise(jac, gamma_h, mass)
+
+    def solve(self, factor, rhs, fn):
+        return sk.DenseLinearSolver().solve(factor, rhs, fn)
+
+
+def test_jacobian_and_factor_reuse():
+    """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
+    counters in the state obey the limits."""
+    counts = {"jac": 0, "lu": 0}
+    solver = sk.BDF(linear_solver=_Counting(counts))
+    sol = _solve(
+        ROBER.field(1.0),
+        solver,
+        ROBER.t1,
+        jnp.asarray(ROBER.y0),
+        1e-6,
+        1e-10,
+        saveat=sk.SaveAt(t1=True, solver_state=True),
+    )
+    steps = int(sol.stats["num_steps"])
+    print("steps", steps, "jacobians", counts["jac"], "factorisations", counts["lu"])
+    # (One Jacobian at `init`; each eager `lax.cond` branch runs only when taken.)
+    assert 1 <= counts["jac"] < steps / 5, (counts, steps)
+    assert 1 <= counts["lu"] < steps / 2, (counts, steps)
+    state = sol.solver_state
+    assert int(state.jac_age) <= 50 and int(state.factor_age) <= 20
+
+
+def test_forward_mode_and_y0():
+    """Forward mode (`ForwardMode`, `jax.jacfwd`) agrees with finite differences;
+    the gradient with respect to `y0` with the reverse one."""
+    x = jnp.asarray(0.04)
+    g = jax.jit(jax.jacfwd(lambda x: _rober_loss(x, sk.BDF(), sk.ForwardMode())))(x)
+    assert jnp.allclose(g, _fd("rober", x), rtol=2e-5), g
+
+    def loss(y0, adjoint):
+        sol = _solve(_rober(0.04), sk.BDF(), 10.0, y0, 1e-8, 1e-11, adjoint=adjoint)
+        return sol.ys[-1, 0] + 1e4 * sol.ys[-1, 1]
+
+    y0 = jnp.array([1.0, 0.0, 0.0])
+    rev = jax.grad(loss)(y0, sk.RecursiveCheckpointAdjoint())
+    fwd = jax.jacfwd(loss)(y0, sk.ForwardMode())
+    assert jnp.allclose(rev, fwd, rtol=1e-6, atol=1e-8), (rev, fwd)
+    e = jnp.eye(3)[0] * 1e-6
+    fd0 = (loss(y0 + e, sk.ForwardMode()) - loss(y0 - e, sk.ForwardMode())) / 2e-6
+    assert jnp.allclose(rev[0], fd0, rtol=1e-4), (rev[0], fd0)
