@@ -15,9 +15,11 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
-from .._linalg import invert, jacobian
+from .._linalg import invert
+from .._linear_solver import AbstractLinearSolver, DenseLinearSolver
 from .._local_interpolation import (
     LocalLinearInterpolation,
     ThirdOrderHermitePolynomialInterpolation,
@@ -62,7 +64,7 @@ class ImplicitState(NamedTuple):
 
     f_explicit: PyTree | None
     f_implicit: PyTree
-    jac: Array | None
+    jac: Any  # in the linear solver's representation
     eta: Array  # the chord iteration's convergence factor, carried between stages
 
 
@@ -73,6 +75,14 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
     interpolation_cls: ClassVar[Any] = ThirdOrderHermitePolynomialInterpolation
     root_finder: Any = with_stepsize_controller_tols(VeryChord)()
     root_find_max_steps: int = 10
+    linear_solver: AbstractLinearSolver = DenseLinearSolver()
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.linear_solver, AbstractLinearSolver):
+            raise TypeError(
+                f"{type(self).__name__}(linear_solver=...) must be a solverkit "
+                f"`AbstractLinearSolver`, got {self.linear_solver!r}."
+            )
 
     def order(self, terms) -> int:
         return self.tableau.order
@@ -106,8 +116,9 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             f_implicit = im.vf(t, y, args)
         jac = None
         if self._uses_chord():
-            vf = nograd(im)
-            jac, _ = jacobian(lambda s, x: vf.vf(s, x, nograd(args)), *nograd((t, y)))
+            _, jac = self.linear_solver.linearise(
+                *_flat_field(nograd((im, t, y, args)))
+            )
         eta = jnp.asarray(1.0, jnp.result_type(*jtu.tree_leaves(y)))
         return ImplicitState(f_ex, f_implicit, jac, jnp.real(eta))
 
@@ -131,9 +142,15 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         if self._uses_chord():
             assert state.jac is not None  # `_start` took it for the chord
             jac = lax.stop_gradient(state.jac)
-            # One inverse of I - γhJ per distinct diagonal value (one for an ESDIRK
-            # method); a matrix-vector product per chord iteration.
-            invs = [invert(jac, g * h) for g in tab.diagonals]
+            # One factorisation of I - γhJ per distinct diagonal value (one for an
+            # ESDIRK method). The dense default inverts it (a matrix-vector product
+            # per chord iteration), without the refinement of `DenseLinearSolver`'s
+            # solves: the chord iteration evaluates its residual exactly.
+            if type(self.linear_solver) is DenseLinearSolver:
+                invs = [invert(jac, g * h) for g in tab.diagonals]
+            else:
+                ls = self.linear_solver
+                invs = [ls.factorise(jac, g * h, None) for g in tab.diagonals]
             inv = jtu.tree_map(lambda *x: jnp.stack(x), *invs)
         stack = lambda f: jtu.tree_map(  # noqa: E731
             lambda x: jnp.zeros((tab.num_stages,) + x.shape, x.dtype).at[0].set(x), f
@@ -167,6 +184,9 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         else:
             which = jnp.asarray(_inverse_index(tab))[i]
             inv_i = jtu.tree_map(lambda x: x[which], inv)
+            if type(self.linear_solver) is not DenseLinearSolver:
+                fn, _ = _flat_field(nograd((stage.term, t0, y0, args)))
+                inv_i = _ProtocolSolve(self.linear_solver, nograd(inv_i), fn)
             eta0 = jnp.maximum(eta, jnp.finfo(eta.dtype).eps) ** 0.8
             z, stage_status, eta = chord(
                 *nograd((self.root_finder, stage, guess, inv_i, eta0)),
@@ -211,6 +231,31 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         else:
             dense_info = dict(y0=y0, y1=y1, f0=f0, f1=f1)
         return y1, y_error, dense_info, new_state, status
+
+
+def _flat_field(operands):
+    """`(fn, x)`: the term's vector field at time `t` on the ravelled state, and the
+    ravelled `y`, for `operands = (term, t, y, args)`."""
+    term, t, y, args = operands
+    flat, unravel = ravel_pytree(y)
+
+    def fn(x):
+        return ravel_pytree(term.vf(t, unravel(x), args))[0].astype(flat.dtype)
+
+    return fn, flat
+
+
+class _ProtocolSolve:
+    """Solves of the chord iteration through a linear solver's protocol, on pytrees
+    of the state's structure (as `Inverse.solve`)."""
+
+    def __init__(self, linear_solver: AbstractLinearSolver, factor, fn):
+        self.linear_solver, self.factor, self.fn = linear_solver, factor, fn
+
+    def solve(self, rhs: PyTree) -> PyTree:
+        flat, unravel = ravel_pytree(rhs)
+        out = self.linear_solver.solve(self.factor, flat, self.fn)
+        return unravel(out.astype(flat.dtype))
 
 
 def _inverse_index(tab: ImplicitTableau) -> np.ndarray:
