@@ -388,7 +388,7 @@ class ImplicitEuler(AbstractImplicitRK):
     - `root_find_max_steps`: iterations before the step is rejected (and retried
         with a smaller step by an adaptive controller).
     - `linear_solver`: solves of the chord iteration with `I - γhJ`, a
-        [`solverkit.AbstractLinearSolver`][] (default: `DenseLinearSolver()`).
+        `solverkit.AbstractLinearSolver` (default: `DenseLinearSolver()`).
     - `reuse_jacobian`: keep the Jacobian and the factorisations across steps by
         CVODE's rules (refactorise after a 30% change in `γh` or 20 steps; a new
         Jacobian after 50 steps, or at once after a convergence failure). Off by
@@ -419,7 +419,7 @@ _KVAERNO_DOC = """
     - `root_find_max_steps`: iterations before the step is rejected (and retried
         with a smaller step by an adaptive controller).
     - `linear_solver`: solves of the chord iteration with `I - γhJ`, a
-        [`solverkit.AbstractLinearSolver`][] (default: `DenseLinearSolver()`).
+        `solverkit.AbstractLinearSolver` (default: `DenseLinearSolver()`).
     - `reuse_jacobian`: keep the Jacobian and the factorisations across steps by
         CVODE's rules (refactorise after a 30% change in `γh` or 20 steps; a new
         Jacobian after 50 steps, or at once after a convergence failure). Off by
@@ -467,7 +467,7 @@ _IMEX_DOC = """
     - `root_find_max_steps`: iterations before the step is rejected (and retried
         with a smaller step by an adaptive controller).
     - `linear_solver`: solves of the chord iteration with `I - γhJ`, a
-        [`solverkit.AbstractLinearSolver`][] (default: `DenseLinearSolver()`).
+        `solverkit.AbstractLinearSolver` (default: `DenseLinearSolver()`).
     - `reuse_jacobian`: keep the Jacobian and the factorisations across steps by
         CVODE's rules (refactorise after a 30% change in `γh` or 20 steps; a new
         Jacobian after 50 steps, or at once after a convergence failure). Off by
