@@ -243,7 +243,7 @@ def chord(
     finder: VeryChord,
     stage: Stage,
     z0: PyTree,
-    inverse: Inverse,
+    inverse: Inverse | Any,  # anything with `.solve(pytree) -> pytree`
     eta0: Array,
     max_steps: int,
     ref: PyTree,

@@ -265,7 +265,7 @@ _ARGUMENTS = """
     **Arguments:**
 
     - `linear_solver`: solves with the iteration matrix `M - γhJ`; a
-        [`solverkit.AbstractLinearSolver`][] (default: `DenseLinearSolver()`).
+        `solverkit.AbstractLinearSolver` (default: `DenseLinearSolver()`).
     - `mass_matrix`: `None` (the identity), a vector `(n,)` (a diagonal mass matrix)
         or a matrix `(n, n)`, constant, in the order of the ravelled state
         (`jax.flatten_util.ravel_pytree(y0)`): solves `M y' = f(t, y)`.{singular}
