@@ -89,13 +89,27 @@ def _loss(solver, matrix):
             return a @ jnp.tanh(x) + p * x**2
 
         x = jnp.linspace(-1.0, 1.0, a.shape[0])
-        return jnp.sum(_run(solver, fn, x, 0.4, None, rhs)[1] ** 2)
+        return jnp.sum(_run(solver, fn, x, 0.1, None, rhs)[1] ** 2)
 
     return loss
 
 
+_KRYLOV = sk.KrylovLinearSolver(rtol=1e-13, atol=1e-14)
+
+
 @pytest.mark.parametrize(
-    "solver", [sk.BandedLinearSolver(2, 1)], ids=lambda s: type(s).__name__
+    "solver",
+    [
+        sk.BandedLinearSolver(2, 1),
+        _KRYLOV,
+        sk.KrylovLinearSolver(
+            "bicgstab",
+            rtol=1e-13,
+            atol=1e-14,
+            preconditioner=sk.BandedLinearSolver(2, 1, check=False),
+        ),
+    ],
+    ids=["banded", "gmres", "bicgstab-preconditioned"],
 )
 def test_grad_against_dense_and_finite_differences(solver):
     matrix = _banded_matrix(_N, 2, 1)
@@ -103,7 +117,7 @@ def test_grad_against_dense_and_finite_differences(solver):
     grad = jax.jit(jax.grad(_loss(solver, matrix)))(params)
     grad_dense = jax.grad(_loss(sk.DenseLinearSolver(), matrix))(params)
     np.testing.assert_allclose(grad, grad_dense, rtol=1e-9, atol=1e-11)
-    fd = finite_difference(_loss(solver, matrix), params)
+    fd = finite_difference(jax.jit(_loss(solver, matrix)), params)
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
@@ -203,7 +217,7 @@ def test_sparse_grad_against_dense_and_finite_differences(kind):
     grad = jax.jit(jax.grad(_loss(solver, matrix)))(params)
     grad_dense = jax.grad(_loss(sk.DenseLinearSolver(), matrix))(params)
     np.testing.assert_allclose(grad, grad_dense, rtol=1e-9, atol=1e-11)
-    fd = finite_difference(_loss(solver, matrix), params)
+    fd = finite_difference(jax.jit(_loss(solver, matrix)), params)
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
@@ -261,3 +275,59 @@ def test_sparse_accepts_scipy():
     reference = sk.SparseLinearSolver(matrix != 0)
     np.testing.assert_array_equal(solver.rows, reference.rows)
     np.testing.assert_array_equal(solver.cols, reference.cols)
+
+
+_PRECONDITIONERS = {
+    "none": None,
+    "banded": sk.BandedLinearSolver(2, 2, check=False),
+    "callable": lambda v, point, gamma_h: v / (1 + gamma_h),
+}
+
+
+@pytest.mark.parametrize("method", ["gmres", "bicgstab"])
+@pytest.mark.parametrize("preconditioner", sorted(_PRECONDITIONERS))
+@pytest.mark.parametrize("mass_index", [0, 2])
+def test_krylov_matches_dense(method, preconditioner, mass_index):
+    fn = _field(_banded_matrix(_N, 2, 2))
+    mass = _masses(_N, 2, 2)[mass_index]
+    x = jnp.linspace(-1.0, 1.0, _N)
+    rhs = jnp.cos(jnp.arange(_N, dtype=jnp.float64))
+    solver = sk.KrylovLinearSolver(
+        method, rtol=1e-13, atol=1e-14, preconditioner=_PRECONDITIONERS[preconditioner]
+    )
+    value, sol = _run_jit(solver, fn, x, 0.7, mass, rhs)
+    value_d, sol_d = _run(sk.DenseLinearSolver(), fn, x, 0.7, mass, rhs)
+    np.testing.assert_allclose(value, value_d, rtol=1e-13)
+    np.testing.assert_allclose(sol, sol_d, rtol=1e-9, atol=1e-11)
+
+
+def test_krylov_vmap_over_rhs_and_point():
+    fn = _field(_banded_matrix(_N, 1, 2))
+    xs = jnp.linspace(-1.0, 1.0, 3 * _N).reshape(3, _N)
+    rhs = jnp.sin(jnp.arange(3 * _N, dtype=jnp.float64)).reshape(3, _N)
+
+    def both(s, x, b):
+        return _run(s, fn, x, 0.5, None, b)[1]
+
+    got = jax.jit(jax.vmap(both, in_axes=(None, 0, 0)), static_argnums=0)(
+        _KRYLOV, xs, rhs
+    )
+    want = jax.vmap(both, in_axes=(None, 0, 0))(sk.DenseLinearSolver(), xs, rhs)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_krylov_nonconvergence_and_singular_give_nan():
+    fn = _field(_banded_matrix(_N, 2, 2))
+    x = jnp.linspace(-1.0, 1.0, _N)
+    rhs = jnp.ones(_N)
+    too_few = sk.KrylovLinearSolver(rtol=1e-13, atol=1e-14, max_steps=2, restart=2)
+    assert np.all(np.isnan(_run(too_few, fn, x, 0.7, None, rhs)[1]))
+    # M - γh J = 0: singular.
+    assert np.all(np.isnan(_run(_KRYLOV, lambda y: y, x, 1.0, None, rhs)[1]))
+
+
+def test_krylov_bad_arguments():
+    with pytest.raises(ValueError, match="`method` must be"):
+        sk.KrylovLinearSolver("cg")
+    with pytest.raises(ValueError, match="`preconditioner` must be"):
+        sk.KrylovLinearSolver(preconditioner=3)  # pyright: ignore
