@@ -111,6 +111,7 @@ _KRYLOV = sk.KrylovLinearSolver(rtol=1e-13, atol=1e-14)
     ],
     ids=["banded", "gmres", "bicgstab-preconditioned"],
 )
+@pytest.mark.slow
 def test_grad_against_dense_and_finite_differences(solver):
     matrix = _banded_matrix(_N, 2, 1)
     params = jnp.concatenate([jnp.array([0.3]), jnp.cos(jnp.arange(_N) * 1.0)])
@@ -301,6 +302,7 @@ def test_krylov_matches_dense(method, preconditioner, mass_index):
     np.testing.assert_allclose(sol, sol_d, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_krylov_vmap_over_rhs_and_point():
     fn = _field(_banded_matrix(_N, 1, 2))
     xs = jnp.linspace(-1.0, 1.0, 3 * _N).reshape(3, _N)
@@ -331,3 +333,31 @@ def test_krylov_bad_arguments():
         sk.KrylovLinearSolver("cg")
     with pytest.raises(ValueError, match="`preconditioner` must be"):
         sk.KrylovLinearSolver(preconditioner=3)  # pyright: ignore
+
+
+@pytest.mark.parametrize(
+    "solver",
+    [
+        sk.BandedLinearSolver(2, 1),
+        sk.SparseLinearSolver(_banded_matrix(_N, 2, 1) != 0),
+        _KRYLOV,
+    ],
+    ids=["banded", "sparse", "krylov"],
+)
+def test_closure_over_float_and_vmapped_int(solver):
+    """The field closes over a differentiated float and a vmapped int index."""
+    a = jnp.asarray(_banded_matrix(_N, 2, 1))
+    x = jnp.linspace(-1.0, 1.0, _N)
+    rhs = jnp.cos(jnp.arange(_N, dtype=jnp.float64))
+
+    def loss(s, p, k):
+        def fn(y):
+            return a @ jnp.tanh(y) + p * y * (jnp.arange(_N) == k)
+
+        return jnp.sum(_run(s, fn, x, 0.1, None, rhs)[1] ** 2)
+
+    grads = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, None, 0))
+    ks = jnp.array([0, 5, 11], jnp.int32)
+    got = jax.jit(grads, static_argnums=0)(solver, jnp.asarray(0.3), ks)
+    want = grads(sk.DenseLinearSolver(), jnp.asarray(0.3), ks)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
