@@ -121,7 +121,7 @@ def _case(name, fn, n, solvers, repeats, extra=None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Benchmark of the linear solvers.")
     parser.add_argument("--quick", action="store_true", help="small sizes only")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -132,7 +132,9 @@ def main():
     )
     sizes = (100, 1000) if args.quick else (100, 1000, 10_000)
     for n in sizes:
-        solvers = [("banded(1,1)", sk.BandedLinearSolver(1, 1))]
+        solvers: list[tuple[str, sk.AbstractLinearSolver]] = [
+            ("banded(1,1)", sk.BandedLinearSolver(1, 1))
+        ]
         if n <= 2000:
             solvers.append(("dense", sk.DenseLinearSolver()))
         extra = None
@@ -166,7 +168,7 @@ def main():
     for m in (16,) if args.quick else (32, 64):
         n = m * m
         precondition = sk.BandedLinearSolver(m, m, check=False)
-        solvers = [
+        solvers: list[tuple[str, sk.AbstractLinearSolver]] = [
             ("sparse (RCM band)", sk.SparseLinearSolver(_laplacian_pattern(m))),
             ("krylov gmres", sk.KrylovLinearSolver(rtol=1e-8, atol=1e-12)),
             (

@@ -17,6 +17,10 @@ pytestmark = pytest.mark.usefixtures("x64")
 _N = 12
 
 
+def _unused(x):
+    raise AssertionError("a direct solver does not call `fn` in `solve`")
+
+
 def _banded_matrix(n, lower, upper, seed=0):
     rng = np.random.default_rng(seed)
     a = rng.normal(size=(n, n))
@@ -136,9 +140,9 @@ def test_banded_mass_outside_bands_is_detected():
     solver = sk.BandedLinearSolver(1, 1)
     _, jac = solver.linearise(_field(_banded_matrix(_N, 1, 1)), jnp.zeros(_N))
     with pytest.raises(Exception, match="mass matrix has entries outside"):
-        solver.factorise(jac, 0.5, jnp.ones((_N, _N)))
+        solver.factorise(jac, jnp.asarray(0.5), jnp.ones((_N, _N)))
     with pytest.raises(ValueError, match="`mass` must be None"):
-        solver.factorise(jac, 0.5, jnp.ones(_N + 1))
+        solver.factorise(jac, jnp.asarray(0.5), jnp.ones(_N + 1))
 
 
 def test_banded_bad_arguments():
@@ -154,8 +158,8 @@ def test_banded_singular_gives_nan():
     _, jac = solver.linearise(lambda x: jnp.asarray(matrix) @ x, jnp.ones(_N))
     # M - γh J with M = diag(e_0 ...): row 0 vanishes.
     mass = jnp.asarray(np.arange(_N) > 0, jnp.float64)
-    factor = solver.factorise(jac, -1.0, mass)
-    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), None)))
+    factor = solver.factorise(jac, jnp.asarray(-1.0), mass)
+    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), _unused)))
 
 
 def _sparse_matrix(kind, seed=0):
@@ -250,8 +254,8 @@ def test_sparse_singular_gives_nan(kind):
     matrix = _sparse_matrix(kind)
     solver = sk.SparseLinearSolver(matrix != 0)
     _, jac = solver.linearise(_field(matrix), jnp.zeros(_N))
-    factor = solver.factorise(jnp.zeros_like(jac), 0.5, jnp.zeros(_N))
-    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), None)))
+    factor = solver.factorise(jnp.zeros_like(jac), jnp.asarray(0.5), jnp.zeros(_N))
+    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), _unused)))
 
 
 def _laplacian_2d(m):
