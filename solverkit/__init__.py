@@ -50,6 +50,7 @@ from ._linear_solver import (
     AbstractLinearSolver as AbstractLinearSolver,
     BandedLinearSolver as BandedLinearSolver,
     DenseLinearSolver as DenseLinearSolver,
+    KrylovLinearSolver as KrylovLinearSolver,
     SparseLinearSolver as SparseLinearSolver,
 )
 from ._local_interpolation import (

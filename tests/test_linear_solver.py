@@ -17,6 +17,10 @@ pytestmark = pytest.mark.usefixtures("x64")
 _N = 12
 
 
+def _unused(x):
+    raise AssertionError("a direct solver does not call `fn` in `solve`")
+
+
 def _banded_matrix(n, lower, upper, seed=0):
     rng = np.random.default_rng(seed)
     a = rng.normal(size=(n, n))
@@ -89,21 +93,36 @@ def _loss(solver, matrix):
             return a @ jnp.tanh(x) + p * x**2
 
         x = jnp.linspace(-1.0, 1.0, a.shape[0])
-        return jnp.sum(_run(solver, fn, x, 0.4, None, rhs)[1] ** 2)
+        return jnp.sum(_run(solver, fn, x, 0.1, None, rhs)[1] ** 2)
 
     return loss
 
 
+_KRYLOV = sk.KrylovLinearSolver(rtol=1e-13, atol=1e-14)
+
+
 @pytest.mark.parametrize(
-    "solver", [sk.BandedLinearSolver(2, 1)], ids=lambda s: type(s).__name__
+    "solver",
+    [
+        sk.BandedLinearSolver(2, 1),
+        _KRYLOV,
+        sk.KrylovLinearSolver(
+            "bicgstab",
+            rtol=1e-13,
+            atol=1e-14,
+            preconditioner=sk.BandedLinearSolver(2, 1, check=False),
+        ),
+    ],
+    ids=["banded", "gmres", "bicgstab-preconditioned"],
 )
+@pytest.mark.slow
 def test_grad_against_dense_and_finite_differences(solver):
     matrix = _banded_matrix(_N, 2, 1)
     params = jnp.concatenate([jnp.array([0.3]), jnp.cos(jnp.arange(_N) * 1.0)])
     grad = jax.jit(jax.grad(_loss(solver, matrix)))(params)
     grad_dense = jax.grad(_loss(sk.DenseLinearSolver(), matrix))(params)
     np.testing.assert_allclose(grad, grad_dense, rtol=1e-9, atol=1e-11)
-    fd = finite_difference(_loss(solver, matrix), params)
+    fd = finite_difference(jax.jit(_loss(solver, matrix)), params)
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
@@ -121,9 +140,9 @@ def test_banded_mass_outside_bands_is_detected():
     solver = sk.BandedLinearSolver(1, 1)
     _, jac = solver.linearise(_field(_banded_matrix(_N, 1, 1)), jnp.zeros(_N))
     with pytest.raises(Exception, match="mass matrix has entries outside"):
-        solver.factorise(jac, 0.5, jnp.ones((_N, _N)))
+        solver.factorise(jac, jnp.asarray(0.5), jnp.ones((_N, _N)))
     with pytest.raises(ValueError, match="`mass` must be None"):
-        solver.factorise(jac, 0.5, jnp.ones(_N + 1))
+        solver.factorise(jac, jnp.asarray(0.5), jnp.ones(_N + 1))
 
 
 def test_banded_bad_arguments():
@@ -139,8 +158,8 @@ def test_banded_singular_gives_nan():
     _, jac = solver.linearise(lambda x: jnp.asarray(matrix) @ x, jnp.ones(_N))
     # M - γh J with M = diag(e_0 ...): row 0 vanishes.
     mass = jnp.asarray(np.arange(_N) > 0, jnp.float64)
-    factor = solver.factorise(jac, -1.0, mass)
-    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), None)))
+    factor = solver.factorise(jac, jnp.asarray(-1.0), mass)
+    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), _unused)))
 
 
 def _sparse_matrix(kind, seed=0):
@@ -203,7 +222,7 @@ def test_sparse_grad_against_dense_and_finite_differences(kind):
     grad = jax.jit(jax.grad(_loss(solver, matrix)))(params)
     grad_dense = jax.grad(_loss(sk.DenseLinearSolver(), matrix))(params)
     np.testing.assert_allclose(grad, grad_dense, rtol=1e-9, atol=1e-11)
-    fd = finite_difference(_loss(solver, matrix), params)
+    fd = finite_difference(jax.jit(_loss(solver, matrix)), params)
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
@@ -235,8 +254,8 @@ def test_sparse_singular_gives_nan(kind):
     matrix = _sparse_matrix(kind)
     solver = sk.SparseLinearSolver(matrix != 0)
     _, jac = solver.linearise(_field(matrix), jnp.zeros(_N))
-    factor = solver.factorise(jnp.zeros_like(jac), 0.5, jnp.zeros(_N))
-    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), None)))
+    factor = solver.factorise(jnp.zeros_like(jac), jnp.asarray(0.5), jnp.zeros(_N))
+    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), _unused)))
 
 
 def _laplacian_2d(m):
@@ -261,3 +280,88 @@ def test_sparse_accepts_scipy():
     reference = sk.SparseLinearSolver(matrix != 0)
     np.testing.assert_array_equal(solver.rows, reference.rows)
     np.testing.assert_array_equal(solver.cols, reference.cols)
+
+
+_PRECONDITIONERS = {
+    "none": None,
+    "banded": sk.BandedLinearSolver(2, 2, check=False),
+    "callable": lambda v, point, gamma_h: v / (1 + gamma_h),
+}
+
+
+@pytest.mark.parametrize("method", ["gmres", "bicgstab"])
+@pytest.mark.parametrize("preconditioner", sorted(_PRECONDITIONERS))
+@pytest.mark.parametrize("mass_index", [0, 2])
+def test_krylov_matches_dense(method, preconditioner, mass_index):
+    fn = _field(_banded_matrix(_N, 2, 2))
+    mass = _masses(_N, 2, 2)[mass_index]
+    x = jnp.linspace(-1.0, 1.0, _N)
+    rhs = jnp.cos(jnp.arange(_N, dtype=jnp.float64))
+    solver = sk.KrylovLinearSolver(
+        method, rtol=1e-13, atol=1e-14, preconditioner=_PRECONDITIONERS[preconditioner]
+    )
+    value, sol = _run_jit(solver, fn, x, 0.7, mass, rhs)
+    value_d, sol_d = _run(sk.DenseLinearSolver(), fn, x, 0.7, mass, rhs)
+    np.testing.assert_allclose(value, value_d, rtol=1e-13)
+    np.testing.assert_allclose(sol, sol_d, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.slow
+def test_krylov_vmap_over_rhs_and_point():
+    fn = _field(_banded_matrix(_N, 1, 2))
+    xs = jnp.linspace(-1.0, 1.0, 3 * _N).reshape(3, _N)
+    rhs = jnp.sin(jnp.arange(3 * _N, dtype=jnp.float64)).reshape(3, _N)
+
+    def both(s, x, b):
+        return _run(s, fn, x, 0.5, None, b)[1]
+
+    got = jax.jit(jax.vmap(both, in_axes=(None, 0, 0)), static_argnums=0)(
+        _KRYLOV, xs, rhs
+    )
+    want = jax.vmap(both, in_axes=(None, 0, 0))(sk.DenseLinearSolver(), xs, rhs)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_krylov_nonconvergence_and_singular_give_nan():
+    fn = _field(_banded_matrix(_N, 2, 2))
+    x = jnp.linspace(-1.0, 1.0, _N)
+    rhs = jnp.ones(_N)
+    too_few = sk.KrylovLinearSolver(rtol=1e-13, atol=1e-14, max_steps=2, restart=2)
+    assert np.all(np.isnan(_run(too_few, fn, x, 0.7, None, rhs)[1]))
+    # M - γh J = 0: singular.
+    assert np.all(np.isnan(_run(_KRYLOV, lambda y: y, x, 1.0, None, rhs)[1]))
+
+
+def test_krylov_bad_arguments():
+    with pytest.raises(ValueError, match="`method` must be"):
+        sk.KrylovLinearSolver("cg")
+    with pytest.raises(ValueError, match="`preconditioner` must be"):
+        sk.KrylovLinearSolver(preconditioner=3)  # pyright: ignore
+
+
+@pytest.mark.parametrize(
+    "solver",
+    [
+        sk.BandedLinearSolver(2, 1),
+        sk.SparseLinearSolver(_banded_matrix(_N, 2, 1) != 0),
+        _KRYLOV,
+    ],
+    ids=["banded", "sparse", "krylov"],
+)
+def test_closure_over_float_and_vmapped_int(solver):
+    """The field closes over a differentiated float and a vmapped int index."""
+    a = jnp.asarray(_banded_matrix(_N, 2, 1))
+    x = jnp.linspace(-1.0, 1.0, _N)
+    rhs = jnp.cos(jnp.arange(_N, dtype=jnp.float64))
+
+    def loss(s, p, k):
+        def fn(y):
+            return a @ jnp.tanh(y) + p * y * (jnp.arange(_N) == k)
+
+        return jnp.sum(_run(s, fn, x, 0.1, None, rhs)[1] ** 2)
+
+    grads = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, None, 0))
+    ks = jnp.array([0, 5, 11], jnp.int32)
+    got = jax.jit(grads, static_argnums=0)(solver, jnp.asarray(0.3), ks)
+    want = grads(sk.DenseLinearSolver(), jnp.asarray(0.3), ks)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
