@@ -365,6 +365,8 @@ def _lane_outputs(problem: Problem, carry: Carry, bufs: Buffers, keep) -> dict:
 
 
 def _gather(tree: PyTree, index: Array, batch: int) -> PyTree:
+    if not jtu.tree_leaves(tree):
+        return tree
     safe = jnp.minimum(index, batch - 1)
     return jtu.tree_map(lambda x: x[safe], tree)
 
