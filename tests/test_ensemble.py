@@ -508,3 +508,23 @@ def test_per_trajectory_unsupported_raise():
             TERM, sk.Tsit5(), 0.0, T1, 1e-3, y0[0], dict(rho=1.0, sigma=10.0),
             saveat=sk.SaveAt(ts=TSS),
         )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gradient_per_trajectory_t1_with_events():
+    # Some trajectories stop at the event, the others at their own t1: the
+    # derivatives w.r.t. each t1 (zero where the event stopped it) and y0.
+    y0, args = inputs()
+    event = sk.Event(lambda t, y, args, **kw: y[0] - 0.5, direction=False)
+    t1 = np.linspace(0.3, T1, N)
+
+    def loss(solve, t1, y0):
+        sol = solve(0.0, t1, y0, args["rho"], None, event=event)
+        return jnp.sum(sol.t1**2) + jnp.sum(jnp.cos(sol.ys))
+
+    got = jax.jit(jax.grad(functools.partial(loss, ensemble_times), (0, 1)))
+    want = jax.jit(jax.grad(functools.partial(loss, vmapped_times), (0, 1)))
+    fired = ensemble_times(0.0, t1, y0, args["rho"], None, event=event).result.code
+    fired = np.asarray(fired) == sk.RESULTS.event_occurred.code
+    assert fired.any() and not fired.all()
+    assert_gradients_agree(got(t1, y0), want(t1, y0))
