@@ -528,3 +528,30 @@ def test_gradient_per_trajectory_t1_with_events():
     fired = np.asarray(fired) == sk.RESULTS.event_occurred.code
     assert fired.any() and not fired.all()
     assert_gradients_agree(got(t1, y0), want(t1, y0))
+
+
+@pytest.mark.slow
+def test_per_trajectory_times_under_outer_vmap():
+    # An outer `jax.vmap` over an integer index `j` that the vector field closes over
+    # (a batch of ensembles), with per-trajectory t1 and save times.
+    y0, args = inputs()
+
+    def solve(how, j):
+        return how(T0S, T1S, y0, args["rho"], TSS, term=weighted_lorenz(1.0, j)).ys
+
+    def field_args(how):
+        # `weighted_lorenz` reads `args["k"]`: give every trajectory k = 1.
+        return lambda t0, t1, y0, rho, ts, term: how(
+            t0, t1, y0, rho, ts, term=_with_k(term)
+        )
+
+    js = jnp.arange(2)
+    got = jax.jit(jax.vmap(functools.partial(solve, field_args(ensemble_times))))(js)
+    want = jax.jit(jax.vmap(functools.partial(solve, field_args(vmapped_times))))(js)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    assert not np.allclose(got[0], got[1])
+
+
+def _with_k(term):
+    field = term.vector_field
+    return sk.ODETerm(lambda t, y, args: field(t, y, dict(args, k=1)))
