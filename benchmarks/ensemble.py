@@ -2,7 +2,8 @@
 and against diffrax (`jax.vmap(diffrax.diffeqsolve)`), on ensembles whose members
 take very different numbers of steps.
 
-`python -m benchmarks.ensemble [--quick] [--sizes 4096] [--lanes 256,512] [--grad]`
+`python -m benchmarks.ensemble [--quick] [--sizes 4096] [--lanes 256,512] [--grad]
+[--profile]`
 
 Cases (float64, one process, whatever device JAX sees; the parameters are shuffled
 with a fixed seed unless `--sorted`):
@@ -230,6 +231,61 @@ def _backward_work(steps: np.ndarray, lanes: int) -> float:
     return float(np.sum(steps[::lanes]) * lanes / np.sum(steps))
 
 
+def simulate_refill(steps: np.ndarray, lanes: int, refill_at: int) -> tuple[int, int]:
+    """The lane loop of `ensemble_solve` replayed from each trajectory's steps (queue
+    in the order of `steps`): `(iterations, refills)`. It matches the real loop's
+    `lane_steps / lanes` exactly (each iteration steps every occupied lane; finished
+    lanes wait until `refill_at` of them, or all occupied ones, have finished)."""
+    n = len(steps)
+    lanes = min(lanes, n)
+    left = np.asarray(steps[:lanes], dtype=np.int64).copy()
+    occupied = np.ones(lanes, bool)
+    queue, iterations, refills = lanes, 0, 0
+    while occupied.any():
+        left[occupied] -= 1
+        iterations += 1
+        finished = occupied & (left <= 0)
+        count = int(finished.sum())
+        if count and ((count >= refill_at and queue < n) or count == occupied.sum()):
+            refills += 1
+            idle = np.flatnonzero(finished)
+            take = min(len(idle), n - queue)
+            left[idle[:take]] = steps[queue : queue + take]
+            queue += take
+            occupied[idle[take:]] = False
+    return iterations, refills
+
+
+def profile(case: Case, n: int, shuffle: bool) -> None:
+    """Where lane refill's time goes, from the lockstep's step counts (no timing):
+    per lane count and refill threshold, the lane utilisation (sum of steps over
+    lane steps), the number of refills, the utilisation with the queue taken longest
+    first (an oracle order), and the run-time ratio to the lockstep vmap that the
+    utilisation allows if a lane step costs the same in both (lockstep efficiency /
+    utilisation)."""
+    _, steps = lockstep(case)(*_inputs(case, n, shuffle))
+    steps = np.asarray(steps)
+    eff = steps.mean() / steps.max()
+    print(
+        f"\n{case.name}, N = {n}: sum of steps {steps.sum()}, max {steps.max()}, "
+        f"mean {steps.mean():.1f}, lockstep efficiency {eff:.3f}\n"
+    )
+    print("| lanes | refill at | iterations | refills | utilisation | longest-first "
+          "utilisation | ratio bound (eff. / util.) |")  # fmt: skip
+    print("|" + " --- |" * 7)
+    longest = np.sort(steps)[::-1]
+    for lanes in (64, 128, 256, 512):
+        for at in sorted({1, max(1, lanes // 32), max(1, lanes // 8)}):
+            its, refills = simulate_refill(steps, lanes, at)
+            util = steps.sum() / (its * min(lanes, n))
+            its_l, _ = simulate_refill(longest, lanes, at)
+            util_l = steps.sum() / (its_l * min(lanes, n))
+            print(
+                f"| {lanes} | {at} | {its} | {refills} | {util:.3f} | {util_l:.3f} | "
+                f"{eff / util:.3f} |"
+            )
+
+
 def run_case(
     case: Case,
     n: int,
@@ -296,6 +352,11 @@ def main(argv=None) -> None:
         action="store_true",
         help="also time the gradient (refill forward + backward vs lockstep vmap)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="no timing: lane utilisation and refills, replayed from step counts",
+    )
     opts = parser.parse_args(argv)
     sizes = [512] if opts.quick else [4096]
     if opts.sizes:
@@ -304,6 +365,11 @@ def main(argv=None) -> None:
     if opts.lanes:
         lane_counts = [None if s == "d" else int(s) for s in opts.lanes.split(",")]
     repeats = opts.repeats or (1 if opts.quick else 3)
+    if opts.profile:
+        for name in opts.cases.split(","):
+            for n in sizes:
+                profile(CASES[name], n, not opts.sorted)
+        return
     print(f"device: {jax.devices()[0].device_kind}, float64, repeats {repeats}")
     header = HEADER + (GRAD_HEADER if opts.grad else "")
     print(header)

@@ -25,7 +25,7 @@ print("smoke:", sol.ys[-1], float(jnp.exp(-2.0)))
 PY
 
 echo "== benchmarks" | tee -a "$OUT/session.log"
-timeout 320 bash benchmarks/gpu.sh --deadline lorenz=110,lotka_volterra=70,neural_ode=50 \
+GPU_EXTRAS=0 timeout 320 bash benchmarks/gpu.sh --deadline lorenz=110,lotka_volterra=70,neural_ode=50 \
     --out "$OUT/bench" 2>&1 | tail -40 | tee -a "$OUT/session.log"
 
 echo "== tests (not slow, cut at 200 s)" | tee -a "$OUT/session.log"

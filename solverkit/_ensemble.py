@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.extend.core as jex
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -35,14 +36,21 @@ from jaxtyping import Array, PyTree
 from . import _loop
 from ._adjoint import AbstractAdjoint, custom_vjp, fill_zeros, parameters
 from ._checkpoint import RecursiveCheckpointAdjoint
-from ._controller import AbstractStepSizeController, ConstantStepSize
+from ._controller import AbstractStepSizeController, ConstantStepSize, StepTo
 from ._custom_types import RealScalarLike
-from ._errors import UnsupportedError
-from ._event import Event
-from ._integrate import _as_state, _check_arguments, _MESSAGES, _problem, _times
+from ._errors import BadInputError, concrete, UnsupportedError
+from ._event import Event, with_context
+from ._integrate import (
+    _as_state,
+    _check_arguments,
+    _MESSAGES,
+    _problem,
+    _split_events,
+    _times,
+)
 from ._problem import Buffers, Carry, Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
-from ._saveat import SaveAt
+from ._saveat import is_sub, SaveAt
 from ._select import where
 from ._solution import Result, RESULTS, Solution
 from ._solver import AbstractSolver
@@ -125,6 +133,149 @@ def _check_lanes(lanes, batch: int) -> int:
     return int(min(lanes, batch))
 
 
+class _PerTrajectory(NamedTuple):
+    """The times given one per trajectory (leading axis: trajectory), `None` where
+    shared: `t0`, `t1`, and each `SubSaveAt`'s `ts` (in the order of
+    `Problem.saves`). In user time on entry, in internal time in the loop."""
+
+    t0: Any  # Array or None
+    t1: Any
+    ts: tuple
+
+
+def _per_trajectory(name: str, t, batch: int):
+    """`t` as a scalar (shared) or an array of shape `(batch,)`: `(shared, None)` or
+    `(first, t)`."""
+    shape = jnp.shape(t)
+    if shape == ():
+        return t, None
+    if shape != (batch,):
+        raise ValueError(
+            f"`{name}` must be a scalar (the same for every trajectory) or have shape "
+            f"(N,) = ({batch},) (one per trajectory), got shape {shape}."
+        )
+    t = t if isinstance(t, jax.Array) else np.asarray(t)
+    return t[0], t
+
+
+def _split_times(t0, t1, saveat: SaveAt, batch: int):
+    """Check the shapes of `t0`, `t1` and `SaveAt(ts=...)`, and split them into the
+    times of one trajectory (to build the `Problem` with; their values are replaced
+    lane by lane) and the `_PerTrajectory` times (user time, `None` where shared).
+    Every trajectory must run in one direction: checked here where the times are
+    known, else at run time (`_check_direction`)."""
+    t0_one, t0s = _per_trajectory("t0", t0, batch)
+    t1_one, t1s = _per_trajectory("t1", t1, batch)
+    subs, tree = jtu.tree_flatten(saveat.subs, is_leaf=is_sub)
+    rows, per = [], []
+    for k, sub in enumerate(subs):
+        ts = sub.ts
+        if ts is None or ts.ndim == 1:
+            rows.append(sub)
+            per.append(None)
+            continue
+        name = "saveat.ts" if is_sub(saveat.subs) else f"saveat.subs[{k}].ts"
+        if ts.shape[0] != batch:
+            raise ValueError(
+                f"`{name}` must have shape (T,) (the same times for every trajectory) "
+                f"or (N, T) = ({batch}, T) (one row per trajectory), got shape "
+                f"{tuple(ts.shape)}."
+            )
+        rows.append(eqx.tree_at(lambda s: s.ts, sub, ts[0]))
+        per.append(ts)
+    times = _PerTrajectory(t0s, t1s, tuple(per))
+    if all(x is None for x in jtu.tree_leaves(times)):
+        return t0, t1, saveat, None
+    c0, c1 = concrete(t0), concrete(t1)
+    if c0 is not None and c1 is not None:
+        c0, c1 = np.broadcast_to(c0, (batch,)), np.broadcast_to(c1, (batch,))
+        sign = np.sign(c1 - c0)
+        if np.any(sign > 0) and np.any(sign < 0):
+            i, j = int(np.argmax(sign > 0)), int(np.argmax(sign < 0))
+            raise ValueError(
+                "ensemble_solve needs every trajectory to run in one direction "
+                f"(`t1 - t0` of one sign, or zero), but trajectory {i} runs forwards "
+                f"(t0={c0[i]}, t1={c1[i]}) and trajectory {j} backwards (t0={c0[j]}, "
+                f"t1={c1[j]}). Solve the two groups with separate calls."
+            )
+        # Build the `Problem` from a trajectory that sets the direction.
+        first = int(np.argmax(sign != 0))
+        t0_one, t1_one = c0[first], c1[first]
+        for k, sub in enumerate(subs):
+            _check_save_times(sub.ts, c0, c1, k, is_sub(saveat.subs))
+    subs = jtu.tree_unflatten(tree, rows)
+    return t0_one, t1_one, eqx.tree_at(lambda s: s.subs, saveat, subs), times
+
+
+def _check_save_times(ts, c0, c1, k: int, single: bool) -> None:
+    """Known save times lie in each trajectory's `[t0, t1]`, in its direction."""
+    cts = concrete(ts)
+    if cts is None or cts.size == 0:
+        return
+    cts = np.broadcast_to(cts, (len(c0),) + cts.shape[-1:])
+    lo, hi = np.minimum(c0, c1)[:, None], np.maximum(c0, c1)[:, None]
+    outside = np.any((cts < lo) | (cts > hi), axis=1)
+    backwards = np.any(np.diff(cts, axis=1) * (c1 - c0)[:, None] < 0, axis=1)
+    name = "saveat.ts" if single else f"saveat.subs[{k}].ts"
+    if np.any(outside):
+        i = int(np.argmax(outside))
+        raise BadInputError(
+            f"`{name}` must lie between t0 and t1 of each trajectory: trajectory {i} "
+            f"has [t0, t1] = [{c0[i]}, {c1[i]}] and save times from {cts[i].min()} to "
+            f"{cts[i].max()}."
+        )
+    if np.any(backwards):
+        i = int(np.argmax(backwards))
+        raise BadInputError(
+            f"`{name}` must be increasing or decreasing, in the direction from t0 to "
+            f"t1: not so for trajectory {i}."
+        )
+
+
+def _depends_on_inputs(closed: jex.ClosedJaxpr) -> bool:
+    """Whether any output of `closed` depends on any of its inputs (an equation
+    whose inputs do makes all its outputs do)."""
+    jaxpr = closed.jaxpr
+    seen = set(jaxpr.invars)
+    used = lambda v: not isinstance(v, jex.Literal) and v in seen  # noqa: E731
+    for eqn in jaxpr.eqns:
+        if any(used(v) for v in eqn.invars):
+            seen.update(eqn.outvars)
+    return any(used(v) for v in jaxpr.outvars)
+
+
+def _check_event_context(event, context: dict, saveat: SaveAt, y0, args) -> None:
+    """With per-trajectory times, an `Event`'s conditions must not read the `t0`,
+    `t1` or `saveat` that diffrax passes them as keywords: they are bound once, for
+    every trajectory, when the conditions are converted."""
+    event, _ = _split_events(event)
+    if not isinstance(event, Event):
+        return
+    subs, tree = jtu.tree_flatten(saveat.subs, is_leaf=is_sub)
+    t, y, a = jnp.asarray(context["t0"]), y0, args
+
+    def conditions(t0, t1, ts):
+        new = [
+            sub if x is None else eqx.tree_at(lambda s: s.ts, sub, x)
+            for sub, x in zip(subs, ts)
+        ]
+        sv = eqx.tree_at(lambda s: s.subs, saveat, jtu.tree_unflatten(tree, new))
+        kw = dict(context, t0=t0, t1=t1, saveat=sv)
+        return [
+            with_context(f, **kw)(t, y, a)
+            for f in jtu.tree_leaves(event.cond_fn, is_leaf=callable)
+        ]
+
+    ts = [s.ts for s in subs]
+    closed = jax.make_jaxpr(conditions)(context["t0"], context["t1"], ts)
+    if _depends_on_inputs(closed):
+        raise UnsupportedError(
+            "With per-trajectory `t0`, `t1` or `SaveAt(ts=...)`, an Event's cond_fn "
+            "can't use its `t0`, `t1` or `saveat` keyword arguments (ensemble_solve "
+            "binds them once, for every trajectory): pass what it needs in `args`."
+        )
+
+
 def _check_unsupported(saveat: SaveAt) -> None:
     if saveat.dense:
         raise UnsupportedError(
@@ -160,6 +311,7 @@ class _Lanes(NamedTuple):
     bufs: Buffers
     y0: PyTree  # each lane's initial state
     args: PyTree  # each lane's array leaves of `args`
+    times: _PerTrajectory | None  # each lane's own times (internal), if any
     index: Array  # each lane's trajectory (>= batch: idle, the queue is empty)
     queue: Array  # the next trajectory to start
     done: Array  # trajectories finished and written
@@ -168,11 +320,26 @@ class _Lanes(NamedTuple):
     shown: Any  # the progress last shown, or None
 
 
-def _with_lane(problem: Problem, y0: PyTree, args_dynamic: PyTree) -> Problem:
-    """`problem` for one lane: its own `y0` and array leaves of `args`."""
+def _with_lane(
+    problem: Problem, y0: PyTree, args_dynamic: PyTree, times: _PerTrajectory | None
+) -> Problem:
+    """`problem` for one lane: its own `y0`, array leaves of `args` and, where given
+    per trajectory, times (internal)."""
     _, args_static = eqx.partition(problem.args, eqx.is_array)
     args = eqx.combine(args_dynamic, args_static)
-    return dataclasses.replace(problem, y0=y0, args=args)
+    problem = dataclasses.replace(problem, y0=y0, args=args)
+    if times is None:
+        return problem
+    saves = tuple(
+        save if ts is None else dataclasses.replace(save, ts=ts)
+        for save, ts in zip(problem.saves, times.ts)
+    )
+    return dataclasses.replace(
+        problem,
+        t0=problem.t0 if times.t0 is None else times.t0,
+        t1=problem.t1 if times.t1 is None else times.t1,
+        saves=saves,
+    )
 
 
 def _row(out: _loop.Outputs, keep) -> dict:
@@ -198,42 +365,45 @@ def _lane_outputs(problem: Problem, carry: Carry, bufs: Buffers, keep) -> dict:
 
 
 def _gather(tree: PyTree, index: Array, batch: int) -> PyTree:
+    if not jtu.tree_leaves(tree):
+        return tree
     safe = jnp.minimum(index, batch - 1)
     return jtu.tree_map(lambda x: x[safe], tree)
 
 
-def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
+def _run(problem: Problem, y0, args_dynamic, times, lanes: int, refill_at: int, keep):
     """The lane loop; returns the final `_Lanes`."""
     batch = jtu.tree_leaves(y0)[0].shape[0]
-    lane = lambda y, a: _with_lane(problem, y, a)  # noqa: E731
+    lane = lambda y, a, tm: _with_lane(problem, y, a, tm)  # noqa: E731
 
     def init_lanes(index):
         y, a = _gather(y0, index, batch), _gather(args_dynamic, index, batch)
-        carry, bufs = jax.vmap(lambda y, a: _loop.init(lane(y, a)))(y, a)
-        return carry, bufs, y, a
+        tm = _gather(times, index, batch)
+        carry, bufs = jax.vmap(lambda y, a, tm: _loop.init(lane(y, a, tm)))(y, a, tm)
+        return carry, bufs, y, a, tm
 
     def going(s: _Lanes):
-        running = jax.vmap(lambda y, a, c: _loop.cond(lane(y, a), c))(
-            s.y0, s.args, s.carry
+        running = jax.vmap(lambda y, a, tm, c: _loop.cond(lane(y, a, tm), c))(
+            s.y0, s.args, s.times, s.carry
         )
         return running & (s.index < batch)
 
-    def lane_outputs(y, a, carry, bufs):
-        return _lane_outputs(lane(y, a), carry, bufs, keep)
+    def lane_outputs(y, a, tm, carry, bufs):
+        return _lane_outputs(lane(y, a, tm), carry, bufs, keep)
 
     meter = problem.meter
     token = meter.start()
 
     def refill(s: _Lanes, finished):
         rows = where(finished, s.index, batch)  # out of bounds: dropped
-        new = jax.vmap(lane_outputs)(s.y0, s.args, s.carry, s.bufs)
+        new = jax.vmap(lane_outputs)(s.y0, s.args, s.times, s.carry, s.bufs)
         out = jtu.tree_map(lambda o, v: o.at[rows].set(v, mode="drop"), s.out, new)
         count = jnp.sum(finished, dtype=jnp.int32)
         rank = jnp.cumsum(finished, dtype=jnp.int32) - 1
         index = where(finished, s.queue + rank, s.index)
         fresh = init_lanes(index)
-        old = (s.carry, s.bufs, s.y0, s.args)
-        carry, bufs, y, a = jax.vmap(tree_where)(finished, fresh, old)
+        old = (s.carry, s.bufs, s.y0, s.args, s.times)
+        carry, bufs, y, a, tm = jax.vmap(tree_where)(finished, fresh, old)
         done = s.done + count
         shown = s.shown
         if token is not None:
@@ -246,6 +416,7 @@ def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
             bufs=bufs,
             y0=y,
             args=a,
+            times=tm,
             index=index,
             queue=s.queue + count,
             done=done,
@@ -255,8 +426,11 @@ def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
 
     def body(s: _Lanes) -> _Lanes:
         active = going(s)
-        step = lambda y, a, c, b, act: _loop.body(lane(y, a), (c, b), act)  # noqa: E731
-        carry, bufs = jax.vmap(step)(s.y0, s.args, s.carry, s.bufs, active)
+
+        def step(y, a, tm, c, b, act):
+            return _loop.body(lane(y, a, tm), (c, b), act)
+
+        carry, bufs = jax.vmap(step)(s.y0, s.args, s.times, s.carry, s.bufs, active)
         s = s._replace(carry=carry, bufs=bufs, iterations=s.iterations + 1)
         occupied = s.index < batch
         finished = ~going(s) & occupied
@@ -270,9 +444,9 @@ def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
         )
 
     index = jnp.arange(lanes, dtype=jnp.int32)
-    carry, bufs, y, a = init_lanes(index)
+    carry, bufs, y, a, tm = init_lanes(index)
     first = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
-    one = jax.eval_shape(lane_outputs, *first((y, a, carry, bufs)))
+    one = jax.eval_shape(lane_outputs, *first((y, a, tm, carry, bufs)))
     out = jtu.tree_map(lambda s: jnp.zeros((batch,) + s.shape, s.dtype), one)
     zero = jnp.asarray(0, jnp.int32)
     shown = None
@@ -285,6 +459,7 @@ def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
         bufs=bufs,
         y0=y,
         args=a,
+        times=tm,
         index=index,
         queue=jnp.asarray(lanes, jnp.int32),
         done=zero,
@@ -304,28 +479,28 @@ def _run(problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep):
 
 
 def _solve_lanes(
-    problem: Problem, y0, args_dynamic, lanes: int, refill_at: int, keep, adjoint
+    problem: Problem, y0, args_dynamic, times, lanes: int, refill_at: int, keep, adjoint
 ):
     """Every trajectory's outputs (the rows of `_Lanes.out`) and the number of loop
     iterations, differentiable in reverse mode: a `custom_vjp` whose forward pass is
     the lane loop and whose backward pass solves each trajectory again with
     `adjoint` (`_backward`). The problem's arrays (every value the user's functions
-    close over), `y0` and `args` cross it as operands."""
+    close over), `y0`, `args` and the per-trajectory times cross it as operands."""
 
-    def primal(problem: Problem, y0, args_dynamic):
-        state = _run(problem, y0, args_dynamic, lanes, refill_at, keep)
+    def primal(problem: Problem, y0, args_dynamic, times):
+        state = _run(problem, y0, args_dynamic, times, lanes, refill_at, keep)
         return state.out, state.iterations
 
-    def fwd(problem: Problem, y0, args_dynamic):
-        out, iterations = primal(problem, y0, args_dynamic)
-        return (out, iterations), (y0, args_dynamic, out["num_steps"])
+    def fwd(problem: Problem, y0, args_dynamic, times):
+        out, iterations = primal(problem, y0, args_dynamic, times)
+        return (out, iterations), (y0, args_dynamic, times, out["num_steps"])
 
     def bwd(static, dynamic, residuals, cotangents):
         ct_out, _ = cotangents
         return _backward(static, dynamic, residuals, ct_out, lanes, keep, adjoint)
 
     return custom_vjp(
-        problem, primal, fwd, bwd, y0, args_dynamic,
+        problem, primal, fwd, bwd, y0, args_dynamic, times,
         adjoint="ensemble_solve",
         second_order=(
             "Use forward-over-reverse, `jax.jacfwd(jax.grad(f))` (`jax.hessian` is "
@@ -347,28 +522,30 @@ def _backward(static, dynamic, residuals, ct_out, lanes: int, keep, adjoint):
     is close to the sum of the steps, as in the forward pass, rather than `N` times
     the longest.
     """
-    y0, args_dynamic, num_steps = residuals
+    y0, args_dynamic, times, num_steps = residuals
     ct_out = eqx.filter(ct_out, eqx.is_inexact_array)
     # A lane's own `y0` and `args` replace the problem's (`_with_lane`).
     spec = dataclasses.replace(parameters(dynamic), y0=False, args=False)
     p_diff, p_rest = eqx.partition(dynamic, spec)
     a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
 
-    def one(p_diff, y, a_diff, a_rest):
+    def one(p_diff, y, a_diff, tm, a_rest):
         problem = eqx.combine(p_diff, p_rest, static)
         problem = dataclasses.replace(problem, meter=NoProgressMeter())
-        problem = _with_lane(problem, y, eqx.combine(a_diff, a_rest))
+        problem = _with_lane(problem, y, eqx.combine(a_diff, a_rest), tm)
         return eqx.filter(_row(adjoint.loop(problem), keep), eqx.is_inexact_array)
 
-    def pull_back(y, a_diff, a_rest, ct):
-        solve = jax.vmap(one, in_axes=(None, 0, 0, 0))
-        _, vjp = jax.vjp(lambda p, y, a: solve(p, y, a, a_rest), p_diff, y, a_diff)
+    def pull_back(y, a_diff, tm, a_rest, ct):
+        solve = jax.vmap(one, in_axes=(None, 0, 0, 0, 0))
+        _, vjp = jax.vjp(
+            lambda p, y, a, tm: solve(p, y, a, tm, a_rest), p_diff, y, a_diff, tm
+        )
         return vjp(ct)
 
     batch = num_steps.shape[0]
     chunks = -(-batch // lanes)
     if chunks == 1:
-        ct_p, ct_y, ct_a = pull_back(y0, a_diff, a_rest, ct_out)
+        ct_p, ct_y, ct_a, ct_t = pull_back(y0, a_diff, times, a_rest, ct_out)
     else:
         size = chunks * lanes
         # The last chunk is padded with copies of the shortest trajectory, which get
@@ -384,14 +561,14 @@ def _backward(static, dynamic, residuals, ct_out, lanes: int, keep, adjoint):
             return x.reshape((chunks, lanes) + x.shape[1:])
 
         def body(ct_p, xs):
-            dp, dy, da = pull_back(*xs)
+            dp, dy, da, dt = pull_back(*xs)
             ct_p = jtu.tree_map(lambda c, d: c + d.astype(c.dtype), ct_p, dp)
-            return ct_p, (dy, da)
+            return ct_p, (dy, da, dt)
 
-        xs = jtu.tree_map(rows, (y0, a_diff, a_rest))
+        xs = jtu.tree_map(rows, (y0, a_diff, times, a_rest))
         xs = (*xs, jtu.tree_map(lambda c: rows(c, mask=True), ct_out))
         zeros = jtu.tree_map(lambda p: jnp.zeros(p.shape, p.dtype), p_diff)
-        ct_p, (ct_y, ct_a) = lax.scan(body, zeros, xs)
+        ct_p, (ct_y, ct_a, ct_t) = lax.scan(body, zeros, xs)
         # Trajectory `i` is row `position[i]` of the chunks.
         position = (
             jnp.zeros(batch, order.dtype)
@@ -399,20 +576,49 @@ def _backward(static, dynamic, residuals, ct_out, lanes: int, keep, adjoint):
             .set(jnp.arange(batch, dtype=order.dtype))
         )
         unsort = lambda x: x.reshape((size,) + x.shape[2:])[position]  # noqa: E731
-        ct_y, ct_a = jtu.tree_map(unsort, (ct_y, ct_a))
+        ct_y, ct_a, ct_t = jtu.tree_map(unsort, (ct_y, ct_a, ct_t))
     nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
     ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
     ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
-    return ct_dynamic, fill_zeros(ct_y, y0), ct_args
+    # `times` holds floating arrays only, each differentiated.
+    return ct_dynamic, fill_zeros(ct_y, y0), ct_args, ct_t
+
+
+def _check_direction(problem: Problem, times: Any) -> _PerTrajectory:
+    """`times` (user time) checked at run time to run in the direction of `problem`
+    (known times are checked before tracing, by `_split_times`)."""
+    t0 = problem.t0 if times.t0 is None else flip(problem.direction, times.t0)
+    t1 = problem.t1 if times.t1 is None else flip(problem.direction, times.t1)
+    # In internal time every trajectory runs forwards (or not at all).
+    wrong = jnp.any(jnp.asarray(t1) < jnp.asarray(t0))
+    return eqx.error_if(
+        times,
+        wrong,
+        "ensemble_solve needs every trajectory to run in one direction (`t1 - t0` "
+        "of one sign, or zero); solve forwards and backwards trajectories with "
+        "separate calls.",
+    )
+
+
+def _internal(problem: Problem, times: _PerTrajectory | None):
+    """Per-trajectory `times` in the problem's dtype and internal time."""
+    if times is None:
+        return None
+    dtype = problem.t0.dtype
+    times = jtu.tree_map(lambda x: jnp.asarray(x, dtype), times)
+    if problem.direction is not None and concrete(problem.direction) is None:
+        times = _check_direction(problem, times)
+    return jtu.tree_map(lambda x: flip(problem.direction, x), times)
 
 
 @eqx.filter_jit
 def _ensemble(
-    problem: Problem, y0, args, lanes: int, refill_at: int, throw, keep, adjoint
+    problem: Problem, y0, args, times, lanes: int, refill_at: int, throw, keep, adjoint
 ):
     args_dynamic, _ = eqx.partition(args, eqx.is_array)
+    times = _internal(problem, times)
     out, iterations = _solve_lanes(
-        problem, y0, args_dynamic, lanes, refill_at, keep[:2], adjoint
+        problem, y0, args_dynamic, times, lanes, refill_at, keep[:2], adjoint
     )
     ts, ys, t_end, result = out["ts"], out["ys"], out["t_end"], out["result"]
     if throw:
@@ -431,9 +637,9 @@ def _ensemble(
         lanes=lanes,
         lane_steps=count(iterations) * lanes,
     )
-    t0 = flip(problem.direction, problem.t0)
+    t0 = problem.t0 if times is None or times.t0 is None else times.t0
     return Solution(
-        t0=jnp.broadcast_to(t0, (batch,)),
+        t0=jnp.broadcast_to(flip(problem.direction, t0), (batch,)),
         t1=flip(problem.direction, t_end),
         ts=jtu.tree_map(lambda tau: flip_finite(problem.direction, tau), ts),
         ys=ys,
@@ -467,7 +673,8 @@ def ensemble_solve(
     """Solve a batch of problems of one ODE, with finished lanes refilled.
 
     Takes the arguments of [`solverkit.diffeqsolve`][], except that `y0` and `args`
-    hold a batch of `N` problems along a leading axis, and returns what
+    hold a batch of `N` problems along a leading axis (and `t0`, `t1`, `SaveAt(ts)`
+    may), and returns what
     `jax.vmap(diffeqsolve, in_axes=(None,)*5 + (0, 0))` returns for them: a
     [`solverkit.Solution`][] whose fields have a leading axis of length `N`, in the
     order of the input, equal to it up to round-off.
@@ -480,8 +687,13 @@ def ensemble_solve(
 
     **Arguments:**
 
-    - `terms`, `solver`, `t0`, `t1`, `dt0`, `stepsize_controller`, `max_steps`,
-        `event`: as for `diffeqsolve`; the same for every trajectory.
+    - `terms`, `solver`, `dt0`, `stepsize_controller`, `max_steps`, `event`: as
+        for `diffeqsolve`; the same for every trajectory (with per-trajectory
+        times, not `StepTo`, and an `Event` whose conditions do not read the `t0`,
+        `t1`, `saveat` keywords).
+    - `t0`, `t1`: scalars, the same for every trajectory, or arrays of shape
+        `(N,)`, one per trajectory. Every trajectory must run in one direction
+        (`t1 - t0` of one sign, or zero).
     - `y0`: the initial states, a pytree whose every leaf has a leading batch axis
         of length `N`.
     - `args`: passed to the vector field as its third argument: each trajectory
@@ -489,8 +701,9 @@ def ensemble_solve(
         the leading batch axis; other leaves (Python numbers, strings) are shared.
         A value shared by every trajectory (weights, forcing data) can also be
         closed over by the vector field.
-    - `saveat`: as for `diffeqsolve` (`t0`, `t1`, `ts`, `steps`, `fn`, `subs`), the
-        same save times for every trajectory; not `dense`.
+    - `saveat`: as for `diffeqsolve` (`t0`, `t1`, `ts`, `steps`, `fn`, `subs`);
+        `ts` of shape `(T,)`, the same for every trajectory, or `(N, T)`, a row per
+        trajectory; not `dense`.
     - `throw`: raise if any trajectory fails (the message of the worst failure, by
         result code); with `False` each trajectory's outcome is in `sol.result`.
     - `progress_meter`: shows the fraction of trajectories finished.
@@ -536,6 +749,13 @@ def ensemble_solve(
     _check_unsupported(saveat)
     batch = _batch_size(y0, args)
     lanes = _check_lanes(lanes, batch)
+    t0, t1, saveat, per_trajectory = _split_times(t0, t1, saveat, batch)
+    if per_trajectory is not None and isinstance(stepsize_controller, StepTo):
+        raise UnsupportedError(
+            "StepTo(ts) steps to one grid of times, from t0 to t1: it can't be used "
+            "with per-trajectory `t0`, `t1` in ensemble_solve (use a PIDController, "
+            "or ConstantStepSize)."
+        )
     times = _times(t0, t1, dt0)
     stepsize_controller.check(solver, times.known_t0, times.known_t1, dt0)
     solver = solver.bind_controller_tols(stepsize_controller)
@@ -548,8 +768,16 @@ def ensemble_solve(
         event, max_steps, progress_meter, dt0, None
     )  # fmt: skip
     adjoint.check(problem)
+    if per_trajectory is not None and event is not None:
+        context = dict(
+            terms=terms, solver=solver, t0=times.t0, t1=times.t1, dt0=dt0,
+            saveat=saveat, stepsize_controller=stepsize_controller,
+            max_steps=max_steps,
+        )  # fmt: skip
+        _check_event_context(event, context, saveat, first(y0), first(args))
     keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
     with jax.numpy_dtype_promotion("standard"), _reverse_only():
         return _ensemble(
-            problem, y0, args, lanes, _refill_at(lanes), throw, keep, adjoint
-        )
+            problem, y0, args, per_trajectory, lanes, _refill_at(lanes), throw, keep,
+            adjoint,
+        )  # fmt: skip

@@ -213,6 +213,12 @@ def _save_times(ts, times: Times):
     """`SubSaveAt.ts` in internal time, checked against `[t0, t1]` where known."""
     if ts is None:
         return None
+    if jnp.ndim(ts) != 1:
+        raise ValueError(
+            "SaveAt(ts=...) must be a 1-D array of times, got shape "
+            f"{jnp.shape(ts)} (2-D times, one row per trajectory, are for "
+            "`ensemble_solve`)."
+        )
     ts = jnp.asarray(ts, times.dtype)
     cts, c0, c1 = concrete(ts), times.known_t0, times.known_t1
     if cts is not None and c0 is not None and c1 is not None and cts.size:

@@ -47,14 +47,16 @@ class SubSaveAt(eqx.Module):
 
     def __check_init__(self):
         if self.ts is not None:
-            if jnp.ndim(self.ts) != 1:
+            # 2-D: one row of times per trajectory, for `ensemble_solve` only
+            # (`diffeqsolve` says so).
+            if jnp.ndim(self.ts) not in (1, 2):
                 raise ValueError(
                     f"SaveAt(ts=...) must be a 1-D array of times, got shape "
                     f"{jnp.shape(self.ts)}."
                 )
             ts = concrete(self.ts)  # None when traced: checked at run time
-            if ts is not None and ts.size > 1:
-                d = np.diff(ts)
+            if ts is not None and ts.shape[-1] > 1:
+                d = np.diff(ts, axis=-1)
                 if not (np.all(d >= 0) or np.all(d <= 0)):
                     raise BadInputError(
                         "saveat.ts must be increasing or decreasing: "

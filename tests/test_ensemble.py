@@ -370,3 +370,188 @@ def test_default_lanes():
     assert sk.default_lanes(10, "cpu") == 10
     assert sk.default_lanes(4096, "gpu") == 4096
     assert sk.default_lanes(2**20, "gpu") == 2**18
+
+
+# --- Per-trajectory times -------------------------------------------------------------
+#
+# `t0`, `t1` of shape (N,) and `SaveAt(ts=...)` of shape (N, T) against
+# `jax.vmap(diffeqsolve)` with the same times batched; 4 lanes for 13 trajectories.
+
+T0S = np.linspace(0.0, 0.3, N)
+T1S = np.linspace(0.5, T1, N)
+# Seven save times per trajectory, from its t0 to its t1 (exactly).
+TSS = T0S[:, None] + (T1S - T0S)[:, None] * np.linspace(0.0, 1.0, 7)[None]
+TSS[:, 0], TSS[:, -1] = T0S, T1S
+
+
+def vmapped_times(t0, t1, y0, rho, ts, term=TERM, **kw):
+    saveat = sk.SaveAt(ts=ts) if ts is not None else sk.SaveAt(t1=True)
+
+    def one(t0, t1, y, rho, ts):
+        s = sk.SaveAt(ts=ts) if ts is not None else saveat
+        return sk.diffeqsolve(
+            term, sk.Tsit5(), t0, t1, None, y, dict(rho=rho, sigma=10.0),
+            saveat=s, stepsize_controller=PID, **kw
+        )  # fmt: skip
+
+    axes = lambda x: None if x is None or np.ndim(x) == 0 else 0  # noqa: E731
+    ts_axis = None if ts is None or np.ndim(ts) == 1 else 0
+    in_axes = (axes(t0), axes(t1), 0, 0, ts_axis)
+    return jax.vmap(one, in_axes=in_axes)(t0, t1, y0, rho, ts)
+
+
+def ensemble_times(t0, t1, y0, rho, ts, term=TERM, **kw):
+    saveat = sk.SaveAt(ts=ts) if ts is not None else sk.SaveAt(t1=True)
+    return sk.ensemble_solve(
+        term, sk.Tsit5(), t0, t1, None, y0, dict(rho=rho, sigma=10.0),
+        saveat=saveat, stepsize_controller=PID, lanes=4, **kw
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "t0, t1, ts",
+    [
+        (T0S, T1S, TSS),  # all per trajectory
+        (0.0, T1S, np.linspace(0.0, 0.5, 5)),  # shared ts inside every [t0, t1]
+        (T0S, T1, None),  # per-trajectory t0, shared t1, saved at t1
+        (0.3 * T1S, 0.0, None),  # backwards (not far: backwards Lorenz blows up)
+    ],
+    ids=["all", "t1-shared-ts", "t0", "backwards"],
+)
+def test_per_trajectory_times_match_vmap(t0, t1, ts):
+    y0, args = inputs()
+    got = jax.jit(ensemble_times)(t0, t1, y0, args["rho"], ts)
+    want = jax.jit(vmapped_times)(t0, t1, y0, args["rho"], ts)
+    same(got, want, tol=1e-10)
+    # Outside `jit` (times known before tracing) the same.
+    same(ensemble_times(t0, t1, y0, args["rho"], ts), want, tol=1e-10)
+
+
+def test_per_trajectory_times_with_events():
+    y0, args = inputs()
+    event = sk.Event(lambda t, y, args, **kw: y[0] - 0.5, direction=False)
+    t1 = np.linspace(0.3, T1, N)
+    got = ensemble_times(0.0, t1, y0, args["rho"], None, event=event)
+    want = jax.jit(functools.partial(vmapped_times, event=event))(
+        0.0, t1, y0, args["rho"], None
+    )
+    same(got, want, tol=1e-10)
+    fired = np.asarray(got.result.code) == sk.RESULTS.event_occurred.code
+    assert fired.any() and not fired.all()
+    np.testing.assert_array_equal(got.event_mask, want.event_mask)
+
+
+@pytest.mark.slow
+def test_gradient_per_trajectory_times():
+    # d/d(t0, t1, ts, y0) and a closed-over float, through `ys` at per-trajectory
+    # save times; and the same w.r.t. `t1` through the saved final states.
+    y0, args = inputs()
+    rho = args["rho"]
+
+    def loss(solve, t0, t1, ts, y0, scale):
+        def field(t, y, args):
+            return lorenz(t, y, dict(rho=args["rho"], sigma=10.0 * scale))
+
+        sol = solve(t0, t1, y0, rho, ts, term=sk.ODETerm(field))
+        return jnp.sum(jnp.sin(sol.ys)) + jnp.sum(sol.ts**2)
+
+    def adapt(solve):
+        return lambda t0, t1, y0, rho, ts, term: solve(t0, t1, y0, rho, ts, term=term)
+
+    args_ = (T0S, T1S, TSS, y0, 1.1)
+    argnums = (0, 1, 2, 3, 4)
+    got = jax.jit(jax.grad(functools.partial(loss, adapt(ensemble_times)), argnums))
+    want = jax.jit(jax.grad(functools.partial(loss, adapt(vmapped_times)), argnums))
+    assert_gradients_agree(got(*args_), want(*args_))
+    # Only t1 per trajectory (saved at t1): d ys(t1) / d t1 is the vector field.
+    got = jax.jit(jax.grad(functools.partial(loss, adapt(ensemble_times)), 1))
+    want = jax.jit(jax.grad(functools.partial(loss, adapt(vmapped_times)), 1))
+    args_ = (0.0, T1S, None, y0, 1.1)
+    assert_gradients_agree([got(*args_)], [want(*args_)])
+
+
+@pytest.mark.parametrize(
+    "t0, t1, ts, match",
+    [
+        (0.0, np.ones(5), None, r"`t1` must be a scalar .* \(N,\) = \(13,\)"),
+        (np.zeros((N, 1)), 1.0, None, r"`t0` must be a scalar .* got shape \(13, 1\)"),
+        (0.0, 1.0, np.zeros((5, 3)), r"`saveat.ts` must have shape \(T,\) .* \(5, 3\)"),
+        (0.0, np.full(N, 0.5), np.linspace(0, 1, 3), "between t0 and t1"),
+        (0.0, np.where(np.arange(N) % 2, 1.0, -1.0), None, "one direction"),
+    ],
+    ids=["t1-shape", "t0-shape", "ts-shape", "ts-outside", "direction"],
+)
+def test_per_trajectory_bad_times_raise(t0, t1, ts, match):
+    y0, args = inputs()
+    with pytest.raises(ValueError, match=match):
+        ensemble_times(t0, t1, y0, args["rho"], ts)
+
+
+def test_per_trajectory_unsupported_raise():
+    y0, args = inputs()
+    # A condition that reads the `t1` it is passed would see one for every trajectory.
+    event = sk.Event(lambda t, y, args, t1, **kw: t - 0.5 * t1)
+    with pytest.raises(ValueError, match="cond_fn can't use its `t0`, `t1`"):
+        ensemble_times(0.0, T1S, y0, args["rho"], None, event=event)
+    with pytest.raises(ValueError, match="StepTo"):
+        sk.ensemble_solve(
+            TERM, sk.Tsit5(), 0.0, T1S, None, y0, args,
+            stepsize_controller=sk.StepTo(np.linspace(0.0, 0.5, 4)),
+        )  # fmt: skip
+    # Directions known only at run time are checked then.
+    mixed = jnp.where(jnp.arange(N) % 2 == 0, 0.2, -0.2)
+    with pytest.raises(Exception, match="one direction"):
+        jax.jit(lambda t1: ensemble_times(0.0, t1, y0, args["rho"], None).ys)(mixed)
+    # `diffeqsolve` takes one row of save times.
+    with pytest.raises(ValueError, match="1-D array.*ensemble_solve"):
+        sk.diffeqsolve(
+            TERM, sk.Tsit5(), 0.0, T1, 1e-3, y0[0], dict(rho=1.0, sigma=10.0),
+            saveat=sk.SaveAt(ts=TSS),
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gradient_per_trajectory_t1_with_events():
+    # Some trajectories stop at the event, the others at their own t1: the
+    # derivatives w.r.t. each t1 (zero where the event stopped it) and y0.
+    y0, args = inputs()
+    event = sk.Event(lambda t, y, args, **kw: y[0] - 0.5, direction=False)
+    t1 = np.linspace(0.3, T1, N)
+
+    def loss(solve, t1, y0):
+        sol = solve(0.0, t1, y0, args["rho"], None, event=event)
+        return jnp.sum(sol.t1**2) + jnp.sum(jnp.cos(sol.ys))
+
+    got = jax.jit(jax.grad(functools.partial(loss, ensemble_times), (0, 1)))
+    want = jax.jit(jax.grad(functools.partial(loss, vmapped_times), (0, 1)))
+    fired = ensemble_times(0.0, t1, y0, args["rho"], None, event=event).result.code
+    fired = np.asarray(fired) == sk.RESULTS.event_occurred.code
+    assert fired.any() and not fired.all()
+    assert_gradients_agree(got(t1, y0), want(t1, y0))
+
+
+@pytest.mark.slow
+def test_per_trajectory_times_under_outer_vmap():
+    # An outer `jax.vmap` over an integer index `j` that the vector field closes over
+    # (a batch of ensembles), with per-trajectory t1 and save times.
+    y0, args = inputs()
+
+    def solve(how, j):
+        return how(T0S, T1S, y0, args["rho"], TSS, term=weighted_lorenz(1.0, j)).ys
+
+    def field_args(how):
+        # `weighted_lorenz` reads `args["k"]`: give every trajectory k = 1.
+        return lambda t0, t1, y0, rho, ts, term: how(
+            t0, t1, y0, rho, ts, term=_with_k(term)
+        )
+
+    js = jnp.arange(2)
+    got = jax.jit(jax.vmap(functools.partial(solve, field_args(ensemble_times))))(js)
+    want = jax.jit(jax.vmap(functools.partial(solve, field_args(vmapped_times))))(js)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    assert not np.allclose(got[0], got[1])
+
+
+def _with_k(term):
+    field = term.vector_field
+    return sk.ODETerm(lambda t, y, args: field(t, y, dict(args, k=1)))
