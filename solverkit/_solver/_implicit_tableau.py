@@ -144,10 +144,15 @@ class ImplicitTableau:
     @property
     def stiffly_accurate(self) -> bool:
         """Whether `y1` is the last stage's value (implicit method, `a_im[-1] == b`)."""
-        return (
-            not self.imex
-            and self.c[-1] == 1
-            and bool(np.all(np.abs(self.a_im[-1] - self.b_im) < 1e-15))
+        return not self.imex and self.implicit_stiffly_accurate
+
+    @property
+    def implicit_stiffly_accurate(self) -> bool:
+        """Whether the implicit tableau alone is stiffly accurate (`c[-1] == 1`,
+        `a_im[-1] == b_im`): then the last stage's slope `kI_{s-1}` is the implicit
+        field at the last stage's value, to the Newton residual divided by `γh`."""
+        return self.c[-1] == 1 and bool(
+            np.all(np.abs(self.a_im[-1] - self.b_im) < 1e-15)
         )
 
     @property
