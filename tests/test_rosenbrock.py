@@ -455,3 +455,34 @@ def test_saveat_progress_key_and_throw(x64, capsys):
     assert "100.00%" in capsys.readouterr().out
     with pytest.raises(RuntimeError):
         solve(3, True)
+
+
+def test_ros3p_error_estimate_blind_to_linear_part(x64):
+    """ROS3P's published pair (Lang & Verwer 2001): `α21 + γ21 = 0`, so on
+    `y' = Ay + bt + c` the first two stages agree and the estimate `(k1 - k2)/3`
+    vanishes (not with a `t²` forcing); on these stages every second-order
+    embedded method has weights ∝ (1, -1, 0). A property of the method
+    (documented in `Ros3P`), pinned here."""
+    alpha, gamma_matrix, b, b_hat = ROS3P.standard()
+    assert abs(alpha[1, 0] + gamma_matrix[1, 0]) < 1e-14
+    np.testing.assert_allclose(b - b_hat, [1 / 3, -1 / 3, 0], atol=1e-14)
+    beta = (alpha + gamma_matrix - np.diag(np.diag(gamma_matrix))).sum(axis=1)
+    conditions = np.stack([np.ones(3), beta])  # Σ e = 0, Σ e β = 0
+    null = np.linalg.svd(conditions)[2][-1]
+    np.testing.assert_allclose(np.abs(null / null[0]), [1, 1, 0], atol=1e-14)
+
+    a = jnp.array([[-1.0, 0.5], [0.0, -100.0]])
+    y0 = jnp.array([1.0, 1.0])
+    t0, t1 = jnp.asarray(0.0), jnp.asarray(0.1)
+    errors = []
+    for square in (False, True):
+        term = sk.ODETerm(
+            lambda t, y, args: (
+                a @ y + jnp.stack([t**2 if square else 3 * t, 2.0 + 0 * t])
+            )
+        )
+        solver = sk.Ros3P()
+        state = solver.init(term, t0, t1, y0, None)
+        errors.append(solver.step(term, t0, t1, y0, None, state, False)[1])
+    assert float(jnp.max(jnp.abs(errors[0]))) < 1e-14
+    assert float(jnp.max(jnp.abs(errors[1]))) > 1e-6

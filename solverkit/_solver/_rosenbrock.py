@@ -302,11 +302,20 @@ class Ros3P(AbstractRosenbrock):
     """Lang & Verwer's ROS3P: third order, A-stable, without order reduction on
     parabolic problems; second-order error estimate, cubic Hermite dense output.
 
-    !!! note
+    !!! warning
 
-        Its embedded method has the same stability function as the method itself,
-        so on a linear constant-coefficient problem the error estimate vanishes
-        and the controller takes steps as long as `dtmax` allows.
+        Its error estimate is blind to the linear part of the local error. In the
+        standard form `α21 + γ21 = 0`, so for an `f` affine in `(t, y)`, such as
+        `Ay + bt + c` (with the exact Jacobian), the first two stages are equal and
+        the estimate is `(k1 - k2)/3 = 0`: the embedded method has the method's
+        stability function. On other problems the estimate sees only the part of
+        the local error that comes from `f`'s second and higher derivatives. This
+        is the published pair, not a coefficient error, and no other choice helps:
+        on these stages (`β2 = α21 + γ21 = 0`) every second-order embedded method
+        has error weights proportional to `(1, -1, 0)`. On `y' = Ay` (2x2,
+        eigenvalues -1 and -100, `t1 = 10`, rtol 1e-6) it takes 5 steps and is off
+        by 0.15. Bound the step (`PIDController(dtmax=...)`) or use `Rodas5P` on
+        problems that are linear or nearly so.
 
     ??? cite "Reference"
 
