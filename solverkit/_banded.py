@@ -23,9 +23,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 
 _MIN_BLOCK = 16
-# From this bandwidth on, `band_lu` factorises by panels (about as fast as by rows
-# on a CPU at bandwidth 64, its solves 1.7x faster); below, by rows.
+# For bandwidths `_BLOCKED_FROM ... _BLOCKED_TO`, `band_lu` factorises by panels
+# (measured on a CPU: at bandwidth 64 about as fast as by rows, its solves 1.7x
+# faster; at 128 both 1.0-1.2x faster; at 256 the solves 0.6x as fast); otherwise by
+# rows.
 _BLOCKED_FROM = 32
+_BLOCKED_TO = 128
 
 
 def _columns(n: int, lower: int, width: int) -> tuple[Array, Array]:
@@ -374,7 +377,7 @@ def _blocked_band_lu_solve(lu: BlockedBandLU, rhs: Array) -> Array:
 def band_lu(bands: Float[Array, "n w"], lower: int) -> "BandLU | BlockedBandLU":
     """LU factorisation with partial pivoting of `A` in band storage: by rows
     (`_row_band_lu`, one `lax.scan` step per row) for narrow bands, by panels of
-    columns (`_blocked_band_lu`) from a bandwidth of 32.
+    columns (`_blocked_band_lu`) for bandwidths from 32 to 128.
 
     **Arguments:**
 
@@ -386,7 +389,7 @@ def band_lu(bands: Float[Array, "n w"], lower: int) -> "BandLU | BlockedBandLU":
     A `BandLU` or `BlockedBandLU`, for `band_lu_solve`. An exactly singular `A`
     gives a zero pivot (its `singular()`).
     """
-    if max(lower, bands.shape[1] - 1 - lower) >= _BLOCKED_FROM:
+    if _BLOCKED_FROM <= max(lower, bands.shape[1] - 1 - lower) <= _BLOCKED_TO:
         return _blocked_band_lu(bands, lower)
     return _row_band_lu(bands, lower)
 

@@ -9,6 +9,7 @@ import pytest
 
 from solverkit._banded import (
     _BLOCKED_FROM,
+    _BLOCKED_TO,
     band_lu,
     band_lu_solve,
     BandLU,
@@ -39,6 +40,7 @@ _CASES = [  # (n, lower, upper): by rows, then by panels (n not a multiple of nb
     (90, 33, 5),
     (100, 40, 40),
     (70, 2, 35),
+    (300, 130, 1),
 ]
 
 
@@ -54,7 +56,7 @@ def test_matches_dense(n, lower, upper, dtype):
         b = np.random.default_rng(1).normal(size=n)
         bands = dense_to_bands(jnp.asarray(a, dtype), lower, upper)
         lu = band_lu(bands, lower)
-        blocked = max(lower, upper) >= _BLOCKED_FROM
+        blocked = _BLOCKED_FROM <= max(lower, upper) <= _BLOCKED_TO
         assert isinstance(lu, BlockedBandLU if blocked else BandLU)
         x = band_lu_solve(lu, jnp.asarray(b, dtype))
         assert x.dtype == jnp.dtype(dtype)
