@@ -66,6 +66,8 @@ CONFIGS = (
     *(f"BDF+{k}" for k in LINEAR),
     *(f"Rodas5P+{k}" for k in LINEAR),
     *(f"Kvaerno5+{k}" for k in LINEAR),
+    "BDF+krylov-pc",
+    "Rodas5P+krylov-pc",
     "BDF+dense",
     "Rodas5P+dense",
     "diffrax-Kvaerno5",
@@ -141,6 +143,7 @@ def linear_solver(kind: str, problem):
         "banded": "BandedLinearSolver",
         "sparse": "SparseLinearSolver",
         "krylov": "KrylovLinearSolver",
+        "krylov-pc": "KrylovLinearSolver",
     }[kind]
     cls = getattr(sk, name, None)
     if cls is None:
@@ -150,6 +153,13 @@ def linear_solver(kind: str, problem):
             return cls(*problem.bandwidths), None
         if kind == "sparse":
             return cls(problem.sparsity()), None
+        if kind == "krylov-pc":
+            if problem.preconditioner is None:
+                return None, f"{problem.name} has no preconditioner"
+            # GMRES to a tolerance below the Newton iteration's, with room for the
+            # iterations that the diffusion left out of the preconditioner needs.
+            pc = problem.preconditioner(problem.params)
+            return cls("gmres", 1e-5, 1e-8, 2000, 30, pc), None
         return cls("gmres"), None
     except (TypeError, ValueError) as e:
         return None, f"{name}(...): {e}"

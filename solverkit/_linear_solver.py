@@ -31,7 +31,14 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array
 
-from ._banded import band_lu, band_lu_solve, band_matvec, BandLU, dense_to_bands
+from ._banded import (
+    band_lu,
+    band_lu_solve,
+    band_matvec,
+    BandLU,
+    BlockedBandLU,
+    dense_to_bands,
+)
 from ._linalg import Inverse, lu_factorisation, value_and_jacobian
 from ._sparsity import (
     bandwidths,
@@ -273,7 +280,9 @@ class BandedLinearSolver(AbstractLinearSolver):
             )
         return value, bands
 
-    def factorise(self, jac: Array, gamma_h: Array, mass: Array | None) -> BandLU:
+    def factorise(
+        self, jac: Array, gamma_h: Array, mass: Array | None
+    ) -> BandLU | BlockedBandLU:
         n = jac.shape[0]
         _check_mass(mass, n, "BandedLinearSolver")
         matrix = -jnp.asarray(gamma_h, jac.dtype) * jac
@@ -298,7 +307,7 @@ class BandedLinearSolver(AbstractLinearSolver):
             matrix = matrix + banded
         return band_lu(matrix, self.lower)
 
-    def solve(self, factor: BandLU, rhs: Array, fn: FlatFn) -> Array:
+    def solve(self, factor: BandLU | BlockedBandLU, rhs: Array, fn: FlatFn) -> Array:
         del fn
         return band_lu_solve(factor, rhs).astype(rhs.dtype)
 
@@ -528,11 +537,7 @@ class SparseLinearSolver(AbstractLinearSolver):
     def solve(self, factor, rhs: Array, fn: FlatFn) -> Array:
         del fn
         if self.kind == "banded":
-            b = (
-                jnp.zeros(self.size, factor.u_rows.dtype)
-                .at[self._indices["places"]]
-                .set(rhs)
-            )
+            b = jnp.zeros(self.size, factor.dtype).at[self._indices["places"]].set(rhs)
             return band_lu_solve(factor, b)[self._indices["places"]].astype(rhs.dtype)
         lu, pivots = factor
         b = jnp.zeros(self.size, lu.dtype).at[self._indices["places"]].set(rhs)
