@@ -32,7 +32,7 @@ goes through the linear-solver protocol (`_linear_solver.py`).
 **Derivatives.** The Newton solve runs on values without derivatives (its reused
 Jacobian is not the Jacobian at the solution); its result is then given the derivative
 of the exact solution by the implicit function theorem, with the linear solver
-linearised anew at the solution (`_implicit_correction`). So forward and reverse mode
+linearised anew at the solution (`_correction`). So forward and reverse mode
 see the derivative of the discrete scheme, whatever Jacobian the solve reused.
 """
 
@@ -196,6 +196,16 @@ def _check_mass(mass: Array | None, n: int) -> None:
 
 def _to_mass(mass) -> Array | None:
     return None if mass is None else jnp.asarray(mass)
+
+
+def _maybe(pred, make: Callable, old):
+    """`make()` where `pred`, else `old`; computed only if some batch element needs
+    it."""
+    return lax.cond(
+        unvmap_any(pred),
+        lambda: jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), make(), old),
+        lambda: old,
+    )
 
 
 class BDF(AbstractAdaptiveSolver):
@@ -426,100 +436,76 @@ class BDF(AbstractAdaptiveSolver):
         i, d, _, done, _ = lax.while_loop(cond, body, init)
         return d, done, i
 
-    def step(self, terms, t0, t1, y0, args, solver_state: BDFState, made_jump=False):
-        del made_jump
-        state = solver_state
-        rtol, atol = self._tols()
-        flat0, unravel = ravel_pytree(y0)
-        dtype = flat0.dtype
+    def _predict(self, state: BDFState, h: Array, dtype):
+        """`(D, y_pred, psi, c)`: the differences rescaled to the step `h`, the
+        predictor `Σ_{j<=k} D[j]`, `ψ` and `c = h/α_k`."""
         K = self.max_order
-        gamma, alpha, error_const = (
-            jnp.asarray(a, dtype) for a in _coefficients(K, self.ndf)
-        )
-        mass = self.mass_matrix
-        t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
-        h = (t1 - t0).astype(dtype)
+        gamma, alpha, _ = (jnp.asarray(a, dtype) for a in _coefficients(K, self.ndf))
         k = state.order
-        r = h / state.h
-        D = _rescale(state.D, k, r, K)
-        rows = np.arange(K + 3)[:, None]
-        y_pred = jnp.sum(jnp.where(rows <= k, D, 0), axis=0)
+        D = _rescale(state.D, k, h / state.h, K)
         index = np.arange(K + 3)
+        y_pred = jnp.sum(jnp.where(index[:, None] <= k, D, 0), axis=0)
         gammas = jnp.concatenate([gamma, jnp.zeros(1, dtype)])
         weights = jnp.where((index >= 1) & (index <= k), gammas, 0)
         psi = jnp.matmul(weights, D, precision="highest") / alpha[k]
-        c = h / alpha[k]
+        return D, y_pred, psi, h / alpha[k]
 
-        # The Newton solve, without derivatives.
-        sg = nograd((terms, args, t1, c, y_pred, psi))
-        n_terms, n_args, n_t1, n_c, n_y_pred, n_psi = sg
-        field = lambda x: _flat_field(n_terms, n_args, unravel, n_t1, x, dtype)
-        scale = atol + rtol * jnp.abs(n_y_pred)
+    def _solve_reusing(self, field, state: BDFState, c, y_pred, psi, scale, unravel):
+        """The Newton solve (no derivatives) with CVODE's reuse rules: a new
+        Jacobian when stale, a new factorisation when `c` changed or is old, and
+        one retry with a new Jacobian after a failure with an old one.
+
+        **Returns:** `(d, converged, iterations, reuse)`, `reuse` the state's new
+        `(jac, jac_age, factor, c_factor, factor_age)` (ages not yet advanced).
+        """
         linear_solver = self.linear_solver
-
-        def new_jac(jac):
-            return nograd(linear_solver.linearise(field, n_y_pred)[1])
-
-        def new_factor(jac):
-            return nograd(linear_solver.factorise(jac, n_c, mass))
-
-        def maybe(pred, make, old):
-            """`make()` where `pred`, else `old`; computed only if some batch
-            element needs it."""
-            return lax.cond(
-                unvmap_any(pred),
-                lambda: jax.tree_util.tree_map(
-                    lambda a, b: jnp.where(pred, a, b), make(), old
-                ),
-                lambda: old,
-            )
-
+        new_jac = lambda: nograd(linear_solver.linearise(field, y_pred)[1])
+        new_factor = lambda jac: nograd(
+            linear_solver.factorise(jac, c, self.mass_matrix)
+        )
         stale = state.jac_age >= _REJAC_STEPS
-        jac = maybe(stale, lambda: new_jac(state.jac), state.jac)
+        jac = _maybe(stale, new_jac, state.jac)
         jac_age = jnp.where(stale, 0, state.jac_age)
         c_old = state.c_factor
-        change = jnp.abs(n_c - c_old) > _REFACTOR_CHANGE * jnp.abs(c_old)
+        change = jnp.abs(c - c_old) > _REFACTOR_CHANGE * jnp.abs(c_old)
         refactor = stale | (c_old == 0) | change | (state.factor_age >= _REFACTOR_STEPS)
-        factor = maybe(refactor, lambda: new_factor(jac), state.factor)
+        factor = _maybe(refactor, lambda: new_factor(jac), state.factor)
         factor_age = jnp.where(refactor, 0, state.factor_age)
         d, converged, iters = self._newton(
-            field, factor, n_c, n_y_pred, n_psi, scale, unravel
+            field, factor, c, y_pred, psi, scale, unravel
         )
         # A failed solve with an old Jacobian: a new Jacobian, at once.
         retry = ~converged & (jac_age > 0)
 
         def again():
-            jac2 = new_jac(jac)
+            jac2 = new_jac()
             factor2 = new_factor(jac2)
             d2, conv2, it2 = self._newton(
-                field, factor2, n_c, n_y_pred, n_psi, scale, unravel
+                field, factor2, c, y_pred, psi, scale, unravel
             )
             return jac2, factor2, d2, conv2, iters + it2
 
-        jac, factor, d, converged, iters = maybe(
+        jac, factor, d, converged, iters = _maybe(
             retry, again, (jac, factor, d, converged, iters)
         )
-        jac_age = jnp.where(retry, 0, jac_age)
-        factor_age = jnp.where(retry, 0, factor_age)
-
-        # The derivative of the exact solution (implicit function theorem).
-        dynamic, static = eqx.partition(
-            (terms, args, mass, linear_solver, unravel), eqx.is_array
+        reuse = (
+            jac,
+            jnp.where(retry, 0, jac_age),
+            factor,
+            jnp.where(refactor | retry, c, c_old),
+            jnp.where(retry, 0, factor_age),
         )
-        d = _correction(static, lax.stop_gradient(d), t1, c, y_pred, psi, dynamic)
-        y1 = y_pred + d
+        return d, converged, iters, reuse
 
-        # Error estimate and the next step's order and size.
-        y1_ng = lax.stop_gradient(y1)
-        d_ng = lax.stop_gradient(d)
-        err_scale = atol + rtol * jnp.maximum(jnp.abs(flat0), jnp.abs(y1_ng))
-        err_scale = lax.stop_gradient(err_scale)
-        error = error_const[k] * d_ng
-        err = self._scaled_norm(error, err_scale, unravel)
-        D_new = _update(D, d, k)
-        D_ng = lax.stop_gradient(D_new)
+    def _order_errors(self, D_new, d, k, err_scale, unravel):
+        """The scaled error estimates of orders `k - 1`, `k` and `k + 1` (`inf`
+        where that order does not exist), from `d` and the updated differences."""
+        K = self.max_order
+        error_const = jnp.asarray(_coefficients(K, self.ndf)[2], d.dtype)
+        err = self._scaled_norm(error_const[k] * d, err_scale, unravel)
+        rows = np.arange(K + 3)[:, None]
+        pick = lambda i: jnp.sum(jnp.where(rows == i, D_new, 0), axis=0)
         big = jnp.asarray(jnp.inf, err.dtype)
-        pick = lambda i: jnp.sum(jnp.where(rows == i, D_ng, 0), axis=0)
         err_m = jnp.where(
             k > 1,
             self._scaled_norm(error_const[k - 1] * pick(k), err_scale, unravel),
@@ -534,6 +520,17 @@ class BDF(AbstractAdaptiveSolver):
             ),
             big,
         )
+        return err_m, err, err_p
+
+    def _next_order(self, state: BDFState, errors, r, h, t1, iters, converged):
+        """Shampine & Reichelt's choice of the next order and step-size factor.
+
+        **Returns:** `(new_order, n_equal, controller_error)`, the last the error an
+        I-controller turns into exactly the chosen factor.
+        """
+        err_m, err, err_p = errors
+        dtype = h.dtype
+        k = state.order
         same = jnp.abs(r - 1) <= 1e-6 + 64 * jnp.finfo(dtype).eps * jnp.abs(
             t1.astype(dtype)
         ) / jnp.abs(jnp.where(h == 0, 1, h))
@@ -548,16 +545,13 @@ class BDF(AbstractAdaptiveSolver):
         m = self.newton_max_steps
         damp = (2 * m + 1) / (2 * m + iters.astype(err.dtype))
         select = n_equal >= k + 1
-        new_order = jnp.where(select, k + choice - 1, k)
-        new_order = jnp.clip(new_order, 1, K)
-        grow_factor = jnp.where(
-            select, damp * jnp.max(factors), _HOLD_FACTOR / self.safety
-        )
+        new_order = jnp.clip(jnp.where(select, k + choice - 1, k), 1, self.max_order)
+        hold = _HOLD_FACTOR / self.safety
+        grow_factor = jnp.where(select, damp * jnp.max(factors), hold)
         accepted = converged & (err <= 1)
         target = jnp.where(accepted, grow_factor, damp * grow(err, kf + 1))
         target = jnp.where(converged, target, _NEWTON_FAIL_FACTOR / self.safety)
         # The controller's factor is `safety * target`, at least 1 on acceptance.
-        hold = _HOLD_FACTOR / self.safety
         target = jnp.where(accepted, jnp.maximum(target, hold), target)
         target = jnp.maximum(target, jnp.asarray(1e-10, target.dtype))
         controller_error = target ** (-self.exponent)
@@ -565,17 +559,68 @@ class BDF(AbstractAdaptiveSolver):
         controller_error = jnp.where(
             accepted, controller_error, jnp.maximum(controller_error, 1.01)
         )
+        return new_order, n_equal, controller_error
+
+    def _report(self, state: BDFState, d, scaled_error, converged):
+        """`(y_error, result)` for the step-size controller (flat, unravelled by
+        the caller): the scaled controller error when adaptive, else the local error
+        estimate `E_k d` and a failed Newton solve as an error."""
         if self.adaptive:
-            y_error = unravel(lax.stop_gradient(controller_error * err_scale))
+            y_error = lax.stop_gradient(scaled_error)
             result = RESULTS.successful
         else:
-            y_error = unravel(error)
+            error_const = _coefficients(self.max_order, self.ndf)[2]
+            y_error = jnp.asarray(error_const, d.dtype)[state.order] * d
             result = RESULTS.where(
                 converged, RESULTS.successful, RESULTS.implicit_nonconvergence
             )
         result = RESULTS.where(
             state.consistent, result, RESULTS.inconsistent_initial_values
         )
+        return y_error, result
+
+    def step(self, terms, t0, t1, y0, args, solver_state: BDFState, made_jump=False):
+        del made_jump
+        state = solver_state
+        rtol, atol = self._tols()
+        flat0, unravel = ravel_pytree(y0)
+        dtype = flat0.dtype
+        mass = self.mass_matrix
+        t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
+        h = (t1 - t0).astype(dtype)
+        k = state.order
+        D, y_pred, psi, c = self._predict(state, h, dtype)
+
+        # The Newton solve, without derivatives, then the derivative of the exact
+        # solution (implicit function theorem).
+        n_terms, n_args, n_t1, n_c, n_y_pred, n_psi = nograd(
+            (terms, args, t1, c, y_pred, psi)
+        )
+        field = lambda x: _flat_field(n_terms, n_args, unravel, n_t1, x, dtype)
+        scale = atol + rtol * jnp.abs(n_y_pred)
+        d, converged, iters, reuse = self._solve_reusing(
+            field, state, n_c, n_y_pred, n_psi, scale, unravel
+        )
+        dynamic, static = eqx.partition(
+            (terms, args, mass, self.linear_solver, unravel), eqx.is_array
+        )
+        d = _correction(static, lax.stop_gradient(d), t1, c, y_pred, psi, dynamic)
+        y1 = y_pred + d
+        D_new = _update(D, d, k)
+
+        # Error estimate and the next step's order and size.
+        err_scale = atol + rtol * jnp.maximum(jnp.abs(flat0), jnp.abs(y1))
+        err_scale = lax.stop_gradient(err_scale)
+        errors = self._order_errors(
+            lax.stop_gradient(D_new), lax.stop_gradient(d), k, err_scale, unravel
+        )
+        new_order, n_equal, controller_error = self._next_order(
+            state, errors, h / state.h, h, t1, iters, converged
+        )
+        y_error, result = self._report(
+            state, lax.stop_gradient(d), controller_error * err_scale, converged
+        )
+        jac, jac_age, factor, c_factor, factor_age = reuse
         new_state = BDFState(
             D=D_new,
             h=h,
@@ -584,12 +629,12 @@ class BDF(AbstractAdaptiveSolver):
             jac=jac,
             jac_age=(jac_age + 1).astype(jnp.int32),
             factor=factor,
-            c_factor=jnp.where(refactor | retry, n_c, c_old),
+            c_factor=c_factor,
             factor_age=(factor_age + 1).astype(jnp.int32),
             consistent=state.consistent,
         )
-        dense = BDFDense(y1=unravel(y1), D=D_new[1 : K + 1], order=k)
-        return unravel(y1), y_error, dense, new_state, result
+        dense = BDFDense(y1=unravel(y1), D=D_new[1 : self.max_order + 1], order=k)
+        return unravel(y1), unravel(y_error), dense, new_state, result
 
     def interpolate(self, dense_info: BDFDense, t0: Array, t1: Array, t) -> PyTree:
         flat1, unravel = ravel_pytree(dense_info.y1)
