@@ -400,13 +400,14 @@ def _inverse_index(tab: ImplicitTableau) -> np.ndarray:
     return np.array([tab.diagonals.index(float(g)) if g else 0 for g in diag])
 
 
-class ImplicitEuler(AbstractImplicitRK):
-    """Implicit Euler: first order, L-stable, with an error estimate from the
-    trapezoidal rule; linear dense output.
+def _arguments_doc(stages: str) -> str:
+    """The **Arguments:** section shared by the implicit Runge-Kutta solvers;
+    `stages` is "stage" or "stages"."""
+    return f"""
 
     **Arguments:**
 
-    - `root_finder`: solves the implicit stage. By default a `VeryChord` with the
+    - `root_finder`: solves the implicit {stages}. By default a `VeryChord` with the
         step-size controller's tolerances; any optimistix root finder is accepted.
     - `root_find_max_steps`: iterations before the step is rejected (and retried
         with a smaller step by an adaptive controller).
@@ -420,6 +421,13 @@ class ImplicitEuler(AbstractImplicitRK):
         since under `vmap` its decisions compute both branches. Gradients are
         exact either way (each stage's derivative uses the Jacobian at its root).
     """
+
+
+class ImplicitEuler(AbstractImplicitRK):
+    __doc__ = (
+        "Implicit Euler: first order, L-stable, with an error estimate from the "
+        "trapezoidal rule; linear dense output." + _arguments_doc("stage")
+    )
 
     tableau: ClassVar[ImplicitTableau] = IMPLICIT_EULER
     interpolation_cls: ClassVar[Any] = LocalLinearInterpolation
@@ -434,23 +442,7 @@ _KVAERNO_DOC = """
 
         Kværnø, A. (2004). Singly diagonally implicit Runge-Kutta methods with an
         explicit first stage. BIT Numerical Mathematics, 44(3), 489-502.
-
-    **Arguments:**
-
-    - `root_finder`: solves the implicit stages. By default a `VeryChord` with the
-        step-size controller's tolerances; any optimistix root finder is accepted.
-    - `root_find_max_steps`: iterations before the step is rejected (and retried
-        with a smaller step by an adaptive controller).
-    - `linear_solver`: solves of the chord iteration with `I - γhJ`, a
-        `solverkit.AbstractLinearSolver` (default: `DenseLinearSolver()`).
-    - `reuse_jacobian`: keep the Jacobian and the factorisations across steps by
-        CVODE's rules (refactorise after a 30% change in `γh` or 20 steps; a new
-        Jacobian after 50 steps, or at once after a convergence failure). Off by
-        default: on small dense problems it is slower (Kvaerno5 on ROBER: 1.6x
-        single, 2x vmapped, where a Jacobian and an inverse are ~27% of a step),
-        since under `vmap` its decisions compute both branches. Gradients are
-        exact either way (each stage's derivative uses the Jacobian at its root).
-    """
+""" + _arguments_doc("stages")
 
 
 class Kvaerno3(AbstractImplicitRK):
@@ -481,24 +473,8 @@ class Kvaerno5(AbstractImplicitRK):
 _IMEX_DOC = """
 
     Call with `terms=MultiTerm(ODETerm(explicit_field), ODETerm(implicit_field))`:
-    the first term is treated explicitly, the second (stiff) one implicitly.
-
-    **Arguments:**
-
-    - `root_finder`: solves the implicit stages. By default a `VeryChord` with the
-        step-size controller's tolerances; any optimistix root finder is accepted.
-    - `root_find_max_steps`: iterations before the step is rejected (and retried
-        with a smaller step by an adaptive controller).
-    - `linear_solver`: solves of the chord iteration with `I - γhJ`, a
-        `solverkit.AbstractLinearSolver` (default: `DenseLinearSolver()`).
-    - `reuse_jacobian`: keep the Jacobian and the factorisations across steps by
-        CVODE's rules (refactorise after a 30% change in `γh` or 20 steps; a new
-        Jacobian after 50 steps, or at once after a convergence failure). Off by
-        default: on small dense problems it is slower (Kvaerno5 on ROBER: 1.6x
-        single, 2x vmapped, where a Jacobian and an inverse are ~27% of a step),
-        since under `vmap` its decisions compute both branches. Gradients are
-        exact either way (each stage's derivative uses the Jacobian at its root).
-    """
+    the first term is treated explicitly, the second (stiff) one implicitly."""
+_IMEX_DOC += _arguments_doc("stages")
 
 _KENCARP_CITE = """
 
