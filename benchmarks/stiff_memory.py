@@ -21,7 +21,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks import stiff_large_problems as problems
+from benchmarks import stiff_large, stiff_large_problems as problems
 
 
 CONFIGS = (
@@ -41,39 +41,23 @@ def _problem(kind: str, size: int):
     return problems.problem(f"{kind}-{size}")
 
 
-def _linear_solver(sk, kind: str, problem):
-    if kind == "banded":
-        return sk.BandedLinearSolver(*problem.bandwidths)
-    if kind == "sparse":
-        return sk.SparseLinearSolver(problem.sparsity())
-    return sk.DenseLinearSolver()
-
-
 def compiled_bytes(kind: str, solver_name: str, linear: str, size: int) -> dict:
-    """XLA's memory analysis of one compiled solve (bytes)."""
+    """XLA's memory analysis of one compiled solve (bytes), the solve of
+    `benchmarks.stiff_large` (traced tolerances)."""
     import solverkit as sk
 
     problem = _problem(kind, size)
-    solver = getattr(sk, solver_name)(linear_solver=_linear_solver(sk, linear, problem))
-
-    def solve(params, y0, rtol, atol):
-        sol = sk.diffeqsolve(
-            sk.ODETerm(problem.field(params)),
-            solver,
-            0.0,
-            problem.t1,
-            None,
-            y0,
-            saveat=sk.SaveAt(t1=True),
-            stepsize_controller=sk.PIDController(rtol=rtol, atol=atol),
-            max_steps=100_000,
-            throw=False,
-        )
-        return sol.ys
-
+    if linear == "dense":
+        linear_solver = sk.DenseLinearSolver()
+    else:
+        linear_solver, why = stiff_large.linear_solver(linear, problem)
+        if linear_solver is None:
+            raise ValueError(why)
+    solver = getattr(sk, solver_name)(linear_solver=linear_solver)
+    solve, _ = stiff_large._jax_runner(sk, solver, problem)
     params = jax.tree.map(jnp.asarray, problem.params)
     y0 = jnp.asarray(problem.y0)
-    compiled = jax.jit(solve).lower(params, y0, 1e-6, 1e-6).compile()
+    compiled = solve.lower(params, y0, 1e-6, 1e-6).compile()
     m = compiled.memory_analysis()
     return {
         "problem": kind,
