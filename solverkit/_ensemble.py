@@ -371,110 +371,116 @@ def _gather(tree: PyTree, index: Array, batch: int) -> PyTree:
     return jtu.tree_map(lambda x: x[safe], tree)
 
 
-def _run(problem: Problem, y0, args_dynamic, times, lanes: int, refill_at: int, keep):
-    """The lane loop; returns the final `_Lanes`."""
-    batch = jtu.tree_leaves(y0)[0].shape[0]
-    lane = lambda y, a, tm: _with_lane(problem, y, a, tm)  # noqa: E731
+class _LaneLoop:
+    """The pieces of the lane loop for one problem (trace time only): each method
+    acts on a `_Lanes` or on the lanes' slices of it."""
 
-    def init_lanes(index):
-        y, a = _gather(y0, index, batch), _gather(args_dynamic, index, batch)
-        tm = _gather(times, index, batch)
-        carry, bufs = jax.vmap(lambda y, a, tm: _loop.init(lane(y, a, tm)))(y, a, tm)
+    def __init__(self, problem: Problem, y0, args_dynamic, times, refill_at, keep):
+        self.problem, self.y0, self.args, self.times = problem, y0, args_dynamic, times
+        self.batch = jtu.tree_leaves(y0)[0].shape[0]
+        self.refill_at, self.keep = refill_at, keep
+        self.meter = problem.meter
+        self.token = self.meter.start()
+
+    def lane(self, y, a, tm) -> Problem:
+        return _with_lane(self.problem, y, a, tm)
+
+    def init_lanes(self, index):
+        """Start the lanes on the trajectories `index`: `(carry, bufs, y, a, tm)`."""
+        y = _gather(self.y0, index, self.batch)
+        a = _gather(self.args, index, self.batch)
+        tm = _gather(self.times, index, self.batch)
+        init = lambda y, a, tm: _loop.init(self.lane(y, a, tm))  # noqa: E731
+        carry, bufs = jax.vmap(init)(y, a, tm)
         return carry, bufs, y, a, tm
 
-    def going(s: _Lanes):
-        running = jax.vmap(lambda y, a, tm, c: _loop.cond(lane(y, a, tm), c))(
-            s.y0, s.args, s.times, s.carry
-        )
-        return running & (s.index < batch)
+    def going(self, s: _Lanes):
+        """Per lane: solving a trajectory that has not finished."""
+        cond = lambda y, a, tm, c: _loop.cond(self.lane(y, a, tm), c)  # noqa: E731
+        running = jax.vmap(cond)(s.y0, s.args, s.times, s.carry)
+        return running & (s.index < self.batch)
 
-    def lane_outputs(y, a, tm, carry, bufs):
-        return _lane_outputs(lane(y, a, tm), carry, bufs, keep)
+    def lane_outputs(self, y, a, tm, carry, bufs):
+        return _lane_outputs(self.lane(y, a, tm), carry, bufs, self.keep)
 
-    meter = problem.meter
-    token = meter.start()
-
-    def refill(s: _Lanes, finished):
-        rows = where(finished, s.index, batch)  # out of bounds: dropped
-        new = jax.vmap(lane_outputs)(s.y0, s.args, s.times, s.carry, s.bufs)
+    def refill(self, s: _Lanes, finished) -> _Lanes:
+        """Write the `finished` lanes' rows and start them on the next trajectories
+        of the queue (lanes past the queue's end go idle)."""
+        rows = where(finished, s.index, self.batch)  # out of bounds: dropped
+        new = jax.vmap(self.lane_outputs)(s.y0, s.args, s.times, s.carry, s.bufs)
         out = jtu.tree_map(lambda o, v: o.at[rows].set(v, mode="drop"), s.out, new)
         count = jnp.sum(finished, dtype=jnp.int32)
         rank = jnp.cumsum(finished, dtype=jnp.int32) - 1
         index = where(finished, s.queue + rank, s.index)
-        fresh = init_lanes(index)
+        fresh = self.init_lanes(index)
         old = (s.carry, s.bufs, s.y0, s.args, s.times)
         carry, bufs, y, a, tm = jax.vmap(tree_where)(finished, fresh, old)
         done = s.done + count
         shown = s.shown
-        if token is not None:
-            fraction = done / batch
-            show = meter.wants(s.iterations, shown, fraction) & (fraction < 1)
-            lax.cond(show, lambda: meter.callback(token, fraction), lambda: None)
+        if self.token is not None:
+            fraction = done / self.batch
+            show = self.meter.wants(s.iterations, shown, fraction) & (fraction < 1)
+            token = self.token
+            lax.cond(show, lambda: self.meter.callback(token, fraction), lambda: None)
             shown = where(show, fraction, shown)
         return s._replace(
-            carry=carry,
-            bufs=bufs,
-            y0=y,
-            args=a,
-            times=tm,
-            index=index,
-            queue=s.queue + count,
-            done=done,
-            out=out,
-            shown=shown,
-        )
+            carry=carry, bufs=bufs, y0=y, args=a, times=tm, index=index,
+            queue=s.queue + count, done=done, out=out, shown=shown,
+        )  # fmt: skip
 
-    def body(s: _Lanes) -> _Lanes:
-        active = going(s)
+    def body(self, s: _Lanes) -> _Lanes:
+        """One step of every running lane, then a refill where it pays."""
+        active = self.going(s)
 
         def step(y, a, tm, c, b, act):
-            return _loop.body(lane(y, a, tm), (c, b), act)
+            return _loop.body(self.lane(y, a, tm), (c, b), act)
 
         carry, bufs = jax.vmap(step)(s.y0, s.args, s.times, s.carry, s.bufs, active)
         s = s._replace(carry=carry, bufs=bufs, iterations=s.iterations + 1)
-        occupied = s.index < batch
-        finished = ~going(s) & occupied
+        occupied = s.index < self.batch
+        finished = ~self.going(s) & occupied
         count = jnp.sum(finished, dtype=jnp.int32)
         # Refill once `refill_at` lanes wait, or when every occupied lane has
         # finished; with the queue empty, write the outputs once, at the end.
-        enough = (count >= refill_at) & (s.queue < batch)
+        enough = (count >= self.refill_at) & (s.queue < self.batch)
         everyone = count == jnp.sum(occupied, dtype=jnp.int32)
         return lax.cond(
-            (count > 0) & (enough | everyone), refill, lambda s, _: s, s, finished
+            (count > 0) & (enough | everyone), self.refill, lambda s, _: s, s, finished
         )
 
-    index = jnp.arange(lanes, dtype=jnp.int32)
-    carry, bufs, y, a, tm = init_lanes(index)
-    first = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
-    one = jax.eval_shape(lane_outputs, *first((y, a, tm, carry, bufs)))
-    out = jtu.tree_map(lambda s: jnp.zeros((batch,) + s.shape, s.dtype), one)
-    zero = jnp.asarray(0, jnp.int32)
-    shown = None
-    if token is not None:
-        # 0, computed from the initial state so that it is shown before the loop runs.
-        shown = jnp.minimum(jnp.min(carry.t - problem.t0), 0).astype(float)
-        meter.callback(token, shown)
-    state = _Lanes(
-        carry=carry,
-        bufs=bufs,
-        y0=y,
-        args=a,
-        times=tm,
-        index=index,
-        queue=jnp.asarray(lanes, jnp.int32),
-        done=zero,
-        iterations=zero,
-        out=out,
-        shown=shown,
-    )
+    def start(self, lanes: int) -> _Lanes:
+        """The first `lanes` trajectories started, no output written yet."""
+        index = jnp.arange(lanes, dtype=jnp.int32)
+        carry, bufs, y, a, tm = self.init_lanes(index)
+        first = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
+        one = jax.eval_shape(self.lane_outputs, *first((y, a, tm, carry, bufs)))
+        out = jtu.tree_map(lambda s: jnp.zeros((self.batch,) + s.shape, s.dtype), one)
+        zero = jnp.asarray(0, jnp.int32)
+        shown = None
+        if self.token is not None:
+            # 0, computed from the initial state so that it is shown before the
+            # loop runs.
+            shown = jnp.minimum(jnp.min(carry.t - self.problem.t0), 0).astype(float)
+            self.meter.callback(self.token, shown)
+        return _Lanes(
+            carry=carry, bufs=bufs, y0=y, args=a, times=tm, index=index,
+            queue=jnp.asarray(lanes, jnp.int32), done=zero, iterations=zero,
+            out=out, shown=shown,
+        )  # fmt: skip
+
+
+def _run(problem: Problem, y0, args_dynamic, times, lanes: int, refill_at: int, keep):
+    """The lane loop; returns the final `_Lanes`."""
+    loop = _LaneLoop(problem, y0, args_dynamic, times, refill_at, keep)
+    state = loop.start(lanes)
     # Lanes already finished at their start (`t0 == t1`, an event at `t0`) are
     # written and refilled by the first iteration, which steps nothing for them.
-    state = lax.while_loop(lambda s: jnp.any(s.index < batch), body, state)
-    if token is not None:
+    state = lax.while_loop(lambda s: jnp.any(s.index < loop.batch), loop.body, state)
+    if loop.token is not None:
         # 1, computed from the final state (a float: `x - x` of an integer would be
         # folded away) so that it is shown after every tick.
         t = state.carry.t
-        meter.callback(token, jnp.maximum(jnp.max(t - t), 0) + 1)
+        loop.meter.callback(loop.token, jnp.maximum(jnp.max(t - t), 0) + 1)
     return state
 
 
