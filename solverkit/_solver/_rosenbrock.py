@@ -146,6 +146,61 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
         self._mass(ravel_pytree(y0)[0].shape[0])
         return jnp.asarray(True)  # the initial values are still to be checked
 
+    def _stages(self, fn_at, t0, h, flat0, f0, f_t, factor, fn0, mass) -> list:
+        """The stage increments `u_i`, each one solve with the factorised
+        `M - γhJ`, in the form of the module docstring."""
+        tab = self.tableau
+        gamma = tab.gamma
+        hd = jnp.asarray(h, flat0.dtype)
+        us = []
+        for i in range(tab.num_stages):
+            if i == 0:
+                fi = f0
+            else:
+                yi = axpy(flat0, None, zip(tab.a[i, :i], us))
+                ti = t0 + jnp.asarray(tab.c[i], h.dtype) * h
+                fi = fn_at(ti)(yi)
+            rhs = (gamma * hd) * fi
+            if mass is None:
+                rhs = axpy(rhs, None, zip(gamma * tab.C[i, :i], us))
+            elif i > 0:
+                coupling = zip(gamma * tab.C[i, :i], us)
+                rhs = rhs + mass_matvec(mass, axpy(jnp.zeros_like(rhs), None, coupling))
+            if tab.d[i] != 0:
+                rhs = rhs + (gamma * float(tab.d[i]) * hd**2) * f_t
+            us.append(self.linear_solver.solve(factor, rhs, fn0))
+        return us
+
+    def _dense_coeffs(self, fn1, flat0, y1, f0, us, hd, mass) -> Array:
+        """The dense output's coefficients: the method's own interpolant, else
+        cubic Hermite from the end slopes (`fn1` the field at `t1`)."""
+        tab = self.tableau
+        if tab.dense is None:
+            return _hermite_coeffs(
+                y1 - flat0, hd * _solve_mass(mass, f0), hd * _solve_mass(mass, fn1(y1))
+            )
+        return jnp.matmul(
+            jnp.asarray(tab.dense.T, flat0.dtype),
+            jnp.stack(us),
+            precision=Precision.HIGHEST,
+        )
+
+    def _mass_result(self, mass, jac, factor, first, f0, flat0):
+        """`(solver_state, result)`: with a mass matrix, a singular iteration matrix
+        (a non-finite factorisation of a finite Jacobian: no step size helps; fatal,
+        see `_loop.step`) and, on the first step (`first`), inconsistent initial
+        values are reported; the state is then `False` (no longer the first)."""
+        if mass is None:
+            return None, successful
+        singular = _all_finite(jac) & ~_all_finite(factor)
+        result = RESULTS.where(singular, RESULTS.singular, successful)
+        result = RESULTS.where(
+            first & ~_consistent(mass, f0, flat0),
+            RESULTS.inconsistent_initial_values,
+            result,
+        )
+        return jnp.asarray(False), result
+
     def step(
         self, terms, t0: Array, t1: Array, y0, args, solver_state, made_jump=False
     ):
@@ -170,50 +225,12 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
             0
         ].astype(dtype)
         factor = self.linear_solver.factorise(jac, gamma * hd, mass)
-        us = []
-        for i in range(tab.num_stages):
-            if i == 0:
-                fi = f0
-            else:
-                yi = axpy(flat0, None, zip(tab.a[i, :i], us))
-                ti = t0 + jnp.asarray(tab.c[i], h.dtype) * h
-                fi = fn_at(ti)(yi)
-            rhs = (gamma * hd) * fi
-            if mass is None:
-                rhs = axpy(rhs, None, zip(gamma * tab.C[i, :i], us))
-            elif i > 0:
-                coupling = zip(gamma * tab.C[i, :i], us)
-                rhs = rhs + mass_matvec(mass, axpy(jnp.zeros_like(rhs), None, coupling))
-            if tab.d[i] != 0:
-                rhs = rhs + (gamma * float(tab.d[i]) * hd**2) * f_t
-            us.append(self.linear_solver.solve(factor, rhs, fn0))
+        us = self._stages(fn_at, t0, h, flat0, f0, f_t, factor, fn0, mass)
         y1 = axpy(flat0, None, zip(tab.m, us))
         error = axpy(jnp.zeros_like(flat0), None, zip(tab.m_err, us))
-        if tab.dense is None:
-            f1 = fn_at(t1)(y1)
-            coeffs = _hermite_coeffs(
-                y1 - flat0, hd * _solve_mass(mass, f0), hd * _solve_mass(mass, f1)
-            )
-        else:
-            coeffs = jnp.matmul(
-                jnp.asarray(tab.dense.T, dtype),
-                jnp.stack(us),
-                precision=Precision.HIGHEST,
-            )
+        coeffs = self._dense_coeffs(fn_at(t1), flat0, y1, f0, us, hd, mass)
         dense = RosenbrockDense(y0=y0, coeffs=coeffs)
-        result = successful
-        state = None
-        if mass is not None:
-            # A singular iteration matrix: a non-finite factorisation of a finite
-            # Jacobian (no step size helps; fatal, see `_loop.step`).
-            singular = _all_finite(jac) & ~_all_finite(factor)
-            result = RESULTS.where(singular, RESULTS.singular, result)
-            result = RESULTS.where(
-                solver_state & ~_consistent(mass, f0, flat0),
-                RESULTS.inconsistent_initial_values,
-                result,
-            )
-            state = jnp.asarray(False)
+        state, result = self._mass_result(mass, jac, factor, solver_state, f0, flat0)
         return unravel(y1), unravel(error), dense, state, result
 
     def interpolate(
