@@ -255,6 +255,26 @@ def _reject_failed(problem: Problem, failed, y_error: Y | None):
     return jtu.tree_map(lambda e: where(failed, jnp.inf, e), y_error)
 
 
+def _step_result(
+    problem: Problem, carry: Carry, accepted, finite, failed, solver_result, ctrl
+) -> Array:
+    """The solve's result code after a step: the first failure sticks; a step
+    accepted with a non-finite state fails; a solver failure fails the solve unless
+    an adaptive controller can retry it with a smaller step (it can't mend
+    inconsistent initial values or a singular iteration matrix)."""
+    result = jnp.asarray(ctrl.code, jnp.int32)
+    if failed is not None:
+        code = jnp.asarray(solver_result.code, jnp.int32)
+        fatal = (
+            failed
+            if not adaptive(problem)
+            else (code == _INCONSISTENT) | (code == _SINGULAR)
+        )
+        result = where(fatal, code, result)
+    result = where(accepted & ~finite, _NONFINITE, result)
+    return where(carry.result == SUCCESS, result, carry.result)
+
+
 def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     """One attempted step. Returns the new carry and what this step saves."""
     t0 = carry.t
@@ -285,19 +305,9 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     close = next_t1 >= problem.t1 - _LANDING_ULPS * spacing
     next_t1 = where(close, problem.t1, next_t1)
     finite = _all_finite(y1)
-    result = jnp.asarray(controller_result.code, jnp.int32)
-    if failed is not None:
-        code = jnp.asarray(solver_result.code, jnp.int32)
-        # A failure that a smaller step can't mend ends the solve even under an
-        # adaptive controller (which otherwise rejects a failed step and retries).
-        fatal = (
-            failed
-            if not adaptive(problem)
-            else (code == _INCONSISTENT) | (code == _SINGULAR)
-        )
-        result = where(fatal, code, result)
-    result = where(accepted & ~finite, _NONFINITE, result)
-    result = where(carry.result == SUCCESS, result, carry.result)
+    result = _step_result(
+        problem, carry, accepted, finite, failed, solver_result, controller_result
+    )
     cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last
     if problem.conds is not None and not problem.continues:
         out = StepOut(accepted, t0, t1, y1, info)
