@@ -152,13 +152,13 @@ def _correction(static, d, t1, c, y_pred, psi, dynamic):
     theorem: `d' = (M - c J)^{-1} ∂G/∂(t1, c, y_pred, ψ, field)`, with `J` the exact
     Jacobian at `y_pred + d` (the linear solver linearised there anew). `static` is
     the non-array part of `dynamic`'s `(terms, args, mass, linear_solver,
-    unravel)`; the mass matrix is not differentiated."""
+    unravel)`; the mass matrix is differentiated too (`∂G/∂M = -(ψ + d)`)."""
     fn = jax.custom_jvp(lambda d, t1, c, y_pred, psi, dynamic: d)
 
     def residual(d, t1, c, y_pred, psi, dynamic):
         terms, args, mass, _, unravel = eqx.combine(dynamic, static)
         f = _flat_field(terms, args, unravel, t1, y_pred + d, d.dtype)
-        return c * f - mass_matvec(lax.stop_gradient(mass), psi + d)
+        return c * f - mass_matvec(mass, psi + d)
 
     @fn.defjvp
     def _jvp(primals, tangents):
@@ -225,7 +225,7 @@ class BDF(AbstractAdaptiveSolver):
     - `mass_matrix`: `None` (the identity), a vector (a diagonal `M`) or a matrix, on
         the ravelled state. Initial values must satisfy the algebraic equations
         where `M` is singular; otherwise the solve ends with
-        `RESULTS.inconsistent_initial_values`. Not differentiated.
+        `RESULTS.inconsistent_initial_values`. Differentiable, like the field.
     - `max_order`: the highest order, 1 to 5.
     - `ndf`: the numerical differentiation formulas (True) or the classical BDFs.
     - `newton_max_steps`: Newton iterations per step before it counts as failed.
