@@ -19,7 +19,11 @@ The problems:
   source `f = 5` in the disc of radius 0.1 about (0.3, 0.6) for `t >= 1.1`. Here the
   boundary is zero-flux (Neumann, mirrored ghost cells) rather than periodic, so that
   the Jacobian is banded, and `α = 0.1`; cell-centred grid of `N x N` cells, the
-  state `(N, N, 2)` (u and v of a cell side by side), `2N²` unknowns.
+  state `(N, N, 2)` (u and v of a cell side by side), `2N²` unknowns. Its
+  preconditioner (`bruss_preconditioner`) splits reaction from diffusion:
+  `(I - γh D)^{-1} (I - γh R)^{-1}`, the reaction's `2 x 2` blocks per cell in closed
+  form and the diffusion exactly, by the 2-D DCT-II that diagonalises the zero-flux
+  Laplacian.
 - `rober-blocks-M`: `M` independent copies of Robertson's reaction (Robertson 1966;
   the Test Set's ROBER), copy `i` with `k1 = 0.04 · 2^{u_i}`, `k3 = 10^4 · 2^{-u_i}`,
   `u_i` evenly spaced in [-1, 1]; state `(M, 3)`, a block-diagonal Jacobian.
@@ -52,7 +56,9 @@ class LargeProblem:
     - `error_floor`: the error is `max_i |y_i - ref_i| / (|ref_i| + error_floor)`.
     - `atol_factor`: `atol = atol_factor * rtol`.
     - `preconditioner`: `None`, or `params -> p(v, point, gamma_h)`, an approximate
-      `(I - γh J(point))^{-1} v` for `KrylovLinearSolver` (the `krylov-pc` configs).
+      `(I - γh J(point))^{-1} v` for `KrylovLinearSolver` (the `krylov-pc` configs),
+      specific to the problem (the Brusselator's: `bruss_preconditioner`, operator
+      splitting with an exact DCT solve of the diffusion).
     """
 
     name: str
