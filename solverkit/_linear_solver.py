@@ -25,6 +25,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import lineax as lx
@@ -627,35 +628,48 @@ class KrylovLinearSolver(AbstractLinearSolver):
     def solve(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
         point, gamma_h, mass = factor.point, factor.gamma_h, factor.mass
         b = rhs.astype(point.dtype)
-        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
         _, jvp = jax.linearize(fn, point)
-        operator = lx.FunctionLinearOperator(
-            lambda v: mass_matvec(mass, v) - gamma_h * jvp(v), structure
-        )
-        options = {}
+
+        def matvec(v):
+            return mass_matvec(mass, v) - gamma_h * jvp(v)
+
+        precondition = None
         if isinstance(self.preconditioner, AbstractLinearSolver):
             inner, pfactor = self.preconditioner, factor.preconditioner
-            options["preconditioner"] = lx.FunctionLinearOperator(
-                lambda v: inner.solve(pfactor, v, fn), structure
-            )
+            precondition = lambda v: inner.solve(pfactor, v, fn)  # noqa: E731
         elif self.preconditioner is not None:
             apply = self.preconditioner
-            options["preconditioner"] = lx.FunctionLinearOperator(
-                lambda v: apply(v, point, gamma_h), structure
+            precondition = lambda v: apply(v, point, gamma_h)  # noqa: E731
+        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
+
+        def krylov(operator_fn, transpose, v):
+            operator = lx.FunctionLinearOperator(operator_fn, structure)
+            options = {}
+            if precondition is not None:
+                p = lx.FunctionLinearOperator(precondition, structure)
+                options["preconditioner"] = p.transpose() if transpose else p
+            solution = lx.linear_solve(
+                operator, v, self._method(), options=options, throw=False
             )
-        # A preconditioner changes how fast the iteration converges, not where to:
-        # no derivatives through it (lineax takes none through `options`).
-        options = jax.tree_util.tree_map(
-            lambda a: jax.lax.stop_gradient(a) if eqx.is_inexact_array(a) else a,
-            options,
+            converged = solution.result == lx.RESULTS.successful
+            return jnp.where(converged, solution.value, jnp.nan)
+
+        # The iteration (and its NaN on failure) is a black box to JAX: declared
+        # linear in `b`, so that a solve of a tangent (BDF's implicit derivative)
+        # transposes, and differentiated only through `matvec` (implicitly:
+        # `x' = A^{-1} (b' - A' x)`), never through the preconditioner, which changes
+        # how fast the iteration converges, not where to.
+        x = lax.custom_linear_solve(
+            matvec,
+            b,
+            lambda mv, v: krylov(mv, False, v),
+            lambda vm, v: krylov(vm, True, v),
         )
+        return x.astype(rhs.dtype)
+
+    def _method(self):
         if self.method == "gmres":
-            method = lx.GMRES(
+            return lx.GMRES(
                 self.rtol, self.atol, max_steps=self.max_steps, restart=self.restart
             )
-        else:
-            method = lx.BiCGStab(self.rtol, self.atol, max_steps=self.max_steps)
-        solution = lx.linear_solve(operator, b, method, options=options, throw=False)
-        converged = solution.result == lx.RESULTS.successful
-        x = jnp.where(converged, solution.value, jnp.nan)
-        return x.astype(rhs.dtype)
+        return lx.BiCGStab(self.rtol, self.atol, max_steps=self.max_steps)
