@@ -20,6 +20,7 @@ matrix) or a matrix `(n, n)`.
 """
 
 import abc
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,8 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import lineax as lx
 import numpy as np
-from jaxtyping import Array
+from jax.flatten_util import ravel_pytree
+from jaxtyping import Array, PyTree
 
 from ._banded import (
     band_lu,
@@ -40,6 +42,7 @@ from ._banded import (
     BlockedBandLU,
     dense_to_bands,
 )
+from ._closure import Closure, closure_convert
 from ._linalg import Inverse, lu_factorisation, value_and_jacobian
 from ._sparsity import (
     bandwidths,
@@ -48,6 +51,7 @@ from ._sparsity import (
     coordinates,
     reverse_cuthill_mckee,
 )
+from ._tree import nograd
 from ._unvmap import error_if
 
 
@@ -151,8 +155,26 @@ class AbstractLinearSolver(eqx.Module):
 
         **Returns:**
 
-        The solution, `(n,)`, of `rhs`'s dtype.
+        The solution, `(n,)`, of `rhs`'s dtype; linear in `rhs` as JAX sees it
+        (a stiff solver may solve for a tangent, and transpose that in reverse
+        mode).
         """
+
+    def closure_converted(self, x: jax.ShapeDtypeStruct) -> "AbstractLinearSolver":
+        """This solver with each user function it holds closure-converted (so that
+        what the function closes over travels as pytree leaves, as the vector
+        field's does); `diffeqsolve` calls it once, on entry. By default, `self`.
+
+        **Arguments:**
+
+        - `x`: the ravelled state, `(n,)`.
+
+        **Returns:**
+
+        The solver, of the same type.
+        """
+        del x
+        return self
 
 
 class DenseLinearSolver(AbstractLinearSolver):
@@ -609,6 +631,27 @@ class KrylovLinearSolver(AbstractLinearSolver):
                 f"or a callable; got {type(self.preconditioner).__name__}"
             )
 
+    def closure_converted(self, x: jax.ShapeDtypeStruct) -> "KrylovLinearSolver":
+        p = self.preconditioner
+        if isinstance(p, AbstractLinearSolver):
+            return dataclasses.replace(self, preconditioner=p.closure_converted(x))
+        if p is None or isinstance(p, Closure):
+            return self
+        gamma_h = jax.ShapeDtypeStruct((), x.dtype)
+        closed = closure_convert(p, x, x, gamma_h)
+        out = closed.out_struct
+        if not (
+            isinstance(out, jax.ShapeDtypeStruct)
+            and out.shape == x.shape
+            and jnp.issubdtype(out.dtype, jnp.inexact)
+        ):
+            raise ValueError(
+                "KrylovLinearSolver: `preconditioner(v, point, gamma_h)` must return "
+                f"an array of the shape of `v`, {x.shape}, of floating dtype; got "
+                f"{out}"
+            )
+        return dataclasses.replace(self, preconditioner=closed)
+
     def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Any]:
         _check_point(fn, x, "KrylovLinearSolver")
         if isinstance(self.preconditioner, AbstractLinearSolver):
@@ -640,6 +683,11 @@ class KrylovLinearSolver(AbstractLinearSolver):
         elif self.preconditioner is not None:
             apply = self.preconditioner
             precondition = lambda v: apply(v, point, gamma_h)  # noqa: E731
+        if precondition is not None:
+            # A preconditioner changes how fast the iteration converges, not where
+            # to: no derivatives through it. Converted, so that what it closes over
+            # (the field, a differentiated parameter) is stopped too.
+            precondition = nograd(closure_convert(precondition, b))
         structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
 
         def krylov(operator_fn, transpose, v):
@@ -657,8 +705,7 @@ class KrylovLinearSolver(AbstractLinearSolver):
         # The iteration (and its NaN on failure) is a black box to JAX: declared
         # linear in `b`, so that a solve of a tangent (BDF's implicit derivative)
         # transposes, and differentiated only through `matvec` (implicitly:
-        # `x' = A^{-1} (b' - A' x)`), never through the preconditioner, which changes
-        # how fast the iteration converges, not where to.
+        # `x' = A^{-1} (b' - A' x)`).
         x = lax.custom_linear_solve(
             matvec,
             b,
@@ -673,3 +720,40 @@ class KrylovLinearSolver(AbstractLinearSolver):
                 self.rtol, self.atol, max_steps=self.max_steps, restart=self.restart
             )
         return lx.BiCGStab(self.rtol, self.atol, max_steps=self.max_steps)
+
+
+def _is_linear_solver(x) -> bool:
+    return isinstance(x, AbstractLinearSolver)
+
+
+def convert_linear_solvers(solver: PyTree, y0: PyTree) -> PyTree:
+    """`solver` with each linear solver in it `closure_converted` for the ravelled
+    state of `y0`.
+
+    **Arguments:**
+
+    - `solver`: a solver (any pytree).
+    - `y0`: the initial state, a pytree of arrays (or `ShapeDtypeStruct`s).
+
+    **Returns:**
+
+    `solver`, its linear solvers replaced.
+    """
+    x = jax.eval_shape(lambda y: ravel_pytree(y)[0], y0)
+    return jax.tree_util.tree_map(
+        lambda s: s.closure_converted(x) if _is_linear_solver(s) else s,
+        solver,
+        is_leaf=_is_linear_solver,
+    )
+
+
+def has_converted_callable(solver: PyTree) -> bool:
+    """Whether a linear solver in `solver` holds a user function converted (by
+    `convert_linear_solvers`) for one state shape: a `KrylovLinearSolver`'s callable
+    preconditioner."""
+    for s in jax.tree_util.tree_leaves(solver, is_leaf=_is_linear_solver):
+        if isinstance(s, KrylovLinearSolver):
+            p = s.preconditioner
+            if isinstance(p, Closure) or has_converted_callable(p):
+                return True
+    return False
