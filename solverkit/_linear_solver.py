@@ -155,10 +155,20 @@ class AbstractLinearSolver(eqx.Module):
 
         **Returns:**
 
-        The solution, `(n,)`, of `rhs`'s dtype; linear in `rhs` as JAX sees it
-        (a stiff solver may solve for a tangent, and transpose that in reverse
-        mode).
+        The solution, `(n,)`, of `rhs`'s dtype.
         """
+
+    def solve_tangent(self, factor: Any, rhs: Array, fn: FlatFn) -> Array:
+        """`solve`, as a function that JAX can transpose in `rhs`: for a tangent (a
+        stiff solver's implicit-function-theorem derivative), which reverse mode
+        transposes. By default `solve` itself, which for a direct solver is such a
+        function (a matrix-free one overrides it).
+
+        **Arguments:** as `solve`.
+
+        **Returns:** as `solve`.
+        """
+        return self.solve(factor, rhs, fn)
 
     def closure_converted(self, x: jax.ShapeDtypeStruct) -> "AbstractLinearSolver":
         """This solver with each user function it holds closure-converted (so that
@@ -589,8 +599,9 @@ class KrylovLinearSolver(AbstractLinearSolver):
 
     For large systems whose Jacobian is too wide to factorise (2-D and 3-D PDEs),
     ideally with a preconditioner. Derivatives of a solve (with respect to the
-    right-hand side, the point and whatever the field closes over) are lineax's:
-    implicit, exact up to the tolerances.
+    right-hand side, the point and whatever the field closes over) are implicit,
+    exact up to the tolerances (lineax's; for `solve_tangent`, the same iteration
+    with the transposed operator), and never taken through the preconditioner.
 
     **Arguments:**
 
@@ -605,7 +616,10 @@ class KrylovLinearSolver(AbstractLinearSolver):
       [`SparseLinearSolver`][solverkit.SparseLinearSolver] of an approximate
       pattern, with `check=False`), linearised and factorised along with this one and
       applied as `(M - γh J̃)^{-1}`; or a callable `p(v, point, gamma_h)` returning
-      an approximation of `(M - γh J(point))^{-1} v`, linear in `v`.
+      an approximation of `(M - γh J(point))^{-1} v`, linear in `v`. Like the
+      vector field, the callable may close over anything (a differentiated or
+      vmapped value): `diffeqsolve` closure-converts it on entry (for
+      `BacksolveAdjoint`, pass the backward solve a solver of its own).
 
     A solve that does not converge within `max_steps` (or breaks down) returns NaN,
     so that a stiff solver rejects the step; no error is raised.
@@ -669,57 +683,71 @@ class KrylovLinearSolver(AbstractLinearSolver):
         return _KrylovFactor(point, gamma_h, mass, factor)
 
     def solve(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
-        point, gamma_h, mass = factor.point, factor.gamma_h, factor.mass
-        b = rhs.astype(point.dtype)
-        _, jvp = jax.linearize(fn, point)
+        b = rhs.astype(factor.point.dtype)
+        matvec = self._matvec(factor, fn)
+        x = self._iterate(matvec, self._preconditioner(factor, fn, b), b)
+        return x.astype(rhs.dtype)
 
-        def matvec(v):
-            return mass_matvec(mass, v) - gamma_h * jvp(v)
+    def solve_tangent(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
+        # The iteration (and its NaN on failure) as a black box, declared linear in
+        # `rhs`: transposed by the same iteration with `(M - γh J)^T` and the
+        # transposed preconditioner, differentiated only through the operator.
+        b = rhs.astype(factor.point.dtype)
+        precondition = self._preconditioner(factor, fn, b)
+        transposed = None if precondition is None else precondition.transpose()
 
-        precondition = None
-        if isinstance(self.preconditioner, AbstractLinearSolver):
-            inner, pfactor = self.preconditioner, factor.preconditioner
-            precondition = lambda v: inner.solve(pfactor, v, fn)  # noqa: E731
-        elif self.preconditioner is not None:
-            apply = self.preconditioner
-            precondition = lambda v: apply(v, point, gamma_h)  # noqa: E731
-        if precondition is not None:
-            # A preconditioner changes how fast the iteration converges, not where
-            # to: no derivatives through it. Converted, so that what it closes over
-            # (the field, a differentiated parameter) is stopped too.
-            precondition = nograd(closure_convert(precondition, b))
-        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
+        # A zero right-hand side (a zero cotangent) has the solution 0, where
+        # BiCGStab breaks down.
+        def iterate(matvec, preconditioner, v):
+            x = self._iterate(matvec, preconditioner, v)
+            return jnp.where(jnp.all(v == 0), 0, x)
 
-        def krylov(operator_fn, transpose, v):
-            operator = lx.FunctionLinearOperator(operator_fn, structure)
-            options = {}
-            if precondition is not None:
-                p = lx.FunctionLinearOperator(precondition, structure)
-                options["preconditioner"] = p.transpose() if transpose else p
-            solution = lx.linear_solve(
-                operator, v, self._method(), options=options, throw=False
-            )
-            converged = solution.result == lx.RESULTS.successful
-            return jnp.where(converged, solution.value, jnp.nan)
-
-        # The iteration (and its NaN on failure) is a black box to JAX: declared
-        # linear in `b`, so that a solve of a tangent (BDF's implicit derivative)
-        # transposes, and differentiated only through `matvec` (implicitly:
-        # `x' = A^{-1} (b' - A' x)`).
         x = lax.custom_linear_solve(
-            matvec,
+            self._matvec(factor, fn),
             b,
-            lambda mv, v: krylov(mv, False, v),
-            lambda vm, v: krylov(vm, True, v),
+            lambda mv, v: iterate(mv, precondition, v),
+            lambda vm, v: iterate(vm, transposed, v),
         )
         return x.astype(rhs.dtype)
 
-    def _method(self):
+    def _matvec(self, factor: _KrylovFactor, fn: FlatFn) -> FlatFn:
+        """`v -> (M - γh J) v`, `J` at the factor's point."""
+        point, gamma_h, mass = factor.point, factor.gamma_h, factor.mass
+        _, jvp = jax.linearize(fn, point)
+        return lambda v: mass_matvec(mass, v) - gamma_h * jvp(v)
+
+    def _preconditioner(self, factor: _KrylovFactor, fn: FlatFn, b: Array):
+        """The preconditioner as a lineax operator, or `None`. It changes how fast
+        the iteration converges, not where to: no derivatives through it (lineax
+        takes none through `options`; neither does `custom_linear_solve` through
+        its solves)."""
+        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
+        if isinstance(self.preconditioner, AbstractLinearSolver):
+            inner, pfactor = self.preconditioner, factor.preconditioner
+            apply = lambda v: inner.solve(pfactor, v, fn)  # noqa: E731
+        elif self.preconditioner is not None:
+            p, point, gamma_h = self.preconditioner, factor.point, factor.gamma_h
+            apply = lambda v: p(v, point, gamma_h)  # noqa: E731
+        else:
+            return None
+        return nograd(lx.FunctionLinearOperator(apply, structure))
+
+    def _iterate(self, matvec: FlatFn, preconditioner, b: Array) -> Array:
+        """lineax's GMRES or BiCGStab; NaN where it fails."""
+        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
+        operator = lx.FunctionLinearOperator(matvec, structure)
+        options = {}
+        if preconditioner is not None:
+            options["preconditioner"] = preconditioner
         if self.method == "gmres":
-            return lx.GMRES(
+            method = lx.GMRES(
                 self.rtol, self.atol, max_steps=self.max_steps, restart=self.restart
             )
-        return lx.BiCGStab(self.rtol, self.atol, max_steps=self.max_steps)
+        else:
+            method = lx.BiCGStab(self.rtol, self.atol, max_steps=self.max_steps)
+        solution = lx.linear_solve(operator, b, method, options=options, throw=False)
+        converged = solution.result == lx.RESULTS.successful
+        return jnp.where(converged, solution.value, jnp.nan)
 
 
 def _is_linear_solver(x) -> bool:

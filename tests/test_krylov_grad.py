@@ -12,6 +12,7 @@ Compiles are few: each jitted gradient is shared by the tests that use it.
 import functools
 
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -57,6 +58,9 @@ def _solver(name: str, alpha, k):
     method, linear = name.split("-")
     if linear == "dense":
         ls = sk.DenseLinearSolver()
+    elif linear == "banded":  # preconditioned by a linear solver
+        pre = sk.BandedLinearSolver(1, 1, check=False)
+        ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14, preconditioner=pre)
     else:
         pre = _jacobi(alpha, k) if linear == "pre" else None
         ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14, preconditioner=pre)
@@ -125,6 +129,37 @@ def test_rosenbrock_preconditioner_closing_over_parameters():
     pre = _grads("rodas-pre")
     np.testing.assert_allclose(pre, _grads("rodas-dense"), rtol=1e-9)
     np.testing.assert_allclose(pre, _finite_differences(), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_banded_preconditioner():
+    """Also through the transposed iteration preconditioned by a banded solver."""
+    np.testing.assert_allclose(_grads("bdf-banded"), _grads("bdf-dense"), rtol=1e-9)
+
+
+def test_forward_solve_of_a_field_with_a_while_loop():
+    """A forward solve traces no transposition: a field JAX can't transpose (a
+    `while_loop` on the state) still solves."""
+
+    def f(t, y, args):
+        def body(carry):
+            i, z = carry
+            return i + 1, 0.5 * (z - y)
+
+        return lax.while_loop(lambda c: c[0] < 40, body, (0, y))[1]  # -y
+
+    ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14)
+    for solver in (sk.BDF(linear_solver=ls), sk.Rodas5P(linear_solver=ls)):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(f),
+            solver,
+            0.0,
+            1.0,
+            0.01,
+            jnp.ones(3),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-11),
+        )
+        np.testing.assert_allclose(sol.ys, jnp.exp(-1.0), rtol=1e-5)
 
 
 @pytest.mark.slow
