@@ -159,6 +159,7 @@ def test_forward_solve_of_a_field_with_a_while_loop():
             jnp.ones(3),
             stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-11),
         )
+        assert sol.ys is not None
         np.testing.assert_allclose(sol.ys, jnp.exp(-1.0), rtol=1e-5)
 
 
