@@ -24,6 +24,7 @@ from ._closure import closure_convert
 from ._controller import AbstractStepSizeController
 from ._custom_types import RealScalarLike, Y
 from ._errors import UnsupportedError
+from ._linear_solver import has_converted_callable
 from ._loop import Outputs
 from ._norm import rms_norm
 from ._problem import Problem
@@ -148,6 +149,15 @@ class BacksolveAdjoint(AbstractAdjoint):
         if not all(save.saves_y for save in problem.saves):
             unsupported.append("`saveat=SaveAt(fn=...)`")
         self._solver(problem)  # a backward solver that can't take tolerances: raise
+        if self.solver is None and has_converted_callable(problem.solver):
+            raise UnsupportedError(
+                "BacksolveAdjoint() solves the adjoint equations with the forward "
+                "solver, but its KrylovLinearSolver's `preconditioner` is a function "
+                "written for the forward state, not for the adjoint's augmented "
+                "state: pass `BacksolveAdjoint(solver=...)` a solver without one (or "
+                "with a linear solver as preconditioner), or use "
+                "RecursiveCheckpointAdjoint()."
+            )
         if unsupported:
             raise UnsupportedError(
                 # diffrax's words, which name the options as they do

@@ -20,6 +20,7 @@ from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete, StructureError
 from ._event import as_event, Event, with_context
 from ._interpolation import DenseInterpolation
+from ._linear_solver import convert_linear_solvers
 from ._problem import Problem, Resume, Save
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import is_sub, save_y, SaveAt
@@ -430,8 +431,8 @@ def _problem(
     dt0,
     resume,
 ) -> Problem:
-    """Convert every user function (terms, saves, event conditions) once and gather
-    all a solve needs, in internal time."""
+    """Convert every user function (terms, saves, event conditions, those of the
+    linear solvers) once and gather all a solve needs, in internal time."""
     saves, save_tree = _saves(saveat, times, y0, args, max_steps)
     event, timed = _split_events(event)
     context = dict(
@@ -444,6 +445,8 @@ def _problem(
         stepsize_controller=controller,
         max_steps=max_steps,
     )
+    if not is_user_solver(solver):  # e.g. a callable preconditioner, converted
+        solver = convert_linear_solvers(solver, y0)
     engine_solver, engine_terms = _convert_terms(terms, solver, times, y0, args)
     return Problem(
         solver=engine_solver,

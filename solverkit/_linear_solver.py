@@ -20,16 +20,19 @@ matrix) or a matrix `(n, n)`.
 """
 
 import abc
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import lineax as lx
 import numpy as np
-from jaxtyping import Array
+from jax.flatten_util import ravel_pytree
+from jaxtyping import Array, PyTree
 
 from ._banded import (
     band_lu,
@@ -39,6 +42,7 @@ from ._banded import (
     BlockedBandLU,
     dense_to_bands,
 )
+from ._closure import Closure, closure_convert
 from ._linalg import Inverse, lu_factorisation, value_and_jacobian
 from ._sparsity import (
     bandwidths,
@@ -47,6 +51,7 @@ from ._sparsity import (
     coordinates,
     reverse_cuthill_mckee,
 )
+from ._tree import nograd
 from ._unvmap import error_if
 
 
@@ -152,6 +157,34 @@ class AbstractLinearSolver(eqx.Module):
 
         The solution, `(n,)`, of `rhs`'s dtype.
         """
+
+    def solve_tangent(self, factor: Any, rhs: Array, fn: FlatFn) -> Array:
+        """`solve`, as a function that JAX can transpose in `rhs`: for a tangent (a
+        stiff solver's implicit-function-theorem derivative), which reverse mode
+        transposes. By default `solve` itself, which for a direct solver is such a
+        function (a matrix-free one overrides it).
+
+        **Arguments:** as `solve`.
+
+        **Returns:** as `solve`.
+        """
+        return self.solve(factor, rhs, fn)
+
+    def closure_converted(self, x: jax.ShapeDtypeStruct) -> "AbstractLinearSolver":
+        """This solver with each user function it holds closure-converted (so that
+        what the function closes over travels as pytree leaves, as the vector
+        field's does); `diffeqsolve` calls it once, on entry. By default, `self`.
+
+        **Arguments:**
+
+        - `x`: the ravelled state, `(n,)`.
+
+        **Returns:**
+
+        The solver, of the same type.
+        """
+        del x
+        return self
 
 
 class DenseLinearSolver(AbstractLinearSolver):
@@ -566,8 +599,9 @@ class KrylovLinearSolver(AbstractLinearSolver):
 
     For large systems whose Jacobian is too wide to factorise (2-D and 3-D PDEs),
     ideally with a preconditioner. Derivatives of a solve (with respect to the
-    right-hand side, the point and whatever the field closes over) are lineax's:
-    implicit, exact up to the tolerances.
+    right-hand side, the point and whatever the field closes over) are implicit,
+    exact up to the tolerances (lineax's; for `solve_tangent`, the same iteration
+    with the transposed operator), and never taken through the preconditioner.
 
     **Arguments:**
 
@@ -582,7 +616,10 @@ class KrylovLinearSolver(AbstractLinearSolver):
       [`SparseLinearSolver`][solverkit.SparseLinearSolver] of an approximate
       pattern, with `check=False`), linearised and factorised along with this one and
       applied as `(M - γh J̃)^{-1}`; or a callable `p(v, point, gamma_h)` returning
-      an approximation of `(M - γh J(point))^{-1} v`, linear in `v`.
+      an approximation of `(M - γh J(point))^{-1} v`, linear in `v`. Like the
+      vector field, the callable may close over anything (a differentiated or
+      vmapped value): `diffeqsolve` closure-converts it on entry (for
+      `BacksolveAdjoint`, pass the backward solve a solver of its own).
 
     A solve that does not converge within `max_steps` (or breaks down) returns NaN,
     so that a stiff solver rejects the step; no error is raised.
@@ -608,6 +645,27 @@ class KrylovLinearSolver(AbstractLinearSolver):
                 f"or a callable; got {type(self.preconditioner).__name__}"
             )
 
+    def closure_converted(self, x: jax.ShapeDtypeStruct) -> "KrylovLinearSolver":
+        p = self.preconditioner
+        if isinstance(p, AbstractLinearSolver):
+            return dataclasses.replace(self, preconditioner=p.closure_converted(x))
+        if p is None or isinstance(p, Closure):
+            return self
+        gamma_h = jax.ShapeDtypeStruct((), x.dtype)
+        closed = closure_convert(p, x, x, gamma_h)
+        out = closed.out_struct
+        if not (
+            isinstance(out, jax.ShapeDtypeStruct)
+            and out.shape == x.shape
+            and jnp.issubdtype(out.dtype, jnp.inexact)
+        ):
+            raise ValueError(
+                "KrylovLinearSolver: `preconditioner(v, point, gamma_h)` must return "
+                f"an array of the shape of `v`, {x.shape}, of floating dtype; got "
+                f"{out}"
+            )
+        return dataclasses.replace(self, preconditioner=closed)
+
     def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Any]:
         _check_point(fn, x, "KrylovLinearSolver")
         if isinstance(self.preconditioner, AbstractLinearSolver):
@@ -625,30 +683,62 @@ class KrylovLinearSolver(AbstractLinearSolver):
         return _KrylovFactor(point, gamma_h, mass, factor)
 
     def solve(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
-        point, gamma_h, mass = factor.point, factor.gamma_h, factor.mass
-        b = rhs.astype(point.dtype)
-        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
-        _, jvp = jax.linearize(fn, point)
-        operator = lx.FunctionLinearOperator(
-            lambda v: mass_matvec(mass, v) - gamma_h * jvp(v), structure
+        b = rhs.astype(factor.point.dtype)
+        matvec = self._matvec(factor, fn)
+        x = self._iterate(matvec, self._preconditioner(factor, fn, b), b)
+        return x.astype(rhs.dtype)
+
+    def solve_tangent(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
+        # The iteration (and its NaN on failure) as a black box, declared linear in
+        # `rhs`: transposed by the same iteration with `(M - γh J)^T` and the
+        # transposed preconditioner, differentiated only through the operator.
+        b = rhs.astype(factor.point.dtype)
+        precondition = self._preconditioner(factor, fn, b)
+        transposed = None if precondition is None else precondition.transpose()
+
+        # A zero right-hand side (a zero cotangent) has the solution 0, where
+        # BiCGStab breaks down.
+        def iterate(matvec, preconditioner, v):
+            x = self._iterate(matvec, preconditioner, v)
+            return jnp.where(jnp.all(v == 0), 0, x)
+
+        x = lax.custom_linear_solve(
+            self._matvec(factor, fn),
+            b,
+            lambda mv, v: iterate(mv, precondition, v),
+            lambda vm, v: iterate(vm, transposed, v),
         )
-        options = {}
+        return x.astype(rhs.dtype)
+
+    def _matvec(self, factor: _KrylovFactor, fn: FlatFn) -> FlatFn:
+        """`v -> (M - γh J) v`, `J` at the factor's point."""
+        point, gamma_h, mass = factor.point, factor.gamma_h, factor.mass
+        _, jvp = jax.linearize(fn, point)
+        return lambda v: mass_matvec(mass, v) - gamma_h * jvp(v)
+
+    def _preconditioner(self, factor: _KrylovFactor, fn: FlatFn, b: Array):
+        """The preconditioner as a lineax operator, or `None`. It changes how fast
+        the iteration converges, not where to: no derivatives through it (lineax
+        takes none through `options`; neither does `custom_linear_solve` through
+        its solves)."""
+        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
         if isinstance(self.preconditioner, AbstractLinearSolver):
             inner, pfactor = self.preconditioner, factor.preconditioner
-            options["preconditioner"] = lx.FunctionLinearOperator(
-                lambda v: inner.solve(pfactor, v, fn), structure
-            )
+            apply = lambda v: inner.solve(pfactor, v, fn)  # noqa: E731
         elif self.preconditioner is not None:
-            apply = self.preconditioner
-            options["preconditioner"] = lx.FunctionLinearOperator(
-                lambda v: apply(v, point, gamma_h), structure
-            )
-        # A preconditioner changes how fast the iteration converges, not where to:
-        # no derivatives through it (lineax takes none through `options`).
-        options = jax.tree_util.tree_map(
-            lambda a: jax.lax.stop_gradient(a) if eqx.is_inexact_array(a) else a,
-            options,
-        )
+            p, point, gamma_h = self.preconditioner, factor.point, factor.gamma_h
+            apply = lambda v: p(v, point, gamma_h)  # noqa: E731
+        else:
+            return None
+        return nograd(lx.FunctionLinearOperator(apply, structure))
+
+    def _iterate(self, matvec: FlatFn, preconditioner, b: Array) -> Array:
+        """lineax's GMRES or BiCGStab; NaN where it fails."""
+        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
+        operator = lx.FunctionLinearOperator(matvec, structure)
+        options = {}
+        if preconditioner is not None:
+            options["preconditioner"] = preconditioner
         if self.method == "gmres":
             method = lx.GMRES(
                 self.rtol, self.atol, max_steps=self.max_steps, restart=self.restart
@@ -657,5 +747,41 @@ class KrylovLinearSolver(AbstractLinearSolver):
             method = lx.BiCGStab(self.rtol, self.atol, max_steps=self.max_steps)
         solution = lx.linear_solve(operator, b, method, options=options, throw=False)
         converged = solution.result == lx.RESULTS.successful
-        x = jnp.where(converged, solution.value, jnp.nan)
-        return x.astype(rhs.dtype)
+        return jnp.where(converged, solution.value, jnp.nan)
+
+
+def _is_linear_solver(x) -> bool:
+    return isinstance(x, AbstractLinearSolver)
+
+
+def convert_linear_solvers(solver: PyTree, y0: PyTree) -> PyTree:
+    """`solver` with each linear solver in it `closure_converted` for the ravelled
+    state of `y0`.
+
+    **Arguments:**
+
+    - `solver`: a solver (any pytree).
+    - `y0`: the initial state, a pytree of arrays (or `ShapeDtypeStruct`s).
+
+    **Returns:**
+
+    `solver`, its linear solvers replaced.
+    """
+    x = jax.eval_shape(lambda y: ravel_pytree(y)[0], y0)
+    return jax.tree_util.tree_map(
+        lambda s: s.closure_converted(x) if _is_linear_solver(s) else s,
+        solver,
+        is_leaf=_is_linear_solver,
+    )
+
+
+def has_converted_callable(solver: PyTree) -> bool:
+    """Whether a linear solver in `solver` holds a user function converted (by
+    `convert_linear_solvers`) for one state shape: a `KrylovLinearSolver`'s callable
+    preconditioner."""
+    for s in jax.tree_util.tree_leaves(solver, is_leaf=_is_linear_solver):
+        if isinstance(s, KrylovLinearSolver):
+            p = s.preconditioner
+            if isinstance(p, Closure) or has_converted_callable(p):
+                return True
+    return False

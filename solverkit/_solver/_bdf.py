@@ -168,7 +168,7 @@ def _correction(static, d, t1, c, y_pred, psi, dynamic):
         _, jac = linear_solver.linearise(field, y_pred + d)
         factor = linear_solver.factorise(jac, c, mass)
         _, dg = jax.jvp(lambda *p: residual(d, *p), primals[1:], tangents[1:])
-        return d, linear_solver.solve(factor, dg, field)
+        return d, linear_solver.solve_tangent(factor, dg, field)
 
     return fn(d, t1, c, y_pred, psi, dynamic)
 

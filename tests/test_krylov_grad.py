@@ -1,0 +1,226 @@
+"""Gradients through the stiff solvers with `KrylovLinearSolver`: BDF (whose
+implicit-function-theorem derivative solves for a tangent) and Rodas5P, with and
+without a callable preconditioner that closes over the differentiated parameter
+and a vmapped int index; against the dense linear solver and central finite
+differences in float64, under `jit` and `vmap`, through each adjoint.
+
+A 1-D heat equation with a nonlinear sink at a closed-over index `k`:
+`y' = α Δy - y² [i = k]`; the loss is the sum of squares of two saved states.
+Compiles are few: each jitted gradient is shared by the tests that use it.
+"""
+
+import functools
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import count_compiles
+
+import solverkit as sk
+from solverkit._errors import UnsupportedError
+
+
+pytestmark = pytest.mark.usefixtures("x64")
+
+_N = 8
+_DX = 1.0 / (_N + 1)
+_ALPHAS = (0.5, 0.9)
+_KS = (1, 5)
+
+
+def _y0():
+    x = jnp.linspace(_DX, 1 - _DX, _N)
+    return jnp.sin(jnp.pi * x) + 0.3 * x
+
+
+def _field(alpha, k):
+    def f(t, y, args):
+        up = jnp.concatenate([y[1:], jnp.zeros(1)])
+        down = jnp.concatenate([jnp.zeros(1), y[:-1]])
+        return alpha * (up - 2 * y + down) / _DX**2 - y**2 * (jnp.arange(_N) == k)
+
+    return f
+
+
+def _jacobi(alpha, k):
+    """The inverse of the diagonal of `I - γh J`: closes over `alpha` and `k`."""
+
+    def p(v, point, gamma_h):
+        sink = 2 * point * (jnp.arange(_N) == k)
+        return v / (1 + gamma_h * (2 * alpha / _DX**2 + sink))
+
+    return p
+
+
+def _solver(name: str, alpha, k):
+    method, linear = name.split("-")
+    if linear == "dense":
+        ls = sk.DenseLinearSolver()
+    elif linear == "banded":  # preconditioned by a linear solver
+        pre = sk.BandedLinearSolver(1, 1, check=False)
+        ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14, preconditioner=pre)
+    else:
+        pre = _jacobi(alpha, k) if linear == "pre" else None
+        ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14, preconditioner=pre)
+    return sk.BDF(linear_solver=ls) if method == "bdf" else sk.Rodas5P(linear_solver=ls)
+
+
+def _loss(alpha, k, name, adjoint=sk.RecursiveCheckpointAdjoint(), rtol=1e-8):
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_field(alpha, k)),
+        _solver(name, alpha, k),
+        0.0,
+        0.1,
+        1e-3,
+        _y0(),
+        saveat=sk.SaveAt(ts=jnp.array([0.05, 0.1])),
+        stepsize_controller=sk.PIDController(rtol=rtol, atol=rtol * 1e-3),
+        adjoint=adjoint,
+    )
+    assert sol.ys is not None
+    return jnp.sum(sol.ys**2)
+
+
+@functools.partial(jax.jit, static_argnames=("name", "adjoint"))
+def _batched_grad(alphas, ks, name, adjoint=sk.RecursiveCheckpointAdjoint()):
+    grad = jax.grad(lambda a, k: _loss(a, k, name, adjoint))
+    return jax.vmap(grad)(alphas, ks)
+
+
+@functools.cache
+def _grads(name: str, adjoint=sk.RecursiveCheckpointAdjoint()) -> np.ndarray:
+    alphas, ks = jnp.array(_ALPHAS), jnp.array(_KS, jnp.int32)
+    return np.asarray(_batched_grad(alphas, ks, name, adjoint))
+
+
+@functools.cache
+def _finite_differences() -> np.ndarray:
+    """Central differences of the dense BDF solve at a tight tolerance."""
+    loss = jax.jit(jax.vmap(lambda a, k: _loss(a, k, "bdf-dense", rtol=1e-11)))
+    alphas, ks = jnp.array(_ALPHAS), jnp.array(_KS, jnp.int32)
+    eps = 1e-5
+    return np.asarray((loss(alphas + eps, ks) - loss(alphas - eps, ks)) / (2 * eps))
+
+
+def test_bdf_krylov_gradient():
+    """Reverse mode through BDF with a Krylov solver (its implicit derivative solves
+    for a tangent, which is then transposed) whose preconditioner closes over the
+    differentiated `alpha` and the vmapped int `k`: finite differences."""
+    np.testing.assert_allclose(_grads("bdf-pre"), _finite_differences(), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_bdf_krylov_gradient_against_dense():
+    """Without a preconditioner: the dense solver's gradient. With one: the same
+    gradient (it does not depend on the preconditioner); also unbatched under
+    `jit`."""
+    krylov = _grads("bdf-krylov")
+    np.testing.assert_allclose(krylov, _grads("bdf-dense"), rtol=1e-9)
+    np.testing.assert_allclose(_grads("bdf-pre"), krylov, rtol=1e-9)
+    one = jax.jit(jax.grad(_loss), static_argnames="name")
+    got = one(jnp.asarray(_ALPHAS[1]), jnp.int32(_KS[1]), "bdf-pre")
+    np.testing.assert_allclose(got, krylov[1], rtol=1e-9)
+
+
+@pytest.mark.slow
+def test_rosenbrock_preconditioner_closing_over_parameters():
+    pre = _grads("rodas-pre")
+    np.testing.assert_allclose(pre, _grads("rodas-dense"), rtol=1e-9)
+    np.testing.assert_allclose(pre, _finite_differences(), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_banded_preconditioner():
+    """Also through the transposed iteration preconditioned by a banded solver."""
+    np.testing.assert_allclose(_grads("bdf-banded"), _grads("bdf-dense"), rtol=1e-9)
+
+
+def test_forward_solve_of_a_field_with_a_while_loop():
+    """A forward solve traces no transposition: a field JAX can't transpose (a
+    `while_loop` on the state) still solves."""
+
+    def f(t, y, args):
+        def body(carry):
+            i, z = carry
+            return i + 1, 0.5 * (z - y)
+
+        return lax.while_loop(lambda c: c[0] < 40, body, (0, y))[1]  # -y
+
+    ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14)
+    for solver in (sk.BDF(linear_solver=ls), sk.Rodas5P(linear_solver=ls)):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(f),
+            solver,
+            0.0,
+            1.0,
+            0.01,
+            jnp.ones(3),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-11),
+        )
+        assert sol.ys is not None
+        np.testing.assert_allclose(sol.ys, jnp.exp(-1.0), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_other_adjoints():
+    """DirectAdjoint: the same gradient. BacksolveAdjoint: the dense solver's
+    gradient without a preconditioner; with a callable one (written for the forward
+    state), a clear error."""
+    direct = sk.DirectAdjoint()
+    np.testing.assert_allclose(
+        _grads("bdf-pre", direct), _grads("bdf-krylov"), rtol=1e-9
+    )
+    back = sk.BacksolveAdjoint()
+    np.testing.assert_allclose(
+        _grads("bdf-krylov", back), _grads("bdf-dense", back), rtol=1e-8
+    )
+    np.testing.assert_allclose(
+        _grads("bdf-krylov", back), _finite_differences(), rtol=1e-5
+    )
+    with pytest.raises(UnsupportedError, match="preconditioner"):
+        jax.grad(_loss)(0.5, 1, "bdf-pre", back)
+
+
+def test_preconditioner_closing_over_constants():
+    """A preconditioner closing over nothing traced: the unpreconditioned solution,
+    and a second solve with a new `y0` compiles nothing."""
+    scale = jnp.full(_N, 1.0)
+    field = _field(0.5, 1)
+
+    def pre(v, point, gamma_h):
+        return v * scale / (1 + 2 * gamma_h * 0.5 / _DX**2)
+
+    def solve(y0, p) -> jax.Array:
+        ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14, preconditioner=p)
+        return sk.diffeqsolve(  # pyright: ignore[reportReturnType]
+            sk.ODETerm(field),
+            sk.BDF(linear_solver=ls),
+            0.0,
+            0.1,
+            1e-3,
+            y0,
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-11),
+        ).ys
+
+    y0, y0_new = _y0(), 2 * _y0()
+    with_pre = solve(y0, pre)
+    np.testing.assert_allclose(with_pre, solve(y0, None), rtol=1e-7, atol=1e-10)
+    with count_compiles() as counter:
+        solve(y0_new, pre)
+    assert counter.count == 0
+
+
+def test_preconditioner_bad_output():
+    ls = sk.KrylovLinearSolver(preconditioner=lambda v, point, gamma_h: v[:2])
+    with pytest.raises(ValueError, match="preconditioner"):
+        sk.diffeqsolve(
+            sk.ODETerm(_field(0.5, 1)),
+            sk.BDF(linear_solver=ls),
+            0.0,
+            0.1,
+            1e-3,
+            _y0(),
+            stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-9),
+        )
