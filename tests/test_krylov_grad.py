@@ -224,3 +224,34 @@ def test_preconditioner_bad_output():
             _y0(),
             stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-9),
         )
+
+
+@pytest.mark.parametrize("method", ["BDF", "Rodas5P"])
+def test_start_at_equilibrium(method):
+    """`y0` at the field's equilibrium: the first Newton (BDF) or stage (Rodas5P)
+    right-hand side is exactly zero, where BiCGStab breaks down. The solve succeeds
+    in a few steps, and its gradient wrt the equilibrium `theta` equals the dense
+    linear solver's (the same discrete solution)."""
+    rates = jnp.arange(1.0, 5.0)
+
+    def loss(theta, linear_solver):
+        field = lambda t, y, args: -(y - theta) * rates  # noqa: E731
+        sol = sk.diffeqsolve(
+            sk.ODETerm(field),
+            getattr(sk, method)(linear_solver=linear_solver),
+            0.0,
+            1.0,
+            0.1,
+            jnp.ones(4),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-10),
+        )
+        assert sol.ys is not None
+        return jnp.sum(sol.ys[-1]), sol.stats["num_steps"]
+
+    krylov = sk.KrylovLinearSolver("bicgstab", rtol=1e-10, atol=1e-12)
+    (value, steps), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(1.0, krylov)
+    assert value == pytest.approx(4.0)
+    assert steps < 10
+    dense = jax.grad(lambda t: loss(t, sk.DenseLinearSolver())[0])(1.0)
+    assert np.isfinite(grad)
+    np.testing.assert_allclose(grad, dense, rtol=1e-8)
