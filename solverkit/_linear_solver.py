@@ -345,6 +345,26 @@ class BandedLinearSolver(AbstractLinearSolver):
         return band_lu_solve(factor, rhs).astype(rhs.dtype)
 
 
+def _blocks_lu_solve(lu: Array, permutation: Array, rhs: Array) -> Array:
+    """Solve with many small LU factors at once, `(nb, b, b)` packed as
+    `lax.linalg.lu` returns them (with its `permutation`, `(nb, b)`), for
+    right-hand sides `(nb, b)`: forward and back substitution column by column,
+    each step one vectorised operation over all the blocks (`b <= _BLOCK_MAX`). On
+    XLA:CPU about 8× faster than a batched `lu_solve` (3,334 blocks of 3: 0.10 ms
+    against 0.79 ms), which runs a triangular solve per block."""
+    b = lu.shape[-1]
+    rows = jnp.arange(b)
+    x = jnp.take_along_axis(rhs, permutation, axis=1)
+    for k in range(b - 1):  # L, unit diagonal
+        x = x - jnp.where(rows > k, lu[:, :, k] * x[:, k : k + 1], 0)
+    for k in reversed(range(b)):  # U
+        xk = x[:, k] / lu[:, k, k]
+        x = x.at[:, k].set(xk)
+        if k:
+            x = x - jnp.where(rows < k, lu[:, :, k] * xk[:, None], 0)
+    return x
+
+
 # SparseLinearSolver: connected components up to this size are factorised as dense
 # blocks (batched LU); above this many unknowns a pattern is never factorised densely.
 _BLOCK_MAX = 32
@@ -564,8 +584,8 @@ class SparseLinearSolver(AbstractLinearSolver):
                 .add(values)
             )
             matrix = buffer.reshape(self.n, self.n)
-        lu, pivots, _ = jax.lax.linalg.lu(matrix)
-        return lu, pivots
+        lu, pivots, permutation = jax.lax.linalg.lu(matrix)
+        return lu, permutation if self.kind == "blocks" else pivots
 
     def solve(self, factor, rhs: Array, fn: FlatFn) -> Array:
         del fn
@@ -575,8 +595,7 @@ class SparseLinearSolver(AbstractLinearSolver):
         lu, pivots = factor
         b = jnp.zeros(self.size, lu.dtype).at[self._indices["places"]].set(rhs)
         if self.kind == "blocks":
-            blocks = b.reshape(-1, self.block, 1)
-            x = jsl.lu_solve((lu, pivots), blocks).reshape(-1)
+            x = _blocks_lu_solve(lu, pivots, b.reshape(-1, self.block)).reshape(-1)
         else:
             x = jsl.lu_solve((lu, pivots), b)
         singular = jnp.any(jnp.diagonal(lu, axis1=-2, axis2=-1) == 0)
