@@ -704,20 +704,7 @@ class KrylovLinearSolver(AbstractLinearSolver):
     def solve(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
         b = rhs.astype(factor.point.dtype)
         matvec = self._matvec(factor, fn)
-        precondition = self._preconditioner(factor, fn, b)
-        if self.method == "gmres":
-            x = self._iterate(matvec, precondition, b)
-        else:
-            # BiCGStab breaks down on `b = 0` (a state at equilibrium). There it
-            # solves for `x + u` (`u` all ones), whose right-hand side `b + A u` is
-            # not zero, and subtracts `u`: a function linear in `b`, so its
-            # derivatives are those of `A^{-1} b`; the value is then set to the
-            # exact 0 without touching them.
-            zero = lax.stop_gradient(jnp.all(b == 0))
-            u = jnp.where(zero, 1, 0).astype(b.dtype) * jnp.ones_like(b)
-            shift = lax.cond(zero, matvec, jnp.zeros_like, u)
-            x = self._iterate(matvec, precondition, b + shift) - u
-            x = x - lax.stop_gradient(jnp.where(zero, x, 0))
+        x = self._iterate(matvec, self._preconditioner(factor, fn, b), b)
         return x.astype(rhs.dtype)
 
     def solve_tangent(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
@@ -727,18 +714,11 @@ class KrylovLinearSolver(AbstractLinearSolver):
         b = rhs.astype(factor.point.dtype)
         precondition = self._preconditioner(factor, fn, b)
         transposed = None if precondition is None else precondition.transpose()
-
-        # A zero right-hand side (a state at equilibrium, a zero cotangent) has the
-        # solution 0, where BiCGStab breaks down.
-        def iterate(matvec, preconditioner, v):
-            x = self._iterate(matvec, preconditioner, v)
-            return jnp.where(jnp.all(v == 0), 0, x)
-
         x = lax.custom_linear_solve(
             self._matvec(factor, fn),
             b,
-            lambda mv, v: iterate(mv, precondition, v),
-            lambda vm, v: iterate(vm, transposed, v),
+            lambda mv, v: self._iterate(mv, precondition, v),
+            lambda vm, v: self._iterate(vm, transposed, v),
         )
         return x.astype(rhs.dtype)
 
@@ -765,7 +745,22 @@ class KrylovLinearSolver(AbstractLinearSolver):
         return nograd(lx.FunctionLinearOperator(apply, structure))
 
     def _iterate(self, matvec: FlatFn, preconditioner, b: Array) -> Array:
-        """lineax's GMRES or BiCGStab; NaN where it fails."""
+        """lineax's GMRES or BiCGStab; NaN where it fails.
+
+        BiCGStab breaks down on `b = 0` (a state at equilibrium, a zero cotangent).
+        There it solves for `x + u` (`u` all ones), whose right-hand side `b + A u`
+        is not zero, and subtracts `u`: a function linear in `b`, so its derivatives
+        are those of `A^{-1} b`; the value is then set to the exact 0 without
+        touching them."""
+        if self.method == "gmres":
+            return self._lineax(matvec, preconditioner, b)
+        zero = lax.stop_gradient(jnp.all(b == 0))
+        u = jnp.where(zero, 1, 0).astype(b.dtype) * jnp.ones_like(b)
+        shift = lax.cond(zero, matvec, jnp.zeros_like, u)
+        x = self._lineax(matvec, preconditioner, b + shift) - u
+        return x - lax.stop_gradient(jnp.where(zero, x, 0))
+
+    def _lineax(self, matvec: FlatFn, preconditioner, b: Array) -> Array:
         structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
         operator = lx.FunctionLinearOperator(matvec, structure)
         options = {}
