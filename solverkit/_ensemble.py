@@ -52,7 +52,7 @@ from ._problem import Buffers, Carry, Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import is_sub, SaveAt
 from ._select import where
-from ._solution import Result, RESULTS, Solution
+from ._solution import EventRecord, Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
 from ._time import flip, flip_finite
@@ -342,9 +342,15 @@ def _with_lane(
     )
 
 
-def _row(out: _loop.Outputs, keep) -> dict:
-    """What a finished solve hands back for its trajectory (internal time)."""
+def _row(problem: Problem, out: _loop.Outputs, keep) -> dict:
+    """What a finished solve hands back for its trajectory (internal time): every
+    per-trajectory field of `diffeqsolve`'s `Solution`."""
     keep_solver_state, keep_controller_state = keep
+    events = None
+    if problem.continues:  # as `_integrate._record`, less the change of time
+        assert out.carry.hybrid is not None
+        num = jnp.minimum(out.carry.hybrid.count, problem.max_events)
+        events = (out.bufs.event_ts, out.bufs.event_ys, num)
     return dict(
         ts=out.ts,
         ys=out.ys,
@@ -356,12 +362,13 @@ def _row(out: _loop.Outputs, keep) -> dict:
         event_mask=out.carry.event_mask,
         solver_state=out.carry.solver_state if keep_solver_state else None,
         controller_state=out.carry.controller_state if keep_controller_state else None,
+        events=events,
     )
 
 
 def _lane_outputs(problem: Problem, carry: Carry, bufs: Buffers, keep) -> dict:
     """What a finished lane hands back for its trajectory (internal time)."""
-    return _row(_loop.finish(problem, carry, bufs), keep)
+    return _row(problem, _loop.finish(problem, carry, bufs), keep)
 
 
 def _gather(tree: PyTree, index: Array, batch: int) -> PyTree:
@@ -539,7 +546,9 @@ def _backward(static, dynamic, residuals, ct_out, lanes: int, keep, adjoint):
         problem = eqx.combine(p_diff, p_rest, static)
         problem = dataclasses.replace(problem, meter=NoProgressMeter())
         problem = _with_lane(problem, y, eqx.combine(a_diff, a_rest), tm)
-        return eqx.filter(_row(adjoint.loop(problem), keep), eqx.is_inexact_array)
+        return eqx.filter(
+            _row(problem, adjoint.loop(problem), keep), eqx.is_inexact_array
+        )
 
     def pull_back(y, a_diff, tm, a_rest, ct):
         solve = jax.vmap(one, in_axes=(None, 0, 0, 0, 0))
@@ -655,7 +664,17 @@ def _ensemble(
         made_jump=jnp.zeros((batch,), bool) if keep[2] else None,
         solver_state=out["solver_state"],
         controller_state=out["controller_state"],
+        events=_record(problem, out["events"]),
     )
+
+
+def _record(problem: Problem, events) -> EventRecord | None:
+    """The occurrences of an event that continues, per trajectory, in user time."""
+    if events is None:
+        return None
+    ts, ys, num = events
+    ts = flip_finite(problem.direction, ts)
+    return EventRecord(ts, ys, num.astype(jnp.result_type(int)))
 
 
 def ensemble_solve(

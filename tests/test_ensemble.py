@@ -555,3 +555,130 @@ def test_per_trajectory_times_under_outer_vmap():
 def _with_k(term):
     field = term.vector_field
     return sk.ODETerm(lambda t, y, args: field(t, y, dict(args, k=1)))
+
+
+# --- Every field of the `Solution`, for each feature ---------------------------------
+#
+# `ensemble_solve` returns what `jax.vmap(diffeqsolve)` returns: the same fields, the
+# same structure (a field `None` in one is `None` in the other), the same values.
+
+
+def _x_falls(t, y, args, **kwargs):
+    return y[0] - 0.5
+
+
+def _halve(t, y, args):  # an event's effect: x halved where it falls through 1/2
+    return y.at[0].multiply(0.5)
+
+
+FEATURES = {
+    "ts": dict(saveat=sk.SaveAt(t0=True, ts=TS), stepsize_controller=PID),
+    "steps": dict(saveat=sk.SaveAt(t1=True, steps=True), max_steps=1200),
+    "subs_fn": dict(
+        saveat=sk.SaveAt(
+            subs=[
+                sk.SubSaveAt(ts=TS, fn=lambda t, y, args: y[0] * args["rho"]),
+                sk.SubSaveAt(t1=True),
+            ]
+        ),
+        stepsize_controller=PID,
+    ),
+    "states": dict(
+        saveat=sk.SaveAt(
+            t1=True, solver_state=True, controller_state=True, made_jump=True
+        ),
+        stepsize_controller=PID,
+    ),
+    "terminating_event": dict(
+        event=sk.Event(_x_falls, direction=False), stepsize_controller=PID
+    ),
+    "continuing_event": dict(
+        event=sk.Event(_x_falls, direction=False, effect=_halve, max_events=8),
+        saveat=sk.SaveAt(ts=TS),
+        stepsize_controller=PID,
+    ),
+    "timed_event": dict(
+        event=sk.TimedEvent(jnp.array([0.25, 0.5]), amount=jnp.array([1.0, 0, 0])),
+        saveat=sk.SaveAt(ts=TS),
+        stepsize_controller=PID,
+    ),
+    "both_events": dict(
+        event=(
+            sk.Event(_x_falls, direction=False, effect=_halve, max_events=8),
+            sk.TimedEvent(jnp.array([0.3]), amount=jnp.array([2.0, 0, 0])),
+        ),
+        stepsize_controller=PID,
+    ),
+}
+
+
+def _fields(sol: sk.Solution) -> dict:
+    """Every field of a `Solution` as leaves (`None` kept as a leaf), and the names
+    of `stats` that `diffeqsolve` returns."""
+    names = [f for f in sol.__dataclass_fields__ if f not in ("stats", "interpolation")]
+    out = {
+        name: jax.tree_util.tree_flatten(getattr(sol, name), is_leaf=lambda x: x is None)
+        for name in names
+    }
+    out.update({f"stats[{k}]": ([sol.stats[k]], None) for k in _STATS})
+    return out
+
+
+_STATS = ("num_steps", "num_accepted_steps", "num_rejected_steps", "max_steps")
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_every_field_matches_vmap(feature):
+    kw = FEATURES[feature]
+    y0, args = inputs()
+    ref = vmapped(y0, args, **kw)
+    sol = ensemble(y0, args, lanes=4, **kw)
+    if feature.endswith("ing_event") or feature == "both_events":  # exercised
+        assert ref.event_mask is not None or ref.events is not None
+    if ref.events is not None:
+        assert np.asarray(ref.events.num).max() > 0
+    got, want = _fields(sol), _fields(ref)
+    assert set(got) == set(want)
+    for name in want:
+        (g, g_tree), (w, w_tree) = got[name], want[name]
+        if name.startswith("stats"):
+            g_tree = w_tree  # a batch of max_steps against a static int
+        assert g_tree == w_tree, name
+        for a, b in zip(g, w):
+            if b is None:
+                assert a is None, name
+                continue
+            a, b = np.asarray(a), np.asarray(b)
+            assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+            # Both take the same steps in float64, the states equal to round-off
+            # (1e-9 on states of O(10) leaves room for reordering). The controller's
+            # state holds the last error ratio, a difference of nearly equal stage
+            # sums: its round-off relative to it is eps / rtol = 2e-10, amplified by
+            # the controller's exponents and sums over the steps: 1e-5.
+            tol = 1e-5 if name == "controller_state" else 1e-9
+            b = np.broadcast_to(b, a.shape)
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=name)
+
+
+def test_float32_agrees_to_the_tolerance():
+    # In float32 the two paths need not take the same steps: XLA compiles the
+    # element-wise arithmetic of a batch differently for different batch sizes
+    # (vector width, fused multiply-adds), so a lockstep batch of N and lanes of L
+    # round differently, and the step-size controller turns a last-bit difference
+    # into other steps (docs/ensembles.md). Each path then solves to the tolerance:
+    # they agree to the global error, rtol * |y| grown by the flow over [0, 1]
+    # (Lorenz's largest Lyapunov exponent for rho <= 100 is below 2: e^2 < 10).
+    rtol = 1e-5
+    controller = sk.PIDController(rtol=rtol, atol=rtol)
+    with jax.enable_x64(False):
+        y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0], jnp.float32), (N, 1))
+        args = dict(rho=jnp.linspace(0.0, 100.0, N, dtype=jnp.float32), sigma=10.0)
+        kw = dict(saveat=sk.SaveAt(ts=TS), stepsize_controller=controller)
+        ref = vmapped(y0, args, **kw)
+        sol = ensemble(y0, args, lanes=4, **kw)
+        assert sol.ys.dtype == ref.ys.dtype == jnp.float32
+        scale = np.abs(np.asarray(ref.ys)).max(axis=(1, 2), keepdims=True)
+        diff = np.abs(np.asarray(sol.ys) - np.asarray(ref.ys))
+        assert np.all(diff <= 10 * 10 * rtol * scale)
+        steps, ref_steps = sol.stats["num_steps"], ref.stats["num_steps"]
+        assert np.all(np.abs(np.asarray(steps) - np.asarray(ref_steps)) <= 5)
