@@ -2,11 +2,11 @@
 and against diffrax (`jax.vmap(diffrax.diffeqsolve)`), on ensembles whose members
 take very different numbers of steps.
 
-`python -m benchmarks.ensemble [--quick] [--sizes 4096] [--lanes 256,512] [--grad]
-[--profile]`
+`python -m benchmarks.ensemble [--quick] [--sizes 4096] [--lanes 256,n/4,d]
+[--refill d,l/8] [--dtype float32] [--grad] [--profile] [--out DIR]`
 
-Cases (float64, one process, whatever device JAX sees; the parameters are shuffled
-with a fixed seed unless `--sorted`):
+Cases (float64 unless `--dtype float32`, one process, whatever device JAX sees; the
+parameters are shuffled with a fixed seed unless `--sorted`):
 
 - `lorenz28`, `lorenz100`: the Lorenz system, rho = linspace(0, 28 or 100, N),
   y0 = (1, 0, 0), t in [0, 10], Tsit5, PIDController(rtol=atol=1e-6), dt0 = 1e-3.
@@ -33,9 +33,18 @@ the backward pass (lane steps of its chunks, each as long as its longest
 trajectory, over the sum of the trajectories' steps; a lockstep `vmap` does
 `N * max` of them), and the largest difference between the two gradients relative
 to the largest entry.
+
+`--lanes` takes lane counts (`256`), fractions of N (`n/4`, `n`) or `d` (the
+default); `--refill` the lanes refilled at once, counts, fractions of the lanes
+(`l/8`) or `d`. A peer that fails (a crash, out of memory) is recorded with its
+error and the run goes on; `--budget-s` stops starting new measurements after that
+many seconds (recorded as skipped). `--out DIR` writes `ensemble.json` (every row,
+with the device and the options) and `ensemble.md` (the table) there.
 """
 
 import argparse
+import json
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
@@ -46,9 +55,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import solverkit as sk
-
-
-jax.config.update("jax_enable_x64", True)
 
 
 def lorenz(t, y, rho):
@@ -129,15 +135,17 @@ def lockstep(case: Case, chunk: int | None = None):
     )
 
 
-def refill(case: Case, lanes: int | None):
+def refill(case: Case, lanes: int | None, size: int | None = None):
     term, solver = sk.ODETerm(case.vf), getattr(sk, case.solver)()
 
     def solve(y0, p):
         sol = sk.ensemble_solve(
             term, solver, 0.0, case.t1, DT0, y0, p,
             stepsize_controller=_controller(), max_steps=MAX_STEPS, lanes=lanes,
+            refill=size,
         )  # fmt: skip
-        return sol.ys[:, -1], sol.stats["num_steps"], sol.stats["lane_steps"]
+        stats = sol.stats
+        return sol.ys[:, -1], stats["num_steps"], stats["lane_steps"], stats["refill"]
 
     return jax.jit(solve)
 
@@ -231,28 +239,29 @@ def _backward_work(steps: np.ndarray, lanes: int) -> float:
     return float(np.sum(steps[::lanes]) * lanes / np.sum(steps))
 
 
-def simulate_refill(steps: np.ndarray, lanes: int, refill_at: int) -> tuple[int, int]:
+def simulate_refill(steps: np.ndarray, lanes: int, size: int) -> tuple[int, int]:
     """The lane loop of `ensemble_solve` replayed from each trajectory's steps (queue
-    in the order of `steps`): `(iterations, refills)`. It matches the real loop's
-    `lane_steps / lanes` exactly (each iteration steps every occupied lane; finished
-    lanes wait until `refill_at` of them, or all occupied ones, have finished)."""
+    in the order of `steps`): `(iterations, refills)`, as the real loop's
+    `lane_steps / lanes`: each iteration steps every running lane; while the queue
+    lasts, once `size` lanes have finished (or none runs) up to `size` of them are
+    refilled; with the queue empty finished lanes go idle."""
     n = len(steps)
     lanes = min(lanes, n)
     left = np.asarray(steps[:lanes], dtype=np.int64).copy()
-    occupied = np.ones(lanes, bool)
     queue, iterations, refills = lanes, 0, 0
-    while occupied.any():
-        left[occupied] -= 1
+    if lanes == n:
+        return int(left.max()), 0
+    while (left > 0).any() or queue < n:
         iterations += 1
-        finished = occupied & (left <= 0)
-        count = int(finished.sum())
-        if count and ((count >= refill_at and queue < n) or count == occupied.sum()):
+        left[left > 0] -= 1
+        finished = np.flatnonzero(left == 0)
+        due = len(finished) >= size or not (left > 0).any()
+        if queue < n and len(finished) and due:
             refills += 1
-            idle = np.flatnonzero(finished)
-            take = min(len(idle), n - queue)
-            left[idle[:take]] = steps[queue : queue + take]
-            queue += take
-            occupied[idle[take:]] = False
+            take = finished[: min(size, n - queue)]
+            left[take] = steps[queue : queue + len(take)]
+            queue += len(take)
+            left[finished[len(take) :][: size - len(take)]] = -1  # idle
     return iterations, refills
 
 
@@ -270,12 +279,14 @@ def profile(case: Case, n: int, shuffle: bool) -> None:
         f"\n{case.name}, N = {n}: sum of steps {steps.sum()}, max {steps.max()}, "
         f"mean {steps.mean():.1f}, lockstep efficiency {eff:.3f}\n"
     )
-    print("| lanes | refill at | iterations | refills | utilisation | longest-first "
+    print("| lanes | refill size | iterations | refills | utilisation | longest-first "
           "utilisation | ratio bound (eff. / util.) |")  # fmt: skip
     print("|" + " --- |" * 7)
     longest = np.sort(steps)[::-1]
     for lanes in (64, 128, 256, 512):
         for at in sorted({1, max(1, lanes // 32), max(1, lanes // 8)}):
+            if lanes >= n:
+                continue
             its, refills = simulate_refill(steps, lanes, at)
             util = steps.sum() / (its * min(lanes, n))
             its_l, _ = simulate_refill(longest, lanes, at)
@@ -286,100 +297,192 @@ def profile(case: Case, n: int, shuffle: bool) -> None:
             )
 
 
-def run_case(
-    case: Case,
-    n: int,
-    lane_counts,
-    repeats: int,
-    with_diffrax: bool,
-    shuffle: bool,
-    with_grad: bool = False,
-):
-    args = _inputs(case, n, shuffle)
-    first_l, run_l, (y_l, steps_l) = _time(lockstep(case), args, repeats)
-    steps_l = np.asarray(steps_l)
-    eff = steps_l.mean() / steps_l.max()
-    diffrax_s = "-"
-    if with_diffrax:
-        _, run_d, _ = _time(diffrax_lockstep(case), args, repeats)
-        diffrax_s = f"{run_d:.3f}"
-    if with_grad:
-        _, run_gl, grad_l = _time(lockstep_grad(case), args, repeats)
+def _attempt(fn, args, repeats: int, deadline: float):
+    """`_time(fn, args, repeats)`, or `(None, why)`: the error of a peer that fails
+    (a crash, out of memory), recorded so that the run goes on, or a skip past the
+    time budget."""
+    if time.perf_counter() > deadline:
+        return None, "skipped: time budget spent"
+    try:
+        return _time(fn, args, repeats), None
+    except Exception as e:  # noqa: BLE001  (any failure is a result to record)
+        text = str(e).strip().splitlines()
+        return None, f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def _count(spec: str, whole: int, default=None) -> int | None:
+    """A count from `256`, `n/4` or `l/8` (a fraction of `whole`), `n` or `l`
+    (`whole`), or `d` (`default`)."""
+    if spec == "d":
+        return default
+    if spec[0] in "nl":
+        div = int(spec[2:]) if "/" in spec else 1
+        return max(1, whole // div)
+    return int(spec)
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+ROW_KEYS = (
+    "case", "n", "dtype", "lanes", "refill", "refill_s", "lockstep_s", "ratio",
+    "chunked_s", "diffrax_s", "refill_first_s", "lockstep_first_s",
+    "lockstep_eff", "work", "max_abs_diff", "error",
+)  # fmt: skip
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table (`refill 0`: the lockstep loop, no refill)."""
+    lines = [
+        "| case | N | dtype | lanes | refill (0: lockstep) | refill s | lockstep s | "
+        "ratio | chunked lockstep s | diffrax s | refill 1st s | lockstep 1st s | "
+        "lockstep eff. | lane steps / sum steps | max abs diff | error |",
+        "|" + " --- |" * 16,
+    ]
+    for r in rows:
+        cells = [
+            r["case"], r["n"], r["dtype"], r["lanes"], _fmt(r["refill"], "d"),
+            _fmt(r["refill_s"], ".4f"), _fmt(r["lockstep_s"], ".4f"),
+            _fmt(r["ratio"], ".2f"), _fmt(r["chunked_s"], ".4f"),
+            _fmt(r["diffrax_s"], ".3f"), _fmt(r["refill_first_s"], ".2f"),
+            _fmt(r["lockstep_first_s"], ".2f"), _fmt(r["lockstep_eff"], ".2f"),
+            _fmt(r["work"], ".3f"), _fmt(r["max_abs_diff"], ".1e"), r["error"] or "",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _refill_row(case, n, args, lanes, size, base: dict, opts, deadline) -> dict:
+    """One row: `ensemble_solve` with `lanes` and refill `size` against the
+    lockstep run in `base`."""
+    timed, error = _attempt(refill(case, lanes, size), args, opts.repeats, deadline)
+    used = sk.default_lanes(n) if lanes is None else min(lanes, n)
+    row = dict(base, lanes=f"{used} (default)" if lanes is None else str(used))
+    row.update(refill=None, refill_s=None, ratio=None, chunked_s=None, work=None)
+    row.update(refill_first_s=None, max_abs_diff=None, error=error)
+    if timed is None:
+        return row
+    first_r, run_r, (y_r, steps_r, lane_steps, mode) = timed
+    row.update(refill=int(mode), refill_s=run_r, refill_first_s=first_r)
+    row["work"] = int(lane_steps) / max(int(np.sum(steps_r)), 1)
+    if base["lockstep_s"] is not None:
+        row["ratio"] = run_r / base["lockstep_s"]
+        row["max_abs_diff"] = float(jnp.max(jnp.abs(y_r - base["_y"])))
+    if opts.chunked and used < n:
+        chunked, _ = _attempt(lockstep(case, used), args, opts.repeats, deadline)
+        row["chunked_s"] = None if chunked is None else chunked[1]
+    return row
+
+
+def run_case(case: Case, n: int, opts, deadline: float) -> list[dict]:
+    """Every lane count and refill size of `opts` for one case and size."""
+    args = _inputs(case, n, not opts.sorted)
+    base = dict(case=case.name, n=n, dtype=opts.dtype, diffrax_s=None)
+    timed, error = _attempt(lockstep(case), args, opts.repeats, deadline)
+    base.update(lockstep_s=None, lockstep_first_s=None, lockstep_eff=None)
+    if timed is not None:
+        first_l, run_l, (y_l, steps_l) = timed
+        steps_l = np.asarray(steps_l)
+        base.update(lockstep_s=run_l, lockstep_first_s=first_l, _y=y_l)
+        base["lockstep_eff"] = float(steps_l.mean() / steps_l.max())
+    if opts.diffrax:
+        timed_d, _ = _attempt(diffrax_lockstep(case), args, opts.repeats, deadline)
+        base["diffrax_s"] = None if timed_d is None else timed_d[1]
     rows = []
-    for lanes in lane_counts:
-        first_r, run_r, (y_r, steps_r, lane_steps) = _time(
-            refill(case, lanes), args, repeats
-        )
+    if error is not None:  # the lockstep peer failed: say so, go on
+        row = dict(base, lanes="lockstep", error=error)
+        rows.append({k: row.get(k) for k in ROW_KEYS})
+    done = set()
+    for lane_spec in opts.lanes.split(","):
+        lanes = _count(lane_spec, n)
         used = sk.default_lanes(n) if lanes is None else min(lanes, n)
-        _, run_c, _ = _time(lockstep(case, used), args, repeats)
-        label = f"{used} (default)" if lanes is None else str(used)
-        work = int(lane_steps) / int(np.sum(steps_r))
-        diff = float(jnp.max(jnp.abs(y_r - y_l)))
-        same = bool(np.all(np.asarray(steps_r) == steps_l))
-        row = (
-            f"| {case.name} | {n} | {label} | {run_r:.3f} | {run_l:.3f} | "
-            f"{run_r / run_l:.2f} | {run_c:.3f} | {diffrax_s} | "
-            f"{first_r:.2f} | {first_l:.2f} | "
-            f"{eff:.2f} | {work:.3f} | {diff:.1e}{'' if same else ' (steps differ)'} |"
-        )
-        if with_grad:
-            _, run_gr, grad_r = _time(refill_grad(case, lanes), args, repeats)
-            row += (
-                f" {run_gr:.3f} | {run_gl:.3f} | {run_gr / run_gl:.2f} | "
-                f"{_backward_work(np.asarray(steps_r), used):.3f} | "
-                f"{_relative_diff(grad_r, grad_l):.1e} |"
-            )
-        rows.append(row)
-        print(rows[-1], flush=True)
+        for refill_spec in opts.refill.split(",") if used < n else ["d"]:
+            size = _count(refill_spec, used)
+            if (lanes is not None and used, size) in done:
+                continue
+            done.add((lanes is not None and used, size))
+            row = _refill_row(case, n, args, lanes, size, base, opts, deadline)
+            rows.append({k: row.get(k) for k in ROW_KEYS})
+            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     return rows
 
 
-def main(argv=None) -> None:
+def _grad_rows(case: Case, n: int, opts) -> None:
+    """`--grad`: the gradient through `ensemble_solve` against the lockstep one."""
+    args = _inputs(case, n, not opts.sorted)
+    _, run_gl, grad_l = _time(lockstep_grad(case), args, opts.repeats)
+    for spec in opts.lanes.split(","):
+        lanes = _count(spec, n)
+        used = sk.default_lanes(n) if lanes is None else min(lanes, n)
+        _, run_gr, grad_r = _time(refill_grad(case, lanes), args, opts.repeats)
+        _, steps = lockstep(case)(*args)
+        print(
+            f"| {case.name} | {n} | {used} | {run_gr:.3f} | {run_gl:.3f} | "
+            f"{run_gr / run_gl:.2f} | "
+            f"{_backward_work(np.asarray(steps), used):.3f} | "
+            f"{_relative_diff(grad_r, grad_l):.1e} |",
+            flush=True,
+        )
+
+
+def _options(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="N=512, 1 repeat")
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--sizes", default=None, help="e.g. 1024,4096")
-    parser.add_argument(
-        "--lanes", default=None, help="lane counts, e.g. 128,256 ('d': default)"
-    )
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--no-diffrax", action="store_true")
-    parser.add_argument(
-        "--sorted", action="store_true", help="parameters in order, not shuffled"
-    )
-    parser.add_argument(
-        "--grad",
-        action="store_true",
-        help="also time the gradient (refill forward + backward vs lockstep vmap)",
-    )
-    parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="no timing: lane utilisation and refills, replayed from step counts",
-    )
+    add = parser.add_argument
+    add("--quick", action="store_true", help="N=512, 1 repeat")
+    add("--cases", default=",".join(CASES))
+    add("--sizes", default=None, help="e.g. 1024,4096")
+    add("--lanes", default="d", help="e.g. 128,n/4,n,d ('d': default)")
+    add("--refill", default="d", help="lanes refilled at once, e.g. 1,l/8,d")
+    add("--dtype", default="float64", choices=("float32", "float64"))
+    add("--repeats", type=int, default=None)
+    add("--no-diffrax", dest="diffrax", action="store_false")
+    add("--no-chunked", dest="chunked", action="store_false")
+    add("--sorted", action="store_true", help="parameters in order, not shuffled")
+    add("--grad", action="store_true", help="time the gradient instead")
+    add("--profile", action="store_true", help="no timing: replayed lane use")
+    add("--budget-s", type=float, default=None, help="start nothing after this")
+    add("--out", default=None, help="write ensemble.json and ensemble.md here")
     opts = parser.parse_args(argv)
-    sizes = [512] if opts.quick else [4096]
-    if opts.sizes:
-        sizes = [int(s) for s in opts.sizes.split(",")]
-    lane_counts: list[int | None] = [None]
-    if opts.lanes:
-        lane_counts = [None if s == "d" else int(s) for s in opts.lanes.split(",")]
-    repeats = opts.repeats or (1 if opts.quick else 3)
+    opts.sizes = [int(s) for s in opts.sizes.split(",")] if opts.sizes else None
+    opts.sizes = opts.sizes or ([512] if opts.quick else [4096])
+    opts.repeats = opts.repeats or (1 if opts.quick else 3)
+    return opts
+
+
+def main(argv=None) -> None:
+    opts = _options(argv)
+    jax.config.update("jax_enable_x64", opts.dtype == "float64")
     if opts.profile:
         for name in opts.cases.split(","):
-            for n in sizes:
+            for n in opts.sizes:
                 profile(CASES[name], n, not opts.sorted)
         return
-    print(f"device: {jax.devices()[0].device_kind}, float64, repeats {repeats}")
-    header = HEADER + (GRAD_HEADER if opts.grad else "")
-    print(header)
-    print("|" + " --- |" * (header.count("|") - 1))
+    device = jax.devices()[0].device_kind
+    print(f"device: {device}, {opts.dtype}, repeats {opts.repeats}")
+    if opts.grad:
+        print("| case | N | lanes |" + GRAD_HEADER + "\n|" + " --- |" * 8)
+        for name in opts.cases.split(","):
+            for n in opts.sizes:
+                _grad_rows(CASES[name], n, opts)
+        return
+    deadline = time.perf_counter() + (opts.budget_s or float("inf"))
+    print(markdown([]))
+    rows = []
     for name in opts.cases.split(","):
-        for n in sizes:
-            run_case(
-                CASES[name], n, lane_counts, repeats, not opts.no_diffrax,
-                not opts.sorted, opts.grad,
-            )  # fmt: skip
+        for n in opts.sizes:
+            rows += run_case(CASES[name], n, opts, deadline)
+    if opts.out:
+        out = pathlib.Path(opts.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(device=device, backend=jax.default_backend(), jax=jax.__version__)
+        meta.update(vars(opts), tol=TOL, dt0=DT0)
+        (out / "ensemble.json").write_text(
+            json.dumps(dict(meta=meta, rows=rows), indent=1)
+        )
+        (out / "ensemble.md").write_text(
+            f"device: {device}, {opts.dtype}\n\n{markdown(rows)}\n"
+        )
 
 
 if __name__ == "__main__":

@@ -337,6 +337,10 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
     def has_jumps(self) -> bool:
         return self.jump_ts is not None or self.controller.has_jumps
 
+    @property
+    def one_grid(self) -> bool:
+        return self.controller.one_grid
+
     def to_internal(self, direction: Array | None) -> "ClipStepSizeController":
         """Times mapped to internal time and sorted (they then increase)."""
 

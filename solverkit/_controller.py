@@ -83,6 +83,12 @@ class AbstractStepSizeController(eqx.Module):
         """Whether a step may end at a jump of the vector field in time."""
         return False
 
+    @property
+    def one_grid(self) -> bool:
+        """Whether the steps are given times, one grid from `t0` to `t1` (so it
+        can't serve solves with other `t0`, `t1`)."""
+        return False
+
     def ends_on_jump(
         self, controller_state: PyTree, t1: RealScalarLike
     ) -> Array | bool:
@@ -222,6 +228,10 @@ class StepTo(AbstractStepSizeController):
             raise ValueError(
                 "`ts` must have length at least 2: StepTo(ts) needs a start and an end."
             )
+
+    @property
+    def one_grid(self) -> bool:
+        return True
 
     @property
     def adaptive(self) -> bool:

@@ -48,7 +48,9 @@ class Times(NamedTuple):
     direction: Array | None  # -1 backwards, None forwards (see `_time.py`)
 
 
-def _times(t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None) -> Times:
+def solve_times(
+    t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None
+) -> Times:
     """Check `t0`, `t1`, `dt0` and bring them to one floating dtype."""
     inputs = [t0, t1] + ([] if dt0 is None else [dt0])
     for name, value in zip(("t0", "t1", "dt0"), inputs):
@@ -89,7 +91,7 @@ def _times(t0: RealScalarLike, t1: RealScalarLike, dt0: RealScalarLike | None) -
     return times
 
 
-def _as_state(y0: Y):
+def as_state(y0: Y):
     def leaf(y: Y):
         y = jnp.asarray(y)
         if not jnp.issubdtype(y.dtype, jnp.inexact):
@@ -309,7 +311,7 @@ def _event_conditions(
     return conds
 
 
-def _split_events(event) -> tuple[Event | None, TimedEvent | None]:
+def split_events(event) -> tuple[Event | None, TimedEvent | None]:
     """`diffeqsolve(event=...)`: an `Event`, a `TimedEvent`, or one of each in a
     tuple or list."""
     parts = list(event) if isinstance(event, (tuple, list)) else [event]
@@ -360,7 +362,7 @@ def _event_effect(event: Event | None, times: Times, y0: Y, args: Args):
     return closure
 
 
-def _check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps):
+def check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps):
     if not isinstance(solver, AbstractSolver):
         raise TypeError(f"`solver` must be a solverkit solver, got {solver!r}.")
     if not isinstance(saveat, SaveAt):
@@ -417,7 +419,20 @@ def _resume(
     return Resume(solver_state, controller_state, made_jump)
 
 
-def _problem(
+class Keep(NamedTuple):
+    """Which final internal states a solve returns, as `SaveAt(solver_state=...,
+    controller_state=..., made_jump=...)` asks."""
+
+    solver_state: bool
+    controller_state: bool
+    made_jump: bool
+
+    @classmethod
+    def of(cls, saveat: SaveAt) -> "Keep":
+        return cls(saveat.solver_state, saveat.controller_state, saveat.made_jump)
+
+
+def make_problem(
     terms,
     solver,
     times: Times,
@@ -434,7 +449,7 @@ def _problem(
     """Convert every user function (terms, saves, event conditions, those of the
     linear solvers) once and gather all a solve needs, in internal time."""
     saves, save_tree = _saves(saveat, times, y0, args, max_steps)
-    event, timed = _split_events(event)
+    event, timed = split_events(event)
     context = dict(
         terms=terms,
         solver=solver,
@@ -549,19 +564,19 @@ def diffeqsolve(
 
     A [`solverkit.Solution`][].
     """
-    _check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps)
+    check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps)
     event = _legacy_event(event, discrete_terminating_event)
     resume = _resume(solver_state, controller_state, made_jump)
-    times = _times(t0, t1, dt0)
+    times = solve_times(t0, t1, dt0)
     stepsize_controller.check(solver, times.known_t0, times.known_t1, dt0)
     solver = solver.bind_controller_tols(stepsize_controller)
-    y0 = _as_state(y0)
-    problem = _problem(
+    y0 = as_state(y0)
+    problem = make_problem(
         terms, solver, times, y0, args, saveat, stepsize_controller, event,
         max_steps, progress_meter, dt0, resume
     )  # fmt: skip
     adjoint.check(problem)
-    keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
+    keep = Keep.of(saveat)
     # The engine mixes dtypes on purpose (float64 times with float32 states, complex
     # states with real tolerances) and casts where it must, so it is traced with
     # standard promotion whatever the user's setting; the user's own functions were
@@ -570,12 +585,11 @@ def diffeqsolve(
         return _solve(problem, adjoint, throw, keep)
 
 
-_MESSAGES = [r.message() or "successful" for r in RESULTS]
+MESSAGES = [r.message() or "successful" for r in RESULTS]
 
 
 @eqx.filter_jit
-def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
-    keep_solver_state, keep_controller_state, keep_made_jump = keep
+def _solve(problem: Problem, adjoint, throw, keep: "Keep"):
     out = adjoint.loop(problem)
     ts, ys, t_end, result = out.ts, out.ys, out.t_end, out.result
     if throw:
@@ -585,7 +599,7 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         # Unbatched and non-differentiated, as equinox's error machinery needs; one
         # reduction serves both (failure codes are positive).
         index = unvmap_max(where(failed, result, 0))
-        ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, _MESSAGES)
+        ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, MESSAGES)
     interpolation = None
     if problem.dense:
         interpolation = DenseInterpolation(
@@ -612,9 +626,9 @@ def _solve(problem: Problem, adjoint, throw, keep: tuple[bool, bool, bool]):
         stats=stats,
         result=Result(result),
         event_mask=carry.event_mask,
-        made_jump=False if keep_made_jump else None,  # no jumps in an ODE
-        solver_state=carry.solver_state if keep_solver_state else None,
-        controller_state=carry.controller_state if keep_controller_state else None,
+        made_jump=False if keep.made_jump else None,  # no jumps in an ODE
+        solver_state=carry.solver_state if keep.solver_state else None,
+        controller_state=carry.controller_state if keep.controller_state else None,
         interpolation=interpolation,
         events=_record(problem, out.bufs, carry),
     )

@@ -368,8 +368,10 @@ def test_default_lanes():
     assert sk.default_lanes(4096, "cpu") == 256
     assert sk.default_lanes(100, "cpu") == 64
     assert sk.default_lanes(10, "cpu") == 10
+    # On an accelerator: lockstep below 16,384 trajectories, then half of them.
     assert sk.default_lanes(4096, "gpu") == 4096
-    assert sk.default_lanes(2**20, "gpu") == 2**18
+    assert sk.default_lanes(2**14, "tpu") == 2**13
+    assert sk.default_lanes(2**20 + 1, "gpu") == 2**19 + 1
 
 
 # --- Per-trajectory times -------------------------------------------------------------
@@ -616,10 +618,8 @@ def _fields(sol: sk.Solution) -> dict:
     """Every field of a `Solution` as leaves (`None` kept as a leaf), and the names
     of `stats` that `diffeqsolve` returns."""
     names = [f for f in sol.__dataclass_fields__ if f not in ("stats", "interpolation")]
-    out = {
-        name: jax.tree_util.tree_flatten(getattr(sol, name), is_leaf=lambda x: x is None)
-        for name in names
-    }
+    flat = lambda x: jax.tree_util.tree_flatten(x, is_leaf=lambda v: v is None)  # noqa: E731
+    out = {name: flat(getattr(sol, name)) for name in names}
     out.update({f"stats[{k}]": ([sol.stats[k]], None) for k in _STATS})
     return out
 
@@ -682,3 +682,73 @@ def test_float32_agrees_to_the_tolerance():
         assert np.all(diff <= 10 * 10 * rtol * scale)
         steps, ref_steps = sol.stats["num_steps"], ref.stats["num_steps"]
         assert np.all(np.abs(np.asarray(steps) - np.asarray(ref_steps)) <= 5)
+
+
+# --- The refill: a buffer of `refill` lanes; lockstep where it can't pay -------------
+
+
+@pytest.mark.parametrize("lanes,refill", [(4, 1), (4, 3), (5, 5), (3, None)])
+@pytest.mark.parametrize("feature", ["continuing_event", "terminating_event"])
+def test_refill_sizes_match_vmap(lanes, refill, feature):
+    # Any refill size (1: one lane at a time; 3 of 4 lanes; all lanes), with events
+    # located as a refilled lane is finished: every field as the vmapped solve's.
+    kw = FEATURES[feature]
+    y0, args = inputs()
+    sol = ensemble(y0, args, lanes=lanes, refill=refill, **kw)
+    ref = vmapped(y0, args, **kw)
+    assert sol.stats["refill"] == (refill or 1)
+    same(sol, ref)
+    got, want = _fields(sol), _fields(ref)
+    for name in ("event_mask", "events"):
+        for a, b in zip(got[name][0], want[name][0]):
+            if b is not None:
+                np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_lockstep_when_lanes_cover_the_batch():
+    # N lanes or more: the lockstep loop, no refill (stats["refill"] == 0), each
+    # lane stepping until the longest trajectory has finished.
+    y0, args = inputs()
+    kw = dict(saveat=sk.SaveAt(t0=True, ts=TS), stepsize_controller=PID)
+    for lanes in (N, 2 * N):
+        sol = ensemble(y0, args, lanes=lanes, **kw)
+        same(sol, _reference_ts())
+        assert sol.stats["refill"] == 0 and sol.stats["lanes"] == N
+        assert sol.stats["lane_steps"] == N * np.max(sol.stats["num_steps"])
+    assert ensemble(y0, args, lanes=4, **kw).stats["refill"] == 1
+
+
+def _conds_in_loops(jaxpr, inside: bool = False) -> int:
+    """The `cond`s inside `while` loops of a jaxpr, nested ones included."""
+    found = 0
+    for eqn in jaxpr.eqns:
+        loop = eqn.primitive.name == "while"
+        found += inside and eqn.primitive.name == "cond"
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found += _conds_in_loops(sub, inside or loop)
+    return found
+
+
+def test_refill_stays_a_branch_under_vmap():
+    # Under an outer vmap the refill's predicate is unbatched, so it stays a
+    # `cond` (a select would run the refill on every iteration).
+    y0, args = inputs()
+
+    def solve(scale):
+        sol = ensemble(y0 * scale, args, lanes=4, stepsize_controller=PID)
+        return sol.ys
+
+    scales = jnp.array([1.0, 0.5])
+    jaxpr = jax.make_jaxpr(jax.vmap(solve))(scales)
+    assert _conds_in_loops(jaxpr.jaxpr) >= 1
+    ys = jax.vmap(solve)(scales)
+    for k in range(2):  # the same steps: equal to round-off
+        np.testing.assert_allclose(ys[k], solve(scales[k]), rtol=1e-9, atol=1e-9)
+
+
+def test_bad_refill_raises():
+    y0, args = inputs()
+    with pytest.raises(ValueError, match="`refill` must be a positive int"):
+        ensemble(y0, args, lanes=4, refill=0)
+    with pytest.raises(TypeError, match="`refill` must be a positive int"):
+        ensemble(y0, args, lanes=4, refill=1.5)

@@ -1,0 +1,77 @@
+"""How many lanes `ensemble_solve` uses and how many of them it refills at once:
+the defaults in one place, easy to change from measurements.
+
+A lane loop iteration steps every lane; a refill writes the outputs of `refill`
+finished lanes and starts them on the next trajectories of the queue. With as many
+lanes as trajectories nothing is refilled: the loop is the lockstep one of
+`jax.vmap(diffeqsolve)`, and `ensemble_solve` runs it without the refill.
+"""
+
+from typing import NamedTuple
+
+import jax
+
+
+# On a CPU each lane's step costs about the same whatever the number of lanes, so
+# fewer lanes (more trajectories per lane) waste less: N // 16, at least 64.
+_CPU_LANE_FRACTION = 16
+_CPU_MIN_LANES = 64
+# On an accelerator a loop iteration costs a fixed launch overhead (tens of
+# microseconds) plus little per lane until the chip is full, so a refill loop pays
+# only where its iterations, each cheaper, are not many more than the lockstep's:
+# below this many trajectories the lockstep loop, from it on N // 2 lanes.
+_ACCELERATOR_REFILL_FROM = 16_384
+_ACCELERATOR_LANE_FRACTION = 2
+# Finished lanes wait until this fraction of the lanes (or all running ones) can be
+# refilled together; a refill initialises and writes only that many lanes.
+_REFILL_FRACTION = 32
+
+
+class Policy(NamedTuple):
+    """The lanes of one ensemble: `lanes` trajectories solved side by side, and
+    `refill` of them refilled at once (`0`: the lockstep loop, no refill)."""
+
+    lanes: int
+    refill: int
+
+
+def default_lanes(batch: int, platform: str | None = None) -> int:
+    """The number of lanes `ensemble_solve` uses for `batch` trajectories when not
+    told.
+
+    **Arguments:**
+
+    - `batch`: the number of trajectories, `N`.
+    - `platform`: `"cpu"`, `"gpu"`, `"tpu"`; default: JAX's default backend.
+
+    **Returns:**
+
+    On a CPU, `N // 16`, at least 64 (enough trajectories per lane that the last
+    ones to finish leave few lanes idle). On an accelerator, where an iteration's
+    fixed cost dominates, `N` (the lockstep loop, no refill) below 16,384
+    trajectories, and `N // 2` from there. At most `N`.
+    """
+    platform = jax.default_backend() if platform is None else platform
+    if platform == "cpu":
+        lanes = max(batch // _CPU_LANE_FRACTION, _CPU_MIN_LANES)
+    elif batch < _ACCELERATOR_REFILL_FROM:
+        lanes = batch
+    else:
+        lanes = -(-batch // _ACCELERATOR_LANE_FRACTION)
+    return max(1, min(batch, lanes))
+
+
+def default_refill(lanes: int) -> int:
+    """How many finished lanes are refilled together: `lanes // 32`, at least 1."""
+    return max(1, lanes // _REFILL_FRACTION)
+
+
+def policy(batch: int, lanes: int | None, refill: int | None) -> Policy:
+    """The lanes and refill size for `batch` trajectories, the defaults where
+    `None`; lockstep (`refill == 0`) when there are as many lanes as
+    trajectories."""
+    lanes = default_lanes(batch) if lanes is None else min(lanes, batch)
+    if lanes >= batch:
+        return Policy(batch, 0)
+    refill = default_refill(lanes) if refill is None else min(refill, lanes)
+    return Policy(lanes, refill)
