@@ -399,9 +399,9 @@ def run_case(case: Case, n: int, opts, deadline: float) -> list[dict]:
         used = sk.default_lanes(n) if lanes is None else min(lanes, n)
         for refill_spec in opts.refill.split(",") if used < n else ["d"]:
             size = _count(refill_spec, used)
-            if (lanes is not None and used, size) in done:
+            if (used, size) in done:  # e.g. `d` and `n/2`: measured once
                 continue
-            done.add((lanes is not None and used, size))
+            done.add((used, size))
             row = _refill_row(case, n, args, lanes, size, base, opts, deadline)
             rows.append({k: row.get(k) for k in ROW_KEYS})
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)

@@ -7,6 +7,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -724,7 +725,7 @@ def _conds_in_loops(jaxpr, inside: bool = False) -> int:
     for eqn in jaxpr.eqns:
         loop = eqn.primitive.name == "while"
         found += inside and eqn.primitive.name == "cond"
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             found += _conds_in_loops(sub, inside or loop)
     return found
 
