@@ -239,13 +239,15 @@ def _backward_work(steps: np.ndarray, lanes: int) -> float:
     return float(np.sum(steps[::lanes]) * lanes / np.sum(steps))
 
 
-def simulate_refill(steps: np.ndarray, lanes: int, size: int) -> tuple[int, int]:
+def simulate_refill(
+    steps: np.ndarray, lanes: int, size: int, wait: int | None = None
+) -> tuple[int, int]:
     """The lane loop of `ensemble_solve` replayed from each trajectory's steps (queue
     in the order of `steps`): `(iterations, refills)`, as the real loop's
     `lane_steps / lanes`: each iteration steps every running lane; while the queue
-    lasts, once `size` lanes have finished (or none runs) up to `size` of them are
-    refilled; with the queue empty finished lanes go idle."""
-    n = len(steps)
+    lasts, once `wait` (default `size`) lanes have finished, or none runs, up to
+    `size` of them are refilled; with the queue empty finished lanes go idle."""
+    n, wait = len(steps), size if wait is None else wait
     lanes = min(lanes, n)
     left = np.asarray(steps[:lanes], dtype=np.int64).copy()
     queue, iterations, refills = lanes, 0, 0
@@ -255,13 +257,12 @@ def simulate_refill(steps: np.ndarray, lanes: int, size: int) -> tuple[int, int]
         iterations += 1
         left[left > 0] -= 1
         finished = np.flatnonzero(left == 0)
-        due = len(finished) >= size or not (left > 0).any()
+        due = len(finished) >= wait or not (left > 0).any()
         if queue < n and len(finished) and due:
             refills += 1
             take = finished[: min(size, n - queue)]
             left[take] = steps[queue : queue + len(take)]
             queue += len(take)
-            left[finished[len(take) :][: size - len(take)]] = -1  # idle
     return iterations, refills
 
 
@@ -279,21 +280,23 @@ def profile(case: Case, n: int, shuffle: bool) -> None:
         f"\n{case.name}, N = {n}: sum of steps {steps.sum()}, max {steps.max()}, "
         f"mean {steps.mean():.1f}, lockstep efficiency {eff:.3f}\n"
     )
-    print("| lanes | refill size | iterations | refills | utilisation | longest-first "
-          "utilisation | ratio bound (eff. / util.) |")  # fmt: skip
-    print("|" + " --- |" * 7)
+    print("| lanes | refill | wait | iterations | refills | utilisation | "
+          "longest-first utilisation | ratio bound (eff. / util.) |")  # fmt: skip
+    print("|" + " --- |" * 8)
     longest = np.sort(steps)[::-1]
     for lanes in (64, 128, 256, 512):
-        for at in sorted({1, max(1, lanes // 32), max(1, lanes // 8)}):
-            if lanes >= n:
-                continue
-            its, refills = simulate_refill(steps, lanes, at)
-            util = steps.sum() / (its * min(lanes, n))
-            its_l, _ = simulate_refill(longest, lanes, at)
-            util_l = steps.sum() / (its_l * min(lanes, n))
+        if lanes >= n:
+            continue
+        pairs = {(1, 1), (lanes // 32, lanes // 32), (lanes // 8, lanes // 32),
+                 (lanes // 8, lanes // 8), (lanes // 2, lanes // 32)}  # fmt: skip
+        for size, wait in sorted((max(a, 1), max(b, 1)) for a, b in pairs):
+            its, refills = simulate_refill(steps, lanes, size, wait)
+            util = steps.sum() / (its * lanes)
+            its_l, _ = simulate_refill(longest, lanes, size, wait)
+            util_l = steps.sum() / (its_l * lanes)
             print(
-                f"| {lanes} | {at} | {its} | {refills} | {util:.3f} | {util_l:.3f} | "
-                f"{eff / util:.3f} |"
+                f"| {lanes} | {size} | {wait} | {its} | {refills} | {util:.3f} | "
+                f"{util_l:.3f} | {eff / util:.3f} |"
             )
 
 
@@ -472,17 +475,18 @@ def main(argv=None) -> None:
     for name in opts.cases.split(","):
         for n in opts.sizes:
             rows += run_case(CASES[name], n, opts, deadline)
-    if opts.out:
-        out = pathlib.Path(opts.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=device, backend=jax.default_backend(), jax=jax.__version__)
-        meta.update(vars(opts), tol=TOL, dt0=DT0)
-        (out / "ensemble.json").write_text(
-            json.dumps(dict(meta=meta, rows=rows), indent=1)
-        )
-        (out / "ensemble.md").write_text(
-            f"device: {device}, {opts.dtype}\n\n{markdown(rows)}\n"
-        )
+            if opts.out:  # after each case, so that a cut run keeps what it did
+                _write(pathlib.Path(opts.out), device, opts, rows)
+
+
+def _write(out: pathlib.Path, device: str, opts, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=device, backend=jax.default_backend(), jax=jax.__version__)
+    meta.update(vars(opts), tol=TOL, dt0=DT0)
+    text = json.dumps(dict(meta=meta, rows=rows), indent=1)
+    (out / "ensemble.json").write_text(text)
+    table = markdown(rows)
+    (out / "ensemble.md").write_text(f"device: {device}, {opts.dtype}\n\n{table}\n")
 
 
 if __name__ == "__main__":

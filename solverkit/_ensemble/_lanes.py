@@ -3,8 +3,8 @@ state of `_loop.py`, vmapped over lanes), each lane refilled from a queue of
 trajectories when its own has finished.
 
 Each iteration steps every running lane (`_loop.body`). Finished lanes wait, idle,
-until `refill` of them can be refilled together (or no lane runs): then a
-`lax.cond` gathers `refill` finished lanes by index into a buffer, finishes them
+until `wait` of them have finished (or no lane runs): then a `lax.cond` gathers up
+to `refill` finished lanes by index into a buffer of `refill` lanes, finishes them
 (`_loop.finish`: event location included) and scatters their rows into the
 outputs, starts the buffer on the next trajectories (`_loop.init`) and scatters it
 back into the lanes. So a refill costs the work of `refill` lanes, not of all, and
@@ -200,13 +200,13 @@ class LaneLoop:
 
     def body(self, s: Lanes, member) -> Lanes:
         """One step of every running lane, then a refill where it pays: once
-        `refill` finished lanes wait, or no lane runs, while the queue lasts."""
+        `wait` finished lanes wait, or no lane runs, while the queue lasts."""
         s = self.step(s, member)
         if not self.plan.refill:  # lockstep
             return s
         finished = (s.index < self.batch) & ~s.running
         count = jnp.sum(finished, dtype=jnp.int32)
-        enough = (count >= self.plan.refill) | ~jnp.any(s.running)
+        enough = (count >= self.plan.wait) | ~jnp.any(s.running)
         due = (count > 0) & enough & (s.queue < self.batch) & member
         return lax.cond(unvmap_any(due), self.refill, lambda s, _: s, s, finished & due)
 

@@ -1,8 +1,9 @@
 """How many lanes `ensemble_solve` uses and how many of them it refills at once:
 the defaults in one place, easy to change from measurements.
 
-A lane loop iteration steps every lane; a refill writes the outputs of `refill`
-finished lanes and starts them on the next trajectories of the queue. With as many
+A lane loop iteration steps every lane; once `wait` lanes have finished, a refill
+writes the outputs of up to `refill` finished lanes and starts them on the next
+trajectories of the queue. With as many
 lanes as trajectories nothing is refilled: the loop is the lockstep one of
 `jax.vmap(diffeqsolve)`, and `ensemble_solve` runs it without the refill.
 """
@@ -22,17 +23,22 @@ _CPU_MIN_LANES = 64
 # below this many trajectories the lockstep loop, from it on N // 2 lanes.
 _ACCELERATOR_REFILL_FROM = 16_384
 _ACCELERATOR_LANE_FRACTION = 2
-# Finished lanes wait until this fraction of the lanes (or all running ones) can be
-# refilled together; a refill initialises and writes only that many lanes.
-_REFILL_FRACTION = 32
+# A refill finishes and starts a buffer of this fraction of the lanes (those of the
+# finished lanes it takes; the rest of the buffer is masked) ...
+_REFILL_FRACTION = 8
+# ... once this fraction of the lanes (at most the buffer), or every running lane,
+# has finished.
+_WAIT_FRACTION = 32
 
 
 class Policy(NamedTuple):
-    """The lanes of one ensemble: `lanes` trajectories solved side by side, and
-    `refill` of them refilled at once (`0`: the lockstep loop, no refill)."""
+    """The lanes of one ensemble: `lanes` trajectories solved side by side, up to
+    `refill` of them refilled at once (`0`: the lockstep loop, no refill), once
+    `wait` of them have finished."""
 
     lanes: int
     refill: int
+    wait: int = 1
 
 
 def default_lanes(batch: int, platform: str | None = None) -> int:
@@ -62,8 +68,14 @@ def default_lanes(batch: int, platform: str | None = None) -> int:
 
 
 def default_refill(lanes: int) -> int:
-    """How many finished lanes are refilled together: `lanes // 32`, at least 1."""
+    """How many finished lanes a refill takes at most: `lanes // 8`, at least 1."""
     return max(1, lanes // _REFILL_FRACTION)
+
+
+def _wait(lanes: int, refill: int) -> int:
+    """How many finished lanes make a refill: `lanes // 32`, at least 1, at most
+    `refill`."""
+    return max(1, min(refill, lanes // _WAIT_FRACTION))
 
 
 def policy(batch: int, lanes: int | None, refill: int | None) -> Policy:
@@ -74,4 +86,4 @@ def policy(batch: int, lanes: int | None, refill: int | None) -> Policy:
     if lanes >= batch:
         return Policy(batch, 0)
     refill = default_refill(lanes) if refill is None else min(refill, lanes)
-    return Policy(lanes, refill)
+    return Policy(lanes, refill, _wait(lanes, refill))

@@ -241,9 +241,10 @@ def ensemble_solve(
         `diffeqsolve`: `RecursiveCheckpointAdjoint()` (default; `None` means it
         too), `BacksolveAdjoint()`, `DirectAdjoint()` or `ImplicitAdjoint()`, with
         the options each supports (checked as `diffeqsolve` checks them).
-    - `refill`: how many finished lanes are refilled at once (a refill waits
-        until that many have finished, or no lane runs, and then finishes and
-        starts only that many); default `lanes // 32`, at least 1.
+    - `refill`: the most finished lanes one refill takes (it finishes and
+        starts a buffer of that many lanes); default `lanes // 8`, at least 1. A
+        refill runs once `min(refill, lanes // 32)` lanes (at least 1) have
+        finished, or no lane runs.
 
     **Returns:**
 
