@@ -18,10 +18,15 @@ import jax
 _CPU_LANE_FRACTION = 16
 _CPU_MIN_LANES = 64
 # On an accelerator a loop iteration costs a fixed launch overhead (tens of
-# microseconds) plus little per lane until the chip is full, so a refill loop pays
-# only where its iterations, each cheaper, are not many more than the lockstep's:
-# below this many trajectories the lockstep loop, from it on N // 2 lanes.
-_ACCELERATOR_REFILL_FROM = 16_384
+# microseconds) plus little per lane until the chip is full, so the refill loop,
+# whose iterations are more and each dearer, does not pay. Measured on a TPU v5e
+# (float32, Lorenz rho <= 100, t <= 10, `python -m benchmarks.ensemble --dtype
+# float32 --cases lorenz100 --sizes 16384,65536 --lanes n/4,n/2`): refill took
+# 7.6-8.9x the lockstep loop's time at every lane count tried (N = 16,384: 0.127 s
+# vs 0.0167 s). So on an accelerator the lockstep loop runs by itself (`None`:
+# never refill); a number here would refill from that many trajectories on, with
+# N // `_ACCELERATOR_LANE_FRACTION` lanes.
+_ACCELERATOR_REFILL_FROM: int | None = None
 _ACCELERATOR_LANE_FRACTION = 2
 # A refill finishes and starts a buffer of this fraction of the lanes (those of the
 # finished lanes it takes; the rest of the buffer is masked) ...
@@ -54,13 +59,13 @@ def default_lanes(batch: int, platform: str | None = None) -> int:
 
     On a CPU, `N // 16`, at least 64 (enough trajectories per lane that the last
     ones to finish leave few lanes idle). On an accelerator, where an iteration's
-    fixed cost dominates, `N` (the lockstep loop, no refill) below 16,384
-    trajectories, and `N // 2` from there. At most `N`.
+    fixed cost dominates, `N`: the lockstep loop, no refill (refill measured
+    7.6-8.9x slower on a TPU). At most `N`.
     """
     platform = jax.default_backend() if platform is None else platform
     if platform == "cpu":
         lanes = max(batch // _CPU_LANE_FRACTION, _CPU_MIN_LANES)
-    elif batch < _ACCELERATOR_REFILL_FROM:
+    elif _ACCELERATOR_REFILL_FROM is None or batch < _ACCELERATOR_REFILL_FROM:
         lanes = batch
     else:
         lanes = -(-batch // _ACCELERATOR_LANE_FRACTION)
