@@ -60,7 +60,7 @@ suite() {
     shift 2
     echo "accel.sh: benchmarks $* (deadline ${deadline} s, limit ${seconds} s)" >&2
     timeout --signal=INT --kill-after=20 "$seconds" "$PYTHON" -m benchmarks \
-        --deadline "$deadline" --budget 40 --repeats 3 "${dtype_flag[@]}" "$@" \
+        --deadline "$deadline" --budget 40 --repeats 3 ${dtype_flag[@]+"${dtype_flag[@]}"} "$@" \
         || { echo "accel.sh: step exited with $?" >&2; rc=1; }
 }
 
@@ -74,12 +74,12 @@ suite 55 30 --cases neural_ode --sizes 256,4096 --append "$@"
 
 # shellcheck disable=SC2086  # the flags are meant to split
 bench_module "$(limit 65)" ensemble ${ENSEMBLE_ARGS:---sizes 4096,65536 --repeats 3} \
-    "${dtype_flag[@]}" | tee "$out/ensemble.md" || rc=1
+    ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/ensemble.md" || rc=1
 # shellcheck disable=SC2086
 bench_module "$(limit 65)" stiff_ensemble ${STIFF_ARGS:---repeats 3} \
-    "${dtype_flag[@]}" | tee "$out/stiff_ensemble.md" || rc=1
+    ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/stiff_ensemble.md" || rc=1
 # shellcheck disable=SC2086
 bench_module "$(limit 45)" events ${EVENTS_ARGS:---size 4096 --repeats 3} \
-    "${dtype_flag[@]}" --json "$out/events.json" || rc=1
+    ${dtype_flag[@]+"${dtype_flag[@]}"} --json "$out/events.json" || rc=1
 echo "accel.sh: done in ${SECONDS} s; results in $out" >&2
 exit "$rc"
