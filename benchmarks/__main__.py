@@ -1,8 +1,11 @@
 """`python -m benchmarks`: run the benchmark cases and write the results."""
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import importlib.metadata
+import json
 import math
 import os
 import pathlib
@@ -121,6 +124,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "recorded as skipped (checkpoints take memory: the Lorenz gradient needs "
         "about 16 KiB per trajectory)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32",),
+        default=None,
+        help="float32: every solverkit and diffrax variant in float32 (adaptive "
+        "tolerances loosened to what float32 resolves; on a TPU float64 is emulated); "
+        "tasks that exist only in float64 are recorded as skipped",
+    )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows of other cases already in --out's results.json (to run "
+        "cases in separate processes into one folder)",
+    )
     args = parser.parse_args(argv)
     if not args.cases:
         parser.error("--cases: name at least one case")
@@ -193,6 +210,15 @@ def metadata(
     }
 
 
+def failure_status(error: BaseException, library: str) -> str:
+    """`"oom"` when the device ran out of memory (for every library alike), else
+    `"error"` for solverkit and `"unsupported"` for a peer."""
+    text = f"{type(error).__name__} {error}"
+    if any(m in text for m in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")):
+        return "oom"
+    return "error" if library == "solverkit" else "unsupported"
+
+
 def run_task(
     task: Task,
     record: Record,
@@ -214,7 +240,7 @@ def run_task(
             "steps",
         ):
             setattr(record, field, None)
-        record.status = "error" if task.library == "solverkit" else "unsupported"
+        record.status = failure_status(e, task.library)
         record.note = first_line(e)
         return
     if reference is None:
@@ -231,9 +257,14 @@ def _references(case: Case, sizes: list[int]) -> dict[int, Reference | None]:
     """Every size's reference, computed before any timing (timing clears JAX's
     caches, and the reference compiles once for all sizes)."""
     references: dict[int, Reference | None] = {}
+    # On the host CPU where JAX has one: references are float64, which an
+    # accelerator may lack or emulate (diffrax's float64 solves fail on a TPU).
+    cpus = jax.devices("cpu") if _has_cpu() else []
+    where = jax.default_device(cpus[0]) if cpus else contextlib.nullcontext()
     for size in sizes:
         try:
-            references[size] = case.reference(size)
+            with where:
+                references[size] = case.reference(size)
         except Exception as e:  # noqa: BLE001
             print(
                 f"note: {case.name} N={size}: no reference ({first_line(e)})",
@@ -241,6 +272,13 @@ def _references(case: Case, sizes: list[int]) -> dict[int, Reference | None]:
             )
             references[size] = None
     return references
+
+
+def _has_cpu() -> bool:
+    try:
+        return bool(jax.devices("cpu"))
+    except RuntimeError:  # JAX_PLATFORMS excludes the CPU
+        return False
 
 
 def _grad_size(sizes: list[int]) -> int:
@@ -255,7 +293,7 @@ def plan(
     each size the libraries of one variant one after the other."""
     out = []
     for size in spread(sizes):
-        tasks = case.tasks(size, libs)
+        tasks = case.tasks(size, libs, args.dtype)
         variants = list(dict.fromkeys(t.variant for t in tasks))
         for task in sorted(tasks, key=lambda t: variants.index(t.variant)):
             if args.variants is not None and task.variant not in args.variants:
@@ -295,6 +333,9 @@ def run_case(
         if too_big and "grad" in task.variant:
             record.status = "skipped"
             record.note = f"N over --grad-max-size {args.grad_max_size}"
+        elif args.dtype == "float32" and task.dtype == "float64":
+            record.status = "skipped"
+            record.note = "float64 only (--dtype float32)"
         elif time.monotonic() > deadline:
             record.status = "skipped"
             record.note = f"past --deadline ({seconds:g} s for this case)"
@@ -310,6 +351,20 @@ def run_case(
                 too_slow[task.variant, task.library] = min(size, slow or size)
 
 
+def _kept_records(out: pathlib.Path, args: argparse.Namespace) -> list[Record]:
+    """The rows of cases other than `args.cases` in `out/results.json`, if any."""
+    try:
+        rows = json.loads((out / "results.json").read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        return []
+    fields = {f.name for f in dataclasses.fields(Record)}
+    return [
+        Record(**{k: v for k, v in row.items() if k in fields})
+        for row in rows
+        if row.get("case") not in args.cases
+    ]
+
+
 def main(argv: list[str] | None = None) -> list[Record]:
     """Run the suite; write and print the results. Returns the rows."""
     args = parse_args(argv)
@@ -321,9 +376,9 @@ def main(argv: list[str] | None = None) -> list[Record]:
         print(f"note: {name} skipped ({why})", file=sys.stderr)
     out = args.out or pathlib.Path(__file__).parent / "results" / device_slug()
     meta = metadata(sys.argv[1:] if argv is None else argv, args, profile, missing)
-    descriptions = {name: CASES[name].description for name in args.cases}
-
-    records: list[Record] = []
+    records = _kept_records(out, args) if args.append else []
+    names = dict.fromkeys([*(r.case for r in records), *args.cases])
+    descriptions = {name: CASES[name].description for name in names}
     bar = tqdm(args.cases, desc="cases", unit="case", file=sys.stderr)
     for name in bar:
         case = CASES[name]

@@ -115,7 +115,9 @@ class Case:
     name: str
     description: str
     sizes: dict[str, list[int]]  # profile ("quick", "cpu", "gpu") -> sizes
-    tasks: Callable[[int, dict[str, Any]], list[Task]]
+    # (size, libraries, dtype) -> tasks; dtype None: the case's own precisions,
+    # "float32": solverkit's and diffrax's float64 variants in float32 (accelerators)
+    tasks: Callable[[int, dict[str, Any], str | None], list[Task]]
     reference: Callable[[int], Reference]
     quick_variants: tuple[str, ...] | None = None
 
@@ -353,8 +355,12 @@ def _sum_of_squares_grad(solve: Callable) -> Callable:
     return grad
 
 
-def lotka_volterra_tasks(n: int, libs: dict[str, Any]) -> list[Task]:
-    """Forward solve, and the gradient with each adjoint, of the vmapped ensemble."""
+def lotka_volterra_tasks(
+    n: int, libs: dict[str, Any], dtype: str | None = None
+) -> list[Task]:
+    """Forward solve, and the gradient with each adjoint, of the vmapped ensemble
+    (float32 whatever `dtype` says; gradsolve's engines are float64)."""
+    del dtype
     params, y0 = _lv_data(n)
     data = (jnp.asarray(params, jnp.float32), jnp.asarray(y0, jnp.float32))
     styles = {"solverkit": True, "diffrax": False}  # library -> closes over params?
@@ -414,6 +420,9 @@ def lotka_volterra_reference(n: int) -> Reference:
 # ------------------------------------------------------------ (b) Lorenz ensemble
 
 LORENZ_T1, LORENZ_DT, LORENZ_TOL = 1.0, 1e-3, 1e-8
+# The adaptive tolerance in float32 (`--dtype float32`): 1e-8 is below float32's
+# resolution (eps 1.2e-7) times the state's size (|y| up to ~20).
+LORENZ_TOL_32 = 1e-5
 
 
 def _lorenz_field(y: jax.Array, rho: jax.Array) -> jax.Array:
@@ -436,14 +445,14 @@ LORENZ_UNBOUNDED_CHECKPOINTS = 64
 
 
 def _lorenz_solve(
-    lib: Any, closed: bool, mode: str, max_steps=4096, dt0=LORENZ_DT
+    lib: Any, closed: bool, mode: str, max_steps=4096, dt0=LORENZ_DT, tol=LORENZ_TOL
 ) -> Callable:
     """`rho[n] -> (final states[n, 3], steps)`, vmapped; `mode` is "fixed" (dt 1e-3)
-    or "adaptive" (PID, rtol = atol = 1e-8)."""
+    or "adaptive" (PID, rtol = atol = `tol`)."""
     if mode == "fixed":
         controller = lib.ConstantStepSize()
     else:
-        controller = lib.PIDController(rtol=LORENZ_TOL, atol=LORENZ_TOL)
+        controller = lib.PIDController(rtol=tol, atol=tol)
     common = dict(
         solver=lib.Tsit5(), t1=LORENZ_T1, dt0=dt0, stepsize_controller=controller
     )
@@ -463,10 +472,12 @@ def _lorenz_solve(
     return jax.vmap(one)
 
 
-def lorenz_tasks(n: int, libs: dict[str, Any]) -> list[Task]:
-    """Fixed-step (float32) and adaptive (float64) forward solves and gradients."""
+def lorenz_tasks(n: int, libs: dict[str, Any], dtype: str | None = None) -> list[Task]:
+    """Fixed-step (float32) and adaptive (float64; with `dtype="float32"` float32 at
+    rtol = atol = `LORENZ_TOL_32`) forward solves and gradients."""
     rho = np.linspace(0.0, 21.0, n)
-    dtypes = {"fixed": "float32", "adaptive": "float64"}
+    dtypes = {"fixed": "float32", "adaptive": dtype or "float64"}
+    tol = LORENZ_TOL_32 if dtype == "float32" else LORENZ_TOL
     styles = {"solverkit": True, "diffrax": False}
     tasks = []
     for mode, dtype in dtypes.items():
@@ -476,7 +487,7 @@ def lorenz_tasks(n: int, libs: dict[str, Any]) -> list[Task]:
             lib = libs[library]
 
             def forward(lib=lib, closed=closed, mode=mode, dtype=dtype):
-                solve = _lorenz_solve(lib, closed, mode)
+                solve = _lorenz_solve(lib, closed, mode, tol=tol)
                 return Job(solve, (jnp.asarray(rho, dtype),))
 
             sweep = LORENZ_GRAD_SWEEP if mode == "adaptive" else {"": (4096, LORENZ_DT)}
@@ -486,7 +497,7 @@ def lorenz_tasks(n: int, libs: dict[str, Any]) -> list[Task]:
                 def grad(
                     lib=lib, closed=closed, mode=mode, dtype=dtype, m=max_steps, d=dt0
                 ):
-                    solve = _lorenz_solve(lib, closed, mode, m, d)
+                    solve = _lorenz_solve(lib, closed, mode, m, d, tol)
                     return Job(_sum_of_squares_grad(solve), (jnp.asarray(rho, dtype),))
 
                 variant = f"{mode}-grad{suffix}"
@@ -626,8 +637,12 @@ def _node_loss(lib: Any, closed: bool, adjoint: Any, static: Any, tol=NODE_TOL, 
     return loss
 
 
-def neural_ode_tasks(n: int, libs: dict[str, Any]) -> list[Task]:
-    """Gradient of a regression loss with respect to the MLP, with each adjoint."""
+def neural_ode_tasks(
+    n: int, libs: dict[str, Any], dtype: str | None = None
+) -> list[Task]:
+    """Gradient of a regression loss with respect to the MLP, with each adjoint
+    (float32 whatever `dtype` says; gradsolve's engine is float64)."""
+    del dtype
     params, static = _node_model()
     y0, target = _node_data(n)
     data = (params, jnp.asarray(y0, jnp.float32), jnp.asarray(target, jnp.float32))
@@ -742,9 +757,11 @@ def _stiff_solve(lib: Any, solver: str, problem: StiffProblem) -> Callable:
     return jax.vmap(one)
 
 
-def stiff_tasks(n: int, libs: dict[str, Any]) -> list[Task]:
+def stiff_tasks(n: int, libs: dict[str, Any], dtype: str | None = None) -> list[Task]:
     """ROBER and HIRES ensembles (vector fields closing over their rate constants):
-    solverkit's Rodas5P against diffrax's Kvaerno5."""
+    solverkit's Rodas5P against diffrax's Kvaerno5; float64 only (atol = 1e-10), so
+    `dtype="float32"` leaves them float64 and the suite skips them."""
+    del dtype
     tasks = []
     for problem in (STIFF_PROBLEMS["rober"], STIFF_PROBLEMS["hires"]):
         for library, solver in STIFF_SOLVERS.items():
@@ -798,7 +815,8 @@ CASES = {
         Case(
             "lorenz",
             "Lorenz ensemble (DiffEqGPU.jl): rho = linspace(0, 21, N), t in [0, 1], "
-            "Tsit5; fixed dt=1e-3 (float32) and PID rtol=atol=1e-8 (float64); loss = "
+            "Tsit5; fixed dt=1e-3 (float32) and PID rtol=atol=1e-8 (float64; "
+            "1e-5 in float32 with --dtype float32); loss = "
             "sum of squared final states, gradient w.r.t. rho",
             {
                 "quick": [16, 256, 4096],

@@ -2,14 +2,16 @@
 against the loop of solves that diffrax users write today, on an ensemble of leaky
 integrate-and-fire neurons.
 
-`python -m benchmarks.events [--quick] [--size N] [--repeats R] [--json PATH]`
+`python -m benchmarks.events [--quick] [--size N] [--repeats R] [--json PATH]
+[--dtype float32]`
 
-Case (float64, one process, whatever device JAX sees): `N` = 1024 neurons (`--quick`:
+Case (float64, or float32 with `--dtype float32` for accelerators that emulate
+float64; one process, whatever device JAX sees): `N` = 1024 neurons (`--quick`:
 64), `tau v' = I_k - v` with `tau = 1`, `v(0) = 0`, over t in [0, 10]; a spike where
 `v` crosses 1 upward, after which `v = 0`. The input currents `I_k` are
 `linspace(1.4, 4, N)` shuffled with a fixed seed: from 7 to 34 spikes a neuron, 21
-on average. Tsit5, `PIDController(rtol=atol=1e-8)`, `dt0 = 0.01`; at most
-`--max-spikes` (48) spikes recorded by every method. Exact spike times:
+on average. Tsit5, `PIDController(rtol=atol=1e-8)` (float32: 1e-6), `dt0 = 0.01`;
+at most `--max-spikes` (48) spikes recorded by every method. Exact spike times:
 `t_j = (j + 1) tau log(I / (I - 1))`.
 
 Methods, each `jax.jit(jax.vmap(...))` over the neurons:
@@ -43,6 +45,7 @@ against the exact values, and the ratios of `solverkit effect` to `diffrax loop`
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -61,23 +64,41 @@ import optimistix as optx
 import solverkit as sk
 
 
-jax.config.update("jax_enable_x64", True)
-
 TAU = 1.0
 THRESHOLD = 1.0
 T1 = 10.0
 DT0 = 0.01
-TOL = 1e-8
 I_RANGE = (1.4, 4.0)
 MAX_SPIKES = 48
 MAX_STEPS = 4096
-# diffrax's Newton locates the crossing on the step's dense output; its tolerance
-# is on the time, far below the solver's so that it is not what limits the error.
-NEWTON_TOL = 1e-12
-# What the tolerance allows: the largest error of the spike times (absolute, s) and of
-# the gradient (relative) against the exact values.
-FORWARD_LIMIT = 1e-5
-GRAD_LIMIT = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Tolerances of one precision.
+
+    - `tol`: the solvers' rtol = atol.
+    - `newton_tol`: diffrax's Newton locates the crossing on the step's dense
+        output; its tolerance is on the time, below the solver's so that it is not
+        what limits the error (and above what the dtype resolves at t ~ 10).
+    - `forward_limit`, `grad_limit`: the largest error the tolerance allows, of the
+        spike times (absolute, s) and of the gradient (relative): each spike time
+        inherits the errors of the spikes before it (up to 34), each about
+        (tol + eps t) / v' with v' = I - 1 >= 0.4 at the crossing.
+    """
+
+    dtype: str
+    tol: float
+    newton_tol: float
+    forward_limit: float
+    grad_limit: float
+
+
+SETTINGS = {
+    "float64": Settings("float64", 1e-8, 1e-12, 1e-5, 1e-3),
+    # 34 spikes x (1e-6 + 1.2e-7 x 10) / 0.4 = 2e-4 s: limit 1e-3 s; gradient 1e-2.
+    "float32": Settings("float32", 1e-6, 1e-5, 1e-3, 1e-2),
+}
 
 
 def currents(n: int) -> np.ndarray:
@@ -110,7 +131,7 @@ def _cond(t, y, args, **kwargs):  # diffrax passes these by name
 # --- the methods: one neuron, current -> (spike times padded with inf, steps) ------
 
 
-def solverkit_effect(max_spikes: int) -> Callable:
+def solverkit_effect(max_spikes: int, s: Settings) -> Callable:
     """One solve; the event resets `v` and the solve goes on."""
 
     def one(current):
@@ -128,7 +149,7 @@ def solverkit_effect(max_spikes: int) -> Callable:
             DT0,
             jnp.asarray(0.0),
             event=event,
-            stepsize_controller=sk.PIDController(rtol=TOL, atol=TOL),
+            stepsize_controller=sk.PIDController(rtol=s.tol, atol=s.tol),
             saveat=sk.SaveAt(t1=True),
             max_steps=MAX_STEPS,
             throw=False,
@@ -138,13 +159,13 @@ def solverkit_effect(max_spikes: int) -> Callable:
     return one
 
 
-def _diffrax_segment():
+def _diffrax_segment(s: Settings):
     """A solve from `t0` (with `v = 0`) to the next spike or `T1`, in diffrax:
     `(t_end, spiked, steps)`."""
     term = diffrax.ODETerm(_vf)
     event = diffrax.Event(
         _cond,
-        root_finder=optx.Newton(rtol=NEWTON_TOL, atol=NEWTON_TOL),
+        root_finder=optx.Newton(rtol=s.newton_tol, atol=s.newton_tol),
         direction=True,
     )
 
@@ -158,7 +179,7 @@ def _diffrax_segment():
             jnp.zeros_like(t0),
             current,
             event=event,
-            stepsize_controller=diffrax.PIDController(rtol=TOL, atol=TOL),
+            stepsize_controller=diffrax.PIDController(rtol=s.tol, atol=s.tol),
             saveat=diffrax.SaveAt(t1=True),
             max_steps=MAX_STEPS,
             throw=False,
@@ -170,7 +191,7 @@ def _diffrax_segment():
     return segment
 
 
-def _solverkit_segment():
+def _solverkit_segment(s: Settings):
     """As `_diffrax_segment`, with solverkit's terminal event."""
     term = sk.ODETerm(_vf)
     event = sk.Event(_cond, direction=True)
@@ -185,7 +206,7 @@ def _solverkit_segment():
             jnp.zeros_like(t0),
             current,
             event=event,
-            stepsize_controller=sk.PIDController(rtol=TOL, atol=TOL),
+            stepsize_controller=sk.PIDController(rtol=s.tol, atol=s.tol),
             saveat=sk.SaveAt(t1=True),
             max_steps=MAX_STEPS,
             throw=False,
@@ -262,18 +283,20 @@ def gradient(one: Callable) -> Callable:
     return fn
 
 
-def methods(max_spikes: int, variant: str) -> dict[str, Callable]:
+def methods(max_spikes: int, variant: str, s: Settings) -> dict[str, Callable]:
     """The methods of a variant: name -> one neuron's function."""
-    diffrax_seg, solverkit_seg = _diffrax_segment(), _solverkit_segment()
+    diffrax_seg, solverkit_seg = _diffrax_segment(s), _solverkit_segment(s)
     loop = while_loop if variant == "forward" else scan_loop
     return {
-        "solverkit effect": solverkit_effect(max_spikes),
+        "solverkit effect": solverkit_effect(max_spikes, s),
         "diffrax loop": loop(diffrax_seg, max_spikes),
         "solverkit loop": loop(solverkit_seg, max_spikes),
     }
 
 
-def check(variant: str, result, current, times, counts) -> tuple[float, str]:
+def check(
+    variant: str, result, current, times, counts, s: Settings
+) -> tuple[float, str]:
     """The largest error against the exact values, and a note: empty, or why the
     result is wrong (a spike count that differs, or an error beyond what the
     tolerance allows)."""
@@ -287,11 +310,11 @@ def check(variant: str, result, current, times, counts) -> tuple[float, str]:
             )
         finite = np.isfinite(times)
         error = float(np.max(np.abs(got[finite] - times[finite])))
-        limit = FORWARD_LIMIT
+        limit = s.forward_limit
     else:
         want = exact_gradient(current, counts)
         error = float(np.max(np.abs(np.asarray(result) - want) / np.abs(want)))
-        limit = GRAD_LIMIT
+        limit = s.grad_limit
     if not error < limit:
         return error, f"WRONG: error {error:.1e} >= {limit:.0e}"
     return error, ""
@@ -313,31 +336,35 @@ HEADER = (
 )
 
 
-def run(size: int, repeats: int, max_spikes: int, variants: list[str]) -> list[dict]:
+def run(
+    size: int, repeats: int, max_spikes: int, variants: list[str], s: Settings
+) -> list[dict]:
     current = currents(size)
     times, counts = exact_spikes(current, max_spikes)
     if counts.max() >= max_spikes:
         raise ValueError(f"--max-spikes {max_spikes} <= the most spikes {counts.max()}")
     spikes = int(counts.sum())
     print(
-        f"device: {jax.devices()[0].device_kind}, float64, N = {size}, "
+        f"device: {jax.devices()[0].device_kind}, {s.dtype}, N = {size}, "
         f"{spikes} spikes ({spikes / size:.1f} a neuron, {counts.min()} to "
         f"{counts.max()}), repeats {repeats}"
     )
     print(HEADER)
     print("|" + " --- |" * (HEADER.count("|") - 1))
     rows = []
-    args = (jnp.asarray(current),)
+    args = (jnp.asarray(current, s.dtype),)
     for variant in variants:
         wrap = forward if variant == "forward" else gradient
-        fns = {name: wrap(one) for name, one in methods(max_spikes, variant).items()}
+        fns = {name: wrap(one) for name, one in methods(max_spikes, variant, s).items()}
         # Each method's first call and its check against the exact values (so that
         # every method is seen to compute the same thing before it is timed) ...
         first, compiled, errors, notes, steps = {}, {}, {}, {}, {}
         for name, fn in fns.items():
-            first[name], compiled[name], (result, s) = first_call(fn, args)
-            errors[name], notes[name] = check(variant, result, current, times, counts)
-            steps[name] = int(np.max(np.asarray(s)))
+            first[name], compiled[name], (result, n_steps) = first_call(fn, args)
+            errors[name], notes[name] = check(
+                variant, result, current, times, counts, s
+            )
+            steps[name] = int(np.max(np.asarray(n_steps)))
         # ... then the run times, the methods taking turns (a shared machine's load
         # then weighs on all alike).
         runs: dict[str, list[float]] = {name: [] for name in fns}
@@ -398,10 +425,13 @@ def main(argv=None) -> None:
     parser.add_argument("--max-spikes", type=int, default=MAX_SPIKES)
     parser.add_argument("--variants", default="forward,grad")
     parser.add_argument("--json", type=str, default=None, help="write the rows here")
+    parser.add_argument("--dtype", choices=tuple(SETTINGS), default="float64")
     opts = parser.parse_args(argv)
+    settings = SETTINGS[opts.dtype]
+    jax.config.update("jax_enable_x64", opts.dtype == "float64")
     size = opts.size or (64 if opts.quick else 1024)
     repeats = opts.repeats or (1 if opts.quick else 5)
-    rows = run(size, repeats, opts.max_spikes, opts.variants.split(","))
+    rows = run(size, repeats, opts.max_spikes, opts.variants.split(","), settings)
     if opts.json:
         meta = {
             "device": jax.devices()[0].device_kind,
@@ -409,6 +439,7 @@ def main(argv=None) -> None:
             "diffrax": diffrax.__version__,
             "python": platform.python_version(),
             "commit": _commit(),
+            "dtype": opts.dtype,
             "command": " ".join(["python -m benchmarks.events", *sys.argv[1:]]),
         }
         with open(opts.json, "w") as f:

@@ -71,6 +71,12 @@ def main() -> None:
         "--only", default=None, help="comma list of case/variant (default: all)"
     )
     parser.add_argument("--save", type=pathlib.Path, default=None, help="folder")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32",),
+        default=None,
+        help="float32: float64 variants in float32, float64-only ones left out",
+    )
     args = parser.parse_args()
     if args.save is not None:
         args.save.mkdir(parents=True, exist_ok=True)
@@ -88,9 +94,13 @@ def main() -> None:
             continue
         tasks = {
             t.library: t
-            for t in CASES[case].tasks(size, libs)
-            if t.variant == variant and t.library in names
+            for t in CASES[case].tasks(size, libs, args.dtype)
+            if t.variant == variant
+            and t.library in names
+            and not (args.dtype == "float32" and t.dtype == "float64")
         }
+        if not tasks:
+            continue
         rows: dict[str, list[tuple[float, float, int]]] = {n: [] for n in tasks}
         jobs = {}
         for name, task in tasks.items():

@@ -22,30 +22,10 @@
 # on a CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-WHEELS="${WHEELS:-.whl}"
-
-if ! "$PYTHON" -c "import jax, equinox, diffrax, matplotlib, tqdm" 2>/dev/null; then
-    if [ -d "$WHEELS" ]; then
-        echo "gpu.sh: installing missing packages from $WHEELS" >&2
-        "$PYTHON" -m pip install --quiet --no-index --find-links "$WHEELS" \
-            equinox diffrax matplotlib tqdm
-    fi
-    "$PYTHON" -c "import jax, equinox, diffrax, matplotlib, tqdm" || {
-        echo "gpu.sh: needs jax, equinox, diffrax, matplotlib and tqdm" >&2
-        exit 1
-    }
-fi
-if [ -d "$WHEELS" ] && ! "$PYTHON" -c "import gradsolve" 2>/dev/null; then
-    "$PYTHON" -m pip install --quiet --no-index --find-links "$WHEELS" gradsolve \
-        2>/dev/null || echo "gpu.sh: gradsolve not installed; it will be skipped" >&2
-fi
-
-backend=$("$PYTHON" -c "import jax; print(jax.default_backend())")
-if [ "$backend" != "gpu" ] && [ "${ALLOW_CPU:-0}" != "1" ]; then
-    echo "gpu.sh: JAX sees no GPU (backend: $backend); set ALLOW_CPU=1 to run anyway" >&2
-    exit 1
-fi
+# shellcheck source=benchmarks/common.sh
+. benchmarks/common.sh
+bench_packages
+bench_backend gpu.sh gpu >/dev/null
 "$PYTHON" -c "import jax; print('gpu.sh: jax', jax.__version__, jax.devices())" >&2
 
 # 3 cases x deadline + the last task of each + start-up, then the ensemble (150 s)
@@ -53,18 +33,7 @@ fi
 # (results are written after every case, rows as they finish). Gradients stop at
 # N = 2^22: the Lorenz gradient keeps about 16 KiB of checkpoints per trajectory
 # (15.6 MiB at N = 1024 on CPU), so 2^24 would need about 256 GiB.
-# Where the results go: `--out DIR` if passed, else the suite's default folder.
-out=""
-prev=""
-for arg in "$@"; do
-    [ "$prev" = "--out" ] && out="$arg"
-    case "$arg" in --out=*) out="${arg#--out=}" ;; esac
-    prev="$arg"
-done
-if [ -z "$out" ]; then
-    out="benchmarks/results/$("$PYTHON" -c \
-        'from benchmarks.__main__ import device_slug; print(device_slug())')"
-fi
+out=$(bench_out "$@")
 rc=0
 timeout --signal=INT 250 "$PYTHON" -m benchmarks \
     --cases lorenz,lotka_volterra,neural_ode \
@@ -74,11 +43,10 @@ timeout --signal=INT 250 "$PYTHON" -m benchmarks \
 mkdir -p "$out"
 echo "gpu.sh: ensemble benchmark -> $out/ensemble.md" >&2
 # shellcheck disable=SC2086  # the flags are meant to split
-timeout --signal=INT 150 "$PYTHON" -m benchmarks.ensemble \
-    ${ENSEMBLE_ARGS:---sizes 4096,65536 --lanes d,4096 --repeats 3} \
+bench_module 150 ensemble ${ENSEMBLE_ARGS:---sizes 4096,65536 --lanes d,4096 --repeats 3} \
     | tee "$out/ensemble.md" || rc=$?
 echo "gpu.sh: events benchmark -> $out/events.json" >&2
 # shellcheck disable=SC2086
-timeout --signal=INT 80 "$PYTHON" -m benchmarks.events \
-    ${EVENTS_ARGS:---size 4096 --repeats 3} --json "$out/events.json" || rc=$?
+bench_module 80 events ${EVENTS_ARGS:---size 4096 --repeats 3} \
+    --json "$out/events.json" || rc=$?
 exit "$rc"

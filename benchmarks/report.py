@@ -7,13 +7,16 @@ import pathlib
 from collections import defaultdict
 from typing import Any
 
-import matplotlib
+from .harness import Record
 
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+try:  # optional: without matplotlib the tables are written and the plots left out
+    import matplotlib
 
-from .harness import Record  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
 
 
 LIBRARY_ORDER = ("solverkit", "diffrax", "diffrax-closure", "gradsolve", "torchdiffeq")
@@ -170,7 +173,7 @@ def plot(path: pathlib.Path, case: str, records: list[Record]) -> None:
     against ensemble size, log-log, one line per library. A case measured at a single
     size gets one bar chart instead (run time per variant, a bar per library)."""
     ok = [r for r in records if r.case == case and r.status == "ok"]
-    if not ok:
+    if not ok or plt is None:
         return
     if len({r.size for r in ok}) == 1:
         _bars(path, case, ok)

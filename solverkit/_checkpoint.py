@@ -29,7 +29,7 @@ from ._loop import Outputs
 from ._problem import Buffers, Carry, Problem
 from ._schedule import Layout
 from ._select import where
-from ._stack import get_row, pack, put_row, Stack, stack, unpack
+from ._stack import fixed_leaves, get_row, pack, put_row, Stack, stack, unpack
 from ._tree import tree_where
 from ._unvmap import unvmap_max
 
@@ -135,12 +135,21 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
         return _Record(store, n, rec.it + 1, level)
 
     zero = jnp.asarray(0, jnp.int32)
-    store, n = stack(carry, slots + 1), zero
+    store, n = stack(carry, slots + 1, _invariant(problem, carry, bufs)), zero
     if _loop.adaptive(problem):  # see `batch_like`; the counters stay unbatched
         store, n = _loop.batch_like(carry.num_steps, (store, n))
     rec = _Record(store, n, zero, zero)
     carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record)
     return (carry, bufs), (rec, bufs, carry)
+
+
+def _invariant(problem: Problem, carry: Carry, bufs: Buffers) -> tuple[bool, ...]:
+    """Per carry leaf: whether a loop iteration returns it unchanged (the same
+    variable in the traced body, e.g. `ConstantStepSize`'s step count and interval
+    ends). Checkpoints keep such leaves once rather than in every row."""
+    body = lambda c: _loop.body(problem, (c, bufs))[0]  # noqa: E731
+    jaxpr = jax.make_jaxpr(body)(carry).jaxpr
+    return tuple(i is o for i, o in zip(jaxpr.invars, jaxpr.outvars))
 
 
 class _Reverse(NamedTuple):
@@ -274,8 +283,8 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
         return start, bounds.segment, buffer, mids, ct_p, ct_c
 
     loop_state = (
-        stack(final, layout.buffer),
-        stack(final, layout.mid + 1) if layout.mid else None,
+        stack(final, layout.buffer, fixed_leaves(rec.store)),
+        stack(final, layout.mid + 1, fixed_leaves(rec.store)) if layout.mid else None,
         jtu.tree_map(jnp.zeros_like, p_diff),
         eqx.filter(ct_carry, diff_mask),
     )

@@ -22,20 +22,28 @@ Row = tuple[jax.Array, ...]  # one row, packed: a flat array per array of the st
 
 
 class Stack(eqx.Module):
-    """Rows of copies of one pytree, one `(rows, width)` array per dtype."""
+    """Rows of copies of one pytree, one `(rows, width)` array per dtype. Leaves that
+    are the same in every row (`fixed`) are kept once, not in the rows."""
 
     arrays: tuple[jax.Array, ...]
+    fixed: tuple[jax.Array, ...]  # the fixed leaves' values, in leaf order
     # (jaxlib has no stub for the class that `jtu.PyTreeDef` names)
     treedef: jtu.PyTreeDef = eqx.field(static=True)  # pyright: ignore[reportInvalidTypeForm]
-    # Per leaf: which array, where in the row, and its shape.
+    # Per leaf: which array (-1: fixed), where in the row, and its shape.
     places: tuple[tuple[int, int, tuple[int, ...]], ...] = eqx.field(static=True)
 
 
-def stack(tree: PyTree, rows: int) -> Stack:
-    """`rows` zero copies of `tree`."""
+def stack(tree: PyTree, rows: int, fixed: tuple[bool, ...] | None = None) -> Stack:
+    """`rows` zero copies of `tree`; the leaves where `fixed` (one flag per leaf) is
+    true are kept once, with their values in `tree`."""
     leaves, treedef = jtu.tree_flatten(tree)
-    dtypes, widths, places = [], [], []
-    for x in leaves:
+    fixed = fixed or (False,) * len(leaves)
+    dtypes, widths, places, values = [], [], [], []
+    for x, is_fixed in zip(leaves, fixed):
+        if is_fixed:
+            places.append((-1, len(values), jnp.shape(x)))
+            values.append(jnp.asarray(x))
+            continue
         dtype = jnp.result_type(x)
         if dtype not in dtypes:
             dtypes.append(dtype)
@@ -44,21 +52,29 @@ def stack(tree: PyTree, rows: int) -> Stack:
         places.append((group, widths[group], jnp.shape(x)))
         widths[group] += math.prod(jnp.shape(x))
     arrays = tuple(jnp.zeros((rows, w), d) for d, w in zip(dtypes, widths))
-    return Stack(arrays, treedef, tuple(places))
+    return Stack(arrays, tuple(values), treedef, tuple(places))
+
+
+def fixed_leaves(stack: Stack) -> tuple[bool, ...]:
+    """Which leaves `stack` keeps once (for `stack(tree, rows, fixed_leaves(s))`)."""
+    return tuple(g < 0 for g, _, _ in stack.places)
 
 
 def pack(stack: Stack, tree: PyTree) -> Row:
-    """`tree` as one row of `stack`."""
+    """`tree` as one row of `stack` (its fixed leaves left out)."""
     parts = [[] for _ in stack.arrays]
     for (g, _, _), x in zip(stack.places, jtu.tree_leaves(tree)):
-        parts[g].append(jnp.reshape(x, (-1,)))
+        if g >= 0:
+            parts[g].append(jnp.reshape(x, (-1,)))
     return tuple(jnp.concatenate(p) for p in parts)
 
 
 def unpack(stack: Stack, row: Row) -> PyTree:
-    """The pytree of a row of `stack` (see `pack`)."""
+    """The pytree of a row of `stack` (see `pack`), with its fixed leaves."""
     leaves = [
-        lax.slice_in_dim(row[g], start, start + math.prod(shape)).reshape(shape)
+        stack.fixed[start]
+        if g < 0
+        else lax.slice_in_dim(row[g], start, start + math.prod(shape)).reshape(shape)
         for g, start, shape in stack.places
     ]
     return jtu.tree_unflatten(stack.treedef, leaves)
@@ -74,4 +90,4 @@ def put_row(stack: Stack, i, row: Row) -> Stack:
     arrays = tuple(
         lax.dynamic_update_index_in_dim(a, r, i, 0) for a, r in zip(stack.arrays, row)
     )
-    return Stack(arrays, stack.treedef, stack.places)
+    return Stack(arrays, stack.fixed, stack.treedef, stack.places)

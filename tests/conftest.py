@@ -11,6 +11,8 @@ and benchmark subprocesses and the long checks; `python -m pytest -q -m "not slo
 the quick loop (a couple of minutes), `python -m pytest -q` runs everything.
 """
 
+import inspect
+
 import jax
 import pytest
 from helpers import float64
@@ -39,3 +41,32 @@ def _fresh_compilation_caches():
     the last file, `tests/test_user_solver.py`, which passes alone."""
     yield
     jax.clear_caches()
+
+
+def _float64_reason(item: pytest.Item) -> str | None:
+    """Why a test needs float64 (the `x64` fixture, or `float64()` / `enable_x64`
+    in its body), or `None`."""
+    if "x64" in getattr(item, "fixturenames", ()):
+        return "uses the x64 fixture"
+    try:
+        source = inspect.getsource(getattr(item, "function", None))  # pyright: ignore
+    except (OSError, TypeError):
+        return None
+    for marker in ("float64()", "enable_x64"):
+        if marker in source:
+            return f"calls {marker}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    """On a TPU, float64 is emulated (slow, and some of it unsupported): tests that
+    need it are skipped there, with the reason. CPU and GPU runs are unchanged."""
+    del config
+    if jax.default_backend() != "tpu":
+        return
+    for item in items:
+        reason = _float64_reason(item)
+        if reason is not None:
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs float64 on a TPU: {reason}")
+            )
