@@ -477,14 +477,19 @@ def _after_occurrence(problem: Problem, t1, y, apply, reference):
     A condition left at (numerically) zero by the occurrence is taken to be on the
     side it moves to (the sign of its rate along the flow), so that the next
     crossing is found even within the next step; NaN (never fires for a step) where
-    it does not move."""
+    it does not move. But where it moves on to the far side of the crossing while,
+    before the effect, it moved back (a crossing located within rounding of a
+    vanishing bounce), its motion is a crossing of its own, starting there: it is
+    taken to be on the side it comes from, so that it fires at once (as at `t0`),
+    never to cross unseen."""
+    _, before = _conditions_along_flow(problem, t1, y)
     if problem.effect is not None:
         changed = problem.effect(flip(problem.direction, t1), y, problem.args)
         y = tree_where(apply, like_state(changed, y), y)
     restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
     after, moving = _conditions_along_flow(problem, t1, y)
-    side = lambda a, m, r: _side(a, m, r, _window(t1))
-    return y, restart, jtu.tree_map(side, after, moving, reference)
+    side = lambda a, m, b, r: _side_after(a, m, b, r, _window(t1))
+    return y, restart, jtu.tree_map(side, after, moving, before, reference)
 
 
 def _conditions_along_flow(problem: Problem, t, y) -> tuple[PyTree, PyTree]:
@@ -522,11 +527,31 @@ def _side(value, rate, reference, window):
     moves it to."""
     if jnp.issubdtype(value.dtype, jnp.bool_):
         return value
+    at_zero, size = _near_zero(value, rate, reference, window)
+    tiny = where(rate == 0, jnp.nan, jnp.sign(rate) * size)
+    return where(at_zero, tiny.astype(value.dtype), value)
+
+
+def _near_zero(value, rate, reference, window):
+    """Whether a real condition's `value` is zero to within rounding (see `_side`),
+    and the size of the tiny value that stands for it then."""
     tol = jnp.sqrt(jnp.finfo(value.dtype).eps)
     scale = tol * jnp.abs(reference)
-    tiny = where(rate == 0, jnp.nan, jnp.sign(rate) * jnp.maximum(scale, tol))
     at_zero = (jnp.abs(value) <= scale) | (jnp.abs(value) <= jnp.abs(rate) * window)
-    return where(at_zero, tiny.astype(value.dtype), value)
+    return at_zero, jnp.maximum(scale, tol)
+
+
+def _side_after(value, rate, rate_before, reference, window):
+    """A real condition's `value` just after an occurrence: as `_side`, but on the
+    `reference` side where it is at zero and moves away from it while, before the
+    effect, it moved towards it (`rate_before`): a crossing starting there."""
+    out = _side(value, rate, reference, window)
+    if jnp.issubdtype(value.dtype, jnp.bool_):
+        return out
+    at_zero, size = _near_zero(value, rate, reference, window)
+    back = jnp.sign(reference)
+    again = (jnp.sign(rate) == -back) & (jnp.sign(rate_before) == back) & (back != 0)
+    return where(at_zero & again, (back * size).astype(value.dtype), out)
 
 
 def body(

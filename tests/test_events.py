@@ -389,3 +389,79 @@ def test_steady_state_event_and_context_keywords():
             1.0,
             event=sk.Event(sk.steady_state_event()),
         )
+
+
+# --- Events that continue: a bouncing ball past its accumulation point ----------------
+
+_G = 9.81
+
+
+def _ball_to(e, h0, t1, tol, dtype=jnp.float64, max_events=1000):
+    """A ball dropped from `h0`, restitution `e` (closed over by the effect), solved to
+    `t1`; the last saved state."""
+    event = sk.Event(
+        lambda t, y, args: y[0],
+        direction=False,
+        effect=lambda t, y, args: jnp.stack([y[0], -e * y[1]]),
+        max_events=max_events,
+    )
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: jnp.stack([y[1], -_G + 0 * y[0]])),
+        sk.Tsit5(),
+        0.0,
+        t1,
+        0.01,
+        jnp.stack([h0, jnp.zeros_like(h0)]).astype(dtype),
+        event=event,
+        stepsize_controller=sk.PIDController(rtol=tol, atol=tol),
+        saveat=sk.SaveAt(t1=True),
+        max_steps=4096,
+        throw=False,
+    )
+
+
+@pytest.mark.parametrize("tol", [1e-8, 1e-10])
+@pytest.mark.usefixtures("x64")
+def test_bounces_accumulate_never_fall_through_the_floor(tol):
+    """After any occurrence the state never crosses the condition unseen: however
+    far past the accumulation point `t1` lies, the solve stops there with
+    `events_accumulated`, on the floor (it used to fall through for e = 0.5,
+    h0 = 1.5, tol 1e-10: a crossing located in the rounding of a vanishing bounce,
+    where the ball moved up, turned down by the effect). Under jit and vmap over the
+    restitution, the drop height and the horizon."""
+    es = jnp.array([0.3, 0.5, 0.5, 0.7, 0.8])
+    h0s = jnp.array([1.0, 1.5, 1.0, 1.5, 1.0])
+    grid = [(e, h, t1) for e, h in zip(es, h0s) for t1 in (10.0, 50.0)]
+    e, h0, t1 = (jnp.array(v) for v in zip(*grid))
+
+    @jax.jit
+    @jax.vmap
+    def solve(e, h0, t1):
+        sol = _ball_to(e, h0, t1, tol)
+        return sol.result.code, sol.ts[-1], sol.ys[-1]
+
+    code, t_end, y_end = solve(e, h0, t1)
+    t_zeno = np.sqrt(2 * h0 / _G) * (1 + e) / (1 - e)
+    np.testing.assert_array_equal(code, sk.RESULTS.events_accumulated.code)
+    # Bounce times are exact to rounding (Tsit5 integrates a parabola exactly), so
+    # the accumulation point to the rounding of ~50 impact times, far within 1e-9.
+    np.testing.assert_allclose(t_end, t_zeno, rtol=1e-9)
+    # On the floor: the height to rounding of h0 ** 2 (its size squared, as a
+    # parabola's value near its root), not below it.
+    assert np.all(np.asarray(y_end[:, 0]) > -1e-12)
+    assert np.all(np.abs(np.asarray(y_end[:, 1])) < 1e-6)
+
+
+@pytest.mark.usefixtures("x64")
+def test_accumulation_time_gradient():
+    """The time where the bounces accumulate, differentiated with respect to the
+    restitution through every impact (its effect) and location: the closed form
+    `sqrt(2 h0 / g) 2 / (1 - e) ** 2`."""
+
+    def t_end(e):
+        return _ball_to(e, jnp.asarray(1.5), 10.0, 1e-10).ts[-1]
+
+    e = 0.5
+    got = jax.grad(t_end)(e)
+    # ~50 impacts' rounding in a sum whose terms shrink geometrically: 1e-7 is ample.
+    np.testing.assert_allclose(got, np.sqrt(2 * 1.5 / _G) * 2 / (1 - e) ** 2, rtol=1e-7)
