@@ -52,8 +52,9 @@ class Event(eqx.Module):
 
     - `effect`: `effect(t, y, args) -> y_new`, applied where a condition crosses
         zero; the solve then restarts from `y_new` (the solver's state made anew,
-        as after a jump) and continues. It may close over anything, as the vector
-        field may. Conditions must then be real-valued.
+        as after a jump) and continues. `y_new` has the structure, shapes and
+        dtypes of `y` (nothing is broadcast). It may close over anything, as the
+        vector field may. Conditions must then be real-valued.
     - `terminal`: whether (`True`) or at which occurrence (an int `k`: the `k`-th,
         as SciPy's) the solve stops; `False` never stops. Default: `True` without an
         `effect`, `False` with one. A stop ends the solve at the crossing, before

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -37,12 +38,12 @@ class TimedEvent(eqx.Module):
         `ts`:
     - `start`, `interval`, `count`: `count` times from `start`, `interval` apart
         (a repeated dose), as `start + interval * arange(count)`.
-    - `amount`: what each event adds to the state: a pytree with the structure of
-        `y0` whose leaves have the shape of the state's (or are scalars), the same
-        amount each time; or with one more, leading, axis of length `len(ts)`: one
-        amount per time. Or, instead of `amount`:
+    - `amount`: what each event adds to the state: a pytree with the structure,
+        shapes and dtypes of `y0` (a Python number may stand for a scalar leaf),
+        the same amount each time; or with one more, leading, axis of length
+        `len(ts)`: one amount per time. Or, instead of `amount`:
     - `effect`: `effect(t, y, args) -> y_new`, which may close over anything, as the
-        vector field may.
+        vector field may; `y_new` has the structure, shapes and dtypes of `y`.
 
     Steps land exactly on each time. A value saved at an event's time is the state
     just before it (the left limit), and an event at `t0` is applied before the
@@ -128,6 +129,43 @@ def _event_times(ts, start, interval, count) -> Array:
     return ts
 
 
+def check_like_state(out: PyTree, y0: PyTree, what: str) -> None:
+    """A new state (an effect's output, an amount added to the state) must have the
+    structure, shapes and dtypes of `y0` exactly (a Python number may stand for a
+    leaf of its kind): nothing is broadcast or cast silently.
+
+    **Arguments:**
+
+    - `out`: the value, or its `jax.ShapeDtypeStruct`s.
+    - `y0`: the initial state.
+    - `what`: the argument, as the error message names it.
+
+    **Raises:**
+
+    `ValueError` naming `what` and the expected structure, shape or dtype.
+    """
+    y_leaves, y_tree = jtu.tree_flatten(y0)
+    out_leaves, out_tree = jtu.tree_flatten(out)
+    if out_tree != y_tree:
+        raise ValueError(
+            f"{what} must have the structure of `y0`: expected {y_tree}, got "
+            f"{out_tree}."
+        )
+    for i, (o, y) in enumerate(zip(out_leaves, y_leaves)):
+        o_shape, y_shape = tuple(jnp.shape(o)), tuple(jnp.shape(y))
+        o_dtype, y_dtype = jnp.result_type(o), jnp.result_type(y)
+        weak = getattr(o, "weak_type", False) or isinstance(o, (int, float, complex))
+        kind = jnp.issubdtype(o_dtype, jnp.complexfloating) <= jnp.issubdtype(
+            y_dtype, jnp.complexfloating
+        )
+        if o_shape != y_shape or not (o_dtype == y_dtype or weak and kind):
+            raise ValueError(
+                f"{what}: leaf {i} must have the state's shape {y_shape} and dtype "
+                f"{y_dtype}, got shape {o_shape} and dtype {o_dtype} (nothing is "
+                "broadcast or cast)."
+            )
+
+
 class Timed(eqx.Module):
     """A `TimedEvent` inside the engine: times in internal time (increasing), the
     amount with a leading axis or not per leaf (`per_event`), or the converted
@@ -161,36 +199,26 @@ def prepare(
         )
     if timed.amount is None:
         return Timed(flip(direction, ts), None, effect, ())
-    y_leaves, y_tree = jtu.tree_flatten(y0)
     a_leaves, a_tree = jtu.tree_flatten(timed.amount)
-    if a_tree != y_tree:
-        raise ValueError(
-            "TimedEvent(amount=...) must have the structure of `y0`: expected "
-            f"{y_tree}, got {a_tree}."
+    amounts = [jnp.asarray(a) for a in a_leaves]
+    y_shapes = [tuple(jnp.shape(y)) for y in jtu.tree_leaves(y0)]
+    if len(y_shapes) != len(amounts):
+        y_shapes = [()] * len(amounts)  # the structure's error follows
+    per_event = [
+        a.ndim == len(s) + 1 and a.shape[0] == ts.size
+        for a, s in zip(amounts, y_shapes)
+    ]
+    each = [
+        jax.ShapeDtypeStruct(
+            a.shape[1:] if e else a.shape, a.dtype, weak_type=a.weak_type
         )
-    amounts, per_event = [], []
-    for i, (a, y) in enumerate(zip(a_leaves, y_leaves)):
-        a = jnp.asarray(a)
-        y_shape = tuple(jnp.shape(y))
-        each = a.ndim == len(y_shape) + 1 and a.shape[0] == ts.size
-        shape = a.shape[1:] if each else a.shape
-        try:
-            fits = jnp.broadcast_shapes(shape, y_shape) == y_shape
-        except ValueError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"TimedEvent(amount=...): leaf {i} must have the shape of the state's "
-                f"leaf {y_shape} (or broadcast to it), or ({ts.size}, *{y_shape}) for "
-                f"one amount per time; got {a.shape}."
-            )
-        if jnp.iscomplexobj(a) and not jnp.iscomplexobj(y):
-            raise TypeError(
-                f"TimedEvent(amount=...): leaf {i} is complex but the state's is real "
-                f"({jnp.result_type(y)})."
-            )
-        amounts.append(a)
-        per_event.append(bool(each))
+        for a, e in zip(amounts, per_event)
+    ]
+    check_like_state(
+        jtu.tree_unflatten(a_tree, each),
+        y0,
+        f"TimedEvent(amount=...) (or each of its {ts.size} rows, one per time)",
+    )
     return Timed(
         flip(direction, ts), jtu.tree_unflatten(a_tree, amounts), None, tuple(per_event)
     )
