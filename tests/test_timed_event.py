@@ -365,3 +365,107 @@ def test_exact_effect_and_amounts_are_accepted_under_jit_vmap_grad():
         event=sk.TimedEvent([0.5], amount=1.0),
     )
     np.testing.assert_allclose(scalar.ys[-1], np.exp(-1.0) + np.exp(-0.5), rtol=2e-5)
+
+
+_NAN = float("nan")
+_SCHEDULES = {
+    # name: (the schedule from one traced value, the bad value, the message)
+    "nan-time": (
+        lambda v: sk.TimedEvent(jnp.stack([0.5, v, 2.0]), amount=jnp.ones(2)),
+        _NAN,
+        r"TimedEvent\(ts=...\): time 1 is NaN",
+    ),
+    "not-increasing": (
+        lambda v: sk.TimedEvent(jnp.stack([0.5, 1.5, v]), amount=jnp.ones(2)),
+        1.0,
+        r"TimedEvent\(ts=...\)(: time 2 does not come after time 1| must be strictly)",
+    ),
+    "repeated-time": (
+        lambda v: sk.TimedEvent(jnp.stack([0.5, v]), amount=jnp.ones(2)),
+        0.5,
+        r"TimedEvent\(ts=...\)(: time 1 does not come after time 0| must be strictly)",
+    ),
+    "nan-amount": (
+        lambda v: sk.TimedEvent([0.5, 1.0], amount=jnp.stack([1.0, v])),
+        _NAN,
+        r"TimedEvent\(amount=...\): leaf 0 is NaN",
+    ),
+    "nan-amount-per-time": (
+        lambda v: sk.TimedEvent([0.5, 1.0], amount=jnp.array([[1.0, 1.0], [1.0, v]])),
+        _NAN,
+        r"TimedEvent\(amount=...\): leaf 0, at time 1, is NaN",
+    ),
+    "nan-start": (
+        lambda v: sk.TimedEvent(start=v, interval=0.5, count=3, amount=jnp.ones(2)),
+        _NAN,
+        r"TimedEvent\(start=...\) is NaN",
+    ),
+    "nan-interval": (
+        lambda v: sk.TimedEvent(start=0.5, interval=v, count=3, amount=jnp.ones(2)),
+        _NAN,
+        r"TimedEvent\(interval=...\) is NaN",
+    ),
+    "zero-interval": (
+        lambda v: sk.TimedEvent(start=0.5, interval=v, count=3, amount=jnp.ones(2)),
+        0.0,
+        r"TimedEvent\(interval=...\) is 0",
+    ),
+    "negative-interval": (
+        lambda v: sk.TimedEvent(start=0.5, interval=v, count=3, amount=jnp.ones(2)),
+        -0.5,
+        r"TimedEvent\(interval=...\) must be positive for a solve forwards",
+    ),
+}
+
+
+def _dosed(schedule):
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -y),
+        sk.Tsit5(),
+        0.0,
+        3.0,
+        0.1,
+        jnp.ones(2),
+        event=schedule,
+        stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6),
+    ).ys[-1]
+
+
+@pytest.mark.parametrize("how", ["now", "jit", "vmap"])
+@pytest.mark.parametrize("case", sorted(_SCHEDULES))
+def test_bad_schedules_are_errors_also_when_traced(case, how):
+    """A NaN time, amount, start or interval, a non-positive interval and times not
+    increasing are errors naming the schedule's argument and entry: known, a
+    `ValueError` before the solve; traced (jit, vmap: one bad element fails the
+    batch), at run time. They used to drop doses silently, or end in
+    `max_steps_reached`."""
+    make, bad, message = _SCHEDULES[case]
+    solve = lambda v: _dosed(make(v))  # noqa: E731
+    with pytest.raises(ValueError if how == "now" else Exception, match=message):
+        if how == "now":
+            solve(jnp.asarray(bad))
+        elif how == "jit":
+            jax.block_until_ready(jax.jit(solve)(jnp.asarray(bad)))
+        else:
+            jax.block_until_ready(jax.vmap(solve)(jnp.array([0.75, bad])))
+
+
+def test_traced_schedule_solves_and_differentiates():
+    """A valid traced schedule solves as a known one, and its interval is
+    differentiable: y' = -y, doses of 1 at 0.5, 0.5 + d, 0.5 + 2 d, against the
+    exact solution and its derivative in `d`."""
+
+    def y_end(d):
+        doses = sk.TimedEvent(start=0.5, interval=d, count=3, amount=jnp.ones(2))
+        return _dosed(doses)[0]
+
+    def exact(d):
+        return np.exp(-3.0) + sum(np.exp(-(2.5 - k * d)) for k in range(3))
+
+    d = 0.75
+    # rtol 1e-6 in float32: errors of a few 1e-6 relative.
+    np.testing.assert_allclose(jax.jit(y_end)(d), exact(d), rtol=2e-5)
+    got = jax.vmap(y_end)(jnp.array([0.5, 0.75]))
+    np.testing.assert_allclose(got, [exact(0.5), exact(0.75)], rtol=2e-5)
+    slope = sum(k * np.exp(-(2.5 - k * d)) for k in range(3))
+    np.testing.assert_allclose(jax.grad(y_end)(d), slope, rtol=1e-4)
