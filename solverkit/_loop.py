@@ -459,7 +459,11 @@ def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, resul
     of the previous one (its landing step has no length, to a hundred ulps):
     occurrences accumulate there and no solve goes past (`events_accumulated`)."""
     t0, t1 = out.t0, out.t1
-    stop = landed & (count >= problem.stop_at) if problem.stop_at else False
+    stop = (
+        landed & (count >= problem.stop_at)
+        if problem.stop_at
+        else jnp.zeros_like(landed)
+    )
     over = landed & (count > problem.max_events)
     close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
     accumulated = landed & (t1 - t0 <= close) & (hybrid.count > 0) & ~stop & ~over

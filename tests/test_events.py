@@ -465,3 +465,27 @@ def test_accumulation_time_gradient():
     got = jax.grad(t_end)(e)
     # ~50 impacts' rounding in a sum whose terms shrink geometrically: 1e-7 is ample.
     np.testing.assert_allclose(got, np.sqrt(2 * 1.5 / _G) * 2 / (1 - e) ** 2, rtol=1e-7)
+
+
+def test_occurrence_masks_are_boolean():
+    """Without a stopping occurrence (`terminal=False`), whether an occurrence is
+    applied is a boolean mask (it was `~False == -1`, an int32 mask, right only by
+    the bits of -1 and sending `where` down its slow path)."""
+    from types import SimpleNamespace
+
+    from solverkit import _loop
+
+    problem = SimpleNamespace(stop_at=None, max_events=4)
+    hybrid = SimpleNamespace(count=jnp.asarray(1, jnp.int32))
+    out = SimpleNamespace(t0=jnp.asarray(0.0), t1=jnp.asarray(1.0))
+    landed = jnp.asarray(True)
+    apply, result = _loop._occurrence_ends(
+        problem,
+        hybrid,
+        landed,
+        jnp.asarray(2, jnp.int32),
+        out,
+        jnp.asarray(0, jnp.int32),
+    )
+    assert apply.dtype == jnp.bool_ and bool(apply)
+    assert result.dtype == jnp.int32 and int(result) == sk.RESULTS.successful.code
