@@ -489,3 +489,57 @@ def test_occurrence_masks_are_boolean():
     )
     assert apply.dtype == jnp.bool_ and bool(apply)
     assert result.dtype == jnp.int32 and int(result) == sk.RESULTS.successful.code
+
+
+def _arctan_event(k, y0, root_finder):
+    """y' = -2 y, a condition arctan(k (y - 0.3)) (Newton from the middle of a long
+    step overshoots for large k), constant steps of 0.5."""
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -2 * y),
+        sk.Tsit5(),
+        0.0,
+        10.0,
+        0.5,
+        y0,
+        event=sk.Event(
+            lambda t, y, args: jnp.arctan(k * (y - 0.3)), root_finder=root_finder
+        ),
+        stepsize_controller=sk.ConstantStepSize(),
+        throw=False,
+    )
+
+
+@pytest.mark.usefixtures("x64")
+def test_optimistix_root_finder_that_diverges_falls_back_to_the_bracket():
+    """A user's Newton that diverges (its result a failure) used to give the clipped
+    or NaN time of its last iterate while the solve said `event_occurred`; now the
+    built-in bracketed search finds the crossing: the same time as with no root
+    finder (the same dense output), under jit, vmap and grad."""
+    newton = optx.Newton(rtol=1e-12, atol=1e-12)
+    t_user = jax.jit(lambda y0: _arctan_event(100.0, y0, newton).ts[-1])
+    t_own = jax.jit(lambda y0: _arctan_event(100.0, y0, None).ts[-1])
+    y0 = jnp.array([1.0, 1.2])
+    got, want = jax.vmap(t_user)(y0), jax.vmap(t_own)(y0)
+    # Both locate the root of one interpolant to the root finders' tolerances.
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+    assert np.all(got > 0.5)  # not the clipped start of the step
+    # The crossing's time moves with y0 as the dense output's root does.
+    np.testing.assert_allclose(jax.grad(t_user)(1.0), jax.grad(t_own)(1.0), rtol=1e-8)
+
+
+@pytest.mark.usefixtures("x64")
+def test_optimistix_root_after_an_occurrence_is_not_the_previous_one():
+    """After an occurrence the condition is at zero at the step's start, `a`; a
+    user's root finder that converges there (from the middle of the step, on the
+    wrong side of the condition's turning point) found the previous occurrence
+    again. The bracketed search takes over: the next root. g = -(t-1)(t-3)(t+10)
+    on [1, 3.05] (its maximum at 2.04, right of the middle)."""
+    from solverkit import _event
+
+    g = lambda t: -(t - 1.0) * (t - 3.0) * (t + 10.0)  # noqa: E731
+    a, b = jnp.asarray(1.0), jnp.asarray(3.05)
+    newton = optx.Newton(rtol=1e-12, atol=1e-12)
+    root = _event._optx_root(
+        g, newton, a, b, jnp.asarray(1e-8), jnp.asarray(False), jnp.asarray(1e-8)
+    )
+    np.testing.assert_allclose(root, 3.0, rtol=1e-10)
