@@ -543,3 +543,50 @@ def test_optimistix_root_after_an_occurrence_is_not_the_previous_one():
         g, newton, a, b, jnp.asarray(1e-8), jnp.asarray(False), jnp.asarray(1e-8)
     )
     np.testing.assert_allclose(root, 3.0, rtol=1e-10)
+
+
+def _ball_singular_effect(e):
+    """The ball of `_ball_to` (from 1.5, tol 1e-10), its effect written to be NaN
+    away from its events: the ratio (v - |v|) / (v - |v|) is 1 while falling (at an
+    impact) and 0 / 0 while rising. The 3rd impact time."""
+    ratio = lambda v: (v - jnp.abs(v)) / (v - jnp.abs(v))  # noqa: E731
+    event = sk.Event(
+        lambda t, y, args: y[0],
+        direction=False,
+        effect=lambda t, y, args: jnp.stack([y[0], -e * y[1] * ratio(y[1])]),
+        terminal=3,
+        max_events=3,
+    )
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: jnp.stack([y[1], -_G + 0 * y[0]])),
+        sk.Tsit5(),
+        0.0,
+        10.0,
+        0.01,
+        jnp.array([1.5, 0.0]),
+        event=event,
+        stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        throw=False,
+    )
+    return sol.events.ts[2]
+
+
+@pytest.mark.usefixtures("x64")
+def test_effect_singular_away_from_events_gives_finite_gradients():
+    """An effect is evaluated only where an occurrence applies it (and, under vmap,
+    differentiated only there): one that is NaN away from its events leaves the
+    gradient finite and exact. The 3rd impact is at t_1 (1 + 2 e + 2 e^2),
+    t_1 = sqrt(2 h0 / g): its derivative in e, t_1 (2 + 4 e)."""
+    t_1 = np.sqrt(2 * 1.5 / _G)
+    es = jnp.array([0.5, 0.8])
+    # Tsit5 integrates each parabola exactly: times and derivatives exact to
+    # rounding (~1e-13); 1e-9 leaves room for the location's tolerance.
+    np.testing.assert_allclose(
+        jax.jit(jax.vmap(_ball_singular_effect))(es),
+        t_1 * (1 + 2 * es + 2 * es**2),
+        rtol=1e-9,
+    )
+    got = jax.jit(jax.grad(_ball_singular_effect))(0.5)
+    np.testing.assert_allclose(got, t_1 * (2 + 4 * 0.5), rtol=1e-9)
+    got = jax.jit(jax.vmap(jax.grad(_ball_singular_effect)))(es)
+    np.testing.assert_allclose(got, t_1 * (2 + 4 * es), rtol=1e-9)
