@@ -25,6 +25,7 @@ from ._select import where
 from ._solution import RESULTS
 from ._time import flip
 from ._tree import nograd, tree_where
+from ._unvmap import unvmap_any
 
 
 class Event(eqx.Module):
@@ -52,8 +53,9 @@ class Event(eqx.Module):
 
     - `effect`: `effect(t, y, args) -> y_new`, applied where a condition crosses
         zero; the solve then restarts from `y_new` (the solver's state made anew,
-        as after a jump) and continues. It may close over anything, as the vector
-        field may. Conditions must then be real-valued.
+        as after a jump) and continues. `y_new` has the structure, shapes and
+        dtypes of `y` (nothing is broadcast). It may close over anything, as the
+        vector field may. Conditions must then be real-valued.
     - `terminal`: whether (`True`) or at which occurrence (an int `k`: the `k`-th,
         as SciPy's) the solve stops; `False` never stops. Default: `True` without an
         `effect`, `False` with one. A stop ends the solve at the crossing, before
@@ -455,17 +457,17 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=
         active = event & f
         a = lax.stop_gradient(where(active, tstart, tend - 1))
         b = lax.stop_gradient(tend)
+        # The search is not differentiated (the Newton step below gives the
+        # derivative), so it may stop when it has converged.
+        fixed = nograd((problem, closure, info, tstart, tend))
+        h = lambda tau, fixed=fixed: _cond_on(
+            fixed[0], fixed[1], fixed[2], fixed[3], fixed[4], tau
+        )
+        ga = h(a) if before is None else before.astype(tend.dtype)
         if problem.root_finder is None:
-            # The search is not differentiated (the Newton step below gives the
-            # derivative), so it may stop when it has converged.
-            fixed = nograd((problem, closure, info, tstart, tend))
-            h = lambda tau, fixed=fixed: _cond_on(
-                fixed[0], fixed[1], fixed[2], fixed[3], fixed[4], tau
-            )
-            ga = h(a) if before is None else before.astype(tend.dtype)
             root = _root(h, a, b, ga, ~active)
         else:
-            root = _optx_root(g, problem.root_finder, a, b)
+            root = _optx_root(h, problem.root_finder, a, b, ga, ~active, before)
         root = lax.stop_gradient(where(active, root, tend))
         g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
         dg_dt = lax.stop_gradient(where(dg_dt == 0, 1, dg_dt))
@@ -483,7 +485,12 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=
 _EVENT_ROOT_MAX_STEPS = 64
 
 
-def _optx_root(g, root_finder, a, b):
+def _optx_root(g, root_finder, a, b, ga, done, before):
+    """A root of `g` in `[a, b]` by the user's optimistix `root_finder`, from the
+    middle; where it fails (its result, a non-finite or out-of-bracket value, or,
+    after an occurrence (`before` given), a root at `a`: the previous occurrence
+    found again), the built-in bracketed search's (`_root`, with the sign `ga` at
+    `a`), which always converges. Where `done` from the start, `a`."""
     sol = optx.root_find(
         lambda tau, _: g(tau),
         root_finder,
@@ -491,4 +498,19 @@ def _optx_root(g, root_finder, a, b):
         throw=False,
         max_steps=_EVENT_ROOT_MAX_STEPS,
     )
-    return jnp.clip(sol.value, a, b)
+    root = sol.value
+    window = 1000 * jnp.finfo(a.dtype).eps * jnp.maximum(jnp.abs(a), 1)
+    failed = (
+        (sol.result != optx.RESULTS.successful)
+        | ~jnp.isfinite(root)
+        | (root < a)
+        | (root > b)
+    )
+    if before is not None:
+        failed = failed | (root <= a + window)
+    failed = failed & ~done
+    return lax.cond(
+        unvmap_any(failed),
+        lambda: where(failed, _root(g, a, b, ga, ~failed), root),
+        lambda: where(done, a, root),
+    )

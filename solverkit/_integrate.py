@@ -341,7 +341,9 @@ def _timed_event(timed: TimedEvent | None, times: Times, y0: Y, args: Args):
     effect = None
     if timed.effect is not None:
         effect = closure_convert(timed.effect, times.t0, y0, args)
-        _check_output(effect, y0, "TimedEvent's effect")
+        _timed.check_like_state(
+            _output_struct(effect), y0, "TimedEvent(effect=...)'s output"
+        )
     return _timed.prepare(
         timed,
         times.direction,
@@ -358,7 +360,7 @@ def _event_effect(event: Event | None, times: Times, y0: Y, args: Args):
     if event is None or event.effect is None:
         return None
     closure = closure_convert(event.effect, times.t0, y0, args)
-    _check_output(closure, y0, "Event's effect")
+    _timed.check_like_state(_output_struct(closure), y0, "Event(effect=...)'s output")
     return closure
 
 

@@ -223,9 +223,17 @@ def _solver_step(problem: Problem, carry: Carry, t1: Array):
     y1, y_error, info, solver_state, result = solver.step(
         terms, carry.t, t1_solve, carry.y, args, carry.solver_state, False
     )
-    restart = solver.init(terms, t1 + above, problem.t1, y1, args)
-    solver_state = tree_where(at_jump, restart, solver_state)
-    return y1, y_error, info, solver_state, result
+    # Made anew only when some batch element ends on a jump (for BDF, a Jacobian).
+    restart = lax.cond(
+        unvmap_any(at_jump),
+        lambda: tree_where(
+            at_jump,
+            solver.init(terms, t1 + above, problem.t1, y1, args),
+            solver_state,
+        ),
+        lambda: solver_state,
+    )
+    return y1, y_error, info, restart, result
 
 
 def solver_name(solver) -> str:
@@ -414,7 +422,9 @@ def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
     # The occurrence reached: its effect, a fresh solver state, the conditions anew.
     count = hybrid.count + landed.astype(jnp.int32)
     apply, result = _occurrence_ends(problem, hybrid, landed, count, out, new.result)
-    y, restart, after = _after_occurrence(problem, t1, new.y, apply, carry.cond_values)
+    y, restart, after = _after_occurrence(
+        problem, t1, new.y, apply, carry.cond_values, new.solver_state
+    )
     new = new._replace(
         y=y,
         solver_state=tree_where(apply, restart, new.solver_state),
@@ -459,7 +469,11 @@ def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, resul
     of the previous one (its landing step has no length, to a hundred ulps):
     occurrences accumulate there and no solve goes past (`events_accumulated`)."""
     t0, t1 = out.t0, out.t1
-    stop = landed & (count >= problem.stop_at) if problem.stop_at else False
+    stop = (
+        landed & (count >= problem.stop_at)
+        if problem.stop_at
+        else jnp.zeros_like(landed)
+    )
     over = landed & (count > problem.max_events)
     close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
     accumulated = landed & (t1 - t0 <= close) & (hybrid.count > 0) & ~stop & ~over
@@ -469,22 +483,45 @@ def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, resul
     return landed & ~stop & ~over & ~accumulated, result
 
 
-def _after_occurrence(problem: Problem, t1, y, apply, reference):
+def _after_occurrence(problem: Problem, t1, y, apply, reference, solver_state):
     """Where `apply`: the state after the effect at `t1`, the solver's state made
     anew there, and the conditions evaluated anew (`reference`: their values at the
-    start of the step that found the crossing).
+    start of the step that found the crossing); elsewhere `y`, `solver_state` and
+    `reference`. Computed only when some batch element applies an occurrence, and
+    the effect sees the state of one that does not without its derivative, so that
+    an effect singular away from its events puts no NaN into gradients.
 
     A condition left at (numerically) zero by the occurrence is taken to be on the
     side it moves to (the sign of its rate along the flow), so that the next
     crossing is found even within the next step; NaN (never fires for a step) where
-    it does not move."""
-    if problem.effect is not None:
-        changed = problem.effect(flip(problem.direction, t1), y, problem.args)
-        y = tree_where(apply, like_state(changed, y), y)
-    restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
-    after, moving = _conditions_along_flow(problem, t1, y)
-    side = lambda a, m, r: _side(a, m, r, _window(t1))
-    return y, restart, jtu.tree_map(side, after, moving, reference)
+    it does not move. But where it moves on to the far side of the crossing while,
+    before the effect, it moved back (a crossing located within rounding of a
+    vanishing bounce), its motion is a crossing of its own, starting there: it is
+    taken to be on the side it comes from, so that it fires at once (as at `t0`),
+    never to cross unseen."""
+
+    def occur(y):
+        _, before = _conditions_along_flow(problem, t1, y)
+        if problem.effect is not None:
+            effect, t, seen, args = _only_where(
+                apply, (problem.effect, flip(problem.direction, t1), y, problem.args)
+            )
+            y = tree_where(apply, like_state(effect(t, seen, args), y), y)
+        restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
+        after, moving = _conditions_along_flow(problem, t1, y)
+        side = lambda a, m, b, r: _side_after(a, m, b, r, _window(t1))
+        return y, restart, jtu.tree_map(side, after, moving, before, reference)
+
+    return lax.cond(unvmap_any(apply), occur, lambda y: (y, solver_state, reference), y)
+
+
+def _only_where(pred, tree: PyTree) -> PyTree:
+    """`tree`, its floating-point arrays differentiable only where `pred`: a function
+    of it selected by `pred` then sends no NaN back from where it is not (the
+    "double where")."""
+    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
+    dynamic = jtu.tree_map(lambda x: where(pred, x, lax.stop_gradient(x)), dynamic)
+    return eqx.combine(dynamic, static)
 
 
 def _conditions_along_flow(problem: Problem, t, y) -> tuple[PyTree, PyTree]:
@@ -522,11 +559,31 @@ def _side(value, rate, reference, window):
     moves it to."""
     if jnp.issubdtype(value.dtype, jnp.bool_):
         return value
+    at_zero, size = _near_zero(value, rate, reference, window)
+    tiny = where(rate == 0, jnp.nan, jnp.sign(rate) * size)
+    return where(at_zero, tiny.astype(value.dtype), value)
+
+
+def _near_zero(value, rate, reference, window):
+    """Whether a real condition's `value` is zero to within rounding (see `_side`),
+    and the size of the tiny value that stands for it then."""
     tol = jnp.sqrt(jnp.finfo(value.dtype).eps)
     scale = tol * jnp.abs(reference)
-    tiny = where(rate == 0, jnp.nan, jnp.sign(rate) * jnp.maximum(scale, tol))
     at_zero = (jnp.abs(value) <= scale) | (jnp.abs(value) <= jnp.abs(rate) * window)
-    return where(at_zero, tiny.astype(value.dtype), value)
+    return at_zero, jnp.maximum(scale, tol)
+
+
+def _side_after(value, rate, rate_before, reference, window):
+    """A real condition's `value` just after an occurrence: as `_side`, but on the
+    `reference` side where it is at zero and moves away from it while, before the
+    effect, it moved towards it (`rate_before`): a crossing starting there."""
+    out = _side(value, rate, reference, window)
+    if jnp.issubdtype(value.dtype, jnp.bool_):
+        return out
+    at_zero, size = _near_zero(value, rate, reference, window)
+    back = jnp.sign(reference)
+    again = (jnp.sign(rate) == -back) & (jnp.sign(rate_before) == back) & (back != 0)
+    return where(at_zero & again, (back * size).astype(value.dtype), out)
 
 
 def body(

@@ -8,10 +8,11 @@ new one, as after a jump. An event at `t0` is applied before the first step; one
 `t1` is not applied (it belongs to a solve that continues from `t1`).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -22,6 +23,7 @@ from ._errors import BadInputError, concrete
 from ._select import where
 from ._term import like_state
 from ._time import flip
+from ._unvmap import error_if
 
 
 class TimedEvent(eqx.Module):
@@ -37,12 +39,12 @@ class TimedEvent(eqx.Module):
         `ts`:
     - `start`, `interval`, `count`: `count` times from `start`, `interval` apart
         (a repeated dose), as `start + interval * arange(count)`.
-    - `amount`: what each event adds to the state: a pytree with the structure of
-        `y0` whose leaves have the shape of the state's (or are scalars), the same
-        amount each time; or with one more, leading, axis of length `len(ts)`: one
-        amount per time. Or, instead of `amount`:
+    - `amount`: what each event adds to the state: a pytree with the structure,
+        shapes and dtypes of `y0` (a Python number may stand for a scalar leaf),
+        the same amount each time; or with one more, leading, axis of length
+        `len(ts)`: one amount per time. Or, instead of `amount`:
     - `effect`: `effect(t, y, args) -> y_new`, which may close over anything, as the
-        vector field may.
+        vector field may; `y_new` has the structure, shapes and dtypes of `y`.
 
     Steps land exactly on each time. A value saved at an event's time is the state
     just before it (the left limit), and an event at `t0` is applied before the
@@ -54,6 +56,7 @@ class TimedEvent(eqx.Module):
     ts: Array
     amount: PyTree[ArrayLike] | None
     effect: Callable[..., Any] | None
+    spaced: bool = eqx.field(static=True)  # given as `start`, `interval`, `count`
 
     def __init__(
         self,
@@ -76,6 +79,7 @@ class TimedEvent(eqx.Module):
                 f"{effect!r}."
             )
         self.ts = _event_times(ts, start, interval, count)
+        self.spaced = ts is None
         self.amount = amount
         self.effect = effect
 
@@ -101,6 +105,20 @@ def _event_times(ts, start, interval, count) -> Array:
                 f"{jnp.shape(start)} and {jnp.shape(interval)}."
             )
         ts = start + interval * jnp.arange(count)
+        ts = checked(
+            ts,
+            [
+                (jnp.isnan(jnp.reshape(start, (1,))), lambda i: "(start=...) is NaN"),
+                (
+                    jnp.isnan(jnp.reshape(interval, (1,))),
+                    lambda i: "(interval=...) is NaN",
+                ),
+                (
+                    jnp.reshape((interval == 0) & (count > 1), (1,)),
+                    lambda i: "(interval=...) is 0: give doses at one time as one",
+                ),
+            ],
+        )
     elif any(r is not None for r in repeated):
         raise ValueError(
             "TimedEvent takes either `ts=` or `start=`/`interval=`/`count=`, not both."
@@ -117,7 +135,7 @@ def _event_times(ts, start, interval, count) -> Array:
             f"TimedEvent(ts=...) must hold real times, got dtype {ts.dtype}."
         )
     known = concrete(ts)
-    if known is not None and known.size > 1:
+    if known is not None and known.size > 1 and not np.isnan(known).any():
         steps = np.diff(known)
         if not (np.all(steps > 0) or np.all(steps < 0)):
             raise BadInputError(
@@ -126,6 +144,82 @@ def _event_times(ts, start, interval, count) -> Array:
                 f"as one; got {known}."
             )
     return ts
+
+
+# Entries of a schedule named one by one in a run-time error message (beyond, the
+# message names the kind of fault only): each is a string in the compiled program.
+_NAMED_ENTRIES = 256
+
+
+def checked(x: PyTree, checks: list) -> PyTree:
+    """`x`, checked: each check is `(mask, describe)`, a 1-D boolean `mask` of bad
+    entries and `describe(i)`, what is wrong with entry `i` (`None`: some entry).
+    Known values raise `BadInputError` now; traced ones at run time (the library's
+    `error_if`, once for a whole `vmap` batch), naming the first bad entry.
+
+    **Arguments:**
+
+    - `x`: the value the run-time check is attached to (returned).
+    - `checks`: the checks, the first failing one reported.
+
+    **Returns:**
+
+    `x`, unchanged in value.
+    """
+    known = [concrete(mask) for mask, _ in checks]
+    if all(k is not None for k in known):
+        for k, (_, describe) in zip(known, checks):
+            assert k is not None
+            if k.any():
+                raise BadInputError(f"TimedEvent{describe(int(np.argmax(k)))}.")
+        return x
+    messages, index, failed = [], jnp.zeros((), jnp.int32), jnp.asarray(False)
+    for mask, describe in checks:
+        named = mask.shape[0] <= _NAMED_ENTRIES
+        entries = range(mask.shape[0]) if named else [None]
+        first = jnp.argmax(mask).astype(jnp.int32) if named else 0
+        bad = jnp.any(mask)
+        index = where(~failed & bad, len(messages) + first, index)
+        failed = failed | bad
+        messages += [f"TimedEvent{describe(i)}" for i in entries]
+    return error_if(x, failed, index, messages)
+
+
+def check_like_state(out: PyTree, y0: PyTree, what: str) -> None:
+    """A new state (an effect's output, an amount added to the state) must have the
+    structure, shapes and dtypes of `y0` exactly (a Python number may stand for a
+    leaf of its kind): nothing is broadcast or cast silently.
+
+    **Arguments:**
+
+    - `out`: the value, or its `jax.ShapeDtypeStruct`s.
+    - `y0`: the initial state.
+    - `what`: the argument, as the error message names it.
+
+    **Raises:**
+
+    `ValueError` naming `what` and the expected structure, shape or dtype.
+    """
+    y_leaves, y_tree = jtu.tree_flatten(y0)
+    out_leaves, out_tree = jtu.tree_flatten(out)
+    if out_tree != y_tree:
+        raise ValueError(
+            f"{what} must have the structure of `y0`: expected {y_tree}, got "
+            f"{out_tree}."
+        )
+    for i, (o, y) in enumerate(zip(out_leaves, y_leaves)):
+        o_shape, y_shape = tuple(jnp.shape(o)), tuple(jnp.shape(y))
+        o_dtype, y_dtype = jnp.result_type(o), jnp.result_type(y)
+        weak = getattr(o, "weak_type", False) or isinstance(o, (int, float, complex))
+        kind = jnp.issubdtype(o_dtype, jnp.complexfloating) <= jnp.issubdtype(
+            y_dtype, jnp.complexfloating
+        )
+        if o_shape != y_shape or not (o_dtype == y_dtype or weak and kind):
+            raise ValueError(
+                f"{what}: leaf {i} must have the state's shape {y_shape} and dtype "
+                f"{y_dtype}, got shape {o_shape} and dtype {o_dtype} (nothing is "
+                "broadcast or cast)."
+            )
 
 
 class Timed(eqx.Module):
@@ -155,45 +249,87 @@ def prepare(
         and known_t0 != known_t1
         and (known[1] - known[0]) * (known_t1 - known_t0) < 0
     ):
+        what = (
+            "(interval=...) must be positive for a solve forwards in time, negative "
+            "backwards"
+            if timed.spaced
+            else "(ts=...) must run in the direction from t0 to t1"
+        )
         raise BadInputError(
-            "TimedEvent(ts=...) must run in the direction from t0 to t1 "
-            f"({known_t0} to {known_t1}); got {known}."
+            f"TimedEvent{what} ({known_t0} to {known_t1}); got {known}."
         )
+    internal = flip(direction, ts)
     if timed.amount is None:
-        return Timed(flip(direction, ts), None, effect, ())
-    y_leaves, y_tree = jtu.tree_flatten(y0)
+        return Timed(_checked_times(internal, timed.spaced), None, effect, ())
     a_leaves, a_tree = jtu.tree_flatten(timed.amount)
-    if a_tree != y_tree:
-        raise ValueError(
-            "TimedEvent(amount=...) must have the structure of `y0`: expected "
-            f"{y_tree}, got {a_tree}."
+    amounts = [jnp.asarray(a) for a in a_leaves]
+    y_shapes = [tuple(jnp.shape(y)) for y in jtu.tree_leaves(y0)]
+    if len(y_shapes) != len(amounts):
+        y_shapes = [()] * len(amounts)  # the structure's error follows
+    per_event = [
+        a.ndim == len(s) + 1 and a.shape[0] == ts.size
+        for a, s in zip(amounts, y_shapes)
+    ]
+    each = [
+        jax.ShapeDtypeStruct(
+            a.shape[1:] if e else a.shape, a.dtype, weak_type=a.weak_type
         )
-    amounts, per_event = [], []
-    for i, (a, y) in enumerate(zip(a_leaves, y_leaves)):
-        a = jnp.asarray(a)
-        y_shape = tuple(jnp.shape(y))
-        each = a.ndim == len(y_shape) + 1 and a.shape[0] == ts.size
-        shape = a.shape[1:] if each else a.shape
-        try:
-            fits = jnp.broadcast_shapes(shape, y_shape) == y_shape
-        except ValueError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"TimedEvent(amount=...): leaf {i} must have the shape of the state's "
-                f"leaf {y_shape} (or broadcast to it), or ({ts.size}, *{y_shape}) for "
-                f"one amount per time; got {a.shape}."
-            )
-        if jnp.iscomplexobj(a) and not jnp.iscomplexobj(y):
-            raise TypeError(
-                f"TimedEvent(amount=...): leaf {i} is complex but the state's is real "
-                f"({jnp.result_type(y)})."
-            )
-        amounts.append(a)
-        per_event.append(bool(each))
-    return Timed(
-        flip(direction, ts), jtu.tree_unflatten(a_tree, amounts), None, tuple(per_event)
+        for a, e in zip(amounts, per_event)
+    ]
+    check_like_state(
+        jtu.tree_unflatten(a_tree, each),
+        y0,
+        f"TimedEvent(amount=...) (or each of its {ts.size} rows, one per time)",
     )
+    internal, amounts = _checked_times(
+        (internal, amounts), timed.spaced, _nan_amounts(amounts, per_event)
+    )
+    return Timed(internal, jtu.tree_unflatten(a_tree, amounts), None, tuple(per_event))
+
+
+def _checked_times(x, spaced: bool, more: Sequence = ()):
+    """`x` (the internal times, or a tuple that starts with them) checked: no time
+    NaN, each after the one before (in the direction of the solve); and `more`
+    checks (see `checked`)."""
+    ts = x[0] if isinstance(x, tuple) else x
+    order = ~(ts[1:] > ts[:-1]) & ~jnp.isnan(ts[1:]) & ~jnp.isnan(ts[:-1])
+    if spaced:
+        wrong = "(interval=...) must be positive for a solve forwards in time, "
+        checks = [
+            (jnp.isnan(ts), lambda i: "(start=..., interval=...) gives a NaN time"),
+            (jnp.any(order, keepdims=True), lambda i: wrong + "negative backwards"),
+        ]
+    else:
+        checks = [
+            (jnp.isnan(ts), lambda i: f"(ts=...): time {i} is NaN"),
+            (
+                order,
+                lambda i: (
+                    f"(ts=...): time {i + 1} does not come after time {i} in "
+                    "the direction from t0 to t1 (strictly: give doses at one time as "
+                    "one)"
+                ),
+            ),
+        ]
+    return checked(x, checks + list(more))
+
+
+def _nan_amounts(amounts: list, per_event: list) -> list:
+    """Checks (see `checked`) that no amount is NaN, naming the leaf (and the
+    time, for one amount per time)."""
+    checks = []
+    for j, (a, each) in enumerate(zip(amounts, per_event)):
+        if not jnp.issubdtype(a.dtype, jnp.inexact):
+            continue
+        nan = jnp.isnan(a)
+        if each:
+            mask = jnp.any(jnp.reshape(nan, (a.shape[0], -1)), axis=1)
+            describe = lambda i, j=j: f"(amount=...): leaf {j}, at time {i}, is NaN"
+        else:
+            mask = jnp.any(nan, keepdims=True).reshape((1,))
+            describe = lambda i, j=j: f"(amount=...): leaf {j} is NaN"
+        checks.append((mask, describe))
+    return checks
 
 
 def next_time(timed: Timed, index: Array) -> Array:

@@ -389,3 +389,204 @@ def test_steady_state_event_and_context_keywords():
             1.0,
             event=sk.Event(sk.steady_state_event()),
         )
+
+
+# --- Events that continue: a bouncing ball past its accumulation point ----------------
+
+_G = 9.81
+
+
+def _ball_to(e, h0, t1, tol, dtype=jnp.float64, max_events=1000):
+    """A ball dropped from `h0`, restitution `e` (closed over by the effect), solved to
+    `t1`; the last saved state."""
+    event = sk.Event(
+        lambda t, y, args: y[0],
+        direction=False,
+        effect=lambda t, y, args: jnp.stack([y[0], -e * y[1]]),
+        max_events=max_events,
+    )
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: jnp.stack([y[1], -_G + 0 * y[0]])),
+        sk.Tsit5(),
+        0.0,
+        t1,
+        0.01,
+        jnp.stack([h0, jnp.zeros_like(h0)]).astype(dtype),
+        event=event,
+        stepsize_controller=sk.PIDController(rtol=tol, atol=tol),
+        saveat=sk.SaveAt(t1=True),
+        max_steps=4096,
+        throw=False,
+    )
+
+
+@pytest.mark.parametrize("tol", [1e-8, 1e-10])
+@pytest.mark.usefixtures("x64")
+def test_bounces_accumulate_never_fall_through_the_floor(tol):
+    """After any occurrence the state never crosses the condition unseen: however
+    far past the accumulation point `t1` lies, the solve stops there with
+    `events_accumulated`, on the floor (it used to fall through for e = 0.5,
+    h0 = 1.5, tol 1e-10: a crossing located in the rounding of a vanishing bounce,
+    where the ball moved up, turned down by the effect). Under jit and vmap over the
+    restitution, the drop height and the horizon."""
+    es = jnp.array([0.3, 0.5, 0.5, 0.7, 0.8])
+    h0s = jnp.array([1.0, 1.5, 1.0, 1.5, 1.0])
+    grid = [(e, h, t1) for e, h in zip(es, h0s) for t1 in (10.0, 50.0)]
+    e, h0, t1 = (jnp.array(v) for v in zip(*grid))
+
+    @jax.jit
+    @jax.vmap
+    def solve(e, h0, t1):
+        sol = _ball_to(e, h0, t1, tol)
+        return sol.result.code, sol.ts[-1], sol.ys[-1]
+
+    code, t_end, y_end = solve(e, h0, t1)
+    t_zeno = np.sqrt(2 * h0 / _G) * (1 + e) / (1 - e)
+    np.testing.assert_array_equal(code, sk.RESULTS.events_accumulated.code)
+    # Bounce times are exact to rounding (Tsit5 integrates a parabola exactly), so
+    # the accumulation point to the rounding of ~50 impact times, far within 1e-9.
+    np.testing.assert_allclose(t_end, t_zeno, rtol=1e-9)
+    # On the floor: the height to rounding of h0 ** 2 (its size squared, as a
+    # parabola's value near its root), not below it.
+    assert np.all(np.asarray(y_end[:, 0]) > -1e-12)
+    assert np.all(np.abs(np.asarray(y_end[:, 1])) < 1e-6)
+
+
+@pytest.mark.usefixtures("x64")
+def test_accumulation_time_gradient():
+    """The time where the bounces accumulate, differentiated with respect to the
+    restitution through every impact (its effect) and location: the closed form
+    `sqrt(2 h0 / g) 2 / (1 - e) ** 2`."""
+
+    def t_end(e):
+        return _ball_to(e, jnp.asarray(1.5), 10.0, 1e-10).ts[-1]
+
+    e = 0.5
+    got = jax.grad(t_end)(e)
+    # ~50 impacts' rounding in a sum whose terms shrink geometrically: 1e-7 is ample.
+    np.testing.assert_allclose(got, np.sqrt(2 * 1.5 / _G) * 2 / (1 - e) ** 2, rtol=1e-7)
+
+
+def test_occurrence_masks_are_boolean():
+    """Without a stopping occurrence (`terminal=False`), whether an occurrence is
+    applied is a boolean mask (it was `~False == -1`, an int32 mask, right only by
+    the bits of -1 and sending `where` down its slow path)."""
+    from types import SimpleNamespace
+
+    from solverkit import _loop
+
+    problem = SimpleNamespace(stop_at=None, max_events=4)
+    hybrid = SimpleNamespace(count=jnp.asarray(1, jnp.int32))
+    out = SimpleNamespace(t0=jnp.asarray(0.0), t1=jnp.asarray(1.0))
+    landed = jnp.asarray(True)
+    apply, result = _loop._occurrence_ends(
+        problem,
+        hybrid,
+        landed,
+        jnp.asarray(2, jnp.int32),
+        out,
+        jnp.asarray(0, jnp.int32),
+    )
+    assert apply.dtype == jnp.bool_ and bool(apply)
+    assert result.dtype == jnp.int32 and int(result) == sk.RESULTS.successful.code
+
+
+def _arctan_event(k, y0, root_finder):
+    """y' = -2 y, a condition arctan(k (y - 0.3)) (Newton from the middle of a long
+    step overshoots for large k), constant steps of 0.5."""
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -2 * y),
+        sk.Tsit5(),
+        0.0,
+        10.0,
+        0.5,
+        y0,
+        event=sk.Event(
+            lambda t, y, args: jnp.arctan(k * (y - 0.3)), root_finder=root_finder
+        ),
+        stepsize_controller=sk.ConstantStepSize(),
+        throw=False,
+    )
+
+
+@pytest.mark.usefixtures("x64")
+def test_optimistix_root_finder_that_diverges_falls_back_to_the_bracket():
+    """A user's Newton that diverges (its result a failure) used to give the clipped
+    or NaN time of its last iterate while the solve said `event_occurred`; now the
+    built-in bracketed search finds the crossing: the same time as with no root
+    finder (the same dense output), under jit, vmap and grad."""
+    newton = optx.Newton(rtol=1e-12, atol=1e-12)
+    t_user = jax.jit(lambda y0: _arctan_event(100.0, y0, newton).ts[-1])
+    t_own = jax.jit(lambda y0: _arctan_event(100.0, y0, None).ts[-1])
+    y0 = jnp.array([1.0, 1.2])
+    got, want = jax.vmap(t_user)(y0), jax.vmap(t_own)(y0)
+    # Both locate the root of one interpolant to the root finders' tolerances.
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+    assert np.all(got > 0.5)  # not the clipped start of the step
+    # The crossing's time moves with y0 as the dense output's root does.
+    np.testing.assert_allclose(jax.grad(t_user)(1.0), jax.grad(t_own)(1.0), rtol=1e-8)
+
+
+@pytest.mark.usefixtures("x64")
+def test_optimistix_root_after_an_occurrence_is_not_the_previous_one():
+    """After an occurrence the condition is at zero at the step's start, `a`; a
+    user's root finder that converges there (from the middle of the step, on the
+    wrong side of the condition's turning point) found the previous occurrence
+    again. The bracketed search takes over: the next root. g = -(t-1)(t-3)(t+10)
+    on [1, 3.05] (its maximum at 2.04, right of the middle)."""
+    from solverkit import _event
+
+    g = lambda t: -(t - 1.0) * (t - 3.0) * (t + 10.0)  # noqa: E731
+    a, b = jnp.asarray(1.0), jnp.asarray(3.05)
+    newton = optx.Newton(rtol=1e-12, atol=1e-12)
+    root = _event._optx_root(
+        g, newton, a, b, jnp.asarray(1e-8), jnp.asarray(False), jnp.asarray(1e-8)
+    )
+    np.testing.assert_allclose(root, 3.0, rtol=1e-10)
+
+
+def _ball_singular_effect(e):
+    """The ball of `_ball_to` (from 1.5, tol 1e-10), its effect written to be NaN
+    away from its events: the ratio (v - |v|) / (v - |v|) is 1 while falling (at an
+    impact) and 0 / 0 while rising. The 3rd impact time."""
+    ratio = lambda v: (v - jnp.abs(v)) / (v - jnp.abs(v))  # noqa: E731
+    event = sk.Event(
+        lambda t, y, args: y[0],
+        direction=False,
+        effect=lambda t, y, args: jnp.stack([y[0], -e * y[1] * ratio(y[1])]),
+        terminal=3,
+        max_events=3,
+    )
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: jnp.stack([y[1], -_G + 0 * y[0]])),
+        sk.Tsit5(),
+        0.0,
+        10.0,
+        0.01,
+        jnp.array([1.5, 0.0]),
+        event=event,
+        stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        throw=False,
+    )
+    return sol.events.ts[2]
+
+
+@pytest.mark.usefixtures("x64")
+def test_effect_singular_away_from_events_gives_finite_gradients():
+    """An effect is evaluated only where an occurrence applies it (and, under vmap,
+    differentiated only there): one that is NaN away from its events leaves the
+    gradient finite and exact. The 3rd impact is at t_1 (1 + 2 e + 2 e^2),
+    t_1 = sqrt(2 h0 / g): its derivative in e, t_1 (2 + 4 e)."""
+    t_1 = np.sqrt(2 * 1.5 / _G)
+    es = jnp.array([0.5, 0.8])
+    # Tsit5 integrates each parabola exactly: times and derivatives exact to
+    # rounding (~1e-13); 1e-9 leaves room for the location's tolerance.
+    np.testing.assert_allclose(
+        jax.jit(jax.vmap(_ball_singular_effect))(es),
+        t_1 * (1 + 2 * es + 2 * es**2),
+        rtol=1e-9,
+    )
+    got = jax.jit(jax.grad(_ball_singular_effect))(0.5)
+    np.testing.assert_allclose(got, t_1 * (2 + 4 * 0.5), rtol=1e-9)
+    got = jax.jit(jax.vmap(jax.grad(_ball_singular_effect)))(es)
+    np.testing.assert_allclose(got, t_1 * (2 + 4 * es), rtol=1e-9)

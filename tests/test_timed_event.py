@@ -279,17 +279,193 @@ def test_bad_input():
             term, sk.Tsit5(), 0.0, 1.0, 0.1, jnp.ones(2), event=event, **kwargs
         )
 
-    with pytest.raises(ValueError, match="leaf 0 must have the shape"):
+    with pytest.raises(ValueError, match=r"amount.*leaf 0 must have the state's shape"):
         solve(sk.TimedEvent([0.5], amount=jnp.ones(3)))
     with pytest.raises(ValueError, match="structure of `y0`"):
         solve(sk.TimedEvent([0.5], amount=(1.0, 2.0)))
     with pytest.raises(ValueError, match="direction from t0 to t1"):
-        solve(sk.TimedEvent([0.8, 0.5], amount=1.0))
-    with pytest.raises(ValueError, match="TimedEvent's effect"):
+        solve(sk.TimedEvent([0.8, 0.5], amount=jnp.ones(2)))
+    with pytest.raises(ValueError, match=r"TimedEvent\(effect=...\)'s output"):
         solve(sk.TimedEvent([0.5], effect=lambda t, y, a: jnp.ones(3)))
     with pytest.raises(ValueError, match="two TimedEvents"):
-        solve((sk.TimedEvent([0.5], amount=1.0), sk.TimedEvent([0.6], amount=1.0)))
+        solve(
+            (
+                sk.TimedEvent([0.5], amount=jnp.ones(2)),
+                sk.TimedEvent([0.6], amount=jnp.ones(2)),
+            )
+        )
     with pytest.raises(TypeError, match="must be an Event, a TimedEvent"):
-        solve((sk.TimedEvent([0.5], amount=1.0), "x"))
+        solve((sk.TimedEvent([0.5], amount=jnp.ones(2)), "x"))
     with pytest.raises(ValueError, match="BacksolveAdjoint"):
-        solve(sk.TimedEvent([0.5], amount=1.0), adjoint=sk.BacksolveAdjoint())
+        solve(sk.TimedEvent([0.5], amount=jnp.ones(2)), adjoint=sk.BacksolveAdjoint())
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((), "float32"), ((1,), "float32"), ((2, 1), "float32"), ((2,), "int32")],
+)
+def test_effect_and_amount_match_the_state_exactly(shape, dtype):
+    """An `Event` effect, a `TimedEvent` effect and an `amount` must have the
+    state's structure, shapes and dtypes: nothing is broadcast or cast (a scalar
+    effect used to turn a 2-state `[h, v]` into `[h, h]`)."""
+    term = sk.ODETerm(lambda t, y, args: -y)
+    wrong = jnp.ones(shape, dtype)
+
+    def solve(event):
+        return sk.diffeqsolve(term, sk.Tsit5(), 0.0, 1.0, 0.1, jnp.ones(2), event=event)
+
+    expected = r"leaf 0 must have the state's shape \(2,\) and dtype float32"
+    with pytest.raises(ValueError, match=r"Event\(effect=...\)'s output: " + expected):
+        solve(sk.Event(lambda t, y, a: y[0] - 0.5, effect=lambda t, y, a: wrong))
+    with pytest.raises(
+        ValueError, match=r"TimedEvent\(effect=...\)'s output: " + expected
+    ):
+        solve(sk.TimedEvent([0.5], effect=lambda t, y, a: wrong))
+    with pytest.raises(ValueError, match=r"TimedEvent\(amount=...\).*" + expected):
+        solve(sk.TimedEvent([0.5], amount=wrong))
+    with pytest.raises(ValueError, match=r"TimedEvent\(amount=...\).*" + expected):
+        solve(sk.TimedEvent([0.5, 0.6, 0.7], amount=jnp.stack([wrong] * 3)))
+
+
+def test_exact_effect_and_amounts_are_accepted_under_jit_vmap_grad():
+    """What matches passes, traced too: a weakly typed (Python) scalar for a scalar
+    leaf, one amount per time; under jit, vmap and grad against the exact
+    solution of y' = -y with the doses."""
+    term = sk.ODETerm(lambda t, y, args: -y)
+
+    def solve(a):
+        doses = sk.TimedEvent([0.5, 0.75], amount=jnp.stack([a, 2 * a]))
+        return sk.diffeqsolve(
+            term,
+            sk.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.ones(2),
+            event=doses,
+            stepsize_controller=sk.PIDController(rtol=1e-7, atol=1e-7),
+        ).ys[-1]
+
+    def exact(a):
+        return np.exp(-1.0) + a * np.exp(-0.5) + 2 * a * np.exp(-0.25)
+
+    a = jnp.array([[0.5, 1.0], [2.0, -1.0]])
+    got = jax.jit(jax.vmap(solve))(a)
+    # Tolerance 1e-7 in float32: errors of ~1e-6 relative.
+    np.testing.assert_allclose(got, exact(np.asarray(a)), rtol=2e-5)
+    grad = jax.grad(lambda a: jnp.sum(solve(a)))(jnp.array([0.5, 1.0]))
+    np.testing.assert_allclose(grad, [np.exp(-0.5) + 2 * np.exp(-0.25)] * 2, rtol=2e-5)
+    scalar = sk.diffeqsolve(
+        term,
+        sk.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        jnp.asarray(1.0),
+        event=sk.TimedEvent([0.5], amount=1.0),
+    )
+    np.testing.assert_allclose(scalar.ys[-1], np.exp(-1.0) + np.exp(-0.5), rtol=2e-5)
+
+
+_NAN = float("nan")
+_SCHEDULES = {
+    # name: (the schedule from one traced value, the bad value, the message)
+    "nan-time": (
+        lambda v: sk.TimedEvent(jnp.stack([0.5, v, 2.0]), amount=jnp.ones(2)),
+        _NAN,
+        r"TimedEvent\(ts=...\): time 1 is NaN",
+    ),
+    "not-increasing": (
+        lambda v: sk.TimedEvent(jnp.stack([0.5, 1.5, v]), amount=jnp.ones(2)),
+        1.0,
+        r"TimedEvent\(ts=...\)(: time 2 does not come after time 1| must be strictly)",
+    ),
+    "repeated-time": (
+        lambda v: sk.TimedEvent(jnp.stack([0.5, v]), amount=jnp.ones(2)),
+        0.5,
+        r"TimedEvent\(ts=...\)(: time 1 does not come after time 0| must be strictly)",
+    ),
+    "nan-amount": (
+        lambda v: sk.TimedEvent([0.5, 1.0], amount=jnp.stack([1.0, v])),
+        _NAN,
+        r"TimedEvent\(amount=...\): leaf 0 is NaN",
+    ),
+    "nan-amount-per-time": (
+        lambda v: sk.TimedEvent([0.5, 1.0], amount=jnp.array([[1.0, 1.0], [1.0, v]])),
+        _NAN,
+        r"TimedEvent\(amount=...\): leaf 0, at time 1, is NaN",
+    ),
+    "nan-start": (
+        lambda v: sk.TimedEvent(start=v, interval=0.5, count=3, amount=jnp.ones(2)),
+        _NAN,
+        r"TimedEvent\(start=...\) is NaN",
+    ),
+    "nan-interval": (
+        lambda v: sk.TimedEvent(start=0.5, interval=v, count=3, amount=jnp.ones(2)),
+        _NAN,
+        r"TimedEvent\(interval=...\) is NaN",
+    ),
+    "zero-interval": (
+        lambda v: sk.TimedEvent(start=0.5, interval=v, count=3, amount=jnp.ones(2)),
+        0.0,
+        r"TimedEvent\(interval=...\) is 0",
+    ),
+    "negative-interval": (
+        lambda v: sk.TimedEvent(start=0.5, interval=v, count=3, amount=jnp.ones(2)),
+        -0.5,
+        r"TimedEvent\(interval=...\) must be positive for a solve forwards",
+    ),
+}
+
+
+def _dosed(schedule):
+    return sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, args: -y),
+        sk.Tsit5(),
+        0.0,
+        3.0,
+        0.1,
+        jnp.ones(2),
+        event=schedule,
+        stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6),
+    ).ys[-1]
+
+
+@pytest.mark.parametrize("how", ["now", "jit", "vmap"])
+@pytest.mark.parametrize("case", sorted(_SCHEDULES))
+def test_bad_schedules_are_errors_also_when_traced(case, how):
+    """A NaN time, amount, start or interval, a non-positive interval and times not
+    increasing are errors naming the schedule's argument and entry: known, a
+    `ValueError` before the solve; traced (jit, vmap: one bad element fails the
+    batch), at run time. They used to drop doses silently, or end in
+    `max_steps_reached`."""
+    make, bad, message = _SCHEDULES[case]
+    solve = lambda v: _dosed(make(v))  # noqa: E731
+    with pytest.raises(ValueError if how == "now" else Exception, match=message):
+        if how == "now":
+            solve(jnp.asarray(bad))
+        elif how == "jit":
+            jax.block_until_ready(jax.jit(solve)(jnp.asarray(bad)))
+        else:
+            jax.block_until_ready(jax.vmap(solve)(jnp.array([0.75, bad])))
+
+
+def test_traced_schedule_solves_and_differentiates():
+    """A valid traced schedule solves as a known one, and its interval is
+    differentiable: y' = -y, doses of 1 at 0.5, 0.5 + d, 0.5 + 2 d, against the
+    exact solution and its derivative in `d`."""
+
+    def y_end(d):
+        doses = sk.TimedEvent(start=0.5, interval=d, count=3, amount=jnp.ones(2))
+        return _dosed(doses)[0]
+
+    def exact(d):
+        return np.exp(-3.0) + sum(np.exp(-(2.5 - k * d)) for k in range(3))
+
+    d = 0.75
+    # rtol 1e-6 in float32: errors of a few 1e-6 relative.
+    np.testing.assert_allclose(jax.jit(y_end)(d), exact(d), rtol=2e-5)
+    got = jax.vmap(y_end)(jnp.array([0.5, 0.75]))
+    np.testing.assert_allclose(got, [exact(0.5), exact(0.75)], rtol=2e-5)
+    slope = sum(k * np.exp(-(2.5 - k * d)) for k in range(3))
+    np.testing.assert_allclose(jax.grad(y_end)(d), slope, rtol=1e-4)
