@@ -261,6 +261,50 @@ def test_dense_mass_matrix():
     assert jnp.allclose(sol.ys[-1], ode.ys[-1], rtol=1e-5, atol=1e-11)
 
 
+@pytest.mark.parametrize(
+    "linear_solver",
+    [sk.DenseLinearSolver(), sk.SparseLinearSolver(np.tril(np.ones((3, 3), bool)))],
+    ids=["dense", "sparse"],
+)
+def test_singular_iteration_matrix(linear_solver):
+    """`M = diag(1, 1, 0)` with the algebraic equation `0 = 0·y3`: `M - cJ` is
+    singular for every step size. The solve ends with `RESULTS.singular` after one
+    step, as Rosenbrock's does (it used to shrink the step until `max_steps`), under
+    `jit` and `vmap` over a closed-over rate and int index; a solve with a regular
+    pencil (the third equation `0 = y3 - y1`) is unaffected."""
+    rates = jnp.array([1.0, 2.0])
+
+    def solve(scale, index, algebraic):
+        def vf(t, y, args):
+            rate = scale * rates[index]
+            return jnp.stack([-rate * y[0], y[0] - y[1], algebraic * (y[2] - y[0])])
+
+        solver = sk.BDF(
+            mass_matrix=jnp.array([1.0, 1.0, 0.0]), linear_solver=linear_solver
+        )
+        return _solve(
+            vf,
+            solver,
+            1.0,
+            jnp.array([1.0, 0.0, 1.0]),
+            1e-6,
+            1e-9,
+            throw=False,
+            max_steps=1000,
+        )
+
+    batched = jax.jit(jax.vmap(solve, in_axes=(0, 0, None)))
+    scales, indices = jnp.array([1.0, 0.5]), jnp.array([0, 1], jnp.int32)
+    sol = batched(scales, indices, 0.0)
+    assert np.all(sol.result == sk.RESULTS.singular)
+    assert np.all(sol.stats["num_steps"] == 1)
+    assert np.all(np.isfinite(sol.ys))
+    regular = batched(scales, indices, 1.0)
+    assert np.all(regular.result == sk.RESULTS.successful)
+    # y1 = exp(-rate t) with rate = 1 for both; to the tolerance's order.
+    np.testing.assert_allclose(regular.ys[:, -1, 0], np.exp(-1.0), rtol=1e-4)
+
+
 def test_bad_input():
     vf = lambda t, y, args: -y
     y0 = jnp.ones(2)
