@@ -20,8 +20,9 @@ rejected step shrinks by the error's factor; after a change of step size the ste
 kept for `k + 1` steps; the Newton solve's iteration count damps the factor. The
 chosen factor reaches the step-size controller through the error estimate: `y_error`
 is scaled so that an I-controller (`PIDController` with `pcoeff = dcoeff = 0`, its
-default) computes exactly that factor, and accepts exactly when the step's own error
-is within tolerance. Other adaptive controllers raise a `ValueError`.
+default) computes exactly that factor, with any `norm` (the error's entries are equal,
+divided by the norm of a vector of ones), and accepts exactly when the step's own
+error is within tolerance. Other adaptive controllers raise a `ValueError`.
 
 **Jacobian and factorisation reuse** (the rules of CVODE, Hindmarsh et al. 2005): the
 iteration matrix is refactorised when `γh` changed by more than 30% or after 20 steps,
@@ -647,8 +648,16 @@ class BDF(AbstractAdaptiveSolver):
         new_order, n_equal, controller_error = self._next_order(
             state, errors, h / state.h, h, t1, iters, converged
         )
+        # The controller measures `norm(y_error / err_scale)`; for a vector of
+        # equal entries `e` any norm gives `e · norm(ones)` (`√n e` for the 2-norm),
+        # so that is divided out: the controller sees `controller_error` exactly.
+        unit = self.norm(unravel(jnp.ones_like(flat0))).astype(dtype)
+        unit = jnp.where(unit > 0, unit, 1)
         y_error, result = self._report(
-            state, lax.stop_gradient(d), controller_error * err_scale, converged
+            state,
+            lax.stop_gradient(d),
+            controller_error / unit * err_scale,
+            converged,
         )
         result = RESULTS.where(singular, RESULTS.singular, result)
         jac, jac_age, factor, c_factor, factor_age = reuse
