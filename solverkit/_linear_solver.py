@@ -527,7 +527,10 @@ class SparseLinearSolver(AbstractLinearSolver):
         if x.shape[0] != self.n:
             raise ValueError(
                 f"SparseLinearSolver.linearise: `x` must have shape ({self.n},) (the "
-                f"pattern's), got {x.shape}"
+                f"pattern's), got {x.shape}. (With BacksolveAdjoint, the backward "
+                "solve's state is larger: pass `BacksolveAdjoint(solver=...)` a "
+                "solver with another linear solver, or use "
+                "RecursiveCheckpointAdjoint.)"
             )
         seeds = self.colour[None, :] == np.arange(self.n_colours)[:, None]
         value, jvp = jax.linearize(fn, x)

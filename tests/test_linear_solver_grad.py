@@ -174,3 +174,24 @@ def test_gradient(stiff, linear, adjoint):
             lambda q: _loss(stiff, "dense", "recursive")(q, k), _PARAMS
         )
         np.testing.assert_allclose(got[i], fd, rtol=1e-5, atol=1e-8)
+
+
+def test_backsolve_with_a_fixed_pattern_says_what_to_do():
+    """The backward state is larger than a sparse pattern: the error says so."""
+    solver = sk.BDF(linear_solver=_linear_solver("sparse-blocks"))
+
+    def loss(p):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(_field(p, 0)),
+            solver,
+            0.0,
+            0.2,
+            0.01,
+            jnp.ones(_N),
+            stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-8),
+            adjoint=sk.BacksolveAdjoint(),
+        )
+        return jnp.sum(sol.ys)
+
+    with pytest.raises(ValueError, match=r"BacksolveAdjoint\(solver=\.\.\.\)"):
+        jax.grad(loss)(1.0)
