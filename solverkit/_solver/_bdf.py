@@ -231,7 +231,9 @@ class BDF(AbstractAdaptiveSolver):
     - `mass_matrix`: `None` (the identity), a vector (a diagonal `M`) or a matrix, on
         the ravelled state. Initial values must satisfy the algebraic equations
         where `M` is singular; otherwise the solve ends with
-        `RESULTS.inconsistent_initial_values`. Differentiable, like the field.
+        `RESULTS.inconsistent_initial_values`. An algebraic equation that leaves
+        its unknown undetermined (`M - γhJ` singular for every step size) ends it
+        with `RESULTS.singular`. Differentiable, like the field.
     - `max_order`: the highest order, 1 to 5.
     - `ndf`: the numerical differentiation formulas (True) or the classical BDFs.
     - `newton_max_steps`: Newton iterations per step before it counts as failed.
