@@ -447,7 +447,7 @@ class SparseLinearSolver(AbstractLinearSolver):
     # the nonzeros (with the diagonal), sorted by row; the colour of each column;
     # the index of each (i, i) among the nonzeros; the flat index of each nonzero in
     # the factorised matrix; the diagonal of the padding (blocks); the index of each
-    # unknown in the (padded, reordered) vector.
+    # unknown in the (padded, reordered) vector, and its inverse (`spread`).
     _indices: _HostArrays = eqx.field(static=True)
 
     @property
@@ -500,6 +500,12 @@ class SparseLinearSolver(AbstractLinearSolver):
                 self.kind, places = "dense", np.arange(n)
                 slots = rows.astype(np.int64) * n + cols
             self.size, self.block = n, width
+        # The inverse of `places`: the unknown at each place, `n` (a zero) where
+        # none. Solves move the right-hand side in by this gather, not by a scatter
+        # to `places`, so that JAX can transpose them (reverse mode through a
+        # tangent solve: BDF's implicit derivative, a Krylov preconditioner).
+        spread = np.full(self.size, n, np.int64)
+        spread[places] = np.arange(n)
         self._indices = _HostArrays(
             rows=rows,
             cols=cols,
@@ -508,6 +514,7 @@ class SparseLinearSolver(AbstractLinearSolver):
             slots=slots,
             pads=pads,
             places=places,
+            spread=spread,
         )
 
     def _product(self, values: Array, v: Array) -> Array:
@@ -520,7 +527,10 @@ class SparseLinearSolver(AbstractLinearSolver):
         if x.shape[0] != self.n:
             raise ValueError(
                 f"SparseLinearSolver.linearise: `x` must have shape ({self.n},) (the "
-                f"pattern's), got {x.shape}"
+                f"pattern's), got {x.shape}. (With BacksolveAdjoint, the backward "
+                "solve's state is larger: pass `BacksolveAdjoint(solver=...)` a "
+                "solver with another linear solver, or use "
+                "RecursiveCheckpointAdjoint.)"
             )
         seeds = self.colour[None, :] == np.arange(self.n_colours)[:, None]
         value, jvp = jax.linearize(fn, x)
@@ -587,13 +597,19 @@ class SparseLinearSolver(AbstractLinearSolver):
         lu, pivots, permutation = jax.lax.linalg.lu(matrix)
         return lu, permutation if self.kind == "blocks" else pivots
 
+    def _spread(self, rhs: Array, dtype) -> Array:
+        """`rhs` moved to the (padded, reordered) places of the factorised matrix,
+        zeros elsewhere: one gather (transposable, unlike a scatter of `set`)."""
+        padded = jnp.concatenate([rhs.astype(dtype), jnp.zeros(1, dtype)])
+        return padded[self._indices["spread"]]
+
     def solve(self, factor, rhs: Array, fn: FlatFn) -> Array:
         del fn
         if self.kind == "banded":
-            b = jnp.zeros(self.size, factor.dtype).at[self._indices["places"]].set(rhs)
+            b = self._spread(rhs, factor.dtype)
             return band_lu_solve(factor, b)[self._indices["places"]].astype(rhs.dtype)
         lu, pivots = factor
-        b = jnp.zeros(self.size, lu.dtype).at[self._indices["places"]].set(rhs)
+        b = self._spread(rhs, lu.dtype)
         if self.kind == "blocks":
             x = _blocks_lu_solve(lu, pivots, b.reshape(-1, self.block)).reshape(-1)
         else:

@@ -100,14 +100,23 @@ _OUTCOMES = (
         "`y0` first.",
     ),
     # diffrax's other names (from optimistix's and lineax's), which an ODE solve here
-    # returns only from a stiff solver's linear solve (`singular`) or never; kept so
-    # that scripts comparing against them run.
+    # returns only for a singular iteration matrix (`singular`: Rodas4, Rodas5P and
+    # BDF with a mass matrix) or never; kept so that scripts comparing against them
+    # run.
     (
         "max_steps_rejected",
         "Maximum number of rejected steps was reached. Consider increasing "
         "`ClipStepSizeController(store_rejected_steps=...)`.",
     ),
-    ("singular", "A linear solver returned non-finite (NaN or inf) output."),
+    (
+        "singular",
+        "A linear solver returned non-finite (NaN or inf) output: the iteration "
+        "matrix `M - γhJ` of a stiff solver is singular whatever the step size (an "
+        "algebraic equation of a singular `mass_matrix` that does not determine its "
+        "unknown, such as `0 = 0·y`). No step size helps, so the solve ended at "
+        "once; its saved states hold no NaNs. Give every algebraic unknown an "
+        "equation that determines it.",
+    ),
     ("breakdown", "A form of iterative breakdown has occured in a linear solve."),
     ("stagnation", "A stagnation in an iterative linear solve has occurred."),
     ("conlim", "Condition number of A seems to be larger than `conlim`."),
@@ -137,7 +146,8 @@ class _Results:
     `events_accumulated` (its occurrences accumulate at one time: a Zeno point),
     `inconsistent_initial_values` (a differential-algebraic equation's `y0` does
     not satisfy its algebraic equations), `singular` (a stiff solver's iteration
-    matrix is singular even as the step shrinks), and diffrax's names that an ODE
+    matrix `M - γhJ` is singular even as the step shrinks: `Rodas4`, `Rodas5P` and
+    `BDF` with a singular mass matrix), and diffrax's names that an ODE
     solve here never returns (`max_steps_rejected`, `breakdown`, `stagnation`,
     `conlim`, `nonfinite_input`).
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.

@@ -17,6 +17,7 @@ import pytest
 import solverkit as sk
 from benchmarks.stiff_problems import HIRES, ROBER, VDPOL
 from solverkit._linear_solver import AbstractLinearSolver, mass_matvec
+from solverkit._norm import rms_norm
 
 
 pytestmark = pytest.mark.usefixtures("x64")
@@ -259,6 +260,123 @@ def test_dense_mass_matrix():
     sol = _solve(vf, sk.BDF(mass_matrix=m), 40.0, jnp.array([1.0, 0, 0]), 1e-8, 1e-12)
     ode = _solve(_rober(0.04), sk.BDF(), 40.0, jnp.array([1.0, 0, 0]), 1e-8, 1e-12)
     assert jnp.allclose(sol.ys[-1], ode.ys[-1], rtol=1e-5, atol=1e-11)
+
+
+@pytest.mark.parametrize(
+    "linear_solver",
+    [sk.DenseLinearSolver(), sk.SparseLinearSolver(np.tril(np.ones((3, 3), bool)))],
+    ids=["dense", "sparse"],
+)
+def test_singular_iteration_matrix(linear_solver):
+    """`M = diag(1, 1, 0)` with the algebraic equation `0 = 0·y3`: `M - cJ` is
+    singular for every step size. The solve ends with `RESULTS.singular` after one
+    step, as Rosenbrock's does (it used to shrink the step until `max_steps`), under
+    `jit` and `vmap` over a closed-over rate and int index; a solve with a regular
+    pencil (the third equation `0 = y3 - y1`) is unaffected."""
+    rates = jnp.array([1.0, 2.0])
+
+    def solve(scale, index, algebraic):
+        def vf(t, y, args):
+            rate = scale * rates[index]
+            return jnp.stack([-rate * y[0], y[0] - y[1], algebraic * (y[2] - y[0])])
+
+        solver = sk.BDF(
+            mass_matrix=jnp.array([1.0, 1.0, 0.0]), linear_solver=linear_solver
+        )
+        return _solve(
+            vf,
+            solver,
+            1.0,
+            jnp.array([1.0, 0.0, 1.0]),
+            1e-6,
+            1e-9,
+            throw=False,
+            max_steps=1000,
+        )
+
+    batched = jax.jit(jax.vmap(solve, in_axes=(0, 0, None)))
+    scales, indices = jnp.array([1.0, 0.5]), jnp.array([0, 1], jnp.int32)
+    sol = batched(scales, indices, 0.0)
+    assert np.all(sol.result == sk.RESULTS.singular)
+    assert np.all(sol.stats["num_steps"] == 1)
+    assert np.all(np.isfinite(sol.ys))
+    regular = batched(scales, indices, 1.0)
+    assert np.all(regular.result == sk.RESULTS.successful)
+    # y1 = exp(-rate t) with rate = 1 for both; to the tolerance's order.
+    np.testing.assert_allclose(regular.ys[:, -1, 0], np.exp(-1.0), rtol=1e-4)
+
+
+def _two_norm(x):
+    return jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree_util.tree_leaves(x)))
+
+
+def _max_norm(x):
+    return jnp.max(
+        jnp.stack([jnp.max(jnp.abs(v)) for v in jax.tree_util.tree_leaves(x)])
+    )
+
+
+def _copies(rate):
+    """Prothero–Robinson, `y' = -rate (y - cos t) - sin t`, three identical copies:
+    every error vector has equal entries."""
+
+    def vf(t, y, args):
+        return -rate * 1e3 * (y - jnp.cos(t)) - jnp.sin(t)
+
+    return vf
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "norm", "tol"))
+def _norm_steps(rates, problem, norm, tol):
+    """Accepted step times, states and the gradient of a weighted sum of the
+    states with respect to the closed-over rate, with `PIDController(rtol=tol,
+    atol=tol * 1e-3, norm=norm)`, vmapped over the rate."""
+    field = _rober if problem == "rober" else _copies
+    y0 = jnp.array([1.0, 0.0, 0.0]) if problem == "rober" else jnp.ones(3)
+
+    def run(rate):
+        return sk.diffeqsolve(
+            sk.ODETerm(field(rate)),
+            sk.BDF(),
+            0.0,
+            1.0,
+            1e-4,
+            y0,
+            saveat=sk.SaveAt(steps=True),
+            stepsize_controller=sk.PIDController(rtol=tol, atol=tol * 1e-3, norm=norm),
+            max_steps=256,
+        )
+
+    def loss(rate):
+        ys = run(rate).ys
+        weights = jnp.array([[1.0, 1e4, 1.0]])
+        return jnp.sum(jnp.where(jnp.isfinite(ys), ys, 0) * weights)
+
+    sols = jax.vmap(run)(rates)
+    return sols.ts, sols.ys, jax.vmap(jax.grad(loss))(rates)
+
+
+@pytest.mark.parametrize("name", ["two", "max"])
+def test_controller_norms(name):
+    """BDF hands its step-size factor to the controller through `y_error`, which the
+    controller measures in its own norm: the steps must be BDF's own choice in that
+    norm. `two_norm = √n rms_norm`, so with the 2-norm at tolerance `√3 tol` (n = 3)
+    the steps of ROBER must be those of the RMS norm at `tol` (BDF's own error
+    measures scale alike); with equal entries `max_norm = rms_norm`, so on three
+    copies of one equation the max norm must take the RMS norm's steps. Under `jit`,
+    `vmap` over a closed-over rate and `grad`. (The 2-norm used to see `√n` times
+    the error: spurious rejections and smaller steps.)"""
+    problem = "rober" if name == "two" else "copies"
+    rates = jnp.array([0.04, 0.08]) if name == "two" else jnp.array([1.0, 2.0])
+    tol = 1e-3  # Newton's tolerance min(0.03, √rtol) is 0.03 at both tolerances
+    want = _norm_steps(rates, problem, rms_norm, tol)
+    if name == "two":
+        got = _norm_steps(rates, problem, _two_norm, tol * np.sqrt(3))
+    else:
+        got = _norm_steps(rates, problem, _max_norm, tol)
+    # The same arithmetic up to the rounding of √3 (or none): the same steps.
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-14)
 
 
 def test_bad_input():

@@ -20,8 +20,9 @@ rejected step shrinks by the error's factor; after a change of step size the ste
 kept for `k + 1` steps; the Newton solve's iteration count damps the factor. The
 chosen factor reaches the step-size controller through the error estimate: `y_error`
 is scaled so that an I-controller (`PIDController` with `pcoeff = dcoeff = 0`, its
-default) computes exactly that factor, and accepts exactly when the step's own error
-is within tolerance. Other adaptive controllers raise a `ValueError`.
+default) computes exactly that factor, with any `norm` (the error's entries are equal,
+divided by the norm of a vector of ones), and accepts exactly when the step's own
+error is within tolerance. Other adaptive controllers raise a `ValueError`.
 
 **Jacobian and factorisation reuse** (the rules of CVODE, Hindmarsh et al. 2005): the
 iteration matrix is refactorised when `γh` changed by more than 30% or after 20 steps,
@@ -53,6 +54,7 @@ from .._linear_solver import (
     AbstractLinearSolver,
     algebraic_residual,
     DenseLinearSolver,
+    KrylovLinearSolver,
     mass_matvec,
 )
 from .._norm import rms_norm
@@ -75,6 +77,10 @@ _HOLD_FACTOR = 0.999
 _REFACTOR_CHANGE = 0.3
 _REFACTOR_STEPS = 20
 _REJAC_STEPS = 50
+# A failed linear solve is tried again at this fraction of `c = h/α` to tell a
+# singular pencil `M - cJ` (singular for every `c`) from an unlucky `c` (a root of
+# `det(M - cJ)`); not a simple ratio, which a structured problem might hit twice.
+_PROBE_RATIO = 0.29
 
 
 def _coefficients(max_order: int, ndf: bool):
@@ -225,7 +231,9 @@ class BDF(AbstractAdaptiveSolver):
     - `mass_matrix`: `None` (the identity), a vector (a diagonal `M`) or a matrix, on
         the ravelled state. Initial values must satisfy the algebraic equations
         where `M` is singular; otherwise the solve ends with
-        `RESULTS.inconsistent_initial_values`. Differentiable, like the field.
+        `RESULTS.inconsistent_initial_values`. An algebraic equation that leaves
+        its unknown undetermined (`M - γhJ` singular for every step size) ends it
+        with `RESULTS.singular`. Differentiable, like the field.
     - `max_order`: the highest order, 1 to 5.
     - `ndf`: the numerical differentiation formulas (True) or the classical BDFs.
     - `newton_max_steps`: Newton iterations per step before it counts as failed.
@@ -395,7 +403,8 @@ class BDF(AbstractAdaptiveSolver):
 
     def _newton(self, field, factor, c, y_pred, psi, scale, unravel):
         """The simplified Newton iteration (no derivatives): `(d, converged,
-        iterations)`."""
+        iterations, unsolved)`, `unsolved` when it failed because a linear solve
+        of a finite right-hand side was not finite (`M - cJ` singular)."""
         rtol, _ = self._tols()
         mass = self.mass_matrix
         eps = float(jnp.finfo(y_pred.dtype).eps)
@@ -404,17 +413,18 @@ class BDF(AbstractAdaptiveSolver):
         maxiter = self.newton_max_steps
 
         def cond(carry):
-            i, _, _, done, fail = carry
+            i, _, _, done, fail, _ = carry
             return (i < maxiter) & ~done & ~fail
 
         def body(carry):
-            i, d, old, _, _ = carry
+            i, d, old, _, _, _ = carry
             f = field(y_pred + d)
             rhs = c * f - mass_matvec(mass, psi + d)
             dy = self.linear_solver.solve(factor, rhs, field)
             dy_norm = self._scaled_norm(dy, scale, unravel).astype(old.dtype)
             have_rate = old >= 0
             rate = dy_norm / jnp.where(have_rate & (old > 0), old, 1)
+            unsolved = jnp.all(jnp.isfinite(rhs)) & ~jnp.all(jnp.isfinite(dy))
             bad = ~jnp.all(jnp.isfinite(f)) | ~jnp.all(jnp.isfinite(dy))
             slow = rate ** (maxiter - i) / jnp.where(rate < 1, 1 - rate, 1) * dy_norm
             bad = bad | (have_rate & ((rate >= 1) | (slow > tol)))
@@ -423,7 +433,7 @@ class BDF(AbstractAdaptiveSolver):
             )
             done = done & ~bad
             d = jnp.where(bad, d, d + dy)
-            return i + 1, d, dy_norm, done, bad
+            return i + 1, d, dy_norm, done, bad, unsolved
 
         real = jnp.zeros((), jnp.abs(y_pred).dtype)
         init = (
@@ -432,9 +442,10 @@ class BDF(AbstractAdaptiveSolver):
             real - 1,
             jnp.asarray(False),
             jnp.asarray(False),
+            jnp.asarray(False),
         )
-        i, d, _, done, _ = lax.while_loop(cond, body, init)
-        return d, done, i
+        i, d, _, done, _, unsolved = lax.while_loop(cond, body, init)
+        return d, done, i, unsolved & ~done
 
     def _predict(self, state: BDFState, h: Array, dtype):
         """`(D, y_pred, psi, c)`: the differences rescaled to the step `h`, the
@@ -455,8 +466,10 @@ class BDF(AbstractAdaptiveSolver):
         Jacobian when stale, a new factorisation when `c` changed or is old, and
         one retry with a new Jacobian after a failure with an old one.
 
-        **Returns:** `(d, converged, iterations, reuse)`, `reuse` the state's new
-        `(jac, jac_age, factor, c_factor, factor_age)` (ages not yet advanced).
+        **Returns:** `(d, converged, iterations, singular, reuse)`, `reuse` the
+        state's new `(jac, jac_age, factor, c_factor, factor_age)` (ages not yet
+        advanced), `singular` whether `M - cJ` is singular whatever the step size
+        (`_singular`).
         """
         linear_solver = self.linear_solver
         new_jac = lambda: nograd(linear_solver.linearise(field, y_pred)[1])
@@ -471,7 +484,7 @@ class BDF(AbstractAdaptiveSolver):
         refactor = stale | (c_old == 0) | change | (state.factor_age >= _REFACTOR_STEPS)
         factor = _maybe(refactor, lambda: new_factor(jac), state.factor)
         factor_age = jnp.where(refactor, 0, state.factor_age)
-        d, converged, iters = self._newton(
+        d, converged, iters, unsolved = self._newton(
             field, factor, c, y_pred, psi, scale, unravel
         )
         # A failed solve with an old Jacobian: a new Jacobian, at once.
@@ -480,14 +493,15 @@ class BDF(AbstractAdaptiveSolver):
         def again():
             jac2 = new_jac()
             factor2 = new_factor(jac2)
-            d2, conv2, it2 = self._newton(
+            d2, conv2, it2, unsolved2 = self._newton(
                 field, factor2, c, y_pred, psi, scale, unravel
             )
-            return jac2, factor2, d2, conv2, iters + it2
+            return jac2, factor2, d2, conv2, iters + it2, unsolved2
 
-        jac, factor, d, converged, iters = _maybe(
-            retry, again, (jac, factor, d, converged, iters)
+        jac, factor, d, converged, iters, unsolved = _maybe(
+            retry, again, (jac, factor, d, converged, iters, unsolved)
         )
+        singular = self._singular(field, unsolved, jac, c)
         reuse = (
             jac,
             jnp.where(retry, 0, jac_age),
@@ -495,7 +509,26 @@ class BDF(AbstractAdaptiveSolver):
             jnp.where(refactor | retry, c, c_old),
             jnp.where(retry, 0, factor_age),
         )
-        return d, converged, iters, reuse
+        return d, converged, iters, singular, reuse
+
+    def _singular(self, field, unsolved: Array, jac, c: Array) -> Array:
+        """Whether `M - cJ` is singular for every step size: with a singular mass
+        matrix, a linear solve that failed at `c` (`unsolved`) fails again at
+        `_PROBE_RATIO c` (a regular pencil is singular at finitely many `c`; with
+        `M = I` never as `c` shrinks, nor is a Krylov solver's failure evidence of
+        singularity). Then no step size helps: the solve ends with
+        `RESULTS.singular` at once instead of shrinking the step to `max_steps`."""
+        mass = self.mass_matrix
+        if mass is None or isinstance(self.linear_solver, KrylovLinearSolver):
+            return jnp.zeros_like(unsolved)
+
+        def probe():
+            ls = self.linear_solver
+            factor = ls.factorise(jac, _PROBE_RATIO * c, mass)
+            out = ls.solve(factor, jnp.ones(mass.shape[0], c.dtype), field)
+            return ~jnp.all(jnp.isfinite(out))
+
+        return _maybe(unsolved, lambda: nograd(probe()), jnp.zeros_like(unsolved))
 
     def _order_errors(self, D_new, d, k, err_scale, unravel):
         """The scaled error estimates of orders `k - 1`, `k` and `k + 1` (`inf`
@@ -598,7 +631,7 @@ class BDF(AbstractAdaptiveSolver):
         )
         field = lambda x: _flat_field(n_terms, n_args, unravel, n_t1, x, dtype)
         scale = atol + rtol * jnp.abs(n_y_pred)
-        d, converged, iters, reuse = self._solve_reusing(
+        d, converged, iters, singular, reuse = self._solve_reusing(
             field, state, n_c, n_y_pred, n_psi, scale, unravel
         )
         dynamic, static = eqx.partition(
@@ -617,9 +650,18 @@ class BDF(AbstractAdaptiveSolver):
         new_order, n_equal, controller_error = self._next_order(
             state, errors, h / state.h, h, t1, iters, converged
         )
+        # The controller measures `norm(y_error / err_scale)`; for a vector of
+        # equal entries `e` any norm gives `e · norm(ones)` (`√n e` for the 2-norm),
+        # so that is divided out: the controller sees `controller_error` exactly.
+        unit = self.norm(unravel(jnp.ones_like(flat0))).astype(dtype)
+        unit = jnp.where(unit > 0, unit, 1)
         y_error, result = self._report(
-            state, lax.stop_gradient(d), controller_error * err_scale, converged
+            state,
+            lax.stop_gradient(d),
+            controller_error / unit * err_scale,
+            converged,
         )
+        result = RESULTS.where(singular, RESULTS.singular, result)
         jac, jac_age, factor, c_factor, factor_age = reuse
         new_state = BDFState(
             D=D_new,
