@@ -19,8 +19,9 @@ Columns: first call (trace, compile, run), run time (median of `--repeats`), the
 ratio of run times to diffrax's at that size, the largest and mean number of steps
 (accepted and rejected) of a trajectory, and the error: the largest
 `|y(200) - y_ref(200)|` over 16 trajectories spread over the sweep, against SciPy's
-LSODA (compiled; Radau in Python takes minutes) at rtol = atol = 1e-10 in float64 on the CPU (computed once and cached in
-`--out`). Trajectories that did not succeed are counted (`failed`).
+LSODA (compiled; Radau in Python takes minutes) at rtol = atol = 1e-10 in float64
+on the CPU (computed once and cached in `--out`). Trajectories that did not
+succeed are counted (`failed`).
 
 Writes `stiff_ensemble.json` and `stiff_ensemble.md` into `--out` (default
 `benchmarks/results/stiff-ensemble-<dtype>/`), rewritten after each case; the

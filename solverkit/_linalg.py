@@ -25,7 +25,10 @@ from jaxtyping import Array, PyTree
 # batch, so a batch of small systems becomes wide element-wise work: on a TPU,
 # batched LU and triangular solves of tiny matrices lower to custom calls and
 # padded tiles, and a batched (n, n) product to a matrix unit pass per matrix.
-SMALL_MAX = 8
+# Kept at 3: the unrolled code grows like n^3, and XLA:CPU's compile time with it
+# (a vmapped factorise + 8 solves: n = 3 as fast to compile as LU, n = 4 about 4x,
+# n = 6 about 15x; a vmapped Rodas5P on HIRES, n = 8, over 10 minutes).
+SMALL_MAX = 3
 
 
 def _mul(matrix, vector):

@@ -190,7 +190,7 @@ class AbstractLinearSolver(eqx.Module):
 class DenseLinearSolver(AbstractLinearSolver):
     """Dense Jacobians (one forward-mode pass of `n` columns) and dense LU
     factorisations; for up to 32 unknowns, an explicit inverse with one step of
-    iterative refinement per solve (up to 8, computed and applied entry by entry
+    iterative refinement per solve (up to 3, computed and applied entry by entry
     as element-wise operations, which batch under `vmap` into wide vector work,
     without LU custom calls, triangular solves or small dot products). The
     default, and the right choice up to a few hundred unknowns.
