@@ -2,10 +2,12 @@
 diffrax's vmapped Kvaerno5, on Van der Pol with a sweep of stiffness.
 
 `python -m benchmarks.stiff_ensemble [--dtype float32] [--sizes 1024,16384]
-[--cases ...] [--repeats 3] [--case-timeout 60] [--out DIR]`
+[--cases ...] [--tols 1e-5,1e-7] [--repeats 3] [--case-timeout 60] [--budget S]
+[--out DIR]`
 
 Problem: y'' = mu (1 - y^2) y' - y, y0 = (2, 0), t in [0, 200], mu = logspace(0, 2,
-N) (relaxation oscillations, stiff for large mu), PIDController(rtol=atol=1e-5),
+N) (relaxation oscillations, stiff for large mu), PIDController(rtol=atol=1e-5;
+solverkit's also at each of `--tols`, to compare at equal error),
 dt0 = 1e-3, max_steps 20,000 (`--max-steps`), in `--dtype` (float32 by default: the
 accelerator's type).
 
@@ -13,7 +15,8 @@ Cases: `<solver>-vmap` (`jax.jit(jax.vmap(diffeqsolve))`) and `<solver>-ensemble
 (`ensemble_solve`, default lanes) for solverkit's Rodas5P, Kvaerno5 and BDF, and
 `diffrax-kvaerno5` (`jax.vmap(diffrax.diffeqsolve)`). Each case and size runs in
 its own subprocess with a time limit, so a crash, an out-of-memory error or a solve
-that does not finish is recorded (`status`) and the run goes on.
+that does not finish is recorded (`status`) and the run goes on; once `--budget`
+seconds have passed, the cases left are recorded as skipped.
 
 Columns: first call (trace, compile, run), run time (median of `--repeats`), the
 ratio of run times to diffrax's at that size, the largest and mean number of steps
@@ -96,13 +99,13 @@ def _vdp(t, y, mu):
     return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
 
 
-def _solverkit(name: str, ensemble: bool, dtype, max_steps: int):
+def _solverkit(name: str, ensemble: bool, dtype, max_steps: int, tol: float):
     import jax
 
     import solverkit as sk
 
     solver = {"rodas5p": sk.Rodas5P, "kvaerno5": sk.Kvaerno5, "bdf": sk.BDF}[name]()
-    term, ctrl = sk.ODETerm(_vdp), sk.PIDController(rtol=TOL, atol=TOL)
+    term, ctrl = sk.ODETerm(_vdp), sk.PIDController(rtol=tol, atol=tol)
     t0, t1, dt0 = dtype(0.0), dtype(T1), dtype(DT0)
     if ensemble:
 
@@ -146,7 +149,9 @@ def _diffrax(dtype, max_steps: int):
     return jax.jit(jax.vmap(one))
 
 
-def child(case: str, n: int, dtype_name: str, repeats: int, max_steps: int) -> dict:
+def child(
+    case: str, n: int, dtype_name: str, repeats: int, max_steps: int, tol: float
+) -> dict:
     import jax
 
     if dtype_name == "float64":
@@ -158,7 +163,7 @@ def child(case: str, n: int, dtype_name: str, repeats: int, max_steps: int) -> d
         fn = _diffrax(dtype, max_steps)
     else:
         name, kind = case.split("-")
-        fn = _solverkit(name, kind == "ensemble", dtype, max_steps)
+        fn = _solverkit(name, kind == "ensemble", dtype, max_steps, tol)
     y0 = jnp.tile(jnp.asarray(Y0, dtype), (n, 1))
     mu = jnp.asarray(mus(n), dtype)
     start = time.perf_counter()
@@ -187,13 +192,13 @@ def child(case: str, n: int, dtype_name: str, repeats: int, max_steps: int) -> d
 # --- the parent: every case in its own subprocess -----------------------------
 
 
-def run_case(case: str, n: int, args, ref: np.ndarray) -> dict:
+def run_case(case: str, n: int, tol: float, args, ref: np.ndarray) -> dict:
     cmd = [
         sys.executable, "-m", "benchmarks.stiff_ensemble", "--child", case,
         "--sizes", str(n), "--dtype", args.dtype, "--repeats", str(args.repeats),
-        "--max-steps", str(args.max_steps),
+        "--max-steps", str(args.max_steps), "--tols", str(tol),
     ]  # fmt: skip
-    row = {"case": case, "size": n, "dtype": args.dtype}
+    row = {"case": case, "size": n, "tol": tol, "dtype": args.dtype}
     start = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -216,9 +221,9 @@ def run_case(case: str, n: int, args, ref: np.ndarray) -> dict:
 
 def _table(rows: list[dict]) -> str:
     head = (
-        "| case | N | dtype | status | first call (s) | run (s) | / diffrax | "
+        "| case | N | tol | dtype | status | first call (s) | run (s) | / diffrax | "
         "steps max | steps mean | error | failed |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     base = {
         r["size"]: r.get("run_s")
@@ -236,7 +241,8 @@ def _table(rows: list[dict]) -> str:
         if r.get("run_s") and base.get(r["size"]):
             ratio = f"{r['run_s'] / base[r['size']]:.3f}"
         body += (
-            f"| {r['case']} | {r['size']} | {r['dtype']} | {r['status']} | "
+            f"| {r['case']} | {r['size']} | {r['tol']:g} | {r['dtype']} | "
+            f"{r['status']} | "
             f"{cell(r, 'first_call_s', '.2f')} | {cell(r, 'run_s', '.4f')} | {ratio} | "
             f"{cell(r, 'steps_max', 'd')} | {cell(r, 'steps_mean', '.0f')} | "
             f"{cell(r, 'error', '.2e')} | {cell(r, 'failed', 'd')} |\n"
@@ -252,12 +258,15 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=20_000)
     p.add_argument("--case-timeout", type=float, default=60.0)
+    p.add_argument("--budget", type=float, default=None, help="seconds in all")
+    p.add_argument("--tols", default=str(TOL), help="solverkit's rtol=atol, a list")
     p.add_argument("--out", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         n = int(args.sizes)
-        res = child(args.child, n, args.dtype, args.repeats, args.max_steps)
+        tol = float(args.tols)
+        res = child(args.child, n, args.dtype, args.repeats, args.max_steps, tol)
         print("RESULT " + json.dumps(res), flush=True)
         return
     cases = args.cases.split(",")
@@ -269,17 +278,25 @@ def main(argv=None) -> None:
     out = Path(args.out or f"benchmarks/results/stiff-ensemble-{args.dtype}")
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(sys.argv), "dtype": args.dtype, "tol": TOL, "t1": T1}
+    tols = [float(x) for x in args.tols.split(",")]
     rows: list[dict] = []
+    start = time.perf_counter()
     for n in sizes:
         ref = reference(n, out)
         for case in cases:
-            row = run_case(case, n, args, ref)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            (out / "stiff_ensemble.json").write_text(
-                json.dumps({"meta": meta, "rows": rows}, indent=1)
-            )
-            (out / "stiff_ensemble.md").write_text(_table(rows))
+            for tol in [TOL] if case == "diffrax-kvaerno5" else tols:
+                spent = time.perf_counter() - start
+                if args.budget is not None and spent > args.budget:
+                    row = {"case": case, "size": n, "tol": tol, "dtype": args.dtype}
+                    row["status"] = f"skipped (budget {args.budget:g} s spent)"
+                else:
+                    row = run_case(case, n, tol, args, ref)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                (out / "stiff_ensemble.json").write_text(
+                    json.dumps({"meta": meta, "rows": rows}, indent=1)
+                )
+                (out / "stiff_ensemble.md").write_text(_table(rows))
     print(_table(rows))
 
 

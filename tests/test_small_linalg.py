@@ -107,7 +107,7 @@ def test_dense_solver_matches_lu(n, dtype):
             return ls.solve(factor, b, lambda y: y)
 
         got = jax.jit(jax.vmap(solve))(jac, b)
-        matrix = jnp.eye(n, dtype=dtype) - gamma_h * jac
+        matrix = jnp.eye(n, dtype=dtype)[None] - gamma_h * jac
         exact = jax.vmap(lambda m, b: jsl.lu_solve(jsl.lu_factor(m), b))(
             matrix.astype(jnp.float64), b.astype(jnp.float64)
         )
