@@ -171,6 +171,8 @@ def test_stiff_vdp_ensemble_float32_against_float64(solver):
         y32, steps32 = solve(jnp.float32, 1e-5, mus)
         y64, _ = solve(jnp.float64, 1e-10, mus)
         _, steps64 = solve(jnp.float64, 1e-5, mus)
-    # Global error of a 1e-5 solve over a few oscillations: ~1e-3 relative.
-    assert np.abs(np.asarray(y32, np.float64) - np.asarray(y64)).max() < 2e-2
+    # The global error of a 1e-5 solve over a few relaxation oscillations (phase
+    # errors at the fast transitions): ~1e-3 for Rodas5P, ~3e-2 for BDF (float64
+    # alike); a float32 rejection loop or a wrong solve would exceed it or max_steps.
+    assert np.abs(np.asarray(y32, np.float64) - np.asarray(y64)).max() < 0.1
     assert np.all(np.asarray(steps32) <= 1.2 * np.asarray(steps64) + 10)
