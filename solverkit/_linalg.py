@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 from jax.flatten_util import ravel_pytree
@@ -17,10 +18,94 @@ from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
 
+# Up to this many unknowns, inverses and matrix-vector products of the iteration
+# matrix are written out entry by entry as element-wise operations (unrolled Gauss-
+# Jordan elimination with partial pivoting by selects), instead of LU factorisations,
+# triangular solves and dot products. Under `vmap` each entry is a vector along the
+# batch, so a batch of small systems becomes wide element-wise work: on a TPU,
+# batched LU and triangular solves of tiny matrices lower to custom calls and
+# padded tiles, and a batched (n, n) product to a matrix unit pass per matrix.
+# Kept at 3: the unrolled code grows like n^3, and XLA:CPU's compile time with it
+# (a vmapped factorise + 8 solves: n = 3 as fast to compile as LU, n = 4 about 4x,
+# n = 6 about 15x; a vmapped Rodas5P on HIRES, n = 8, over 10 minutes).
+SMALL_MAX = 3
+
+
 def _mul(matrix, vector):
     """`matrix @ vector` in full float32 precision (a GPU may otherwise use
-    TF32 for a large batched product)."""
+    TF32 for a large batched product); for small matrices, as element-wise
+    products and sums (exact float32 on every device)."""
+    n = matrix.shape[-1]
+    if n <= SMALL_MAX:
+        entries = [vector[..., j] for j in range(n)]
+        rows = [
+            sum((matrix[..., i, j] * entries[j] for j in range(1, n)),
+                start=matrix[..., i, 0] * entries[0])
+            for i in range(n)
+        ]  # fmt: skip
+        return jnp.stack(rows, axis=-1)
     return jnp.matmul(matrix, vector, precision=Precision.HIGHEST)
+
+
+def _pivot(rows: list[list[Array]], k: int) -> list[list[Array]]:
+    """The rows of the augmented matrix with the row of the largest `|entry|` in the
+    pivot column (entry 0 of each row) among rows `k...` swapped into row `k`, by
+    selects (entry-wise, so batched along any leading axes)."""
+    best, size = rows[k], lax.abs(rows[k][0])
+    which = jnp.full(size.shape, k, jnp.int32)
+    for i in range(k + 1, len(rows)):
+        size_i = lax.abs(rows[i][0])
+        take = size_i > size  # strict: ties keep the upper row
+        best = [lax.select(take, a, b) for a, b in zip(rows[i], best)]
+        size, which = lax.select(take, size_i, size), jnp.where(take, i, which)
+    swapped = [
+        [lax.select(which == i, a, b) for a, b in zip(rows[k], rows[i])]
+        for i in range(k + 1, len(rows))
+    ]
+    return rows[:k] + [best] + swapped
+
+
+def small_inverse(matrix: Array) -> Array:
+    """The inverse of a small square matrix (`n <= SMALL_MAX`; any leading batch
+    axes), by Gauss-Jordan elimination with partial pivoting, unrolled entry by
+    entry into element-wise operations. JAX differentiates it directly. A singular
+    matrix gives non-finite entries (as an LU-based inverse does).
+
+    **Arguments:**
+
+    - `matrix`: `(..., n, n)`.
+
+    **Returns:**
+
+    The inverse, `(..., n, n)`, of `matrix`'s dtype.
+    """
+    n = matrix.shape[-1]
+    zero, one = jnp.zeros_like(matrix[..., 0, 0]), jnp.ones_like(matrix[..., 0, 0])
+    # Row i: the entries of columns k... of the matrix (columns before k are e_i
+    # once eliminated, and dropped), then the n columns of the inverse being built.
+    rows = [
+        [matrix[..., i, j] for j in range(n)]
+        + [one if i == j else zero for j in range(n)]
+        for i in range(n)
+    ]
+    for k in range(n):
+        rows = _pivot(rows, k)
+        scale = 1 / rows[k][0]
+        pivot_row = [x * scale for x in rows[k][1:]]
+        rows = [
+            pivot_row if i == k
+            else [x - row[0] * p for x, p in zip(row[1:], pivot_row)]
+            for i, row in enumerate(rows)
+        ]  # fmt: skip
+    return jnp.stack([jnp.stack(row, axis=-1) for row in rows], axis=-2)
+
+
+def inverse(matrix: Array) -> Array:
+    """The inverse of a square matrix: [`small_inverse`][] up to `SMALL_MAX`
+    unknowns, else `jnp.linalg.inv` (LU)."""
+    if matrix.shape[-1] <= SMALL_MAX:
+        return small_inverse(matrix)
+    return jnp.linalg.inv(matrix)
 
 
 def jacobian(
@@ -154,4 +239,4 @@ def invert(jac: Array, gamma_h: Array, refine: bool = False) -> Inverse:
     An `Inverse`.
     """
     matrix = _iteration_matrix(jac, gamma_h)
-    return Inverse(jnp.linalg.inv(matrix), matrix if refine else None)
+    return Inverse(inverse(matrix), matrix if refine else None)

@@ -1,0 +1,178 @@
+"""The element-wise dense path for small systems (`_linalg.SMALL_MAX`): unrolled
+Gauss-Jordan inverses and matrix-vector products, against LAPACK/LU, under jit,
+vmap and grad, and that a batch of them lowers to element-wise work only (no LU
+custom call, triangular solve or dot product, which a TPU runs slowly)."""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import numpy as np
+import pytest
+from helpers import finite_difference, float64
+
+import solverkit as sk
+from solverkit._linalg import _mul, invert, small_inverse, SMALL_MAX
+from solverkit._linear_solver import DenseLinearSolver
+
+
+def _matrices(n: int, count: int = 20, seed: int = 0) -> np.ndarray:
+    """Random matrices whose pivots need swapping (a small leading entry), with a
+    moderate condition number."""
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(count, n, n)) + 2 * np.eye(n)
+    a[:, 0, 0] = 1e-3
+    return a
+
+
+def _inverse_tol(a: np.ndarray, dtype) -> float:
+    # A backward-stable inverse errs by about cond(a) * n * eps, relative to |a^-1|.
+    cond = np.linalg.cond(a).max()
+    return 10 * a.shape[-1] * cond * float(jnp.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("n", range(1, SMALL_MAX + 1))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_small_inverse_matches_numpy(n, dtype):
+    a = _matrices(n)
+    exact = np.linalg.inv(a)
+    with float64():
+        got = jax.jit(jax.vmap(small_inverse))(jnp.asarray(a, dtype))
+        assert got.dtype == jnp.dtype(dtype)
+        err = np.abs(np.asarray(got, np.float64) - exact).max() / np.abs(exact).max()
+    assert err < _inverse_tol(a, dtype)
+
+
+@pytest.mark.usefixtures("x64")
+def test_small_inverse_batch_axes_and_vmap_agree():
+    a = jnp.asarray(_matrices(3))
+    assert jnp.array_equal(small_inverse(a), jax.vmap(small_inverse)(a))
+    assert jnp.array_equal(small_inverse(a[0]), small_inverse(a)[0])
+
+
+def test_small_inverse_pivots():
+    # No pivoting would divide by the zero leading entry.
+    perm = jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert jnp.array_equal(small_inverse(perm), perm.T)
+    a = jnp.array([[1e-30, 1.0], [1.0, 1.0]])
+    assert jnp.allclose(small_inverse(a), jnp.array([[-1.0, 1.0], [1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("a", [[[0.0, 0.0], [0.0, 0.0]], [[1.0, 2.0], [2.0, 4.0]]])
+def test_small_inverse_singular_is_not_finite(a):
+    a = jnp.asarray(a)
+    assert not jnp.all(jnp.isfinite(small_inverse(a)))
+    jac = jnp.eye(2) - a  # so that I - 1 * jac = a
+    factor = DenseLinearSolver().factorise(jac, jnp.asarray(1.0), None)
+    x = DenseLinearSolver().solve(factor, jnp.ones(2), lambda y: y)
+    assert not jnp.all(jnp.isfinite(x))  # as with jnp.linalg.inv / LU
+
+
+@pytest.mark.usefixtures("x64")
+def test_small_inverse_grad_matches_lu():
+    a = jnp.asarray(_matrices(4, count=1)[0])
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 4)))
+    mine = jax.grad(lambda a: jnp.sum(w * small_inverse(a)))(a)
+    lu = jax.grad(lambda a: jnp.sum(w * jnp.linalg.inv(a)))(a)
+    fd = finite_difference(lambda a: jnp.sum(w * small_inverse(a)), a)
+    # Derivatives of a^-1 are a^-1 (.) a^-1: rounding grows like cond(a)^2 * eps.
+    tol = 100 * np.linalg.cond(np.asarray(a)) ** 2 * 1e-16
+    assert jnp.allclose(mine, lu, rtol=tol, atol=tol * jnp.abs(lu).max())
+    assert jnp.allclose(mine, fd, rtol=1e-5, atol=1e-5 * jnp.abs(lu).max())
+
+
+@pytest.mark.parametrize("n", [1, 3, SMALL_MAX, SMALL_MAX + 1])
+def test_mul_matches_matmul(n):
+    with float64():
+        a = jnp.asarray(_matrices(n))
+        v = jnp.asarray(np.random.default_rng(2).normal(size=(20, n)))
+        exact = jnp.einsum("bij,bj->bi", a, v, precision="highest")
+        assert jnp.allclose(jax.vmap(_mul)(a, v), exact, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", [2, 5, SMALL_MAX + 1])
+def test_dense_solver_matches_lu(n, dtype):
+    """Both sides of SMALL_MAX: `DenseLinearSolver` against LAPACK's LU solve."""
+    with float64():
+        jac = jnp.asarray(_matrices(n, count=8), dtype)
+        b = jnp.asarray(np.random.default_rng(3).normal(size=(8, n)), dtype)
+        gamma_h = jnp.asarray(0.3, dtype)
+        ls = DenseLinearSolver()
+
+        def solve(jac, b):
+            factor = ls.factorise(jac, gamma_h, None)
+            return ls.solve(factor, b, lambda y: y)
+
+        got = jax.jit(jax.vmap(solve))(jac, b)
+        matrix = jnp.eye(n, dtype=dtype)[None] - gamma_h * jac
+        exact = jax.vmap(lambda m, b: jsl.lu_solve(jsl.lu_factor(m), b))(
+            matrix.astype(jnp.float64), b.astype(jnp.float64)
+        )
+        assert got.dtype == jnp.dtype(dtype)
+        err = np.abs(np.asarray(got, np.float64) - np.asarray(exact)).max()
+        tol = _inverse_tol(np.asarray(matrix, np.float64), dtype)
+        assert err < tol * np.abs(np.asarray(exact)).max()
+
+
+def _tpu_ops(fn, *args) -> collections.Counter:
+    """The StableHLO operations of `fn` lowered for a TPU (no TPU needed)."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    ops = collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
+    ops.update(re.findall(r"custom_call @(\w+)", text))
+    return ops
+
+
+def test_batched_small_solves_lower_to_elementwise_work():
+    """A vmapped factorise + solve of 2x2 systems has no LU custom call, no
+    triangular solve and no dot product (each slow on a TPU for tiny matrices)."""
+    ls = DenseLinearSolver()
+
+    def solve(jac, b):
+        factor = ls.factorise(jac, jnp.asarray(0.5), None)
+        return ls.solve(factor, b, lambda y: y)
+
+    ops = _tpu_ops(jax.vmap(solve), jnp.ones((64, 2, 2)), jnp.ones((64, 2)))
+    for op in ["custom_call", "triangular_solve", "dot_general", "while", "sort"]:
+        assert ops[op] == 0, (op, ops)
+    ops = _tpu_ops(
+        jax.vmap(lambda j: invert(j, jnp.asarray(0.5)).inverse), jnp.ones((64, 3, 3))
+    )
+    assert ops["custom_call"] == ops["triangular_solve"] == 0, ops
+
+
+def _vdp(t, y, mu):
+    return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
+
+
+@pytest.mark.parametrize("solver", [sk.Rodas5P(), sk.Kvaerno5(), sk.BDF()])
+def test_stiff_vdp_ensemble_float32_against_float64(solver):
+    """A vmapped float32 Van der Pol ensemble (mu in [1, 100]) through the small
+    path agrees with a float64 solve at a tight tolerance, and takes no more steps
+    than float32 needs: no rejection loop."""
+
+    def solve(dtype, rtol, mus):
+        def one(mu):
+            y0 = jnp.asarray([2.0, 0.0], dtype)
+            sol = sk.diffeqsolve(
+                sk.ODETerm(_vdp), solver, jnp.asarray(0.0, dtype),
+                jnp.asarray(20.0, dtype), jnp.asarray(1e-3, dtype), y0, mu,
+                stepsize_controller=sk.PIDController(rtol=rtol, atol=rtol),
+                max_steps=20_000,
+            )  # fmt: skip
+            return sol.ys[-1], sol.stats["num_steps"]
+
+        return jax.jit(jax.vmap(one))(mus.astype(dtype))
+
+    with float64():
+        mus = jnp.asarray(np.logspace(0, 2, 6))
+        y32, steps32 = solve(jnp.float32, 1e-5, mus)
+        y64, _ = solve(jnp.float64, 1e-10, mus)
+        _, steps64 = solve(jnp.float64, 1e-5, mus)
+    # The global error of a 1e-5 solve over a few relaxation oscillations (phase
+    # errors at the fast transitions): ~1e-3 for Rodas5P, ~3e-2 for BDF (float64
+    # alike); a float32 rejection loop or a wrong solve would exceed it or max_steps.
+    assert np.abs(np.asarray(y32, np.float64) - np.asarray(y64)).max() < 0.1
+    assert np.all(np.asarray(steps32) <= 1.2 * np.asarray(steps64) + 10)
