@@ -294,6 +294,39 @@ def test_empty_state_with_pid():
     assert int(sol.stats["num_steps"]) < 10
 
 
+@pytest.mark.parametrize(
+    "controller",
+    [
+        lambda lib: lib.ConstantStepSize(),
+        lambda lib: lib.PIDController(rtol=1e-5, atol=1e-8),
+        lambda lib: lib.PIDController(rtol=1e-5, atol=1e-8, pcoeff=0.3, icoeff=0.3),
+    ],
+    ids=["constant", "pid", "pid-pi"],
+)
+@pytest.mark.parametrize("solver", ["Tsit5", "ReversibleHeun", "Bosh3"])
+def test_none_state_under_every_controller(controller, solver):
+    # y0=None: no leaves, so an empty error estimate, accepted at every step size.
+    term = sk.ODETerm(lambda t, y, args: y)
+    t0, t1, dt0 = jnp.float32(0), jnp.float32(1), jnp.float32(0.01)
+    sol = sk.diffeqsolve(
+        term, getattr(sk, solver)(), t0, t1, dt0, None,
+        stepsize_controller=controller(sk),
+    )  # fmt: skip
+    theirs = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: y), getattr(diffrax, solver)(), t0, t1,
+        dt0, None, stepsize_controller=controller(diffrax),
+    )  # fmt: skip
+    assert sol.ys is None and sol.result == sk.RESULTS.successful
+    assert int(sol.stats["num_steps"]) == int(theirs.stats["num_steps"])
+    np.testing.assert_array_equal(sol.ts, theirs.ts)
+
+
+def test_abstract_implicit_solver_is_diffrax_name():
+    for cls in (sk.ImplicitEuler, sk.Kvaerno5, sk.KenCarp4):
+        assert isinstance(cls(), sk.AbstractImplicitSolver)
+    assert not isinstance(sk.Tsit5(), sk.AbstractImplicitSolver)
+
+
 # --- Backsolve seminorm ---------------------------------------------------------------
 
 
