@@ -477,3 +477,74 @@ def test_two_stage_state_solvers_close_over_every_dtype(name):
         np.testing.assert_allclose(
             grads, -np.diag(np.exp(-np.asarray(table))), rtol=1e-3, atol=1e-12
         )
+
+
+# --- Interpolation classes as diffrax constructs them ---------------------------------
+
+
+def _cubic(t):
+    return jnp.asarray(0.4 + 0.7 * t - 1.1 * t**2 + 0.4 * t**3)
+
+
+@pytest.mark.parametrize("lib", [diffrax, sk], ids=["diffrax", "solverkit"])
+def test_hermite_from_increments_python_float_times(lib):
+    t0, t1 = 2.0, 3.9  # Python floats, as diffrax's own test passes them
+    y0, f0 = jax.jvp(_cubic, (t0,), (1.0,))
+    y1, f1 = jax.jvp(_cubic, (t1,), (1.0,))
+    interp = lib.ThirdOrderHermitePolynomialInterpolation(
+        t0=t0, t1=t1, y0=y0, y1=y1, k0=f0 * (t1 - t0), k1=f1 * (t1 - t0)
+    )
+    # A cubic is reproduced exactly: float32 rounding of values of order 1.
+    np.testing.assert_allclose(interp.evaluate(2.6), _cubic(2.6), rtol=1e-5)
+    np.testing.assert_allclose(interp.evaluate(2.6, 3.0), _cubic(3.0) - _cubic(2.6),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    k = jnp.stack([f0 * (t1 - t0), jnp.asarray(0.0), f1 * (t1 - t0)])
+    from_k = lib.ThirdOrderHermitePolynomialInterpolation.from_k(
+        t0=t0, t1=t1, y0=y0, y1=y1, k=k
+    )
+    np.testing.assert_allclose(from_k.evaluate(3.3), _cubic(3.3), rtol=1e-5)
+
+
+def test_hermite_takes_increments_or_rates_not_both():
+    with pytest.raises(ValueError, match="k0=, k1="):
+        sk.ThirdOrderHermitePolynomialInterpolation(
+            t0=0.0, t1=1.0, y0=0.0, y1=1.0, k0=1.0, k1=1.0, f0=1.0, f1=1.0
+        )
+
+
+@pytest.mark.parametrize("y0", [2.1, jnp.array(2.1), jnp.array([2.1, 3.1])])
+def test_local_linear_as_diffrax_builds_it(y0):
+    t0, t1, s0, s1 = 2.0, 3.3, 2.8, 2.9
+    y1 = y0 + 0.1
+    ours = sk.LocalLinearInterpolation(t0=t0, t1=t1, y0=y0, y1=y1)
+    theirs = diffrax.LocalLinearInterpolation(t0=t0, t1=t1, y0=y0, y1=y1)
+    # One linear formula in float32: a few ulps of values of order 2.
+    tol = dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ours.evaluate(s0), theirs.evaluate(s0), **tol)
+    np.testing.assert_allclose(ours.evaluate(s0, s1), theirs.evaluate(s0, s1), **tol)
+    np.testing.assert_allclose(ours.derivative(s0), theirs.derivative(s0), **tol)
+    np.testing.assert_allclose(ours.derivative(s0), (y1 - y0) / (t1 - t0), **tol)
+    # An empty step: y0, and a zero derivative (not (y1 - y0) / 1).
+    empty = sk.LocalLinearInterpolation(t0=t0, t1=t0, y0=y0, y1=y1)
+    np.testing.assert_allclose(empty.evaluate(t0), jnp.broadcast_to(y0, np.shape(y1)))
+    _, slope = jax.jvp(empty.evaluate, (t0,), (1.0,))
+    np.testing.assert_array_equal(slope, 0.0)
+
+
+def test_complex_cubic_interpolation_under_strict_promotion():
+    with float64(), _strict():
+        ts = jnp.linspace(0.0, 5.0, 8)
+        re, im = np.random.default_rng(0).normal(size=(2, 8, 4))
+        ys = jnp.asarray(re + 1j * im)
+        ours = sk.CubicInterpolation(ts, sk.backward_hermite_coefficients(ts, ys))
+        with jax.numpy_dtype_promotion("standard"):
+            theirs = diffrax.CubicInterpolation(
+                ts, diffrax.backward_hermite_coefficients(ts, ys)
+            )
+            want, want_slope = theirs.evaluate(1.3), theirs.derivative(1.3)
+        t = jnp.asarray(1.3)
+        # The same cubic in float64: rounding only.
+        np.testing.assert_allclose(ours.evaluate(t), want, rtol=1e-12)
+        np.testing.assert_allclose(ours.derivative(t), want_slope, rtol=1e-12)
+        _, slope = jax.jvp(ours.evaluate, (t,), (jnp.ones_like(t),))
+        np.testing.assert_allclose(slope, want_slope, rtol=1e-12)
