@@ -548,3 +548,48 @@ def test_complex_cubic_interpolation_under_strict_promotion():
         np.testing.assert_allclose(ours.derivative(t), want_slope, rtol=1e-12)
         _, slope = jax.jvp(ours.evaluate, (t,), (jnp.ones_like(t),))
         np.testing.assert_allclose(slope, want_slope, rtol=1e-12)
+
+
+# --- ClipStepSizeController -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_clip_integer_step_ts_under_strict_promotion(backwards):
+    t0, t1 = (5, 0) if backwards else (0, 5)
+    with float64(), _strict():
+        controller = sk.ClipStepSizeController(
+            sk.PIDController(rtol=1e-4, atol=1e-6), step_ts=[3, 4]
+        )
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -0.2 * y), sk.Dopri5(), t0, t1, None, 1.0,
+            stepsize_controller=controller, saveat=sk.SaveAt(steps=True),
+        )  # fmt: skip
+    assert 3 in np.asarray(sol.ts) and 4 in np.asarray(sol.ts)
+
+
+def test_nested_clip_steps_as_diffrax():
+    # diffrax's own test: the wrappers' step_ts and jump_ts all clip. diffrax's
+    # controller returns a step ending one ulp before a jump and the next starting one
+    # ulp after it; solverkit's returns the jump itself and its loop steps to just
+    # short of it (docs/migrating.md), so the ends agree to one ulp.
+    def run(lib):
+        pid = lib.PIDController(rtol=0, atol=1.0)
+        wrap1 = lib.ClipStepSizeController(pid, jump_ts=[3.0, 13.0], step_ts=[23.0])
+        wrap2 = lib.ClipStepSizeController(wrap1, step_ts=[2.0, 13.0], jump_ts=[23.0])
+        terms = lib.ODETerm(lambda t, y, args: -y)
+        func = lambda terms, t, y, args: -y
+        _, state = wrap2.init(terms, -1.0, 0.0, 0.0, 4.0, None, func, 5)
+        out = []
+        for start in [(0.0, 1.0), (10.0, 11.0), (20.0, 21.0)]:
+            a, b = start
+            for _ in range(2):  # a step from `start`, then the one after it
+                _, a, b, jump, state, _ = wrap2.adapt_step_size(
+                    a, b, 0.0, 0.0, None, 0.0, 5, state
+                )
+                out.append((float(a), float(b), bool(jump)))
+        return out
+
+    ours, theirs = run(sk), run(diffrax)
+    for (a0, a1, aj), (b0, b1, bj) in zip(ours, theirs):
+        assert aj == bj
+        np.testing.assert_allclose([a0, a1 if b1 < 30 else b1], [b0, b1], rtol=1e-6)
