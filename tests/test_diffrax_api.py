@@ -593,3 +593,53 @@ def test_nested_clip_steps_as_diffrax():
     for (a0, a1, aj), (b0, b1, bj) in zip(ours, theirs):
         assert aj == bj
         np.testing.assert_allclose([a0, a1 if b1 < 30 else b1], [b0, b1], rtol=1e-6)
+
+
+# --- VeryChord as an optimistix root finder -------------------------------------------
+
+
+def _shifted(x, args):
+    a, b = args
+    return jax.tree.map(lambda v: a * v + b + 0.1 * jnp.sin(v), x)
+
+
+@pytest.mark.parametrize(
+    "x0", [lambda: jnp.array(-2.0), lambda: (jnp.array([1.0, 0.5]), jnp.array(0.3))],
+    ids=["0d", "tree"],
+)
+@pytest.mark.usefixtures("x64")  # a tolerance of 1e-6 is float64's, as diffrax tests
+def test_very_chord_is_an_optimistix_root_finder(x0):
+    import optimistix as optx
+
+    tol = 1e-6
+    x0 = x0()
+    args = (jnp.array(2.0), jnp.array(1.0))
+    ours = sk.VeryChord(rtol=tol, atol=tol)
+    sol = optx.root_find(_shifted, ours, x0, args, max_steps=100)
+    assert sol.result == optx.RESULTS.successful
+    ref = optx.root_find(_shifted, optx.Newton(rtol=1e-10, atol=1e-10), x0, args)
+    # Both converge to the root: the chord's tolerance bounds the difference.
+    assert_tree_allclose(sol.value, ref.value, rtol=10 * tol, atol=10 * tol)
+    # diffrax's "very chord" use: the linearisation of an earlier `init` reused.
+    state = optx.root_find(_shifted, ours, x0, args, max_steps=0, throw=False).state
+    again = optx.root_find(
+        _shifted, ours, x0, args, max_steps=100, options=dict(init_state=state)
+    )
+    assert_tree_allclose(again.value, ref.value, rtol=10 * tol, atol=10 * tol)
+
+    # Gradient wrt args by optimistix's implicit function theorem, under jit and vmap.
+    def root_sum(a):
+        out = optx.root_find(_shifted, ours, x0, (a, args[1]), max_steps=100)
+        return sum(jnp.sum(v) for v in jax.tree.leaves(out.value))
+
+    def ref_sum(a):
+        out = optx.root_find(_shifted, optx.Newton(rtol=1e-10, atol=1e-10), x0,
+                             (a, args[1]))  # fmt: skip
+        return sum(jnp.sum(v) for v in jax.tree.leaves(out.value))
+
+    a_s = jnp.array([2.0, 3.0])
+    np.testing.assert_allclose(
+        jax.jit(jax.vmap(jax.grad(root_sum)))(a_s),
+        jax.vmap(jax.grad(ref_sum))(a_s),
+        rtol=1e-4,  # the roots agree to ~10 tol; their sensitivity is of order 1
+    )
