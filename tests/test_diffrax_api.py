@@ -643,3 +643,31 @@ def test_very_chord_is_an_optimistix_root_finder(x0):
         jax.vmap(jax.grad(ref_sum))(a_s),
         rtol=1e-4,  # the roots agree to ~10 tol; their sensitivity is of order 1
     )
+
+
+# --- Built-in solvers' steps outside diffeqsolve --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["Euler", "Heun", "Midpoint", "Ralston", "Bosh3", "Tsit5", "Dopri5",
+             "Dopri8", "ReversibleHeun", "LeapfrogMidpoint"],  # fmt: skip
+)
+def test_interpolation_cls_builds_each_steps_dense_output(name):
+    # diffrax's protocol, used by libraries that build dense output themselves:
+    # `solver.interpolation_cls(t0=, t1=, **dense_info)` from one `step`.
+    solver = getattr(sk, name)()
+    assert solver.interpolation_cls is not None
+    term = sk.ODETerm(lambda t, y, args: -y)
+    y0 = jnp.array([1.0, 2.0])
+    t0, t1 = jnp.asarray(0.0), jnp.asarray(0.1)
+    state = solver.init(term, t0, t1, y0, None)
+    y1, _, info, _, _ = solver.step(term, t0, t1, y0, None, state, False)
+    interp = solver.interpolation_cls(t0=0.0, t1=0.1, **info)  # Python-float times
+    # float32 rounding of sums over up to 14 stage weights (Dopri8): ~10 ulps.
+    np.testing.assert_allclose(interp.evaluate(0.0), y0, rtol=1e-5)
+    np.testing.assert_allclose(interp.evaluate(0.1), y1, rtol=1e-5)
+    mid = interp.evaluate(0.05)
+    np.testing.assert_allclose(mid, solver.interpolate(info, t0, t1, 0.05), rtol=1e-6)
+    # Every interpolant is at least linear: within h²/8 max|y''| + the step's own
+    # error (h²/2 |y''| for Euler) of the exact solution, h = 0.1.
+    np.testing.assert_allclose(mid, y0 * np.exp(-0.05), rtol=0.1**2 * 0.7)
