@@ -218,6 +218,19 @@ def _parse(argv):
     return args
 
 
+def _totals(results: dict) -> dict:
+    return {
+        k: sum(r[k] for r in results.values()) for k in ("passed", "failed", "skipped")
+    }
+
+
+def _write(out, results: dict) -> None:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"total": _totals(results), "files": results}, indent=1)
+        (out / "diffrax_tests.json").write_text(text)
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     files = args.files.split(",") if args.files else list(ODE_FILES)
@@ -233,24 +246,18 @@ def main(argv=None) -> int:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         for name in files:
             results[name] = _run_file(work, name, args, env)
+            _write(args.out, results)  # after each file: a killed run keeps its counts
             r = results[name]
             print(
                 f"{name:42s} passed {r['passed']:4d}  failed {r['failed']:4d}"
                 f"  skipped {r['skipped']:3d}   {r['summary']}",
                 flush=True,
             )
-    total = {
-        k: sum(r[k] for r in results.values()) for k in ("passed", "failed", "skipped")
-    }
+    total = _totals(results)
     print(
         f"{'total':42s} passed {total['passed']:4d}  failed {total['failed']:4d}"
         f"  skipped {total['skipped']:3d}"
     )
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "diffrax_tests.json").write_text(
-            json.dumps({"total": total, "files": results}, indent=1)
-        )
     for name, r in results.items():
         for test, message in r["failures"].items():
             short = re.sub(r"\s+", " ", message)[:200]
