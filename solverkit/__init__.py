@@ -77,6 +77,7 @@ from ._solution import (
 from ._solver import (
     AbstractAdaptiveSolver as AbstractAdaptiveSolver,
     AbstractERK as AbstractERK,
+    AbstractImplicitSolver as AbstractImplicitSolver,
     AbstractRungeKutta as AbstractRungeKutta,
     AbstractSolver as AbstractSolver,
     BDF as BDF,

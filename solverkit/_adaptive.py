@@ -347,6 +347,8 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
         def move(ts):
             if ts is None:
                 return None
+            if direction is not None and ts.dtype != direction.dtype:
+                ts = ts.astype(direction.dtype)  # integer times, strict promotion
             return jnp.sort(flip(direction, ts))
 
         inner = self.controller.to_internal(direction)

@@ -329,10 +329,12 @@ def backward_hermite_coefficients(
 
 @eqx.filter_jit  # one compilation, not one per operation, when called eagerly
 def _hermite_leaves(ts, leaves, derivs, starts, fill_forward_nans_at_end):
-    return [
-        _hermite_leaf(ts, y, d, r, fill_forward_nans_at_end)
-        for y, d, r in zip(leaves, derivs, starts)
-    ]
+    # Real times against complex data: standard promotion whatever the user's mode.
+    with jax.numpy_dtype_promotion("standard"):
+        return [
+            _hermite_leaf(ts, y, d, r, fill_forward_nans_at_end)
+            for y, d, r in zip(leaves, derivs, starts)
+        ]
 
 
 def rectilinear_interpolation(

@@ -9,6 +9,7 @@ A solver names one as `interpolation_cls`; the engine builds it per step as
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.lax import Precision
@@ -19,18 +20,23 @@ from ._select import where
 
 
 def step_fraction(t0: Array, t1: Array, t: RealScalarLike) -> Array:
-    """`θ = (t - t0) / (t1 - t0)`, the fraction of a step at `t` (0 for an empty
-    step)."""
-    h = t1 - t0
+    """`θ = (t - t0) / (t1 - t0)`, the fraction of a step at `t`; 0 for an empty
+    step, with zero derivatives (as diffrax's)."""
+    empty = t0 == t1
     # A NumPy `t` defers to JAX (`__array_priority__`), which NumPy's stubs don't say.
-    return (t - t0) / where(h == 0, 1, h)  # pyright: ignore[reportReturnType]
+    return where(empty, 0, t - t0) / where(empty, 1, t1 - t0)  # pyright: ignore
+
+
+def _leafwise(fn, *trees):
+    # Python scalars among the leaves (diffrax accepts `y0=2.1`) become arrays.
+    return jtu.tree_map(lambda *xs: fn(*map(jnp.asarray, xs)), *trees)
 
 
 class AbstractLocalInterpolation(eqx.Module):
     """Base class of the local interpolations over one step `[t0, t1]`."""
 
-    t0: Array
-    t1: Array
+    t0: RealScalarLike
+    t1: RealScalarLike
 
     def evaluate(
         self, t0: RealScalarLike, t1: RealScalarLike | None = None, left: bool = True
@@ -41,9 +47,19 @@ class AbstractLocalInterpolation(eqx.Module):
             return jtu.tree_map(lambda a, b: a - b, self.at(t1), self.at(t0))
         return self.at(t0)
 
+    def derivative(self, t: RealScalarLike, left: bool = True) -> PyTree:
+        """`dy/dt` at `t` (the derivative of `evaluate`, as diffrax's paths)."""
+        del left
+        t = jnp.asarray(t)
+        return jax.jvp(self.at, (t,), (jnp.ones_like(t),))[1]
+
     def at(self, t: RealScalarLike) -> PyTree:
         """`y(t)`."""
         raise NotImplementedError
+
+    def _theta(self, t: RealScalarLike) -> Array:
+        t0, t1 = jnp.asarray(self.t0), jnp.asarray(self.t1)
+        return step_fraction(t0, t1, t)
 
 
 class LocalLinearInterpolation(AbstractLocalInterpolation):
@@ -60,21 +76,24 @@ class LocalLinearInterpolation(AbstractLocalInterpolation):
     y1: PyTree
 
     def at(self, t: RealScalarLike) -> PyTree:
-        theta = step_fraction(self.t0, self.t1, t)
-        return jtu.tree_map(
-            lambda a, b: a + theta.astype(a.dtype) * (b - a), self.y0, self.y1
+        theta = self._theta(t)
+        return _leafwise(
+            lambda a, b: a + theta.astype(jnp.result_type(a, b)) * (b - a),
+            self.y0,
+            self.y1,
         )
 
 
 class ThirdOrderHermitePolynomialInterpolation(AbstractLocalInterpolation):
-    """Cubic Hermite interpolation from the solution and its derivative at both ends
-    of a step.
+    """Cubic Hermite interpolation from the solution and its slope at both ends of a
+    step, constructed as diffrax's.
 
     **Arguments:**
 
     - `t0`, `t1`: the step.
     - `y0`, `y1`: the solution at its ends.
-    - `f0`, `f1`: its time derivative there.
+    - `k0`, `k1`: the increments `h y'(t0)` and `h y'(t1)`, `h = t1 - t0`
+        (diffrax's arguments); or, instead, `f0`, `f1`: the derivatives `y'` there.
 
     `from_k(t0=, t1=, y0=, y1=, k=)` builds it from diffrax's `dense_info`, whose `k`
     stacks the stage increments `h f_i` (the first and last are used).
@@ -82,32 +101,42 @@ class ThirdOrderHermitePolynomialInterpolation(AbstractLocalInterpolation):
 
     y0: PyTree
     y1: PyTree
-    f0: PyTree
-    f1: PyTree
+    k0: PyTree
+    k1: PyTree
+
+    def __init__(
+        self, *, t0, t1, y0: Y, y1: Y, k0=None, k1=None, f0=None, f1=None
+    ) -> None:
+        if (k0 is None) == (f0 is None) or (k1 is None) == (f1 is None):
+            raise ValueError(
+                "ThirdOrderHermitePolynomialInterpolation takes `k0=, k1=` (the "
+                "increments h y') or `f0=, f1=` (the derivatives y'), not both."
+            )
+        self.t0, self.t1, self.y0, self.y1 = t0, t1, y0, y1
+        h = jnp.asarray(t1) - jnp.asarray(t0)
+        scale = lambda f: _leafwise(lambda x: jnp.asarray(h, x.dtype) * x, f)
+        self.k0 = scale(f0) if k0 is None else k0
+        self.k1 = scale(f1) if k1 is None else k1
 
     @classmethod
     def from_k(
-        cls, *, t0: Array, t1: Array, y0: Y, y1: Y, k
+        cls, *, t0, t1, y0: Y, y1: Y, k
     ) -> "ThirdOrderHermitePolynomialInterpolation":
-        h = t1 - t0
-        safe = where(h == 0, 1, h)
-        rate = lambda i: jtu.tree_map(lambda x: x[i] / safe.astype(x.dtype), k)
-        return cls(t0=t0, t1=t1, y0=y0, y1=y1, f0=rate(0), f1=rate(-1))
+        first, last = (jtu.tree_map(lambda x: x[i], k) for i in (0, -1))
+        return cls(t0=t0, t1=t1, y0=y0, y1=y1, k0=first, k1=last)
 
     def at(self, t: RealScalarLike) -> PyTree:
-        h = self.t1 - self.t0
-        theta = step_fraction(self.t0, self.t1, t)
+        theta = self._theta(t)
 
-        def leaf(y0: Y, y1: Y, f0, f1):
-            th = theta.astype(y0.dtype)
-            hh = jnp.asarray(h, dtype=y0.dtype)
+        def leaf(y0, y1, k0, k1):
+            th = theta.astype(jnp.result_type(y0, y1, k0, k1))
             h00 = (1 + 2 * th) * (1 - th) ** 2
             h10 = th * (1 - th) ** 2
             h01 = th**2 * (3 - 2 * th)
             h11 = th**2 * (th - 1)
-            return h00 * y0 + h10 * hh * f0 + h01 * y1 + h11 * hh * f1
+            return h00 * y0 + h10 * k0 + h01 * y1 + h11 * k1
 
-        return jtu.tree_map(leaf, self.y0, self.y1, self.f0, self.f1)
+        return _leafwise(leaf, self.y0, self.y1, self.k0, self.k1)
 
 
 class FourthOrderPolynomialInterpolation(AbstractLocalInterpolation):
@@ -131,7 +160,7 @@ class FourthOrderPolynomialInterpolation(AbstractLocalInterpolation):
     k: PyTree
 
     def at(self, t: RealScalarLike) -> PyTree:
-        theta = step_fraction(self.t0, self.t1, t)
+        theta = self._theta(t)
         c_mid = type(self).c_mid
 
         def leaf(y0: Y, y1: Y, k):
@@ -146,4 +175,4 @@ class FourthOrderPolynomialInterpolation(AbstractLocalInterpolation):
             c = k1 - 4 * k0 - 11 * y0 - 5 * y1 + 16 * y_mid
             return (((a * th + b) * th + c) * th + k0) * th + y0
 
-        return jtu.tree_map(leaf, self.y0, self.y1, self.k)
+        return _leafwise(leaf, self.y0, self.y1, self.k)

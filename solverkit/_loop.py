@@ -249,9 +249,12 @@ def _solver_failed(result) -> Array | None:
     return jnp.asarray(result.code) != SUCCESS
 
 
-def _reject_failed(problem: Problem, failed, y_error: Y | None):
+def _reject_failed(problem: Problem, failed, y_error: Y | None, y1: Y):
     """Under an adaptive controller a failed step (e.g. a Newton solve that did not
-    converge) is rejected and the step shrinks: its error is infinite."""
+    converge) is rejected and the step shrinks: its error is infinite. An empty state
+    (`y0=None`) has an empty error, as in diffrax."""
+    if y_error is None and not jtu.tree_leaves(y1):
+        return y_error
     if y_error is None:
         raise ValueError(
             f"{solver_name(problem.solver)} returns no error estimate (`y_error` is "
@@ -295,7 +298,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     y1, y_error, info, solver_state, solver_result = _solver_step(problem, carry, t1)
     failed = _solver_failed(solver_result)
     if adaptive(problem):
-        y_error = _reject_failed(problem, failed, y_error)
+        y_error = _reject_failed(problem, failed, y_error, y1)
     accepted, next_t0, next_t1, _, controller_state, controller_result = (
         problem.controller.adapt_step_size(
             t0,

@@ -294,6 +294,39 @@ def test_empty_state_with_pid():
     assert int(sol.stats["num_steps"]) < 10
 
 
+@pytest.mark.parametrize(
+    "controller",
+    [
+        lambda lib: lib.ConstantStepSize(),
+        lambda lib: lib.PIDController(rtol=1e-5, atol=1e-8),
+        lambda lib: lib.PIDController(rtol=1e-5, atol=1e-8, pcoeff=0.3, icoeff=0.3),
+    ],
+    ids=["constant", "pid", "pid-pi"],
+)
+@pytest.mark.parametrize("solver", ["Tsit5", "ReversibleHeun", "Bosh3"])
+def test_none_state_under_every_controller(controller, solver):
+    # y0=None: no leaves, so an empty error estimate, accepted at every step size.
+    term = sk.ODETerm(lambda t, y, args: y)
+    t0, t1, dt0 = jnp.float32(0), jnp.float32(1), jnp.float32(0.01)
+    sol = sk.diffeqsolve(
+        term, getattr(sk, solver)(), t0, t1, dt0, None,
+        stepsize_controller=controller(sk),
+    )  # fmt: skip
+    theirs = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: y), getattr(diffrax, solver)(), t0, t1,
+        dt0, None, stepsize_controller=controller(diffrax),
+    )  # fmt: skip
+    assert sol.ys is None and sol.result == sk.RESULTS.successful
+    assert int(sol.stats["num_steps"]) == int(theirs.stats["num_steps"])
+    np.testing.assert_array_equal(sol.ts, theirs.ts)
+
+
+def test_abstract_implicit_solver_is_diffrax_name():
+    for cls in (sk.ImplicitEuler, sk.Kvaerno5, sk.KenCarp4):
+        assert isinstance(cls(), sk.AbstractImplicitSolver)
+    assert not isinstance(sk.Tsit5(), sk.AbstractImplicitSolver)
+
+
 # --- Backsolve seminorm ---------------------------------------------------------------
 
 
@@ -444,3 +477,197 @@ def test_two_stage_state_solvers_close_over_every_dtype(name):
         np.testing.assert_allclose(
             grads, -np.diag(np.exp(-np.asarray(table))), rtol=1e-3, atol=1e-12
         )
+
+
+# --- Interpolation classes as diffrax constructs them ---------------------------------
+
+
+def _cubic(t):
+    return jnp.asarray(0.4 + 0.7 * t - 1.1 * t**2 + 0.4 * t**3)
+
+
+@pytest.mark.parametrize("lib", [diffrax, sk], ids=["diffrax", "solverkit"])
+def test_hermite_from_increments_python_float_times(lib):
+    t0, t1 = 2.0, 3.9  # Python floats, as diffrax's own test passes them
+    y0, f0 = jax.jvp(_cubic, (t0,), (1.0,))
+    y1, f1 = jax.jvp(_cubic, (t1,), (1.0,))
+    interp = lib.ThirdOrderHermitePolynomialInterpolation(
+        t0=t0, t1=t1, y0=y0, y1=y1, k0=f0 * (t1 - t0), k1=f1 * (t1 - t0)
+    )
+    # A cubic is reproduced exactly: float32 rounding of values of order 1.
+    np.testing.assert_allclose(interp.evaluate(2.6), _cubic(2.6), rtol=1e-5)
+    np.testing.assert_allclose(interp.evaluate(2.6, 3.0), _cubic(3.0) - _cubic(2.6),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    k = jnp.stack([f0 * (t1 - t0), jnp.asarray(0.0), f1 * (t1 - t0)])
+    from_k = lib.ThirdOrderHermitePolynomialInterpolation.from_k(
+        t0=t0, t1=t1, y0=y0, y1=y1, k=k
+    )
+    np.testing.assert_allclose(from_k.evaluate(3.3), _cubic(3.3), rtol=1e-5)
+
+
+def test_hermite_takes_increments_or_rates_not_both():
+    with pytest.raises(ValueError, match="k0=, k1="):
+        sk.ThirdOrderHermitePolynomialInterpolation(
+            t0=0.0, t1=1.0, y0=0.0, y1=1.0, k0=1.0, k1=1.0, f0=1.0, f1=1.0
+        )
+
+
+@pytest.mark.parametrize("y0", [2.1, jnp.array(2.1), jnp.array([2.1, 3.1])])
+def test_local_linear_as_diffrax_builds_it(y0):
+    t0, t1, s0, s1 = 2.0, 3.3, 2.8, 2.9
+    y1 = y0 + 0.1
+    ours = sk.LocalLinearInterpolation(t0=t0, t1=t1, y0=y0, y1=y1)
+    theirs = diffrax.LocalLinearInterpolation(t0=t0, t1=t1, y0=y0, y1=y1)
+    # One linear formula in float32: a few ulps of values of order 2.
+    tol = dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ours.evaluate(s0), theirs.evaluate(s0), **tol)
+    np.testing.assert_allclose(ours.evaluate(s0, s1), theirs.evaluate(s0, s1), **tol)
+    np.testing.assert_allclose(ours.derivative(s0), theirs.derivative(s0), **tol)
+    np.testing.assert_allclose(ours.derivative(s0), (y1 - y0) / (t1 - t0), **tol)
+    # An empty step: y0, and a zero derivative (not (y1 - y0) / 1).
+    empty = sk.LocalLinearInterpolation(t0=t0, t1=t0, y0=y0, y1=y1)
+    np.testing.assert_allclose(empty.evaluate(t0), jnp.broadcast_to(y0, np.shape(y1)))
+    _, slope = jax.jvp(empty.evaluate, (t0,), (1.0,))
+    np.testing.assert_array_equal(slope, 0.0)
+
+
+def test_complex_cubic_interpolation_under_strict_promotion():
+    with float64(), _strict():
+        ts = jnp.linspace(0.0, 5.0, 8)
+        re, im = np.random.default_rng(0).normal(size=(2, 8, 4))
+        ys = jnp.asarray(re + 1j * im)
+        ours = sk.CubicInterpolation(ts, sk.backward_hermite_coefficients(ts, ys))
+        with jax.numpy_dtype_promotion("standard"):
+            theirs = diffrax.CubicInterpolation(
+                ts, diffrax.backward_hermite_coefficients(ts, ys)
+            )
+            want, want_slope = theirs.evaluate(1.3), theirs.derivative(1.3)
+        t = jnp.asarray(1.3)
+        # The same cubic in float64: rounding only.
+        np.testing.assert_allclose(ours.evaluate(t), want, rtol=1e-12)
+        np.testing.assert_allclose(ours.derivative(t), want_slope, rtol=1e-12)
+        _, slope = jax.jvp(ours.evaluate, (t,), (jnp.ones_like(t),))
+        np.testing.assert_allclose(slope, want_slope, rtol=1e-12)
+
+
+# --- ClipStepSizeController -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_clip_integer_step_ts_under_strict_promotion(backwards):
+    t0, t1 = (5, 0) if backwards else (0, 5)
+    with float64(), _strict():
+        controller = sk.ClipStepSizeController(
+            sk.PIDController(rtol=1e-4, atol=1e-6), step_ts=[3, 4]
+        )
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, args: -0.2 * y), sk.Dopri5(), t0, t1, None, 1.0,
+            stepsize_controller=controller, saveat=sk.SaveAt(steps=True),
+        )  # fmt: skip
+    assert 3 in np.asarray(sol.ts) and 4 in np.asarray(sol.ts)
+
+
+def test_nested_clip_steps_as_diffrax():
+    # diffrax's own test: the wrappers' step_ts and jump_ts all clip. diffrax's
+    # controller returns a step ending one ulp before a jump and the next starting one
+    # ulp after it; solverkit's returns the jump itself and its loop steps to just
+    # short of it (docs/migrating.md), so the ends agree to one ulp.
+    def run(lib):
+        pid = lib.PIDController(rtol=0, atol=1.0)
+        wrap1 = lib.ClipStepSizeController(pid, jump_ts=[3.0, 13.0], step_ts=[23.0])
+        wrap2 = lib.ClipStepSizeController(wrap1, step_ts=[2.0, 13.0], jump_ts=[23.0])
+        terms = lib.ODETerm(lambda t, y, args: -y)
+        func = lambda terms, t, y, args: -y
+        _, state = wrap2.init(terms, -1.0, 0.0, 0.0, 4.0, None, func, 5)
+        out = []
+        for start in [(0.0, 1.0), (10.0, 11.0), (20.0, 21.0)]:
+            a, b = start
+            for _ in range(2):  # a step from `start`, then the one after it
+                _, a, b, jump, state, _ = wrap2.adapt_step_size(
+                    a, b, 0.0, 0.0, None, 0.0, 5, state
+                )
+                out.append((float(a), float(b), bool(jump)))
+        return out
+
+    ours, theirs = run(sk), run(diffrax)
+    for (a0, a1, aj), (b0, b1, bj) in zip(ours, theirs):
+        assert aj == bj
+        np.testing.assert_allclose([a0, a1 if b1 < 30 else b1], [b0, b1], rtol=1e-6)
+
+
+# --- VeryChord as an optimistix root finder -------------------------------------------
+
+
+def _shifted(x, args):
+    a, b = args
+    return jax.tree.map(lambda v: a * v + b + 0.1 * jnp.sin(v), x)
+
+
+@pytest.mark.parametrize(
+    "x0", [lambda: jnp.array(-2.0), lambda: (jnp.array([1.0, 0.5]), jnp.array(0.3))],
+    ids=["0d", "tree"],
+)
+@pytest.mark.usefixtures("x64")  # a tolerance of 1e-6 is float64's, as diffrax tests
+def test_very_chord_is_an_optimistix_root_finder(x0):
+    import optimistix as optx
+
+    tol = 1e-6
+    x0 = x0()
+    args = (jnp.array(2.0), jnp.array(1.0))
+    ours = sk.VeryChord(rtol=tol, atol=tol)
+    sol = optx.root_find(_shifted, ours, x0, args, max_steps=100)
+    assert sol.result == optx.RESULTS.successful
+    ref = optx.root_find(_shifted, optx.Newton(rtol=1e-10, atol=1e-10), x0, args)
+    # Both converge to the root: the chord's tolerance bounds the difference.
+    assert_tree_allclose(sol.value, ref.value, rtol=10 * tol, atol=10 * tol)
+    # diffrax's "very chord" use: the linearisation of an earlier `init` reused.
+    state = optx.root_find(_shifted, ours, x0, args, max_steps=0, throw=False).state
+    again = optx.root_find(
+        _shifted, ours, x0, args, max_steps=100, options=dict(init_state=state)
+    )
+    assert_tree_allclose(again.value, ref.value, rtol=10 * tol, atol=10 * tol)
+
+    # Gradient wrt args by optimistix's implicit function theorem, under jit and vmap.
+    def root_sum(a):
+        out = optx.root_find(_shifted, ours, x0, (a, args[1]), max_steps=100)
+        return sum(jnp.sum(v) for v in jax.tree.leaves(out.value))
+
+    def ref_sum(a):
+        out = optx.root_find(_shifted, optx.Newton(rtol=1e-10, atol=1e-10), x0,
+                             (a, args[1]))  # fmt: skip
+        return sum(jnp.sum(v) for v in jax.tree.leaves(out.value))
+
+    a_s = jnp.array([2.0, 3.0])
+    np.testing.assert_allclose(
+        jax.jit(jax.vmap(jax.grad(root_sum)))(a_s),
+        jax.vmap(jax.grad(ref_sum))(a_s),
+        rtol=1e-4,  # the roots agree to ~10 tol; their sensitivity is of order 1
+    )
+
+
+# --- Built-in solvers' steps outside diffeqsolve --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["Euler", "Heun", "Midpoint", "Ralston", "Bosh3", "Tsit5", "Dopri5",
+             "Dopri8", "ReversibleHeun", "LeapfrogMidpoint"],  # fmt: skip
+)
+def test_interpolation_cls_builds_each_steps_dense_output(name):
+    # diffrax's protocol, used by libraries that build dense output themselves:
+    # `solver.interpolation_cls(t0=, t1=, **dense_info)` from one `step`.
+    solver = getattr(sk, name)()
+    assert solver.interpolation_cls is not None
+    term = sk.ODETerm(lambda t, y, args: -y)
+    y0 = jnp.array([1.0, 2.0])
+    t0, t1 = jnp.asarray(0.0), jnp.asarray(0.1)
+    state = solver.init(term, t0, t1, y0, None)
+    y1, _, info, _, _ = solver.step(term, t0, t1, y0, None, state, False)
+    interp = solver.interpolation_cls(t0=0.0, t1=0.1, **info)  # Python-float times
+    # float32 rounding of sums over up to 14 stage weights (Dopri8): ~10 ulps.
+    np.testing.assert_allclose(interp.evaluate(0.0), y0, rtol=1e-5)
+    np.testing.assert_allclose(interp.evaluate(0.1), y1, rtol=1e-5)
+    mid = interp.evaluate(0.05)
+    np.testing.assert_allclose(mid, solver.interpolate(info, t0, t1, 0.05), rtol=1e-6)
+    # Every interpolant is at least linear: within h²/8 max|y''| + the step's own
+    # error (h²/2 |y''| for Euler) of the exact solution, h = 0.1.
+    np.testing.assert_allclose(mid, y0 * np.exp(-0.05), rtol=0.1**2 * 0.7)

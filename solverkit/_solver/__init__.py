@@ -5,6 +5,7 @@ from ._base import (
 from ._bdf import BDF as BDF
 from ._implicit import (
     AbstractImplicitRK as AbstractImplicitRK,
+    AbstractImplicitRK as AbstractImplicitSolver,  # noqa: F401
     ImplicitEuler as ImplicitEuler,
     KenCarp3 as KenCarp3,
     KenCarp4 as KenCarp4,

@@ -18,6 +18,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optimistix as optx
+from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
 from .._controller import AbstractAdaptiveStepSizeController
@@ -34,7 +35,7 @@ class _UseStepSizeTol:
 use_stepsize_tol = _UseStepSizeTol()
 
 
-class VeryChord(eqx.Module):
+class VeryChord(optx.AbstractRootFinder):
     """The chord method of the implicit stages: one Jacobian per step (at the start
     of the step), reused by every stage and every iteration, with one inversion of
     `I - γh J` per step (each iteration is then a matrix-vector product).
@@ -52,12 +53,81 @@ class VeryChord(eqx.Module):
         controller: `with_stepsize_controller_tols(VeryChord)()`).
     - `norm`: the norm of the scaled increments (by default the controller's).
     - `kappa`: the fraction of the tolerance the iteration error must reach.
+
+    It is also an optimistix root finder (`optx.root_find(fn, VeryChord(...), y0)`),
+    as diffrax's: `init` linearises `fn` at `y0` (dense Jacobian, LU-factorised),
+    unless `options=dict(init_state=...)` hands it an earlier state, whose
+    linearisation is then reused; `step` is one chord iteration, `terminate` the
+    test above.
     """
 
     rtol: Any
     atol: Any
     norm: Callable[[PyTree], Array] = optx.max_norm
     kappa: float = 1e-2
+
+    def init(self, fn, y, args, options, f_struct, aux_struct, tags):
+        del f_struct, aux_struct, tags
+        if "init_state" in options:
+            return options["init_state"]
+        flat, unflatten = ravel_pytree(y)
+        residual = lambda x: ravel_pytree(fn(unflatten(x), args)[0])[0]
+        lu = jax.scipy.linalg.lu_factor(lax.stop_gradient(jax.jacfwd(residual)(flat)))
+        real = jnp.finfo(flat.dtype).dtype  # the real type of a complex state
+        inf = jnp.asarray(jnp.inf, real)
+        return _ChordState(lu, inf, inf, jnp.asarray(0), optx.RESULTS.successful)
+
+    def step(self, fn, y, args, options, state, tags):
+        del options, tags
+        fx, aux = fn(y, args)
+        flat_y, unflatten = ravel_pytree(y)
+        flat_fx = ravel_pytree(fx)[0].astype(flat_y.dtype)
+        delta = jax.scipy.linalg.lu_solve(lax.stop_gradient(state.lu), flat_fx)
+        new_y = unflatten(flat_y - delta)
+        with jax.numpy_dtype_promotion("standard"):
+            scale = jtu.tree_map(lambda x: self.atol + self.rtol * jnp.abs(x), new_y)
+            scaled = jtu.tree_map(lambda d, c: d / c, unflatten(delta), scale)
+            size = jnp.asarray(self.norm(scaled), state.size.dtype)
+        ok = jnp.all(jnp.isfinite(delta))
+        singular = optx.RESULTS.singular
+        result = optx.RESULTS.where(ok, state.result, singular)  # pyright: ignore
+        return (
+            new_y,
+            _ChordState(state.lu, size, state.size, state.steps + 1, result),
+            aux,
+        )
+
+    def terminate(self, fn, y, args, options, state, tags):
+        del fn, y, args, options, tags
+        # The rate is known from the second iteration on; a zero increment converged.
+        rate = state.size / state.prev_size
+        tiny = state.size < 100 * jnp.finfo(state.size.dtype).eps
+        estimate = state.size * rate / (1 - rate)
+        converged = tiny | ((rate < 1) & (estimate < self.kappa))
+        diverged = ~jnp.isfinite(rate) | (rate > 2)
+        judged = state.steps >= 2
+        failed = state.result != optx.RESULTS.successful
+        done = failed | (judged & (converged | diverged))
+        code = optx.RESULTS.where(
+            judged & diverged & ~converged,
+            optx.RESULTS.nonlinear_divergence,
+            state.result,
+        )
+        return done, code
+
+    def postprocess(self, fn, y, aux, args, options, state, tags, result):
+        del fn, args, options, state, tags, result
+        return y, aux, {}
+
+
+class _ChordState(NamedTuple):
+    """`VeryChord`'s state as an optimistix root finder."""
+
+    lu: Any  # LU factors of the Jacobian at the linearisation point
+    size: Array  # the last scaled increment's norm
+    prev_size: Array  # the one before
+    steps: Array
+    result: Any
 
 
 def with_stepsize_controller_tols(cls: type) -> Callable[..., Any]:

@@ -1,6 +1,7 @@
 """Explicit Runge-Kutta solvers: one generic step reading a Butcher tableau."""
 
-from typing import ClassVar, TYPE_CHECKING
+import functools
+from typing import Any, ClassVar, TYPE_CHECKING
 
 import equinox as eqx
 import jax.lax as lax
@@ -12,8 +13,8 @@ from jaxtyping import Array, PyTree
 
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from .._local_interpolation import (
+    AbstractLocalInterpolation,
     LocalLinearInterpolation,
-    step_fraction,
     ThirdOrderHermitePolynomialInterpolation,
 )
 from .._term import AbstractTerm
@@ -132,17 +133,38 @@ class AbstractRungeKutta(AbstractSolver):
         t1: Array,
         t: RealScalarLike,
     ):
-        if "k" not in dense_info:
-            cls = (
-                ThirdOrderHermitePolynomialInterpolation
-                if "f0" in dense_info
-                else LocalLinearInterpolation
-            )
-            return cls(t0=t0, t1=t1, **dense_info).evaluate(t)
-        h = t1 - t0
-        theta = step_fraction(t0, t1, t)
+        if "k" in dense_info:
+            cls = functools.partial(TableauInterpolation, tableau=self.tableau)
+        elif "f0" in dense_info:
+            cls = ThirdOrderHermitePolynomialInterpolation
+        else:
+            cls = LocalLinearInterpolation
+        return cls(t0=t0, t1=t1, **dense_info).evaluate(t)
+
+
+class TableauInterpolation(AbstractLocalInterpolation):
+    """The dense output of a Runge-Kutta tableau with its own (`tableau.dense`):
+    `y(t0 + θh) = y0 + h Σ_i k_i Σ_j dense[i, j] θ^(j+1)`.
+
+    **Arguments:**
+
+    - `t0`, `t1`: the step.
+    - `y0`, `y1`: the solution at its ends.
+    - `k`: the stages `f_i` (a tuple of pytrees of `y0`'s structure), as the
+        solver's `dense_info` gives them.
+    - `tableau`: the `ButcherTableau`.
+    """
+
+    y0: PyTree
+    y1: PyTree
+    k: tuple
+    tableau: ButcherTableau = eqx.field(static=True)
+
+    def at(self, t: RealScalarLike) -> PyTree:
+        h = jnp.asarray(self.t1) - jnp.asarray(self.t0)
+        theta = self._theta(t)
         dense = self.tableau.dense
-        assert dense is not None  # (else `_dense_info` gives no `k`)
+        assert dense is not None
 
         def leaf(y0: Y, *ks):
             th = jnp.asarray(theta, dtype=y0.dtype)
@@ -156,7 +178,17 @@ class AbstractRungeKutta(AbstractSolver):
             acc = sum(weights[i] * k for i, k in enumerate(ks))
             return y0 + jnp.asarray(h, dtype=y0.dtype) * acc
 
-        return jtu.tree_map(leaf, dense_info["y0"], *dense_info["k"])
+        return jtu.tree_map(leaf, self.y0, *self.k)
+
+
+def _interpolation_for(tableau: ButcherTableau):
+    """The `interpolation_cls` of the solver of `tableau`, matching the keys of its
+    `dense_info` (see `AbstractRungeKutta._dense_info`)."""
+    if tableau.order == 1:
+        return LocalLinearInterpolation
+    if tableau.dense is None:
+        return ThirdOrderHermitePolynomialInterpolation
+    return functools.partial(TableauInterpolation, tableau=tableau)
 
 
 _SCAN_KINDS = (None, "lax", "checkpointed", "bounded")
@@ -199,30 +231,35 @@ class Euler(AbstractRungeKutta):
     """Explicit Euler: first order, no error estimate (use `ConstantStepSize`)."""
 
     tableau: ClassVar[ButcherTableau] = EULER
+    interpolation_cls: ClassVar[Any] = _interpolation_for(EULER)
 
 
 class Heun(AbstractERK):
     """Heun's method: second order, with an embedded Euler error estimate."""
 
     tableau: ClassVar[ButcherTableau] = HEUN
+    interpolation_cls: ClassVar[Any] = _interpolation_for(HEUN)
 
 
 class Midpoint(AbstractERK):
     """Explicit midpoint method: second order, embedded Euler error estimate."""
 
     tableau: ClassVar[ButcherTableau] = MIDPOINT
+    interpolation_cls: ClassVar[Any] = _interpolation_for(MIDPOINT)
 
 
 class Ralston(AbstractERK):
     """Ralston's method: second order with minimal truncation error."""
 
     tableau: ClassVar[ButcherTableau] = RALSTON
+    interpolation_cls: ClassVar[Any] = _interpolation_for(RALSTON)
 
 
 class Bosh3(AbstractERK):
     """Bogacki-Shampine 3(2): third order, FSAL."""
 
     tableau: ClassVar[ButcherTableau] = BOSH3
+    interpolation_cls: ClassVar[Any] = _interpolation_for(BOSH3)
 
 
 class Tsit5(AbstractERK):
@@ -230,15 +267,18 @@ class Tsit5(AbstractERK):
     A good default for non-stiff problems."""
 
     tableau: ClassVar[ButcherTableau] = TSIT5
+    interpolation_cls: ClassVar[Any] = _interpolation_for(TSIT5)
 
 
 class Dopri5(AbstractERK):
     """Dormand-Prince 5(4): fifth order, FSAL, fourth-order dense output."""
 
     tableau: ClassVar[ButcherTableau] = DOPRI5
+    interpolation_cls: ClassVar[Any] = _interpolation_for(DOPRI5)
 
 
 class Dopri8(AbstractERK):
     """Dormand-Prince 8(5,3): eighth order, for tight tolerances."""
 
     tableau: ClassVar[ButcherTableau] = DOPRI8
+    interpolation_cls: ClassVar[Any] = _interpolation_for(DOPRI8)
