@@ -12,11 +12,13 @@ the quick loop (a couple of minutes), `python -m pytest -q` runs everything.
 
 Compiled programs are kept in JAX's persistent compilation cache, in `.jax_cache/` at
 the repository root (ignored by git; `SOLVERKIT_TEST_JAX_CACHE=DIR` moves it,
-`SOLVERKIT_TEST_JAX_CACHE=` with an empty value turns it off). A rerun then compiles
-little, and within one run a program compiled again after the per-file cache clearing
-below is read back instead. The settings go through environment variables too, so the
-examples and benchmarks that tests run in subprocesses share the cache. Compile
-counting (`helpers.count_compiles`) counts a cache read as a compilation
+`SOLVERKIT_TEST_JAX_CACHE=` with an empty value turns it off). A rerun reads programs
+back instead of compiling them, and so does a run that compiles a program again after
+the per-file cache clearing below; but JAX caches no program with a host callback, and
+every `diffeqsolve` with `throw=True` (the default) has one, its run-time error check.
+The settings go through environment variables too, so the examples and benchmarks
+that tests run in subprocesses share the cache. Compile counting
+(`helpers.count_compiles`) counts a cache read as a compilation
 (tests/test_suite_settings.py).
 """
 
@@ -69,6 +71,7 @@ def _fresh_compilation_caches():
     (800+ tests in one process) holds every executable it ever compiled, and XLA's
     CPU compiler crashed (a segmentation fault in `backend_compile_and_load`) in
     the last file, `tests/test_user_solver.py`, which passes alone. A program that a
-    later file compiles again is read back from the persistent cache."""
+    later file compiles again is read back from the persistent cache where JAX
+    caches it (see above)."""
     yield
     jax.clear_caches()
