@@ -165,21 +165,23 @@ def main() -> None:
 
 
 def plot(path, ts, ode, dae, pts, pendulum) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6), layout="constrained")
     scale = jnp.array([1.0, 1e4, 1.0])
     for j, species in enumerate(("y1", "y2 × 1e4", "y3")):
         left.semilogx(ts, ode[:, j] * scale[j], "-", lw=4, alpha=0.35, color=f"C{j}")
         left.semilogx(ts, dae[:, j] * scale[j], "--", color=f"C{j}", label=species)
     left.set_xlabel("t")
+    left.set_ylabel("concentration")
     left.set_title("ROBER: ODE form (thick) and DAE, Rodas5P")
-    left.legend()
+    # Legends under the panels, off the data.
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     for j, name in enumerate(("x", "y", "u", "v")):
         right.plot(pts, pendulum[:, j], label=name)
     right.plot(pts, pendulum[:, 4] / 10, ":", label="λ / 10")
     right.set_xlabel("t")
+    right.set_ylabel("position x, y; velocity u, v; tension λ / 10")
     right.set_title("Pendulum, index-1 form, Rodas5P")
-    right.legend(ncol=5, fontsize="small")
-    fig.tight_layout()
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -128,17 +128,21 @@ def main() -> None:
         print(f"{name:>8} {float(t):8.3f} {float(g):8.3f} {float(f):8.3f}")
 
     guesses, fits = predict(INITIAL_GUESS, TS), predict(fitted, TS)
-    fig, axes = plt.subplots(len(Y0S), 1, figsize=(7, 2.4 * len(Y0S)), sharex=True)
+    n, size = len(Y0S), (7, 2.4 * len(Y0S) + 0.6)
+    fig, axes = plt.subplots(n, 1, figsize=size, sharex=True, layout="constrained")
     for ax, y0, obs, guess, fit in zip(axes, Y0S, data, guesses, fits):
         for j, (label, colour) in enumerate([("prey", "C0"), ("predator", "C1")]):
             ax.plot(T_OBS, obs[:, j], "o", ms=3, color=colour, label=f"{label} data")
             ax.plot(TS, fit[:, j], "-", color=colour, label=f"{label} fitted")
             ax.plot(TS, guess[:, j], ":", color=colour, alpha=0.6)
-        ax.set_ylabel(f"y0 = {y0.tolist()}")
-    axes[0].legend(ncol=2, fontsize="small")
-    axes[0].set_title("Lotka-Volterra: data, fit (solid), initial guess (dotted)")
+        ax.set_ylabel("prey, predator")
+        prey, predator = y0.tolist()
+        ax.set_title(f"from prey {prey:g}, predator {predator:g}", fontsize="medium")
+    # Below the panels, off the data.
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center",
+               ncol=4, fontsize="small")  # fmt: skip
+    fig.suptitle("Lotka-Volterra: data, fit (solid), initial guess (dotted)")
     axes[-1].set_xlabel("t")
-    fig.tight_layout()
     path = args.out / "fit_lotka_volterra.png"
     fig.savefig(path, dpi=120)
     print("wrote", path)

@@ -153,7 +153,7 @@ def main() -> None:
     print(f"fitted curves vs analytic: max abs error "
           f"{float(jnp.max(jnp.abs(curves - exact))):.1e} mg/L")  # fmt: skip
 
-    fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(7, 7.4), sharex=True, layout="constrained")
     truth = all_patients(TRUE_PARAMS, PATIENTS, ts)
     for k, ax in enumerate(axes):
         label = f"{int(AMOUNTS[k])} mg every {int(INTERVALS[k])} h"
@@ -163,12 +163,13 @@ def main() -> None:
         for t in INTERVALS[k] * jnp.arange(COUNT):
             if t < T1:
                 ax.axvline(float(t), color="0.85", lw=0.8, zorder=0)
-        ax.set_ylabel("C [mg/L]")
+        ax.set_ylabel("concentration [mg/L]")
         ax.set_title(label, fontsize="medium")
-    axes[0].legend(fontsize="small", loc="lower right")
     axes[-1].set_xlabel("time [h] (grey: doses)")
     fig.suptitle("Oral dosing, one-compartment model fitted with optax")
-    fig.tight_layout()
+    # Below the panels, off the data.
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center",
+               ncol=3, fontsize="small")  # fmt: skip
     path = args.out / "pharmacokinetics.png"
     fig.savefig(path, dpi=120)
     print("wrote", path)

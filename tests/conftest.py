@@ -9,9 +9,22 @@ plain helper functions, problems and solver lists live in `helpers.py`.
 Markers (registered in pyproject.toml, `--strict-markers`): `slow` marks the example
 and benchmark subprocesses and the long checks; `python -m pytest -q -m "not slow"` is
 the quick loop (a couple of minutes), `python -m pytest -q` runs everything.
+
+Compiled programs are kept in JAX's persistent compilation cache, in `.jax_cache/` at
+the repository root (ignored by git; `SOLVERKIT_TEST_JAX_CACHE=DIR` moves it,
+`SOLVERKIT_TEST_JAX_CACHE=` with an empty value turns it off). A rerun reads programs
+back instead of compiling them, and so does a run that compiles a program again after
+the per-file cache clearing below; but JAX caches no program with a host callback, and
+every `diffeqsolve` with `throw=True` (the default) has one, its run-time error check.
+The settings go through environment variables too, so the examples and benchmarks
+that tests run in subprocesses share the cache. Compile counting
+(`helpers.count_compiles`) counts a cache read as a compilation
+(tests/test_suite_settings.py).
 """
 
 import inspect
+import os
+import pathlib
 
 import jax
 import pytest
@@ -19,6 +32,26 @@ from helpers import float64
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def _persistent_compilation_cache() -> None:
+    default = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
+    where = os.environ.setdefault("SOLVERKIT_TEST_JAX_CACHE", str(default))
+    if not where:
+        return
+    # Every program is cached, however quick its compile: most in this suite take
+    # well under JAX's default threshold of one second.
+    settings = {
+        "jax_compilation_cache_dir": where,
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    for name, value in settings.items():
+        os.environ.setdefault(name.upper(), str(value))
+        jax.config.update(name, value)
+
+
+_persistent_compilation_cache()
 
 
 @pytest.fixture
@@ -38,7 +71,9 @@ def _fresh_compilation_caches():
     functions within themselves, rarely across; without this the whole suite
     (800+ tests in one process) holds every executable it ever compiled, and XLA's
     CPU compiler crashed (a segmentation fault in `backend_compile_and_load`) in
-    the last file, `tests/test_user_solver.py`, which passes alone."""
+    the last file, `tests/test_user_solver.py`, which passes alone. A program that a
+    later file compiles again is read back from the persistent cache where JAX
+    caches it (see above)."""
     yield
     jax.clear_caches()
 

@@ -80,6 +80,9 @@ def test_gradients_agree_across_adjoints_and_finite_differences():
     params = _lv_params()
     g_rca = _lv_grad_rca(params)
     g_direct = _lv_grad_direct(params)
+    # The same discrete solve (same steps) differentiated two ways: they differ by
+    # float64 rounding (eps 2e-16) accumulated over ~10^2 steps forward and back, and
+    # amplified by the loss's conditioning; 1e-9 leaves a margin of 10^3 or more.
     assert_tree_allclose(g_rca, g_direct, rtol=1e-9, atol=1e-12)
     # Finite differences of the forward solve, leaf by leaf.
     flat, unflatten = jax.flatten_util.ravel_pytree(params)
@@ -119,6 +122,7 @@ def test_forward_mode_through_direct_adjoint():
     # reverse-mode gradient.
     params = _lv_params()
     jac = jax.jit(jax.jacfwd(lambda p: _lv_loss(p, DIRECT)))(params)
+    # Same discrete solve, forward against reverse mode: rounding only (see above).
     assert_tree_allclose(jac, _lv_grad_rca(params), rtol=1e-9, atol=1e-12)
 
 
@@ -174,6 +178,8 @@ def test_few_checkpoints(checkpoints, max_steps):
     adjoint = sk.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
     grad = eqx.filter_jit(jax.grad(_euler_final))
     got = grad(jnp.asarray(0.7), adjoint, max_steps)
+    # The reference differentiates the same 37 Euler steps in closed form: rounding
+    # of 37 steps forward and back, ~1e-14 in float64.
     np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
 
 
@@ -209,6 +215,7 @@ def test_mid_checkpoints(layout, max_steps, monkeypatch):
     grad = eqx.filter_jit(jax.grad(_euler_final))
     got = grad(jnp.asarray(0.7), RCA, max_steps)
     assert used
+    # As in `test_few_checkpoints`: rounding of 37 Euler steps.
     np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
 
 
@@ -224,6 +231,8 @@ def test_default_layout_past_buffer_times_slots():
     got, steps = jax.jit(jax.grad(final, has_aux=True))(jnp.asarray(0.7))
     assert int(steps) == 4400
     want = _euler_reference_grad(0.7, n=4400, dt=0.001)
+    # The same 4400 Euler steps in closed form: rounding grows with the steps,
+    # 4400 x 2 x eps ~ 2e-12.
     np.testing.assert_allclose(got, want, rtol=1e-10)
 
 
@@ -265,6 +274,8 @@ def test_checkpoints_under_vmap_with_different_step_counts():
     for adjoint in [RCA, sk.RecursiveCheckpointAdjoint(checkpoints=4)]:
         got, got_steps = _batched_decay_grads(adjoint)
         np.testing.assert_array_equal(got_steps, steps)
+        # The same steps (checked above), differentiated two ways: rounding of at
+        # most 63 steps forward and back, ~1e-14.
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-14)
 
 
@@ -284,6 +295,7 @@ def test_mid_checkpoints_under_vmap(layout, max_steps, monkeypatch):
     got, got_steps = _batched_decay_grads(RCA, max_steps)
     assert used
     np.testing.assert_array_equal(got_steps, steps)
+    # Same steps: rounding only (see the test above).
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-14)
 
 
@@ -400,6 +412,8 @@ def test_jit_vmap_closed_over_everything():
     reference = eqx.filter_jit(
         jax.vmap(lambda i, m, k, y0: _args_solve(model, i, m, k, y0, DIRECT))
     )(*batch)
+    # The same solve with values closed over or passed in `args`: the same
+    # arithmetic, equal up to rounding of a few ulps.
     np.testing.assert_allclose(closed, reference, rtol=1e-12)
     # The masks and rows matter: the batch elements differ from each other.
     assert len({tuple(np.round(np.asarray(r), 6)) for r in closed}) == 4
@@ -412,6 +426,7 @@ def test_grad_vmap_closed_over_everything():
         model, batch
     )
     reference = _reference_grad(model, batch)
+    # Same steps, other adjoint: rounding only, far below 1e-9.
     assert_tree_allclose(grad, reference, rtol=1e-9, atol=1e-12)
     assert float(jnp.abs(grad.theta)) > 1e-3
     # Row 2 is used unmasked; rows 0 and 1 each have one masked-out entry.
@@ -432,6 +447,7 @@ def test_vmap_grad_closed_over_everything():
     grads = eqx.filter_jit(jax.vmap(per_element))(*batch)
     summed = jtu.tree_map(lambda g: jnp.sum(g, axis=0), grads)
     reference = _reference_grad(model, batch)
+    # Same steps, other adjoint and order of summation: rounding only.
     assert_tree_allclose(
         eqx.filter(summed, eqx.is_inexact_array),
         eqx.filter(reference, eqx.is_inexact_array),
@@ -464,6 +480,8 @@ def test_backsolve_same_under_jit_as_eager():
 
     eager = jax.grad(loss)(p, y0)
     jitted = jax.jit(jax.grad(loss))(p, y0)
+    # The same backward steps eager and jitted: rounding only, where the bug this
+    # guards against changed them (3e-5 at the solver's tolerance 1e-6).
     np.testing.assert_allclose(jitted, eager, rtol=1e-10)
 
 
