@@ -17,11 +17,12 @@
 #      adaptive (float32: PID rtol = atol = 1e-5), forward and gradient;
 #   2. Lotka-Volterra, N = 4096: forward and the gradient with each adjoint;
 #   3. the neural ODE, N = 256 and 4096 (gradients);
-#   4. benchmarks.ensemble (lane refill), 5. benchmarks.stiff_ensemble (skipped if
-#      absent), 6. benchmarks.events (N = 4096).
+#   4. benchmarks.kernel (the whole-solve Pallas kernel against the vmap path and
+#      diffrax; skipped if absent), 5. benchmarks.ensemble (lane refill),
+#   6. benchmarks.stiff_ensemble, 7. benchmarks.events (N = 4096).
 #
 # ACCEL_SECONDS (default 470) is the whole run's budget: each step's limit is cut
-# to what is left. ENSEMBLE_ARGS, STIFF_ARGS, EVENTS_ARGS replace those modules'
+# to what is left. KERNEL_ARGS, ENSEMBLE_ARGS, STIFF_ARGS, EVENTS_ARGS replace those modules'
 # flags; extra arguments go to every `python -m benchmarks` step. Try it on a CPU
 # with tiny sizes (a few minutes on 2 shared cores):
 #
@@ -73,6 +74,10 @@ suite 75 45 --cases lotka_volterra --sizes 4096 --append "$@"
 suite 55 30 --cases neural_ode --sizes 256,4096 --append "$@"
 
 # shellcheck disable=SC2086  # the flags are meant to split
+bench_module "$(limit 90)" kernel ${KERNEL_ARGS:---sizes 4096,65536,1048576 \
+    --methods kernel,vmap,diffrax --cases lorenz --repeats 3} \
+    ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/kernel" || rc=1
+# shellcheck disable=SC2086
 bench_module "$(limit 65)" ensemble ${ENSEMBLE_ARGS:---sizes 4096,65536 --repeats 3} \
     ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/ensemble.md" || rc=1
 # shellcheck disable=SC2086
