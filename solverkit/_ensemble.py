@@ -33,7 +33,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from . import _loop
+from . import _kernel, _loop
 from ._adjoint import AbstractAdjoint, custom_vjp, fill_zeros, parameters
 from ._checkpoint import RecursiveCheckpointAdjoint
 from ._controller import AbstractStepSizeController, ConstantStepSize, StepTo
@@ -658,6 +658,25 @@ def _ensemble(
     )
 
 
+def _use_kernel(kernel, problem, y0, per_trajectory, keep) -> bool:
+    """Whether `ensemble_solve` takes the kernel path (issue #39's hook): `kernel`
+    True raises where it can't; None takes it where supported, on a TPU or GPU (on a
+    CPU the kernel runs in Pallas' slow interpreter)."""
+    if kernel not in (True, False, None):
+        raise TypeError(f"`kernel` must be True, False or None, got {kernel!r}.")
+    if kernel is False:
+        return False
+    if kernel is None and jax.default_backend() == "cpu":
+        return False
+    why = _kernel.supported(problem, y0, per_trajectory, keep)
+    if why is not None and kernel:
+        raise UnsupportedError(
+            f"ensemble_solve(kernel=True) can't solve this: {why}. Use kernel=None "
+            "(the lane loop where the kernel can't) or kernel=False."
+        )
+    return why is None
+
+
 def ensemble_solve(
     terms: AbstractTerm,
     solver: AbstractSolver,
@@ -675,6 +694,7 @@ def ensemble_solve(
     progress_meter: AbstractProgressMeter = NoProgressMeter(),
     lanes: int | None = None,
     adjoint: AbstractAdjoint = RecursiveCheckpointAdjoint(),
+    kernel: bool | None = None,
 ) -> Solution:
     """Solve a batch of problems of one ODE, with finished lanes refilled.
 
@@ -720,6 +740,9 @@ def ensemble_solve(
         `diffeqsolve`: `RecursiveCheckpointAdjoint()` (default; `None` means it
         too), `BacksolveAdjoint()`, `DirectAdjoint()` or `ImplicitAdjoint()`, with
         the options each supports (checked as `diffeqsolve` checks them).
+    - `kernel`: solve in one whole-solve kernel (Pallas; see docs/ensembles.md):
+        `True` (raise if this solve is one it can't do, saying why), `False` (the
+        lane loop), `None` (default: the kernel where supported, on a TPU or GPU).
 
     **Returns:**
 
@@ -782,6 +805,13 @@ def ensemble_solve(
         )  # fmt: skip
         _check_event_context(event, context, saveat, first(y0), first(args))
     keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
+    # --- kernel hook (issue #39): the whole-solve kernel, where chosen ---
+    if _use_kernel(kernel, problem, y0, per_trajectory, keep):
+        reference = lambda p, y, a: _ensemble(  # noqa: E731
+            p, y, a, None, lanes, _refill_at(lanes), False, keep, adjoint
+        )
+        return _kernel.kernel_solve(problem, y0, args, throw, reference)
+    # --- end of the kernel hook ---
     with jax.numpy_dtype_promotion("standard"), _reverse_only():
         return _ensemble(
             problem, y0, args, per_trajectory, lanes, _refill_at(lanes), throw, keep,

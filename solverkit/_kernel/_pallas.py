@@ -1,0 +1,246 @@
+"""The whole-solve kernel: one `pallas_call` whose grid runs over blocks of
+trajectories, each program solving its block to the end.
+
+Layout: trajectories along the lane axis. A block is `rows x 128` trajectories; every
+per-trajectory quantity is a `(rows, 128)` tile (a state of `n` components is `n`
+tiles, kept in a `(n, rows, 128)` block). Shared values (times, save times, the
+values the vector field closes over) are scalars in SMEM. Each lane has its own `t`,
+step, controller history, counters and result; a finished lane idles, masked; the
+block ends when all its lanes have.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .._solution import RESULTS
+from .._solver._tableau import ButcherTableau
+from . import _step
+from ._step import Pid
+
+
+LANES = 128
+_SUCCESS = int(RESULTS.successful.code)
+_MAX_STEPS = int(RESULTS.max_steps_reached.code)
+_NONFINITE = int(RESULTS.nonfinite.code)
+_DT_MIN = int(RESULTS.dt_min_reached.code)
+# A proposed step end this close to `t1` (in units of its spacing) lands on it: the
+# vmap path's rule (`_loop._LANDING_ULPS`).
+_LANDING_ULPS = 100
+
+
+class Spec(NamedTuple):
+    """What the kernel is compiled for (static)."""
+
+    tableau: ButcherTableau
+    pid: Pid
+    n: int  # state components per trajectory
+    field: object  # (t, y tiles, arg tiles, const elements) -> dy/dt tiles
+    num_args: tuple[int, ...]  # components of each per-trajectory argument
+    const_shapes: tuple[tuple[int, ...], ...]  # each shared constant's shape
+    num_ts: int  # save times (0: none)
+    has_dt0: bool
+    max_steps: int
+    rows: int  # block rows (trajectories per block: rows * 128)
+
+
+class _State(NamedTuple):
+    t: jax.Array
+    tnext: jax.Array
+    y: list
+    f: list  # the field at (t, y): the next step's first stage
+    prev: jax.Array
+    prev_prev: jax.Array
+    at_dtmin: jax.Array
+    steps: jax.Array
+    accepted: jax.Array
+    rejected: jax.Array
+    result: jax.Array
+    kbase: jax.Array  # save times before this one are behind every lane
+    iterations: jax.Array
+
+
+def _read_const(ref, shape):
+    """A shared constant (flattened in SMEM) as an object array of scalars."""
+    out = np.empty(shape, dtype=object)
+    for flat, index in enumerate(np.ndindex(shape)):
+        out[index] = ref[flat]
+    return out
+
+
+def _going(spec: Spec, s: _State, t1):
+    return (s.t < t1) & (s.steps < spec.max_steps) & (s.result == _SUCCESS)
+
+
+def _init(spec: Spec, field, t0, t1, dt0, y0):
+    f0 = field(t0, y0)
+    if spec.has_dt0:
+        dt = jnp.broadcast_to(dt0, y0[0].shape).astype(t0.dtype)
+    else:
+        dt = _step.initial_step(spec.pid, field, t0, y0, f0)
+    dt = _step.clip_dt0(spec.pid, dt)
+    tnext = jnp.minimum(t0 + dt, t1)
+    zero = jnp.zeros(y0[0].shape, jnp.int32)
+    one = jnp.ones(y0[0].shape, t0.dtype)
+    return _State(
+        t0, tnext, y0, f0, one, one, jnp.zeros(y0[0].shape, bool), zero, zero,
+        zero, zero + _SUCCESS, jnp.int32(0), jnp.int32(0),
+    )  # fmt: skip
+
+
+def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, keep, y0, ks, h):
+    """Write the dense output at every save time that a kept step crossed, into the
+    rows of `out_ref`: rows `kbase ...` while a lane's step reached them. Returns the
+    new `kbase`."""
+    big = jnp.asarray(jnp.inf, s.t.dtype)
+    lo = jnp.min(jnp.where(keep, s.t, big))
+    hi = jnp.max(jnp.where(keep, t_end, -big))
+    last = spec.num_ts
+
+    def skip(k):
+        return lax.while_loop(
+            lambda k: (k < last) & (ts_ref[jnp.minimum(k, last - 1)] <= lo),
+            lambda k: k + 1,
+            k,
+        )
+
+    def write(k):
+        tk = ts_ref[k]
+        hit = keep & (tk > s.t) & (tk <= t_end)
+        theta = (tk - s.t) / jnp.where(h == 0, 1, h)
+        values = _step.dense(spec.tableau, y0, ks, h, theta)
+        for j, v in enumerate(values):
+            out_ref[k, j] = jnp.where(hit, v, out_ref[k, j])
+        return k + 1
+
+    kbase = skip(s.kbase)
+    lax.while_loop(
+        lambda k: (k < last) & (ts_ref[jnp.minimum(k, last - 1)] <= hi), write, kbase
+    )
+    return kbase
+
+
+def _body(spec: Spec, field, t1, ts_ref, out_ref, s: _State) -> _State:
+    going = _going(spec, s, t1)
+    t_end = jnp.minimum(s.tnext, t1)
+    h = t_end - s.t
+    y1, error, ks = _step.rk_step(spec.tableau, field, s.t, h, s.y, s.f)
+    d = _step.adapt(
+        spec.pid, s.t, t_end, s.y, y1, error, (s.prev, s.prev_prev, s.at_dtmin)
+    )
+    spacing = jnp.finfo(s.t.dtype).eps * jnp.maximum(1, jnp.abs(t1))
+    next_t1 = jnp.where(d.next_t1 >= t1 - _LANDING_ULPS * spacing, t1, d.next_t1)
+    finite = functools.reduce(lambda a, b: a & b, [jnp.isfinite(v) for v in y1])
+    keep = going & d.keep
+    result = jnp.where(d.too_small, _DT_MIN, _SUCCESS)
+    result = jnp.where(d.keep & ~finite, _NONFINITE, result)
+    result = jnp.where(going & (s.result == _SUCCESS), result, s.result)
+    kbase = s.kbase
+    if spec.num_ts:
+        kbase = _save(spec, ts_ref, out_ref, s, t_end, keep, s.y, ks, h)
+    pick = lambda new, old: jnp.where(going, new, old)  # noqa: E731
+    return _State(
+        t=jnp.where(keep, t_end, s.t),
+        tnext=pick(next_t1, s.tnext),
+        y=[jnp.where(keep, a, b) for a, b in zip(y1, s.y)],
+        f=[jnp.where(keep, a, b) for a, b in zip(ks[-1], s.f)],
+        prev=pick(d.prev, s.prev),
+        prev_prev=pick(d.prev_prev, s.prev_prev),
+        at_dtmin=pick(d.at_dtmin, s.at_dtmin),
+        steps=s.steps + going.astype(jnp.int32),
+        accepted=s.accepted + keep.astype(jnp.int32),
+        rejected=s.rejected + (going & ~d.keep).astype(jnp.int32),
+        result=result,
+        kbase=kbase,
+        iterations=s.iterations + 1,
+    )
+
+
+def _kernel(spec: Spec, *refs):
+    times_ref, ts_ref, y0_ref, *rest = refs
+    nargs, nconsts = len(spec.num_args), len(spec.const_shapes)
+    arg_refs, const_refs = rest[:nargs], rest[nargs : nargs + nconsts]
+    y_ref, ys_ref, t_ref, count_ref = rest[nargs + nconsts :]
+    t0, t1, dt0 = times_ref[0], times_ref[1], times_ref[2]
+    args = [[r[i] for i in range(m)] for r, m in zip(arg_refs, spec.num_args)]
+    consts = [_read_const(r, shape) for r, shape in zip(const_refs, spec.const_shapes)]
+    field = lambda t, y: spec.field(t, y, args, consts)  # noqa: E731
+    y0 = [y0_ref[j] for j in range(spec.n)]
+    t_tile = jnp.full(y0[0].shape, t0, t0.dtype)
+    for k in range(spec.num_ts):  # rows at or before t0 show y0; the rest inf
+        for j in range(spec.n):
+            ys_ref[k, j] = jnp.where(ts_ref[k] <= t0, y0[j], jnp.inf).astype(
+                y0[j].dtype
+            )
+    state = _init(spec, field, t_tile, t1, dt0, y0)
+    state = lax.while_loop(
+        lambda s: jnp.max(_going(spec, s, t1).astype(jnp.int32)) > 0,
+        lambda s: _body(spec, field, t1, ts_ref, ys_ref, s),
+        state,
+    )
+    for j in range(spec.n):
+        y_ref[j] = state.y[j]
+    t_ref[...] = state.t
+    result = jnp.where(
+        (state.result == _SUCCESS) & (state.t < t1), _MAX_STEPS, state.result
+    )
+    counts = (state.steps, state.accepted, state.rejected, result)
+    for i, c in enumerate(counts):
+        count_ref[i] = c
+    count_ref[4] = jnp.broadcast_to(state.iterations, result.shape)
+
+
+def solve_blocks(spec: Spec, times, ts, y0, args, consts, interpret: bool):
+    """Run the kernel.
+
+    **Arguments:**
+
+    - `spec`: the static description (`Spec`).
+    - `times`: `(3,)` array of `t0, t1, dt0` (time dtype).
+    - `ts`: `(T,)` save times (`(1,)` of anything if none).
+    - `y0`: `(n, R, 128)` initial states; `args`: per-trajectory arguments, each
+        `(m, R, 128)`; `consts`: shared values, each flattened to 1-D.
+    - `interpret`: run in Pallas' interpreter (CPU, tests).
+
+    **Returns:**
+
+    `(y_end (n, R, 128), ys (T, n, R, 128), t_end (R, 128), counts (5, R, 128))`, the
+    counts being steps, accepted, rejected, result code, block iterations.
+    """
+    n, rows_total, _ = y0.shape
+    r = spec.rows
+    grid = (rows_total // r,)
+    smem = pltpu.SMEM
+    tiled = lambda lead: pl.BlockSpec(  # noqa: E731
+        (*lead, r, LANES), lambda i: (*(0,) * len(lead), i, 0)
+    )
+    whole = pl.BlockSpec(memory_space=smem)
+    in_specs = [whole, whole, tiled((n,))]
+    in_specs += [tiled((a.shape[0],)) for a in args] + [whole] * len(consts)
+    num_ts = max(spec.num_ts, 1)
+    tdtype = times.dtype
+    out_shape = (
+        jax.ShapeDtypeStruct(y0.shape, y0.dtype),
+        jax.ShapeDtypeStruct((num_ts, n, rows_total, LANES), y0.dtype),
+        jax.ShapeDtypeStruct((rows_total, LANES), tdtype),
+        jax.ShapeDtypeStruct((5, rows_total, LANES), jnp.int32),
+    )
+    out_specs = (tiled((n,)), tiled((num_ts, n)), tiled(()), tiled((5,)))
+    call = pl.pallas_call(
+        functools.partial(_kernel, spec),
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=interpret,
+        compiler_params=None
+        if interpret
+        else pltpu.CompilerParams(dimension_semantics=("parallel",)),
+    )
+    return call(times, ts, y0, *args, *consts)

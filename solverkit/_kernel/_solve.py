@@ -1,0 +1,247 @@
+"""`ensemble_solve(..., kernel=...)`'s kernel path: checks, the lane layout, the
+`Solution`, and reverse mode.
+
+Reverse mode is a `custom_vjp` whose forward pass is the kernel and whose backward
+pass pulls the cotangents back through the `vmap` path (`reference`, the ensemble's
+lane loop with its adjoint), which solves every trajectory again: the gradient is the
+`vmap` path's, at its cost, and the kernel speeds up the forward solve.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from .._adjoint import custom_vjp, fill_zeros, parameters
+from .._integrate import _MESSAGES
+from .._problem import Problem
+from .._select import where
+from .._solution import Result, RESULTS, Solution
+from .._unvmap import error_if, unvmap_max
+from . import _field, _pallas
+from ._pallas import LANES
+from ._scalarize import KernelUnsupported
+
+
+_SUCCESS = int(RESULTS.successful.code)
+_EVENT = int(RESULTS.event_occurred.code)
+# Rows of (8, 128) tiles per block: 1,024 trajectories, one vector register per
+# state component in float32.
+DEFAULT_ROWS = 8
+
+
+class Settings(NamedTuple):
+    """The static choices of a kernel solve."""
+
+    rows: int
+    interpret: bool
+    save_t0: bool
+    save_t1: bool
+
+
+def supported(problem: Problem, y0, per_trajectory, keep) -> str | None:
+    """`None` where the kernel path can solve this, else what it can't do."""
+    try:
+        _field.check(problem, y0, per_trajectory, keep)
+    except KernelUnsupported as e:
+        return str(e)
+    return None
+
+
+def _to_lanes(x, batch: int, rows: int):
+    """`(N, *s)` to `(m, R, 128)`, `m = prod(s)`, padded with trajectory 0."""
+    block = rows * LANES
+    size = -(-batch // block) * block
+    flat = jnp.reshape(x, (batch, -1))
+    if flat.dtype == jnp.bool_:
+        flat = flat.astype(jnp.int32)
+    pad = jnp.broadcast_to(flat[:1], (size - batch, flat.shape[1]))
+    flat = jnp.concatenate([flat, pad]) if size > batch else flat
+    return flat.T.reshape(flat.shape[1], size // LANES, LANES)
+
+
+def _from_lanes(x, batch: int):
+    """`(..., m, R, 128)` to `(N, ..., m)`."""
+    lead = x.shape[:-2]
+    flat = x.reshape(lead + (-1,))[..., :batch]
+    return jnp.moveaxis(flat, -1, 0)
+
+
+def _state_of(flat, y0_example: PyTree, batch: int) -> PyTree:
+    """`(N, ..., n)` components back into the pytree of `y0` (leading `N, ...`)."""
+    leaves, tree = jtu.tree_flatten(y0_example)
+    lead = flat.shape[:-1]
+    out, start = [], 0
+    for leaf in leaves:
+        shape = leaf.shape[1:]
+        size = int(jnp.size(leaf)) // batch
+        out.append(flat[..., start : start + size].reshape(lead + shape))
+        start += size
+    return jtu.tree_unflatten(tree, out)
+
+
+@eqx.filter_jit
+def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
+    """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts."""
+    leaves = jtu.tree_leaves(y0)
+    batch = leaves[0].shape[0]
+    rows = settings.rows
+    one = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
+    field = _field.lane_field(problem, one(y0), one(args_dynamic))
+    consts, shapes, _ = _field.shared_consts(problem)
+    save = problem.saves[0]
+    tdtype = problem.t0.dtype
+    ts = save.ts if save.ts is not None else jnp.zeros((1,), tdtype)
+    dt0 = problem.dt0 if problem.dt0 is not None else jnp.zeros((), tdtype)
+    times = jnp.stack([problem.t0, problem.t1, jnp.asarray(dt0, tdtype)])
+    y_lanes = jnp.concatenate([_to_lanes(x, batch, rows) for x in leaves])
+    arg_lanes = [_to_lanes(a, batch, rows) for a in jtu.tree_leaves(args_dynamic)]
+    spec = _pallas.Spec(
+        tableau=problem.solver.tableau,  # pyright: ignore[reportAttributeAccessIssue]
+        pid=_field.pid_of(problem),
+        n=y_lanes.shape[0],
+        field=field,
+        num_args=tuple(a.shape[0] for a in arg_lanes),
+        const_shapes=shapes,
+        num_ts=0 if save.ts is None else int(save.ts.shape[0]),
+        has_dt0=problem.dt0 is not None,
+        max_steps=int(problem.max_steps),  # pyright: ignore[reportArgumentType]
+        rows=rows,
+    )
+    y_end, ys_ts, t_end, counts = _pallas.solve_blocks(
+        spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
+    )
+    t_end = _from_lanes(t_end[None], batch)[:, 0]
+    y_end = _state_of(_from_lanes(y_end, batch), y0, batch)
+    counts = _from_lanes(counts, batch)  # (N, 5)
+    out_ts, out_ys = [], []
+    if settings.save_t0:
+        out_ts.append(jnp.broadcast_to(problem.t0, (batch, 1)))
+        out_ys.append(jtu.tree_map(lambda x: x[:, None], y0))
+    if save.ts is not None:
+        ys = _state_of(_from_lanes(ys_ts, batch), y0, batch)
+        written = (save.ts[None] <= t_end[:, None]) | (save.ts[None] <= problem.t0)
+        out_ts.append(where(written, save.ts[None], jnp.inf))
+        out_ys.append(ys)
+    if settings.save_t1:
+        out_ts.append(t_end[:, None])
+        out_ys.append(jtu.tree_map(lambda x: x[:, None], y_end))
+    return dict(
+        ts=jnp.concatenate(out_ts, axis=1),
+        ys=jtu.tree_map(lambda *p: jnp.concatenate(p, axis=1), *out_ys),
+        t1=t_end,
+        counts=counts,
+    )
+
+
+def _outputs(sol: Solution) -> dict:
+    """The differentiable outputs of the `vmap` path's `Solution`."""
+    return dict(ts=sol.ts, ys=sol.ys, t1=sol.t1)
+
+
+def _differentiable(
+    problem: Problem, y0, args_dynamic, settings: Settings, reference: Callable
+):
+    """`_forward` with reverse mode through `reference` (the `vmap` path)."""
+
+    def primal(problem, y0, args_dynamic):
+        return _forward(problem, y0, args_dynamic, settings)
+
+    def fwd(problem, y0, args_dynamic):
+        return primal(problem, y0, args_dynamic), (y0, args_dynamic)
+
+    def bwd(static, dynamic, residuals, cotangents):
+        y0, args_dynamic = residuals
+        ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
+        spec = parameters(dynamic)
+        p_diff, p_rest = eqx.partition(dynamic, spec)
+        a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
+
+        def solve(p, y, a):
+            problem = eqx.combine(p, p_rest, static)
+            return _outputs(reference(problem, y, eqx.combine(a, a_rest)))
+
+        _, vjp = jax.vjp(solve, p_diff, y0, a_diff)
+        ct_p, ct_y, ct_a = vjp(ct)
+        nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
+        ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
+        ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
+        return ct_dynamic, fill_zeros(ct_y, y0), ct_args
+
+    return custom_vjp(
+        problem, primal, fwd, bwd, y0, args_dynamic,
+        adjoint="ensemble_solve(kernel=True)",
+        second_order="Use kernel=False for higher-order derivatives.",
+    )  # fmt: skip
+
+
+def kernel_solve(
+    problem: Problem,
+    y0: PyTree,
+    args: PyTree,
+    throw: bool,
+    reference: Callable[[Problem, PyTree, PyTree], Solution],
+    *,
+    rows: int | None = None,
+    interpret: bool | None = None,
+) -> Solution:
+    """Solve the ensemble with the whole-solve kernel (see `supported` first).
+
+    **Arguments:**
+
+    - `problem`: the `Problem` of one trajectory, as `ensemble_solve` builds it.
+    - `y0`, `args`: the batch (leading axis `N` on every array leaf).
+    - `throw`: raise if any trajectory fails.
+    - `reference`: `(problem, y0, args) -> Solution`, the `vmap` path without
+        raising, used by the backward pass.
+    - `rows`: rows of 128 trajectories per block (a multiple of 8 on a TPU);
+        default `DEFAULT_ROWS`.
+    - `interpret`: run the kernel in Pallas' interpreter; default: on a CPU.
+
+    **Returns:**
+
+    The `Solution` the `vmap` path returns, to the tolerance's order.
+    """
+    rows = DEFAULT_ROWS if rows is None else rows
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    save = problem.saves[0]
+    settings = Settings(rows, interpret, save.t0, save.t1)
+    args_dynamic, args_static = eqx.partition(args, eqx.is_array)
+    del args_static  # shared by every trajectory: part of the converted field
+    with jax.numpy_dtype_promotion("standard"):
+        out = _differentiable(problem, y0, args_dynamic, settings, reference)
+    counts = out["counts"]
+    ts, ys, t_end = out["ts"], out["ys"], out["t1"]
+    result = counts[:, 3]
+    if throw:
+        failed = (result != _SUCCESS) & (result != _EVENT)
+        index = unvmap_max(where(failed, result, 0))
+        ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, _MESSAGES)
+    batch = result.shape[0]
+    count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731
+    block = rows * LANES
+    stats = dict(
+        num_steps=count(counts[:, 0]),
+        num_accepted_steps=count(counts[:, 1]),
+        num_rejected_steps=count(counts[:, 2]),
+        max_steps=jnp.full((batch,), problem.max_steps, jnp.result_type(int)),
+        lanes=-(-batch // block) * block,
+        lane_steps=count(jnp.sum(counts[::block, 4])) * block,
+    )
+    return Solution(
+        t0=jnp.broadcast_to(problem.t0, (batch,)),
+        t1=t_end,
+        ts=ts,
+        ys=ys,
+        stats=stats,
+        result=Result(result),
+        event_mask=None,
+        made_jump=None,
+        solver_state=None,
+        controller_state=None,
+    )
