@@ -94,12 +94,12 @@ def _init(spec: Spec, field, t0, t1, dt0, y0):
     )  # fmt: skip
 
 
-def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, keep, y0, ks, h):
+def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, going, keep, y0, ks, h):
     """Write the dense output at every save time that a kept step crossed, into the
     rows of `out_ref`: rows `kbase ...` while a lane's step reached them. Returns the
-    new `kbase`."""
+    new `kbase`: rows at or before every going lane's `t` are never written again."""
     big = jnp.asarray(jnp.inf, s.t.dtype)
-    lo = jnp.min(jnp.where(keep, s.t, big))
+    lo = jnp.min(jnp.where(going, s.t, big))
     hi = jnp.max(jnp.where(keep, t_end, -big))
     last = spec.num_ts
 
@@ -143,7 +143,7 @@ def _body(spec: Spec, field, t1, ts_ref, out_ref, s: _State) -> _State:
     result = jnp.where(going & (s.result == _SUCCESS), result, s.result)
     kbase = s.kbase
     if spec.num_ts:
-        kbase = _save(spec, ts_ref, out_ref, s, t_end, keep, s.y, ks, h)
+        kbase = _save(spec, ts_ref, out_ref, s, t_end, going, keep, s.y, ks, h)
     pick = lambda new, old: jnp.where(going, new, old)  # noqa: E731
     return _State(
         t=jnp.where(keep, t_end, s.t),

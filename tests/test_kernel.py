@@ -1,0 +1,157 @@
+"""The whole-solve kernel (`ensemble_solve(kernel=True)`, `solverkit/_kernel/`), run
+in Pallas' interpreter on the CPU, against the lane loop (`kernel=False`): values,
+step counts, results and gradients, float64 and float32.
+
+The kernel does the vmap path's arithmetic element by element in the same order, so
+in float64 the two agree to round-off and take the same steps; in float32 a step
+whose error estimate is within round-off of the tolerance may be decided the other
+way, so step counts may differ by a step or two on a few trajectories.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import solverkit as sk
+from solverkit._errors import UnsupportedError
+
+
+N = 256  # two blocks of one row of 128 lanes, and one (8, 128) block
+T1 = 1.0
+
+
+def _lorenz(sigma, beta):
+    """Lorenz with `sigma` (a float) and `beta` (an array) closed over; `args` is
+    `(rho, k)`, `k` a per-trajectory integer that scales the damping."""
+
+    def field(t, y, args):
+        rho, k = args
+        x, yy, z = y
+        damp = 1 + 0.01 * k.astype(y.dtype)
+        return jnp.stack(
+            [sigma * (yy - x), x * (rho - z) - yy * damp, x * yy - beta * z]
+        )
+
+    return field
+
+
+def _problem(dtype, n=N):
+    y0 = jnp.tile(jnp.asarray([1.0, 0.0, 0.0], dtype), (n, 1))
+    y0 = y0 + jnp.linspace(0, 0.1, n, dtype=dtype)[:, None]
+    rho = jnp.linspace(0.0, 21.0, n, dtype=dtype)
+    k = jnp.arange(n, dtype=jnp.int32) % 3
+    return y0, (rho, k)
+
+
+@functools.partial(eqx.filter_jit, donate="none")
+def _solve(y0, args, sigma, beta, kernel, solver, rtol, ts):
+    return sk.ensemble_solve(
+        sk.ODETerm(_lorenz(sigma, beta)),
+        solver,
+        0.0,
+        T1,
+        None,
+        y0,
+        args,
+        saveat=sk.SaveAt(ts=ts, t1=True),
+        stepsize_controller=sk.PIDController(rtol=rtol, atol=rtol),
+        kernel=kernel,
+        max_steps=400,
+    )
+
+
+def _both(dtype, solver, rtol):
+    y0, args = _problem(dtype)
+    sigma = jnp.asarray(10.0, dtype)
+    beta = jnp.asarray(8 / 3, dtype)
+    ts = jnp.linspace(0, T1, 5, dtype=dtype)
+    return [_solve(y0, args, sigma, beta, k, solver, rtol, ts) for k in (True, False)]
+
+
+@pytest.mark.parametrize(
+    "solver",
+    [sk.Tsit5(), pytest.param(sk.Dopri5(), marks=pytest.mark.slow)],
+    ids=["tsit5", "dopri5"],
+)
+def test_values_float64(x64, solver):
+    kern, ref = _both(jnp.float64, solver, 1e-8)
+    # Same arithmetic in the same order: equal to round-off (1e4 ulps of |y| <= 30).
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-10, atol=1e-10)
+    np.testing.assert_array_equal(kern.ts, ref.ts)
+    for key in ("num_steps", "num_accepted_steps", "num_rejected_steps"):
+        np.testing.assert_array_equal(kern.stats[key], ref.stats[key])
+    np.testing.assert_array_equal(kern.result._value, ref.result._value)
+
+
+@pytest.mark.slow
+def test_values_float32():
+    kern, ref = _both(jnp.float32, sk.Tsit5(), 1e-5)
+    # float32 round-off (1e-7 relative) moves decisions near err == 1; a trajectory
+    # then differs by the global error, ~ rtol times the growth over [0, 1] (~100).
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-3, atol=1e-3)
+    steps_k = np.asarray(kern.stats["num_steps"])
+    steps_r = np.asarray(ref.stats["num_steps"])
+    assert abs(steps_k.sum() - steps_r.sum()) <= 0.02 * steps_r.sum()
+    assert np.max(np.abs(steps_k - steps_r)) <= 3
+
+
+def _loss(kernel, y0, rho, sigma, beta):
+    k = jnp.arange(y0.shape[0], dtype=jnp.int32) % 3
+    ts = jnp.linspace(0, T1, 3, dtype=y0.dtype)
+    sol = _solve(y0, (rho, k), sigma, beta, kernel, sk.Tsit5(), 1e-8, ts)
+    return jnp.sum(sol.ys[:, 1:] ** 2)
+
+
+@pytest.mark.slow
+def test_gradients_float64(x64):
+    n = 128
+    y0, (rho, _) = _problem(jnp.float64, n)
+    sigma, beta = jnp.asarray(10.0), jnp.asarray(8 / 3)
+    grad = jax.jit(jax.grad(_loss, argnums=(1, 2, 3, 4)), static_argnums=0)
+    g_kernel = grad(True, y0, rho, sigma, beta)
+    g_ref = grad(False, y0, rho, sigma, beta)
+    # The backward pass is the vmap path's: equal up to round-off.
+    for a, b in zip(g_kernel, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
+    # ... and against a central difference in sigma (step 1e-5: error ~1e-10 * curvature).
+    e = 1e-5
+    fd = (
+        _loss(False, y0, rho, sigma + e, beta) - _loss(False, y0, rho, sigma - e, beta)
+    ) / (2 * e)
+    np.testing.assert_allclose(g_kernel[2], fd, rtol=1e-4)
+
+
+def test_max_steps_and_result(x64):
+    y0, args = _problem(jnp.float64, 128)
+    sol = sk.ensemble_solve(
+        sk.ODETerm(_lorenz(10.0, 8 / 3)), sk.Tsit5(), 0.0, 5.0, None, y0, args,
+        stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        max_steps=30, throw=False, kernel=True,
+    )  # fmt: skip
+    assert np.all(np.asarray(sol.stats["num_steps"]) <= 30)
+    assert np.all(sol.result._value == sk.RESULTS.max_steps_reached.code)
+
+
+def test_unsupported_raises_or_falls_back():
+    y0, args = _problem(jnp.float32, 128)
+    kw = dict(stepsize_controller=sk.PIDController(rtol=1e-4, atol=1e-4))
+    term = sk.ODETerm(_lorenz(10.0, 8 / 3))
+    with pytest.raises(UnsupportedError, match="Bosh3"):
+        sk.ensemble_solve(term, sk.Bosh3(), 0.0, 0.1, None, y0, args, kernel=True, **kw)
+    table = jnp.asarray([1.0, 2.0, 3.0])
+    gather = sk.ODETerm(lambda t, y, args: -y * table[args[1]])
+    with pytest.raises(UnsupportedError, match="primitive `dynamic_slice`"):
+        sk.ensemble_solve(
+            gather, sk.Tsit5(), 0.0, 0.1, None, y0, args, kernel=True, **kw
+        )
+    with pytest.raises(TypeError, match="kernel"):
+        sk.ensemble_solve(
+            term, sk.Tsit5(), 0.0, 0.1, None, y0, args, kernel="yes", **kw
+        )
+    # kernel=None on a CPU: the lane loop, which takes any solver.
+    sol = sk.ensemble_solve(term, sk.Bosh3(), 0.0, 0.1, None, y0, args, **kw)
+    assert sol.ys.shape == (128, 1, 3)
