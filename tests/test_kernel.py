@@ -117,7 +117,7 @@ def test_gradients_float64(x64):
     # The backward pass is the vmap path's: equal up to round-off.
     for a, b in zip(g_kernel, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
-    # ... and against a central difference in sigma (step 1e-5: error ~1e-10 * curvature).
+    # ... and a central difference in sigma (step 1e-5: error ~1e-10 x curvature).
     e = 1e-5
     fd = (
         _loss(False, y0, rho, sigma + e, beta) - _loss(False, y0, rho, sigma - e, beta)
