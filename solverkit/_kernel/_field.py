@@ -2,6 +2,8 @@
 the `Closure`'s jaxpr, evaluated lane-wise on tiles (`_scalarize`), its closed-over
 values read from SMEM and each trajectory's arguments from its lanes."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -133,12 +135,12 @@ class LaneField(eqx.Module):
     """The vector field of one trajectory, evaluated on tiles: `(t, y tiles, arg
     tiles, const elements) -> dy/dt tiles` (static data of the kernel)."""
 
-    jaxpr: object = eqx.field(static=True)
+    jaxpr: Any = eqx.field(static=True)
     # per flat input after `t`: ("y", shape) / ("arg", index, shape, dtype) /
     # ("value", constant)
     inputs: tuple = eqx.field(static=True)
     y_shapes: tuple = eqx.field(static=True)
-    y_dtype: object = eqx.field(static=True)
+    y_dtype: Any = eqx.field(static=True)
     const_dtypes: tuple = eqx.field(static=True)
 
     def __call__(self, t, y: list, args: list, consts: list) -> list:

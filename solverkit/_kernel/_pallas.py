@@ -10,6 +10,7 @@ block ends when all its lanes have.
 """
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -41,7 +42,7 @@ class Spec(NamedTuple):
     tableau: ButcherTableau
     pid: Pid
     n: int  # state components per trajectory
-    field: object  # (t, y tiles, arg tiles, const elements) -> dy/dt tiles
+    field: Callable  # (t, y tiles, arg tiles, const elements) -> dy/dt tiles
     num_args: tuple[int, ...]  # components of each per-trajectory argument
     const_shapes: tuple[tuple[int, ...], ...]  # each shared constant's shape
     num_ts: int  # save times (0: none)

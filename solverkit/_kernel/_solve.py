@@ -229,7 +229,7 @@ def kernel_solve(
         num_steps=count(counts[:, 0]),
         num_accepted_steps=count(counts[:, 1]),
         num_rejected_steps=count(counts[:, 2]),
-        max_steps=jnp.full((batch,), problem.max_steps, jnp.result_type(int)),
+        max_steps=jnp.full((batch,), int(problem.max_steps or 0), jnp.result_type(int)),
         lanes=-(-batch // block) * block,
         lane_steps=count(jnp.sum(counts[::block, 4])) * block,
     )

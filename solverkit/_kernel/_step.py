@@ -66,6 +66,7 @@ def rk_step(tab: ButcherTableau, field: Field, t0, h, y: Tiles, f0: Tiles):
 def dense(tab: ButcherTableau, y0: Tiles, ks: list[Tiles], h, theta) -> Tiles:
     """The step's dense output at the fraction `theta` (the solver's polynomial,
     each stage's weight by Horner's rule as `AbstractRungeKutta.interpolate`)."""
+    assert tab.dense is not None  # (checked by `_field.check`)
     coeffs = np.asarray(tab.dense)
     out = []
     for j in range(len(y0)):
@@ -83,10 +84,10 @@ def dense(tab: ButcherTableau, y0: Tiles, ks: list[Tiles], h, theta) -> Tiles:
 
 
 def _rms(xs: Tiles):
-    total = None
-    for x in xs:
-        sq = jnp.abs(x) ** 2
-        total = sq if total is None else total + sq
+    """Root mean square over the components, per lane (`rms_norm` of one lane)."""
+    total = jnp.abs(xs[0]) ** 2
+    for x in xs[1:]:
+        total = total + jnp.abs(x) ** 2
     return jnp.sqrt(total / len(xs))
 
 
