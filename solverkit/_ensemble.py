@@ -660,13 +660,13 @@ def _ensemble(
 
 def _use_kernel(kernel, problem, y0, per_trajectory, keep) -> bool:
     """Whether `ensemble_solve` takes the kernel path (issue #39's hook): `kernel`
-    True raises where it can't; None takes it where supported, on a TPU or GPU (on a
-    CPU the kernel runs in Pallas' slow interpreter)."""
+    True raises where it can't; None takes it where supported, on a TPU (it lowers
+    to TPUs only so far; elsewhere it runs in Pallas' slow interpreter)."""
     if kernel not in (True, False, None):
         raise TypeError(f"`kernel` must be True, False or None, got {kernel!r}.")
     if kernel is False:
         return False
-    if kernel is None and jax.default_backend() == "cpu":
+    if kernel is None and jax.default_backend() != "tpu":
         return False
     why = _kernel.supported(problem, y0, per_trajectory, keep)
     if why is not None and kernel:
@@ -742,7 +742,7 @@ def ensemble_solve(
         the options each supports (checked as `diffeqsolve` checks them).
     - `kernel`: solve in one whole-solve kernel (Pallas; see docs/ensembles.md):
         `True` (raise if this solve is one it can't do, saying why), `False` (the
-        lane loop), `None` (default: the kernel where supported, on a TPU or GPU).
+        lane loop), `None` (default: the kernel where supported, on a TPU).
 
     **Returns:**
 

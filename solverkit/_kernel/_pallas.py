@@ -33,7 +33,7 @@ _NONFINITE = int(RESULTS.nonfinite.code)
 _DT_MIN = int(RESULTS.dt_min_reached.code)
 # A proposed step end this close to `t1` (in units of its spacing) lands on it: the
 # vmap path's rule (`_loop._LANDING_ULPS`).
-_LANDING_ULPS = 100
+LANDING_ULPS = 100
 
 
 class Spec(NamedTuple):
@@ -58,7 +58,7 @@ class _State(NamedTuple):
     f: list  # the field at (t, y): the next step's first stage
     prev: jax.Array
     prev_prev: jax.Array
-    at_dtmin: jax.Array
+    at_dtmin: jax.Array  # int32
     steps: jax.Array
     accepted: jax.Array
     rejected: jax.Array
@@ -90,7 +90,7 @@ def _init(spec: Spec, field, t0, t1, dt0, y0):
     zero = jnp.zeros(y0[0].shape, jnp.int32)
     one = jnp.ones(y0[0].shape, t0.dtype)
     return _State(
-        t0, tnext, y0, f0, one, one, jnp.zeros(y0[0].shape, bool), zero, zero,
+        t0, tnext, y0, f0, one, one, zero, zero, zero,
         zero, zero + _SUCCESS, jnp.int32(0), jnp.int32(0),
     )  # fmt: skip
 
@@ -127,7 +127,7 @@ def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, going, keep, y0, ks, h)
     return kbase
 
 
-def _body(spec: Spec, field, t1, ts_ref, out_ref, s: _State) -> _State:
+def _body(spec: Spec, field, t1, land, ts_ref, out_ref, s: _State) -> _State:
     going = _going(spec, s, t1)
     t_end = jnp.minimum(s.tnext, t1)
     h = t_end - s.t
@@ -135,9 +135,8 @@ def _body(spec: Spec, field, t1, ts_ref, out_ref, s: _State) -> _State:
     d = _step.adapt(
         spec.pid, s.t, t_end, s.y, y1, error, (s.prev, s.prev_prev, s.at_dtmin)
     )
-    spacing = jnp.finfo(s.t.dtype).eps * jnp.maximum(1, jnp.abs(t1))
-    next_t1 = jnp.where(d.next_t1 >= t1 - _LANDING_ULPS * spacing, t1, d.next_t1)
-    finite = functools.reduce(lambda a, b: a & b, [jnp.isfinite(v) for v in y1])
+    next_t1 = jnp.where(d.next_t1 >= land, t1, d.next_t1)
+    finite = functools.reduce(lambda a, b: a & b, [_step.finite(v) for v in y1])
     keep = going & d.keep
     result = jnp.where(d.too_small, _DT_MIN, _SUCCESS)
     result = jnp.where(d.keep & ~finite, _NONFINITE, result)
@@ -168,7 +167,7 @@ def _kernel(spec: Spec, *refs):
     nargs, nconsts = len(spec.num_args), len(spec.const_shapes)
     arg_refs, const_refs = rest[:nargs], rest[nargs : nargs + nconsts]
     y_ref, ys_ref, t_ref, count_ref = rest[nargs + nconsts :]
-    t0, t1, dt0 = times_ref[0], times_ref[1], times_ref[2]
+    t0, t1, dt0, land = times_ref[0], times_ref[1], times_ref[2], times_ref[3]
     args = [[r[i] for i in range(m)] for r, m in zip(arg_refs, spec.num_args)]
     consts = [_read_const(r, shape) for r, shape in zip(const_refs, spec.const_shapes)]
     field = lambda t, y: spec.field(t, y, args, consts)  # noqa: E731
@@ -181,8 +180,8 @@ def _kernel(spec: Spec, *refs):
             )
     state = _init(spec, field, t_tile, t1, dt0, y0)
     state = lax.while_loop(
-        lambda s: jnp.max(_going(spec, s, t1).astype(jnp.int32)) > 0,
-        lambda s: _body(spec, field, t1, ts_ref, ys_ref, s),
+        lambda s: jnp.max(_going(spec, s, t1).astype(jnp.float32)) > 0,
+        lambda s: _body(spec, field, t1, land, ts_ref, ys_ref, s),
         state,
     )
     for j in range(spec.n):
@@ -203,7 +202,8 @@ def solve_blocks(spec: Spec, times, ts, y0, args, consts, interpret: bool):
     **Arguments:**
 
     - `spec`: the static description (`Spec`).
-    - `times`: `(3,)` array of `t0, t1, dt0` (time dtype).
+    - `times`: `(4,)` array of `t0, t1, dt0` and the landing time: a step ending
+        at or past it ends at `t1` (time dtype).
     - `ts`: `(T,)` save times (`(1,)` of anything if none).
     - `y0`: `(n, R, 128)` initial states; `args`: per-trajectory arguments, each
         `(m, R, 128)`; `consts`: shared values, each flattened to 1-D.

@@ -97,7 +97,10 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
     tdtype = problem.t0.dtype
     ts = save.ts if save.ts is not None else jnp.zeros((1,), tdtype)
     dt0 = problem.dt0 if problem.dt0 is not None else jnp.zeros((), tdtype)
-    times = jnp.stack([problem.t0, problem.t1, jnp.asarray(dt0, tdtype)])
+    t1 = problem.t1
+    spacing = jnp.finfo(tdtype).eps * jnp.maximum(1, jnp.abs(t1))
+    land = t1 - _pallas.LANDING_ULPS * spacing
+    times = jnp.stack([problem.t0, t1, jnp.asarray(dt0, tdtype), land])
     y_lanes = jnp.concatenate([_to_lanes(x, batch, rows) for x in leaves])
     arg_lanes = [_to_lanes(a, batch, rows) for a in jtu.tree_leaves(args_dynamic)]
     spec = _pallas.Spec(
@@ -200,7 +203,7 @@ def kernel_solve(
         raising, used by the backward pass.
     - `rows`: rows of 128 trajectories per block (a multiple of 8 on a TPU);
         default `DEFAULT_ROWS`.
-    - `interpret`: run the kernel in Pallas' interpreter; default: on a CPU.
+    - `interpret`: run the kernel in Pallas' interpreter; default: except on a TPU.
 
     **Returns:**
 
@@ -208,7 +211,7 @@ def kernel_solve(
     """
     rows = DEFAULT_ROWS if rows is None else rows
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = jax.default_backend() != "tpu"  # it lowers to TPUs only, so far
     save = problem.saves[0]
     settings = Settings(rows, interpret, save.t0, save.t1)
     args_dynamic, args_static = eqx.partition(args, eqx.is_array)

@@ -83,6 +83,12 @@ def dense(tab: ButcherTableau, y0: Tiles, ks: list[Tiles], h, theta) -> Tiles:
     return out
 
 
+def finite(x):
+    """`isfinite` as a comparison (NaN compares false), which every backend
+    lowers."""
+    return jnp.abs(x) < jnp.inf
+
+
 def _rms(xs: Tiles):
     """Root mean square over the components, per lane (`rms_norm` of one lane)."""
     total = jnp.abs(xs[0]) ** 2
@@ -125,20 +131,21 @@ class Decision(NamedTuple):
     next_t1: Array
     prev: Array
     prev_prev: Array
-    at_dtmin: Array
+    at_dtmin: Array  # int32
     too_small: Array  # dt fell below dtmin (with force_dtmin=False)
 
 
 def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decision:
     """`PIDController.adapt_step_size`, lane-wise, with the RMS norm."""
     prev, prev_prev, at_dtmin = state
+    at_dtmin = at_dtmin != 0  # carried as int32 (no boolean vectors in the loop)
     scaled = []
     for e, a, b in zip(error, y0, y1):
-        b = jnp.where(jnp.isfinite(b), b, a)
+        b = jnp.where(finite(b), b, a)
         tol = pid.atol + jnp.maximum(jnp.abs(a), jnp.abs(b)) * pid.rtol
         scaled.append(e / tol.astype(jnp.abs(e).dtype))
     err = _rms(scaled)
-    err = jnp.where(jnp.isfinite(err), err, jnp.inf)
+    err = jnp.where(finite(err), err, jnp.inf)
     keep = err < 1
     if pid.dtmin is not None:
         keep = keep | at_dtmin
@@ -167,6 +174,7 @@ def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decisi
         dt = jnp.where(at_dtmin & (factor == 1), pid.dtmin, dt).astype(dt.dtype)
         at_dtmin = dt <= pid.dtmin
         dt = jnp.maximum(dt, pid.dtmin)
+    at_dtmin = at_dtmin.astype(jnp.int32)
     next_t0 = jnp.where(keep, t1, t0)
     return Decision(
         keep,
