@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._adaptive import PIDController
+from .._closure import Closure
 from .._norm import rms_norm
 from .._problem import Problem
 from .._progress import NoProgressMeter
@@ -75,7 +76,11 @@ def check(problem: Problem, y0, per_trajectory, keep) -> None:
     if not isinstance(problem.terms, ClosureTerm) or problem.direction is not None:
         raise KernelUnsupported("a MultiTerm, or a solve backwards in time")
     unsupported = {
-        "an Event": problem.conds is not None or problem.continues,
+        "an Event that continues, has several conditions or a root_finder": (
+            problem.continues
+            or problem.root_finder is not None
+            or (problem.conds is not None and len(conditions(problem)) != 1)
+        ),
         "a TimedEvent": problem.timed is not None,
         "SaveAt(dense=True)": problem.dense,
         "SaveAt(steps=...), SaveAt(fn=...) or several SubSaveAt": len(problem.saves)
@@ -98,13 +103,22 @@ def check(problem: Problem, y0, per_trajectory, keep) -> None:
             f"a state of dtypes {sorted(map(str, dtypes))} (the kernel needs one real "
             "floating dtype)"
         )
-    consts = problem.terms.closure.consts
+    closures = [problem.terms.closure, *conditions(problem)]  # pyright: ignore
+    consts = [c for closure in closures for c in closure.consts]
     for c in consts:
         if not (jnp.issubdtype(c.dtype, jnp.number) or c.dtype == jnp.bool_):
             raise KernelUnsupported(f"a closed-over value of dtype {c.dtype}")
         if jnp.issubdtype(c.dtype, jnp.complexfloating):
             raise KernelUnsupported("a complex closed-over value")
-    _scalarize.check(problem.terms.closure.jaxpr)
+    for closure in closures:
+        _scalarize.check(closure.jaxpr)
+
+
+def conditions(problem: Problem) -> list[Closure]:
+    """The event's converted conditions (none without an event)."""
+    if problem.conds is None:
+        return []
+    return jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
 
 
 def _smem(x):
@@ -114,8 +128,10 @@ def _smem(x):
 
 
 def shared_consts(problem: Problem) -> tuple[list, tuple, tuple]:
-    """The closed-over values as kernel inputs, their shapes and dtypes."""
-    consts = problem.terms.closure.consts  # pyright: ignore[reportAttributeAccessIssue]
+    """The values the vector field (then the event's condition) closes over, as
+    kernel inputs, their shapes and dtypes."""
+    closures = [problem.terms.closure, *conditions(problem)]  # pyright: ignore
+    consts = [c for closure in closures for c in closure.consts]
     return (
         [_smem(c) for c in consts],
         tuple(tuple(c.shape) for c in consts),
@@ -139,8 +155,8 @@ class LaneField(eqx.Module):
     # per flat input after `t`: ("y", shape) / ("arg", index, shape, dtype) /
     # ("value", constant)
     inputs: tuple = eqx.field(static=True)
-    y_shapes: tuple = eqx.field(static=True)
-    y_dtype: Any = eqx.field(static=True)
+    out_shapes: tuple = eqx.field(static=True)
+    out_dtype: Any = eqx.field(static=True)
     const_dtypes: tuple = eqx.field(static=True)
 
     def __call__(self, t, y: list, args: list, consts: list) -> list:
@@ -166,23 +182,25 @@ class LaneField(eqx.Module):
         outs = _scalarize.evaluate(self.jaxpr, consts, flat)
         tile = y[0].shape
         tiles = []
-        if len(outs) == 1 and len(self.y_shapes) > 1:
-            outs = [outs[0]] * len(self.y_shapes)
-        for out, shape in zip(outs, self.y_shapes):
+        if len(outs) == 1 and len(self.out_shapes) > 1:
+            outs = [outs[0]] * len(self.out_shapes)
+        for out, shape in zip(outs, self.out_shapes):
             out = np.broadcast_to(out, shape)
             for index in np.ndindex(shape):
-                x = jnp.asarray(out[index]).astype(self.y_dtype)
+                x = jnp.asarray(out[index]).astype(self.out_dtype)
                 tiles.append(jnp.broadcast_to(x, tile))
         return tiles
 
 
-def lane_field(problem: Problem, y_one, args_one) -> LaneField:
-    """The `LaneField` of the problem's vector field, for a trajectory shaped like
-    `y_one` with arguments like `args_one` (array leaves: the per-trajectory
-    arguments, in order)."""
-    closure = problem.terms.closure  # pyright: ignore[reportAttributeAccessIssue]
+def lane_field(
+    closure: Closure, t0, y_one, args_one, scalar: bool = False
+) -> LaneField:
+    """The `LaneField` of a converted `(t, y, args)` function, for a trajectory
+    shaped like `y_one` with arguments like `args_one` (array leaves: the
+    per-trajectory arguments, in order): the vector field (shaped like `y`), or with
+    `scalar` an event condition (one value, as `y`'s dtype)."""
     program = closure.program
-    leaves = jtu.tree_leaves(((problem.t0, y_one, args_one), {}))
+    leaves = jtu.tree_leaves(((t0, y_one, args_one), {}))
     n_y = len(jtu.tree_leaves(y_one))
     inputs, arg_index = [], 0
     for i, (leaf, spec) in enumerate(zip(leaves, program.in_specs)):
@@ -202,14 +220,15 @@ def lane_field(problem: Problem, y_one, args_one) -> LaneField:
         elif dynamic:
             inputs.append(("value", np.asarray(leaf, spec.dtype)))
     y_leaves = jtu.tree_leaves(y_one)
-    if len(program.out_specs) not in (1, len(y_leaves)) or not all(
+    shapes = ((),) if scalar else tuple(tuple(x.shape) for x in y_leaves)
+    if len(program.out_specs) not in (1, len(shapes)) or not all(
         isinstance(s, jax.ShapeDtypeStruct) for s in program.out_specs
     ):
         raise KernelUnsupported("a vector field whose output is not shaped like y")
     return LaneField(
         program.jaxpr,
         tuple(inputs),
-        tuple(tuple(x.shape) for x in y_leaves),
+        shapes,
         y_leaves[0].dtype,
         tuple(c.dtype for c in closure.consts),
     )

@@ -11,7 +11,7 @@ block ends when all its lanes have.
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.lax as lax
@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._solution import RESULTS
 from .._solver._tableau import ButcherTableau
-from . import _step
+from . import _event, _step
 from ._step import Pid
 
 
@@ -31,6 +31,7 @@ _SUCCESS = int(RESULTS.successful.code)
 _MAX_STEPS = int(RESULTS.max_steps_reached.code)
 _NONFINITE = int(RESULTS.nonfinite.code)
 _DT_MIN = int(RESULTS.dt_min_reached.code)
+_EVENT = int(RESULTS.event_occurred.code)
 # A proposed step end this close to `t1` (in units of its spacing) lands on it: the
 # vmap path's rule (`_loop._LANDING_ULPS`).
 LANDING_ULPS = 100
@@ -49,6 +50,13 @@ class Spec(NamedTuple):
     has_dt0: bool
     max_steps: int
     rows: int  # block rows (trajectories per block: rows * 128)
+    # A terminal event: its condition `(t, y tiles, arg tiles, const elements) ->
+    # [value tile]` (None: no event), whether it is real-valued, its direction,
+    # and how many of the shared constants are the field's (the rest: its own).
+    cond: Callable | None = None
+    cond_real: bool = True
+    cond_direction: bool | None = None
+    field_consts: int = 0
 
 
 class _State(NamedTuple):
@@ -65,6 +73,8 @@ class _State(NamedTuple):
     result: jax.Array
     kbase: jax.Array  # save times before this one are behind every lane
     iterations: jax.Array
+    g: Any = None  # the event condition at (t, y)
+    last: Any = None  # the last accepted step's (t0, y0, f0), to locate a crossing
 
 
 def _read_const(ref, shape):
@@ -79,7 +89,7 @@ def _going(spec: Spec, s: _State, t1):
     return (s.t < t1) & (s.steps < spec.max_steps) & (s.result == _SUCCESS)
 
 
-def _init(spec: Spec, field, t0, t1, dt0, y0):
+def _init(spec: Spec, field, cond, t0, t1, dt0, y0):
     f0 = field(t0, y0)
     if spec.has_dt0:
         dt = jnp.broadcast_to(dt0, y0[0].shape).astype(t0.dtype)
@@ -89,9 +99,18 @@ def _init(spec: Spec, field, t0, t1, dt0, y0):
     tnext = jnp.minimum(t0 + dt, t1)
     zero = jnp.zeros(y0[0].shape, jnp.int32)
     one = jnp.ones(y0[0].shape, t0.dtype)
+    result = zero + _SUCCESS
+    g = last = None
+    if cond is not None:
+        # A boolean condition already true at t0 ends the solve there; a real one
+        # needs a sign change first.
+        g = cond(t0, y0)[0]
+        if not spec.cond_real:
+            result = jnp.where(g != 0, _EVENT, result)
+        last = (t0, y0, f0)
     return _State(
         t0, tnext, y0, f0, one, one, zero, zero, zero,
-        zero, zero + _SUCCESS, jnp.int32(0), jnp.int32(0),
+        zero, result, jnp.int32(0), jnp.int32(0), g, last,
     )  # fmt: skip
 
 
@@ -127,7 +146,23 @@ def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, going, keep, y0, ks, h)
     return kbase
 
 
-def _body(spec: Spec, field, t1, land, ts_ref, out_ref, s: _State) -> _State:
+def _after_event(spec: Spec, cond, s: _State, t_end, y1, keep, result):
+    """The condition after a step, whether it fired, and the last accepted step."""
+    g1 = cond(t_end, y1)[0]
+    fired = _event.fired(spec.cond_real, spec.cond_direction, s.g, g1) & keep
+    result = jnp.where(fired & (result == _SUCCESS), _EVENT, result)
+    g = jnp.where(keep, g1, s.g)
+    last = [s.t, s.y, s.f]
+    last = [
+        jnp.where(keep, new, old)
+        if not isinstance(new, list)
+        else [jnp.where(keep, a, b) for a, b in zip(new, old)]
+        for new, old in zip(last, s.last)
+    ]
+    return result, g, tuple(last)
+
+
+def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _State:
     going = _going(spec, s, t1)
     t_end = jnp.minimum(s.tnext, t1)
     h = t_end - s.t
@@ -141,6 +176,10 @@ def _body(spec: Spec, field, t1, land, ts_ref, out_ref, s: _State) -> _State:
     result = jnp.where(d.too_small, _DT_MIN, _SUCCESS)
     result = jnp.where(d.keep & ~finite, _NONFINITE, result)
     result = jnp.where(going & (s.result == _SUCCESS), result, s.result)
+    g, last = s.g, s.last
+    if cond is not None:
+        ok = keep & finite
+        result, g, last = _after_event(spec, cond, s, t_end, y1, ok, result)
     kbase = s.kbase
     if spec.num_ts:
         kbase = _save(spec, ts_ref, out_ref, s, t_end, going, keep, s.y, ks, h)
@@ -159,6 +198,8 @@ def _body(spec: Spec, field, t1, land, ts_ref, out_ref, s: _State) -> _State:
         result=result,
         kbase=kbase,
         iterations=s.iterations + 1,
+        g=g,
+        last=last,
     )
 
 
@@ -170,7 +211,11 @@ def _kernel(spec: Spec, *refs):
     t0, t1, dt0, land = times_ref[0], times_ref[1], times_ref[2], times_ref[3]
     args = [[r[i] for i in range(m)] for r, m in zip(arg_refs, spec.num_args)]
     consts = [_read_const(r, shape) for r, shape in zip(const_refs, spec.const_shapes)]
-    field = lambda t, y: spec.field(t, y, args, consts)  # noqa: E731
+    own = spec.field_consts if spec.cond is not None else len(consts)
+    field = lambda t, y: spec.field(t, y, args, consts[:own])  # noqa: E731
+    cond = None
+    if spec.cond is not None:
+        cond = lambda t, y: spec.cond(t, y, args, consts[own:])  # noqa: E731
     y0 = [y0_ref[j] for j in range(spec.n)]
     t_tile = jnp.full(y0[0].shape, t0, t0.dtype)
     for k in range(spec.num_ts):  # rows at or before t0 show y0; the rest inf
@@ -178,15 +223,21 @@ def _kernel(spec: Spec, *refs):
             ys_ref[k, j] = jnp.where(ts_ref[k] <= t0, y0[j], jnp.inf).astype(
                 y0[j].dtype
             )
-    state = _init(spec, field, t_tile, t1, dt0, y0)
+    state = _init(spec, field, cond, t_tile, t1, dt0, y0)
     state = lax.while_loop(
         lambda s: jnp.max(_going(spec, s, t1).astype(jnp.float32)) > 0,
-        lambda s: _body(spec, field, t1, land, ts_ref, ys_ref, s),
+        lambda s: _body(spec, field, cond, t1, land, ts_ref, ys_ref, s),
         state,
     )
+    t_end, y_end = state.t, state.y
+    if cond is not None and spec.cond_real:
+        event = state.result == _EVENT
+        t_end, y_end = _event.locate(
+            spec.tableau, field, cond, state.last, state.t, state.y, event
+        )
     for j in range(spec.n):
-        y_ref[j] = state.y[j]
-    t_ref[...] = state.t
+        y_ref[j] = y_end[j]
+    t_ref[...] = t_end
     result = jnp.where(
         (state.result == _SUCCESS) & (state.t < t1), _MAX_STEPS, state.result
     )

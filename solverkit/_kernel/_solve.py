@@ -17,6 +17,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._adjoint import custom_vjp, fill_zeros, parameters
+from .._closure import Closure
 from .._integrate import _MESSAGES
 from .._problem import Problem
 from .._select import where
@@ -84,6 +85,21 @@ def _state_of(flat, y0_example: PyTree, batch: int) -> PyTree:
     return jtu.tree_unflatten(tree, out)
 
 
+def _event_spec(problem: Problem, y_one, args_one) -> dict:
+    """The `Spec` fields of the event's condition (none without an event)."""
+    conds = _field.conditions(problem)
+    if not conds:
+        return {}
+    (cond,) = conds
+    direction = problem.event_direction
+    return dict(
+        cond=_field.lane_field(cond, problem.t0, y_one, args_one, scalar=True),
+        cond_real=not jnp.issubdtype(cond.out_struct.dtype, jnp.bool_),
+        cond_direction=None if direction is None else direction[0],
+        field_consts=len(problem.terms.closure.consts),  # pyright: ignore
+    )
+
+
 @eqx.filter_jit
 def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
     """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts."""
@@ -91,7 +107,8 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
     batch = leaves[0].shape[0]
     rows = settings.rows
     one = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
-    field = _field.lane_field(problem, one(y0), one(args_dynamic))
+    closure = problem.terms.closure  # pyright: ignore[reportAttributeAccessIssue]
+    field = _field.lane_field(closure, problem.t0, one(y0), one(args_dynamic))
     consts, shapes, _ = _field.shared_consts(problem)
     save = problem.saves[0]
     tdtype = problem.t0.dtype
@@ -114,6 +131,7 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
         has_dt0=problem.dt0 is not None,
         max_steps=int(problem.max_steps),  # pyright: ignore[reportArgumentType]
         rows=rows,
+        **_event_spec(problem, one(y0), one(args_dynamic)),
     )
     y_end, ys_ts, t_end, counts = _pallas.solve_blocks(
         spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
@@ -121,24 +139,57 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
     t_end = _from_lanes(t_end[None], batch)[:, 0]
     y_end = _state_of(_from_lanes(y_end, batch), y0, batch)
     counts = _from_lanes(counts, batch)  # (N, 5)
-    out_ts, out_ys = [], []
-    if settings.save_t0:
-        out_ts.append(jnp.broadcast_to(problem.t0, (batch, 1)))
-        out_ys.append(jtu.tree_map(lambda x: x[:, None], y0))
+    ts_rows, ys_rows = _rows(problem, settings, y0, ys_ts, t_end, y_end)
+    return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
+
+
+def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
+    """The saved rows in the vmap path's layout (`_save.finish_save`): `t0`, the
+    save times reached (those past an event's time: `inf`), then `t1` (the final
+    point) in the first free row, then `inf` padding."""
+    batch = t_end.shape[0]
+    save = problem.saves[0]
+    rows = lambda x: x[:, None]  # noqa: E731
+    ts = jnp.zeros((batch, 0), t_end.dtype)
+    ys = jtu.tree_map(lambda x: jnp.zeros((batch, 0) + x.shape[1:], x.dtype), y0)
     if save.ts is not None:
         ys = _state_of(_from_lanes(ys_ts, batch), y0, batch)
         written = (save.ts[None] <= t_end[:, None]) | (save.ts[None] <= problem.t0)
-        out_ts.append(where(written, save.ts[None], jnp.inf))
-        out_ys.append(ys)
+        ts = where(written, save.ts[None], jnp.inf)
+        ys = jtu.tree_map(
+            lambda v: where(
+                written.reshape(written.shape + (1,) * (v.ndim - 2)), v, jnp.inf
+            ),
+            ys,
+        )
     if settings.save_t1:
-        out_ts.append(t_end[:, None])
-        out_ys.append(jtu.tree_map(lambda x: x[:, None], y_end))
-    return dict(
-        ts=jnp.concatenate(out_ts, axis=1),
-        ys=jtu.tree_map(lambda *p: jnp.concatenate(p, axis=1), *out_ys),
-        t1=t_end,
-        counts=counts,
-    )
+        ts = jnp.concatenate([ts, jnp.full((batch, 1), jnp.inf, ts.dtype)], axis=1)
+        ys = jtu.tree_map(
+            lambda v: jnp.concatenate([v, jnp.full_like(v[:, :1], jnp.inf)], axis=1),
+            ys,
+        )
+        index = jnp.sum(jnp.isfinite(ts), axis=1)
+        final = jnp.arange(ts.shape[1])[None] == index[:, None]
+        ts = where(final, rows(t_end), ts)
+        ys = jtu.tree_map(
+            lambda v, e: where(
+                final.reshape(final.shape + (1,) * (v.ndim - 2)), rows(e), v
+            ),
+            ys,
+            y_end,
+        )
+    if settings.save_t0:
+        ts = jnp.concatenate([jnp.broadcast_to(problem.t0, (batch, 1)), ts], axis=1)
+        ys = jtu.tree_map(lambda v, y: jnp.concatenate([rows(y), v], axis=1), ys, y0)
+    return ts, ys
+
+
+def _event_mask(problem: Problem, result):
+    """Which condition fired, per trajectory, shaped as the conditions."""
+    if problem.conds is None:
+        return None
+    tree = jtu.tree_structure(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
+    return jtu.tree_unflatten(tree, [result == _EVENT])
 
 
 def _outputs(sol: Solution) -> dict:
@@ -243,7 +294,7 @@ def kernel_solve(
         ys=ys,
         stats=stats,
         result=Result(result),
-        event_mask=None,
+        event_mask=_event_mask(problem, result),
         made_jump=None,
         solver_state=None,
         controller_state=None,
