@@ -155,3 +155,70 @@ def test_unsupported_raises_or_falls_back():
     # kernel=None on a CPU: the lane loop, which takes any solver.
     sol = sk.ensemble_solve(term, sk.Bosh3(), 0.0, 0.1, None, y0, args, **kw)
     assert sol.ys.shape == (128, 1, 3)
+
+
+def _fall(gravity):
+    """Free fall with `gravity` closed over, per-trajectory drag-free scale `a`."""
+    return lambda t, y, a: jnp.stack([y[1], -gravity * a])
+
+
+def _ground(t, y, a, **kwargs):
+    return y[0]
+
+
+def _fall_inputs(n=128):
+    height = 10.0 + jnp.linspace(0.0, 5.0, n)
+    y0 = jnp.stack([height, jnp.zeros(n)], axis=1)
+    return y0, jnp.linspace(0.5, 2.0, n)
+
+
+@pytest.mark.parametrize(
+    "cond", ["real", pytest.param("boolean", marks=pytest.mark.slow)]
+)
+def test_event_float64(x64, cond):
+    y0, a = _fall_inputs()
+    fn = _ground if cond == "real" else (lambda t, y, a, **kw: y[0] < 0)
+    out = [
+        sk.ensemble_solve(
+            sk.ODETerm(_fall(jnp.asarray(9.81))),
+            sk.Tsit5(),
+            0.0,
+            10.0,
+            None,
+            y0,
+            a,
+            saveat=sk.SaveAt(ts=jnp.linspace(0.0, 10.0, 6), t1=True),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
+            event=sk.Event(fn),
+            kernel=kernel,
+        )  # fmt: skip
+        for kernel in (True, False)
+    ]
+    kern, ref = out
+    # The same steps and the same search: equal to round-off (times <= 10).
+    np.testing.assert_allclose(kern.t1, ref.t1, rtol=0, atol=1e-11)
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(kern.ts, ref.ts, rtol=0, atol=1e-11)  # inf where inf
+    np.testing.assert_array_equal(kern.event_mask, ref.event_mask)
+    np.testing.assert_array_equal(kern.stats["num_steps"], ref.stats["num_steps"])
+    if cond == "real":  # the analytic time of the fall, to the tolerance's order
+        exact = jnp.sqrt(2 * y0[:, 0] / (9.81 * a))
+        np.testing.assert_allclose(kern.t1, exact, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_vmap_of_grad_float64(x64):
+    """`jax.vmap` over a closed-over float, of a gradient with respect to it."""
+    y0, (rho, k) = _problem(jnp.float64, 128)
+
+    def loss(sigma, kernel):
+        ts = jnp.linspace(0, 0.5, 3)
+        sol = _solve(y0, (rho, k), sigma, 8 / 3, kernel, sk.Tsit5(), 1e-8, ts)
+        return jnp.sum(sol.ys**2)
+
+    sigmas = jnp.asarray([9.0, 10.0])
+    for f in (loss, jax.grad(loss)):
+        got = jax.jit(jax.vmap(lambda s: f(s, True)))(sigmas)
+        want = jax.jit(jax.vmap(lambda s: f(s, False)))(sigmas)
+        # The forward pass to round-off (same steps); the backward pass is the same.
+        np.testing.assert_allclose(got, want, rtol=1e-10)
