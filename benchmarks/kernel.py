@@ -10,7 +10,9 @@ written down, the rest go on):
 - `lorenz`: the Lorenz system, rho = linspace(0, 21, N) per trajectory, sigma and
   beta closed over, y0 = (1, 0, 0), t in [0, 1], Tsit5, PIDController(rtol = atol =
   1e-5), SaveAt(t1=True).
-- `lotka_volterra` (with `--grad`): the gradient of a fit, `sum((ys - data)^2)` at
+- `lorenz_grad` (with `--grad`): the gradient of `sum(y(1)^2)` with respect to
+  `y0` and rho.
+- `lotka_volterra_grad` (with `--grad`): the gradient of a fit, `sum((ys - data)^2)` at
   10 save times, with respect to each trajectory's (alpha, beta, gamma, delta).
 
 Per case, size and method: the first call (trace, compile, run), the median run
@@ -82,6 +84,13 @@ def _lorenz_solver(method: str, dtype):
     return jax.jit(solve)
 
 
+def _lorenz_grad(method: str, dtype):
+    """The gradient of `sum(y(1)^2)` with respect to `y0` and rho."""
+    solve = _lorenz_solver(method, dtype)
+    loss = lambda y0, rho: jnp.sum(solve(y0, rho).ys ** 2)  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
 def _lv_loss(method: str, dtype):
     ts = jnp.linspace(0.0, 5.0, 10, dtype=dtype)
     ctrl = dict(rtol=1e-5, atol=1e-5)
@@ -151,6 +160,10 @@ def _peak_flops(dtype) -> float:
 
 
 def _case(name, method, n, dtype, repeats, grad):
+    if name == "lorenz_grad":
+        fn = _lorenz_grad(method, dtype)
+        _, first, run = _time(fn, _lorenz_inputs(n, dtype), repeats)
+        return dict(first_s=first, run_s=run)
     if grad:
         fn = _lv_loss(method, dtype)
         p = jnp.tile(jnp.asarray([1.5, 1.0, 3.0, 1.0], dtype), (n, 1))
@@ -231,7 +244,9 @@ def main(argv=None) -> int:
     flops = _flops_per_step()
     peak = _peak_flops(dtype)
     rows = []
-    cases = [("lorenz", False)] + ([("lotka_volterra_grad", True)] if ns.grad else [])
+    cases = [("lorenz", False)]
+    if ns.grad:
+        cases += [("lorenz_grad", True), ("lotka_volterra_grad", True)]
     for name, grad in cases:
         for n in sizes:
             ref = None

@@ -222,3 +222,35 @@ def test_vmap_of_grad_float64(x64):
         want = jax.jit(jax.vmap(lambda s: f(s, False)))(sigmas)
         # The forward pass to round-off (same steps); the backward pass is the same.
         np.testing.assert_allclose(got, want, rtol=1e-10)
+
+
+def test_t1_only_pytree_state_dt0():
+    """`SaveAt(t1=True)` (the default), a pytree state, a given `dt0`, float32."""
+    n = 128
+    rate = jnp.asarray(0.5, jnp.float32)
+    y0 = {"a": jnp.ones(n), "b": jnp.ones((n, 2))}
+    scale = jnp.linspace(1.0, 2.0, n)
+
+    def field(t, y, s):
+        return {"a": -rate * s * y["a"], "b": -s * y["b"]}
+
+    kern, ref = [
+        sk.ensemble_solve(
+            sk.ODETerm(field),
+            sk.Dopri5(),
+            0.0,
+            1.0,
+            0.01,
+            y0,
+            scale,
+            stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5),
+            kernel=k,
+        )  # fmt: skip
+        for k in (True, False)
+    ]
+    assert kern.ys["a"].shape == (n, 1) and kern.ys["b"].shape == (n, 1, 2)
+    # The lane loop to float32 round-off amplified by a few steps.
+    np.testing.assert_allclose(kern.ys["b"], ref.ys["b"], rtol=1e-5)
+    # The exact solution to the tolerance's order (rtol 1e-5, ~10 steps).
+    np.testing.assert_allclose(kern.ys["a"][:, 0], jnp.exp(-0.5 * scale), rtol=1e-4)
+    np.testing.assert_allclose(kern.ys["b"][:, 0, 1], jnp.exp(-scale), rtol=1e-4)

@@ -165,7 +165,9 @@ def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
     if settings.save_t1:
         ts = jnp.concatenate([ts, jnp.full((batch, 1), jnp.inf, ts.dtype)], axis=1)
         ys = jtu.tree_map(
-            lambda v: jnp.concatenate([v, jnp.full_like(v[:, :1], jnp.inf)], axis=1),
+            lambda v: jnp.concatenate(
+                [v, jnp.full((batch, 1) + v.shape[2:], jnp.inf, v.dtype)], axis=1
+            ),
             ys,
         )
         index = jnp.sum(jnp.isfinite(ts), axis=1)
