@@ -810,7 +810,10 @@ def ensemble_solve(
         reference = lambda p, y, a: _ensemble(  # noqa: E731
             p, y, a, None, lanes, _refill_at(lanes), False, keep, adjoint
         )
-        return _kernel.kernel_solve(problem, y0, args, throw, reference)
+        backward = lambda s, d, y, a, n, ct: _backward(  # noqa: E731
+            s, d, (y, a, None, n), ct, lanes, keep[:2], adjoint
+        )
+        return _kernel.kernel_solve(problem, y0, args, throw, reference, backward)
     # --- end of the kernel hook ---
     with jax.numpy_dtype_promotion("standard"), _reverse_only():
         return _ensemble(

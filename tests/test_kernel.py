@@ -254,3 +254,25 @@ def test_t1_only_pytree_state_dt0():
     # The exact solution to the tolerance's order (rtol 1e-5, ~10 steps).
     np.testing.assert_allclose(kern.ys["a"][:, 0], jnp.exp(-0.5 * scale), rtol=1e-4)
     np.testing.assert_allclose(kern.ys["b"][:, 0, 1], jnp.exp(-scale), rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_event_gradient_float64(x64):
+    """The event time's gradient with respect to `y0` and the closed-over gravity."""
+    y0, a = _fall_inputs(128)
+
+    def loss(y0, gravity, kernel):
+        sol = sk.ensemble_solve(
+            sk.ODETerm(_fall(gravity)), sk.Tsit5(), 0.0, 10.0, None, y0, a,
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
+            event=sk.Event(_ground), kernel=kernel,
+        )  # fmt: skip
+        return jnp.sum(sol.t1)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    got, want = grad(y0, jnp.asarray(9.81), True), grad(y0, jnp.asarray(9.81), False)
+    for g, w in zip(got, want):  # the same backward pass, from the same steps
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    # d t* / d h = 1 / sqrt(2 h g a), analytically.
+    exact = 1 / jnp.sqrt(2 * y0[:, 0] * 9.81 * a)
+    np.testing.assert_allclose(got[0][:, 0], exact, rtol=1e-5)

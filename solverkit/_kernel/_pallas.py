@@ -214,8 +214,8 @@ def _kernel(spec: Spec, *refs):
     own = spec.field_consts if spec.cond is not None else len(consts)
     field = lambda t, y: spec.field(t, y, args, consts[:own])  # noqa: E731
     cond = None
-    if spec.cond is not None:
-        cond = lambda t, y: spec.cond(t, y, args, consts[own:])  # noqa: E731
+    if (cond_fn := spec.cond) is not None:
+        cond = lambda t, y: cond_fn(t, y, args, consts[own:])  # noqa: E731
     y0 = [y0_ref[j] for j in range(spec.n)]
     t_tile = jnp.full(y0[0].shape, t0, t0.dtype)
     for k in range(spec.num_ts):  # rows at or before t0 show y0; the rest inf

@@ -199,20 +199,48 @@ def _outputs(sol: Solution) -> dict:
     return dict(ts=sol.ts, ys=sol.ys, t1=sol.t1)
 
 
+def _lane_cotangents(problem: Problem, ct: dict) -> dict:
+    """The cotangents of the `Solution`'s rows as the lane loop's backward pass
+    takes them (`_ensemble._row`, forwards in time: internal time is time)."""
+    none = dict.fromkeys(
+        ("result", "num_steps", "num_accepted", "num_rejected", "solver_state",
+         "controller_state"),
+    )  # fmt: skip
+    mask = None
+    if problem.conds is not None:
+        is_closure = lambda x: isinstance(x, Closure)  # noqa: E731
+        mask = jtu.tree_map(lambda _: None, problem.conds, is_leaf=is_closure)
+    return dict(ts=ct["ts"], ys=ct["ys"], t_end=ct["t1"], event_mask=mask, **none)
+
+
 def _differentiable(
-    problem: Problem, y0, args_dynamic, settings: Settings, reference: Callable
+    problem: Problem,
+    y0,
+    args_dynamic,
+    settings: Settings,
+    reference: Callable,
+    backward: Callable | None,
 ):
-    """`_forward` with reverse mode through `reference` (the `vmap` path)."""
+    """`_forward` with reverse mode: `backward`, the lane loop's backward pass, from
+    the kernel's step counts; or without it, through `reference` (the `vmap` path,
+    forward and backward)."""
 
     def primal(problem, y0, args_dynamic):
         return _forward(problem, y0, args_dynamic, settings)
 
     def fwd(problem, y0, args_dynamic):
-        return primal(problem, y0, args_dynamic), (y0, args_dynamic)
+        out = primal(problem, y0, args_dynamic)
+        return out, (y0, args_dynamic, out["counts"][:, 0])
 
     def bwd(static, dynamic, residuals, cotangents):
-        y0, args_dynamic = residuals
+        y0, args_dynamic, num_steps = residuals
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
+        if backward is not None:
+            ct_out = _lane_cotangents(eqx.combine(dynamic, static), ct)
+            ct_dynamic, ct_y, ct_args, _ = backward(
+                static, dynamic, y0, args_dynamic, num_steps, ct_out
+            )
+            return ct_dynamic, ct_y, ct_args
         spec = parameters(dynamic)
         p_diff, p_rest = eqx.partition(dynamic, spec)
         a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
@@ -235,12 +263,30 @@ def _differentiable(
     )  # fmt: skip
 
 
+def _stats(problem: Problem, counts, rows: int) -> dict:
+    """The lane loop's `stats`; `lanes`: the trajectories the blocks hold (padding
+    included), `lane_steps`: the iterations of every block times its lanes."""
+    batch = counts.shape[0]
+    count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731
+    block = rows * LANES
+    max_steps = int(problem.max_steps or 0)
+    return dict(
+        num_steps=count(counts[:, 0]),
+        num_accepted_steps=count(counts[:, 1]),
+        num_rejected_steps=count(counts[:, 2]),
+        max_steps=jnp.full((batch,), max_steps, jnp.result_type(int)),
+        lanes=-(-batch // block) * block,
+        lane_steps=count(jnp.sum(counts[::block, 4])) * block,
+    )
+
+
 def kernel_solve(
     problem: Problem,
     y0: PyTree,
     args: PyTree,
     throw: bool,
     reference: Callable[[Problem, PyTree, PyTree], Solution],
+    backward: Callable | None = None,
     *,
     rows: int | None = None,
     interpret: bool | None = None,
@@ -253,7 +299,12 @@ def kernel_solve(
     - `y0`, `args`: the batch (leading axis `N` on every array leaf).
     - `throw`: raise if any trajectory fails.
     - `reference`: `(problem, y0, args) -> Solution`, the `vmap` path without
-        raising, used by the backward pass.
+        raising: the backward pass pulls cotangents back through it (forward and
+        backward) unless `backward` is given.
+    - `backward`: `(static, dynamic, y0, args_dynamic, num_steps, cotangents) ->
+        (ct_dynamic, ct_y0, ct_args, ct_times)`, the lane loop's backward pass
+        (`_ensemble._backward`), which solves each trajectory again with the
+        adjoint, in chunks sorted by the steps each took (the kernel's counts).
     - `rows`: rows of 128 trajectories per block (a multiple of 8 on a TPU);
         default `DEFAULT_ROWS`.
     - `interpret`: run the kernel in Pallas' interpreter; default: except on a TPU.
@@ -270,7 +321,7 @@ def kernel_solve(
     args_dynamic, args_static = eqx.partition(args, eqx.is_array)
     del args_static  # shared by every trajectory: part of the converted field
     with jax.numpy_dtype_promotion("standard"):
-        out = _differentiable(problem, y0, args_dynamic, settings, reference)
+        out = _differentiable(problem, y0, args_dynamic, settings, reference, backward)
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
     result = counts[:, 3]
@@ -279,22 +330,12 @@ def kernel_solve(
         index = unvmap_max(where(failed, result, 0))
         ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, _MESSAGES)
     batch = result.shape[0]
-    count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731
-    block = rows * LANES
-    stats = dict(
-        num_steps=count(counts[:, 0]),
-        num_accepted_steps=count(counts[:, 1]),
-        num_rejected_steps=count(counts[:, 2]),
-        max_steps=jnp.full((batch,), int(problem.max_steps or 0), jnp.result_type(int)),
-        lanes=-(-batch // block) * block,
-        lane_steps=count(jnp.sum(counts[::block, 4])) * block,
-    )
     return Solution(
         t0=jnp.broadcast_to(problem.t0, (batch,)),
         t1=t_end,
         ts=ts,
         ys=ys,
-        stats=stats,
+        stats=_stats(problem, counts, rows),
         result=Result(result),
         event_mask=_event_mask(problem, result),
         made_jump=None,
