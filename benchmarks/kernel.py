@@ -15,6 +15,10 @@ written down, the rest go on):
 - `lotka_volterra_grad` (with `--grad`): the gradient of a fit, `sum((ys - data)^2)` at
   10 save times, with respect to each trajectory's (alpha, beta, gamma, delta).
 
+Methods (`--methods`): `kernel` (blocks of `DEFAULT_ROWS` rows of 128
+trajectories), `kernel@R` (blocks of `R` rows, a multiple of 8), `vmap` (the lane
+loop, `kernel=False`), `diffrax`.
+
 Per case, size and method: the first call (trace, compile, run), the median run
 time, the steps (max and mean over trajectories), microseconds per step (run time /
 max steps: one step of the whole ensemble) and the fraction of the chip's
@@ -22,7 +26,8 @@ element-wise peak (FLOPs per step counted from the jaxpr, over a measured peak o
 fused multiply-adds). Writes `kernel.json` and `kernel.md` under `--out`.
 
 `--smoke` compiles the kernel on the device, solves one small ensemble and compares
-it with the lane loop, printing which stage failed.
+it with the lane loop, then an event (Dopri5) and a gradient, printing which stage
+failed (a failed stage does not stop the independent ones).
 """
 
 import argparse
@@ -38,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import solverkit as sk
+from solverkit._kernel import _solve
 
 
 def _lorenz_field(sigma, beta):
@@ -59,6 +65,11 @@ def _lorenz_inputs(n: int, dtype):
     return y0, jnp.linspace(0.0, 21.0, n, dtype=dtype)
 
 
+def _rows_of(method: str) -> int | None:
+    """`kernel@16`: the kernel with blocks of 16 rows of 128 trajectories."""
+    return int(method.split("@")[1]) if "@" in method else None
+
+
 def _lorenz_solver(method: str, dtype):
     sigma, beta = jnp.asarray(10.0, dtype), jnp.asarray(8 / 3, dtype)
     ctrl = dict(rtol=1e-5, atol=1e-5)
@@ -73,7 +84,7 @@ def _lorenz_solver(method: str, dtype):
             )  # fmt: skip
 
         return jax.jit(jax.vmap(one))
-    kernel = method == "kernel"
+    kernel = method.startswith("kernel")
 
     def solve(y0, rho):
         return sk.ensemble_solve(
@@ -111,7 +122,7 @@ def _lv_loss(method: str, dtype):
             ys = sk.ensemble_solve(
                 sk.ODETerm(_lv_field), sk.Tsit5(), 0.0, 5.0, None, y0, p,
                 saveat=sk.SaveAt(ts=ts), stepsize_controller=sk.PIDController(**ctrl),
-                kernel=method == "kernel",
+                kernel=method.startswith("kernel"),
             ).ys  # fmt: skip
         return jnp.sum((ys - data) ** 2)
 
@@ -212,16 +223,58 @@ def _smoke() -> int:
               f"{np.abs(sk_ - sr).max()}")  # fmt: skip
         assert diff <= 1e-2 * scale, "kernel and vmap path differ"
 
+    def event():  # Dopri5, a terminal event, SaveAt(ts, t1), against the lane loop
+        y0 = jnp.stack([jnp.linspace(10.0, 15.0, 1024), jnp.zeros(1024)], axis=1)
+        g = jnp.asarray(9.81, jnp.float32)
+        sols = [
+            sk.ensemble_solve(
+                sk.ODETerm(lambda t, y, a: jnp.stack([y[1], -g])),
+                sk.Dopri5(),
+                0.0,
+                5.0,
+                None,
+                y0,
+                None,
+                event=sk.Event(lambda t, y, a, **k: y[0]),
+                saveat=sk.SaveAt(ts=jnp.linspace(0.0, 5.0, 11), t1=True),
+                stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5),
+                kernel=kernel,
+            )  # fmt: skip
+            for kernel in (True, False)
+        ]
+        diff = float(jnp.max(jnp.abs(sols[0].t1 - sols[1].t1)))
+        exact = float(jnp.max(jnp.abs(sols[0].t1 - jnp.sqrt(2 * y0[:, 0] / 9.81))))
+        print(
+            f"  event times: |kernel - vmap| {diff:.3g}, |kernel - exact| {exact:.3g}"
+        )
+        assert diff < 1e-3, "event times differ"
+
+    def grad():  # reverse mode: the kernel forward, the lane loop's backward pass
+        fn = jax.jit(jax.grad(lambda y0, rho, k: jnp.sum(
+            _lorenz_solver(k, jnp.float32)(y0, rho).ys ** 2), argnums=1),
+            static_argnums=2)  # fmt: skip
+        y0, rho = _lorenz_inputs(2048, jnp.float32)
+        got, want = fn(y0, rho, "kernel"), fn(y0, rho, "vmap")
+        rel = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+        print(f"  d/d rho: max |kernel - vmap| / max |vmap| = {rel:.3g}")
+        assert rel < 1e-2, "gradients differ"
+
     stages += [("compile", compile_kernel), ("run", run_kernel), ("compare", compare)]
+    stages += [("event", event), ("grad", grad)]
+    failed = []
     for name, stage in stages:
+        if name in ("run", "compare") and failed:
+            print(f"smoke stage {name}: skipped (an earlier stage failed)")
+            continue
         try:
             stage()
             print(f"smoke stage {name}: ok", flush=True)
         except Exception:
             print(f"smoke stage {name}: FAILED", flush=True)
             traceback.print_exc()
-            return 1
-    return 0
+            failed.append(name)
+    print("smoke: " + ("all stages ok" if not failed else f"FAILED {failed}"))
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:
@@ -241,6 +294,7 @@ def main(argv=None) -> int:
     dtype = jnp.dtype(ns.dtype)
     sizes = [int(s) for s in ns.sizes.split(",")]
     methods = ns.methods.split(",")
+    default_rows = _solve.DEFAULT_ROWS
     flops = _flops_per_step()
     peak = _peak_flops(dtype)
     rows = []
@@ -252,6 +306,8 @@ def main(argv=None) -> int:
             ref = None
             for method in methods:
                 row = dict(case=name, n=n, method=method, dtype=ns.dtype)
+                rows_ = _rows_of(method)
+                _solve.DEFAULT_ROWS = rows_ if rows_ is not None else default_rows
                 try:
                     row.update(_case(name, method, n, dtype, ns.repeats, grad))
                 except Exception as e:  # per-case error capture

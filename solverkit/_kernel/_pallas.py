@@ -218,11 +218,14 @@ def _kernel(spec: Spec, *refs):
         cond = lambda t, y: cond_fn(t, y, args, consts[own:])  # noqa: E731
     y0 = [y0_ref[j] for j in range(spec.n)]
     t_tile = jnp.full(y0[0].shape, t0, t0.dtype)
-    for k in range(spec.num_ts):  # rows at or before t0 show y0; the rest inf
+
+    def first_rows(k, carry):  # rows at or before t0 show y0; the rest inf
         for j in range(spec.n):
-            ys_ref[k, j] = jnp.where(ts_ref[k] <= t0, y0[j], jnp.inf).astype(
-                y0[j].dtype
-            )
+            row = jnp.where(t_tile >= ts_ref[k], y0[j], jnp.inf)
+            ys_ref[k, j] = row.astype(y0[j].dtype)
+        return carry
+
+    lax.fori_loop(0, spec.num_ts, first_rows, 0)
     state = _init(spec, field, cond, t_tile, t1, dt0, y0)
     state = lax.while_loop(
         lambda s: jnp.max(_going(spec, s, t1).astype(jnp.float32)) > 0,
