@@ -2,7 +2,8 @@
 loop (`kernel=False`) and diffrax (`jax.vmap(diffrax.diffeqsolve)`).
 
 `python -m benchmarks.kernel --out DIR [--dtype float32] [--sizes 4096,65536]
-[--repeats 3] [--grad] [--smoke]`
+[--methods kernel,kernel@32,vmap,diffrax] [--repeats 3] [--grad] [--cases
+lorenz,lorenz_grad,lotka_volterra_grad] [--smoke]`
 
 Cases (one process, whatever device JAX sees; each case's errors are caught and
 written down, the rest go on):
@@ -285,6 +286,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default="kernel,vmap,diffrax")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--grad", action="store_true")
+    parser.add_argument("--cases", default=None, help="comma-separated case names")
     parser.add_argument("--smoke", action="store_true")
     ns = parser.parse_args(argv)
     if ns.smoke:
@@ -301,6 +303,9 @@ def main(argv=None) -> int:
     cases = [("lorenz", False)]
     if ns.grad:
         cases += [("lorenz_grad", True), ("lotka_volterra_grad", True)]
+    if ns.cases is not None:
+        every = dict(lorenz=False, lorenz_grad=True, lotka_volterra_grad=True)
+        cases = [(name, every[name]) for name in ns.cases.split(",")]
     for name, grad in cases:
         for n in sizes:
             ref = None
