@@ -677,6 +677,20 @@ def _use_kernel(kernel, problem, y0, per_trajectory, keep) -> bool:
     return why is None
 
 
+def _kernel_solve(problem, y0, args, throw, lanes: int, keep, adjoint) -> Solution:
+    """The kernel path (issue #39's hook), with the lane loop (`_ensemble`) as the
+    reference and its backward pass (`_backward`) for reverse mode."""
+
+    def reference(p, y, a):  # the lane loop, not raising
+        return _ensemble(p, y, a, None, lanes, _refill_at(lanes), False, keep, adjoint)
+
+    def backward(static, dynamic, y, a, num_steps, ct):  # its backward pass
+        residuals = (y, a, None, num_steps)
+        return _backward(static, dynamic, residuals, ct, lanes, keep[:2], adjoint)
+
+    return _kernel.kernel_solve(problem, y0, args, throw, reference, backward)
+
+
 def ensemble_solve(
     terms: AbstractTerm,
     solver: AbstractSolver,
@@ -807,13 +821,7 @@ def ensemble_solve(
     keep = (saveat.solver_state, saveat.controller_state, saveat.made_jump)
     # --- kernel hook (issue #39): the whole-solve kernel, where chosen ---
     if _use_kernel(kernel, problem, y0, per_trajectory, keep):
-        reference = lambda p, y, a: _ensemble(  # noqa: E731
-            p, y, a, None, lanes, _refill_at(lanes), False, keep, adjoint
-        )
-        backward = lambda s, d, y, a, n, ct: _backward(  # noqa: E731
-            s, d, (y, a, None, n), ct, lanes, keep[:2], adjoint
-        )
-        return _kernel.kernel_solve(problem, y0, args, throw, reference, backward)
+        return _kernel_solve(problem, y0, args, throw, lanes, keep, adjoint)
     # --- end of the kernel hook ---
     with jax.numpy_dtype_promotion("standard"), _reverse_only():
         return _ensemble(
