@@ -39,7 +39,7 @@ class _Bracket(NamedTuple):
     b: Array
     ga: Array
     x: Array
-    done: Array  # int32: 1 where converged
+    done: Array  # 1 where converged (a float: no int32 selects on a TPU)
     count: Array  # scalar
 
 
@@ -68,17 +68,15 @@ def _root(g: Callable, a, b, ga, done):
             jnp.where(old, s.b, b),
             s.ga,
             jnp.where(old, s.x, x),
-            jnp.where(old, s.done, done.astype(jnp.int32)),
+            jnp.where(old, s.done, done.astype(s.done.dtype)),
             s.count + 1,
         )
 
     start = _Bracket(
-        a, b, ga, jnp.where(done, a, x), done.astype(jnp.int32), jnp.int32(0)
+        a, b, ga, jnp.where(done, a, x), done.astype(a.dtype), jnp.int32(0)
     )
     end = lax.while_loop(
-        lambda s: (
-            (jnp.min(s.done.astype(jnp.float32)) < 1) & (s.count < _ROOT_MAX_STEPS)
-        ),
+        lambda s: jnp.any(s.done < 0.5) & (s.count < _ROOT_MAX_STEPS),
         narrow,
         start,
     )

@@ -66,11 +66,11 @@ class _State(NamedTuple):
     f: list  # the field at (t, y): the next step's first stage
     prev: jax.Array
     prev_prev: jax.Array
-    at_dtmin: jax.Array  # int32
+    at_dtmin: jax.Array  # 0 or 1, as a float
     steps: jax.Array
     accepted: jax.Array
     rejected: jax.Array
-    result: jax.Array
+    result: jax.Array  # the result code, as a float (see `_code`)
     kbase: jax.Array  # save times before this one are behind every lane
     iterations: jax.Array
     g: Any = None  # the event condition at (t, y)
@@ -83,6 +83,12 @@ def _read_const(ref, shape):
     for flat, index in enumerate(np.ndindex(shape)):
         out[index] = ref[flat]
     return out
+
+
+def _code(code: int, like):
+    """A result code as a floating value: codes are kept as floats in the kernel,
+    as Mosaic can't select between int32 vectors and constants."""
+    return jnp.asarray(code, like.dtype)
 
 
 def _going(spec: Spec, s: _State, t1):
@@ -99,17 +105,17 @@ def _init(spec: Spec, field, cond, t0, t1, dt0, y0):
     tnext = jnp.minimum(t0 + dt, t1)
     zero = jnp.zeros(y0[0].shape, jnp.int32)
     one = jnp.ones(y0[0].shape, t0.dtype)
-    result = zero + _SUCCESS
+    result = jnp.full(y0[0].shape, _SUCCESS, t0.dtype)
     g = last = None
     if cond is not None:
         # A boolean condition already true at t0 ends the solve there; a real one
         # needs a sign change first.
         g = cond(t0, y0)[0]
         if not spec.cond_real:
-            result = jnp.where(g != 0, _EVENT, result)
+            result = jnp.where(g != 0, _code(_EVENT, result), result)
         last = (t0, y0, f0)
     return _State(
-        t0, tnext, y0, f0, one, one, zero, zero, zero,
+        t0, tnext, y0, f0, one, one, one * 0, zero, zero,
         zero, result, jnp.int32(0), jnp.int32(0), g, last,
     )  # fmt: skip
 
@@ -150,7 +156,7 @@ def _after_event(spec: Spec, cond, s: _State, t_end, y1, keep, result):
     """The condition after a step, whether it fired, and the last accepted step."""
     g1 = cond(t_end, y1)[0]
     fired = _event.fired(spec.cond_real, spec.cond_direction, s.g, g1) & keep
-    result = jnp.where(fired & (result == _SUCCESS), _EVENT, result)
+    result = jnp.where(fired & (result == _SUCCESS), _code(_EVENT, result), result)
     g = jnp.where(keep, g1, s.g)
     last = [s.t, s.y, s.f]
     last = [
@@ -173,8 +179,9 @@ def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _Sta
     next_t1 = jnp.where(d.next_t1 >= land, t1, d.next_t1)
     finite = functools.reduce(lambda a, b: a & b, [_step.finite(v) for v in y1])
     keep = going & d.keep
-    result = jnp.where(d.too_small, _DT_MIN, _SUCCESS)
-    result = jnp.where(d.keep & ~finite, _NONFINITE, result)
+    ok = _code(_SUCCESS, s.result)
+    result = jnp.where(d.too_small, _code(_DT_MIN, ok), ok)
+    result = jnp.where(d.keep & ~finite, _code(_NONFINITE, ok), result)
     result = jnp.where(going & (s.result == _SUCCESS), result, s.result)
     g, last = s.g, s.last
     if cond is not None:
@@ -228,7 +235,7 @@ def _kernel(spec: Spec, *refs):
     lax.fori_loop(0, spec.num_ts, first_rows, 0)
     state = _init(spec, field, cond, t_tile, t1, dt0, y0)
     state = lax.while_loop(
-        lambda s: jnp.max(_going(spec, s, t1).astype(jnp.float32)) > 0,
+        lambda s: jnp.any(_going(spec, s, t1)),
         lambda s: _body(spec, field, cond, t1, land, ts_ref, ys_ref, s),
         state,
     )
@@ -241,13 +248,12 @@ def _kernel(spec: Spec, *refs):
     for j in range(spec.n):
         y_ref[j] = y_end[j]
     t_ref[...] = t_end
-    result = jnp.where(
-        (state.result == _SUCCESS) & (state.t < t1), _MAX_STEPS, state.result
-    )
-    counts = (state.steps, state.accepted, state.rejected, result)
+    unfinished = (state.result == _SUCCESS) & (state.t < t1)
+    result = jnp.where(unfinished, _code(_MAX_STEPS, state.result), state.result)
+    counts = (state.steps, state.accepted, state.rejected, result.astype(jnp.int32))
     for i, c in enumerate(counts):
         count_ref[i] = c
-    count_ref[4] = jnp.broadcast_to(state.iterations, result.shape)
+    count_ref[4] = state.steps * 0 + state.iterations
 
 
 def solve_blocks(spec: Spec, times, ts, y0, args, consts, interpret: bool):

@@ -131,14 +131,15 @@ class Decision(NamedTuple):
     next_t1: Array
     prev: Array
     prev_prev: Array
-    at_dtmin: Array  # int32
+    at_dtmin: Array  # 0 or 1, in time's dtype
     too_small: Array  # dt fell below dtmin (with force_dtmin=False)
 
 
 def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decision:
     """`PIDController.adapt_step_size`, lane-wise, with the RMS norm."""
     prev, prev_prev, at_dtmin = state
-    at_dtmin = at_dtmin != 0  # carried as int32 (no boolean vectors in the loop)
+    # Carried as 0/1 in time's dtype (no boolean or int32 selects in the loop).
+    at_dtmin = at_dtmin != 0
     scaled = []
     for e, a, b in zip(error, y0, y1):
         b = jnp.where(finite(b), b, a)
@@ -174,7 +175,7 @@ def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decisi
         dt = jnp.where(at_dtmin & (factor == 1), pid.dtmin, dt).astype(dt.dtype)
         at_dtmin = dt <= pid.dtmin
         dt = jnp.maximum(dt, pid.dtmin)
-    at_dtmin = at_dtmin.astype(jnp.int32)
+    at_dtmin = at_dtmin.astype(t0.dtype)
     next_t0 = jnp.where(keep, t1, t0)
     return Decision(
         keep,
