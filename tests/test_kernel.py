@@ -276,3 +276,61 @@ def test_event_gradient_float64(x64):
     # d t* / d h = 1 / sqrt(2 h g a), analytically.
     exact = 1 / jnp.sqrt(2 * y0[:, 0] * 9.81 * a)
     np.testing.assert_allclose(got[0][:, 0], exact, rtol=1e-5)
+
+
+def _inner_jaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def _splat_selects(jaxpr, found):
+    """Append each `select_n` on tiles of `jaxpr` (and its inner jaxprs) that has a
+    splat operand: a literal, a broadcast of a 0-d value, or an element-wise value of
+    such ones only (the layout Mosaic can't select with)."""
+    splat = set()
+    is_splat = lambda v: isinstance(v, jax.extend.core.Literal) or v in splat  # noqa: E731
+    for eqn in jaxpr.eqns:
+        name, ins = eqn.primitive.name, eqn.invars
+        shape = eqn.outvars[0].aval.shape if eqn.outvars else ()
+        scalar = lambda v: getattr(v.aval, "shape", ()) == ()  # noqa: E731
+        if name == "select_n" and shape and any(is_splat(v) or scalar(v) for v in ins):
+            found.append(eqn)
+        if name == "broadcast_in_dim" and scalar(ins[0]):
+            splat.update(eqn.outvars)
+        elif ins and all(is_splat(v) or scalar(v) for v in ins) and name != "get":
+            splat.update(v for v in eqn.outvars if not scalar(v))
+        for inner in _inner_jaxprs(eqn):
+            _splat_selects(inner, found)
+
+
+def test_selects_on_real_tiles(x64):
+    """Every `select_n` in the kernel body takes real tiles (no splats, no 0-d
+    operands): the TPU's compiler (Mosaic) fails on a select mixing layouts."""
+    y0, a = _fall_inputs()
+
+    def solve(y0, a):
+        return sk.ensemble_solve(
+            sk.ODETerm(_fall(jnp.asarray(9.81))), sk.Tsit5(), 0.0, 10.0, None, y0, a,
+            saveat=sk.SaveAt(ts=jnp.linspace(0.0, 10.0, 6), t1=True),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
+            event=sk.Event(_ground), kernel=True,
+        )  # fmt: skip
+
+    kernels, found = [], []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                kernels.append(eqn.params["jaxpr"])
+            for inner in _inner_jaxprs(eqn):
+                walk(inner)
+
+    walk(jax.make_jaxpr(solve)(y0, a).jaxpr)
+    assert kernels
+    for k in kernels:
+        _splat_selects(k, found)
+    assert not found, "\n".join(str(e) for e in found[:5])

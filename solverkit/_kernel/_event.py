@@ -15,6 +15,7 @@ from jaxtyping import Array
 
 from .._solver._tableau import ButcherTableau
 from . import _step
+from ._tile import where
 
 
 # The vmap path's bound on the root finder's steps (`_event._ROOT_MAX_STEPS`).
@@ -48,33 +49,31 @@ def _root(g: Callable, a, b, ga, done):
     gb = g(b)
     secant = (a * gb - b * ga) / (gb - ga)
     ok = _step.finite(secant) & (secant > a) & (secant < b)
-    x = jnp.where(ok, secant, (a + b) / 2)
+    x = where(ok, secant, (a + b) / 2)
 
     def narrow(s: _Bracket) -> _Bracket:
         gx, slope = jax.jvp(g, (s.x,), (jnp.ones_like(s.x),))
         like_a = jnp.sign(gx) == jnp.sign(s.ga)
-        a, b = jnp.where(like_a, s.x, s.a), jnp.where(like_a, s.b, s.x)
+        a, b = where(like_a, s.x, s.a), where(like_a, s.b, s.x)
         newton = s.x - gx / slope
         inside = _step.finite(newton) & (newton > a) & (newton < b)
-        x = jnp.where(inside, newton, (a + b) / 2)
+        x = where(inside, newton, (a + b) / 2)
         tol = 1000 * jnp.finfo(x.dtype).eps * jnp.maximum(jnp.abs(a), jnp.abs(b))
         small = _step.finite(newton) & (jnp.abs(newton - s.x) <= tol)
         converged = (gx == 0) | small
         done = converged | (jnp.abs(x - s.x) <= tol) | (b - a <= tol)
-        x = jnp.where(converged, s.x, x)
+        x = where(converged, s.x, x)
         old = s.done != 0
         return _Bracket(
-            jnp.where(old, s.a, a),
-            jnp.where(old, s.b, b),
+            where(old, s.a, a),
+            where(old, s.b, b),
             s.ga,
-            jnp.where(old, s.x, x),
-            jnp.where(old, s.done, done.astype(s.done.dtype)),
+            where(old, s.x, x),
+            where(old, s.done, done.astype(s.done.dtype)),
             s.count + 1,
         )
 
-    start = _Bracket(
-        a, b, ga, jnp.where(done, a, x), done.astype(a.dtype), jnp.int32(0)
-    )
+    start = _Bracket(a, b, ga, where(done, a, x), done.astype(a.dtype), jnp.int32(0))
     end = lax.while_loop(
         lambda s: jnp.any(s.done < 0.5) & (s.count < _ROOT_MAX_STEPS),
         narrow,
@@ -92,18 +91,18 @@ def locate(tab: ButcherTableau, field: Callable, cond: Callable, last, tend, y, 
     _, _, ks = _step.rk_step(tab, field, t0, h, y0, f0)
 
     def at(tau):
-        theta = (tau - t0) / jnp.where(h == 0, 1, h)
+        theta = (tau - t0) / where(h == 0, 1, h)
         return _step.dense(tab, y0, ks, h, theta)
 
     g = lambda tau: cond(tau, at(tau))[0].astype(tau.dtype)  # noqa: E731
-    a = lax.stop_gradient(jnp.where(event, t0, tend - 1))
+    a = lax.stop_gradient(where(event, t0, tend - 1))
     b = tend
     root = _root(g, a, b, g(a), ~event)
-    root = jnp.where(event, root, tend)
+    root = where(event, root, tend)
     g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
-    dg_dt = jnp.where(dg_dt == 0, 1, dg_dt)
-    root = root - jnp.where(event, g_root / dg_dt, 0)
+    dg_dt = where(dg_dt == 0, 1, dg_dt)
+    root = root - where(event, g_root / dg_dt, 0)
     root = jnp.clip(root, a, b)
-    t_star = jnp.where(event, jnp.minimum(tend, root), tend)
+    t_star = where(event, jnp.minimum(tend, root), tend)
     y_star = at(t_star)
-    return t_star, [jnp.where(event, s, v) for s, v in zip(y_star, y)]
+    return t_star, [where(event, s, v) for s, v in zip(y_star, y)]

@@ -22,8 +22,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._solution import RESULTS
 from .._solver._tableau import ButcherTableau
-from . import _event, _step
+from . import _event, _step, _tile
 from ._step import Pid
+from ._tile import where
 
 
 LANES = 128
@@ -98,21 +99,22 @@ def _going(spec: Spec, s: _State, t1):
 def _init(spec: Spec, field, cond, t0, t1, dt0, y0):
     f0 = field(t0, y0)
     if spec.has_dt0:
-        dt = jnp.broadcast_to(dt0, y0[0].shape).astype(t0.dtype)
+        dt = _tile.anchor(jnp.broadcast_to(dt0, y0[0].shape).astype(t0.dtype))
     else:
         dt = _step.initial_step(spec.pid, field, t0, y0, f0)
     dt = _step.clip_dt0(spec.pid, dt)
     tnext = jnp.minimum(t0 + dt, t1)
-    zero = jnp.zeros(y0[0].shape, jnp.int32)
-    one = jnp.ones(y0[0].shape, t0.dtype)
-    result = jnp.full(y0[0].shape, _SUCCESS, t0.dtype)
+    # Carried tiles start as real tiles (not splats): see `_tile`.
+    zero = _tile.anchor(jnp.zeros(y0[0].shape, jnp.int32))
+    one = _tile.anchor(jnp.ones(y0[0].shape, t0.dtype))
+    result = _tile.anchor(jnp.full(y0[0].shape, _SUCCESS, t0.dtype))
     g = last = None
     if cond is not None:
         # A boolean condition already true at t0 ends the solve there; a real one
         # needs a sign change first.
         g = cond(t0, y0)[0]
         if not spec.cond_real:
-            result = jnp.where(g != 0, _code(_EVENT, result), result)
+            result = where(g != 0, _code(_EVENT, result), result)
         last = (t0, y0, f0)
     return _State(
         t0, tnext, y0, f0, one, one, one * 0, zero, zero,
@@ -125,8 +127,8 @@ def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, going, keep, y0, ks, h)
     rows of `out_ref`: rows `kbase ...` while a lane's step reached them. Returns the
     new `kbase`: rows at or before every going lane's `t` are never written again."""
     big = jnp.asarray(jnp.inf, s.t.dtype)
-    lo = jnp.min(jnp.where(going, s.t, big))
-    hi = jnp.max(jnp.where(keep, t_end, -big))
+    lo = jnp.min(where(going, s.t, big))
+    hi = jnp.max(where(keep, t_end, -big))
     last = spec.num_ts
 
     def skip(k):
@@ -139,10 +141,10 @@ def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, going, keep, y0, ks, h)
     def write(k):
         tk = ts_ref[k]
         hit = keep & (tk > s.t) & (tk <= t_end)
-        theta = (tk - s.t) / jnp.where(h == 0, 1, h)
+        theta = (tk - s.t) / where(h == 0, 1, h)
         values = _step.dense(spec.tableau, y0, ks, h, theta)
         for j, v in enumerate(values):
-            out_ref[k, j] = jnp.where(hit, v, out_ref[k, j])
+            out_ref[k, j] = where(hit, v, out_ref[k, j])
         return k + 1
 
     kbase = skip(s.kbase)
@@ -156,13 +158,13 @@ def _after_event(spec: Spec, cond, s: _State, t_end, y1, keep, result):
     """The condition after a step, whether it fired, and the last accepted step."""
     g1 = cond(t_end, y1)[0]
     fired = _event.fired(spec.cond_real, spec.cond_direction, s.g, g1) & keep
-    result = jnp.where(fired & (result == _SUCCESS), _code(_EVENT, result), result)
-    g = jnp.where(keep, g1, s.g)
+    result = where(fired & (result == _SUCCESS), _code(_EVENT, result), result)
+    g = where(keep, g1, s.g)
     last = [s.t, s.y, s.f]
     last = [
-        jnp.where(keep, new, old)
+        where(keep, new, old)
         if not isinstance(new, list)
-        else [jnp.where(keep, a, b) for a, b in zip(new, old)]
+        else [where(keep, a, b) for a, b in zip(new, old)]
         for new, old in zip(last, s.last)
     ]
     return result, g, tuple(last)
@@ -176,13 +178,13 @@ def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _Sta
     d = _step.adapt(
         spec.pid, s.t, t_end, s.y, y1, error, (s.prev, s.prev_prev, s.at_dtmin)
     )
-    next_t1 = jnp.where(d.next_t1 >= land, t1, d.next_t1)
+    next_t1 = where(d.next_t1 >= land, t1, d.next_t1)
     finite = functools.reduce(lambda a, b: a & b, [_step.finite(v) for v in y1])
     keep = going & d.keep
     ok = _code(_SUCCESS, s.result)
-    result = jnp.where(d.too_small, _code(_DT_MIN, ok), ok)
-    result = jnp.where(d.keep & ~finite, _code(_NONFINITE, ok), result)
-    result = jnp.where(going & (s.result == _SUCCESS), result, s.result)
+    result = where(d.too_small, _code(_DT_MIN, ok), ok)
+    result = where(d.keep & ~finite, _code(_NONFINITE, ok), result)
+    result = where(going & (s.result == _SUCCESS), result, s.result)
     g, last = s.g, s.last
     if cond is not None:
         ok = keep & finite
@@ -190,12 +192,12 @@ def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _Sta
     kbase = s.kbase
     if spec.num_ts:
         kbase = _save(spec, ts_ref, out_ref, s, t_end, going, keep, s.y, ks, h)
-    pick = lambda new, old: jnp.where(going, new, old)  # noqa: E731
+    pick = lambda new, old: where(going, new, old)  # noqa: E731
     return _State(
-        t=jnp.where(keep, t_end, s.t),
+        t=where(keep, t_end, s.t),
         tnext=pick(next_t1, s.tnext),
-        y=[jnp.where(keep, a, b) for a, b in zip(y1, s.y)],
-        f=[jnp.where(keep, a, b) for a, b in zip(ks[-1], s.f)],
+        y=[where(keep, a, b) for a, b in zip(y1, s.y)],
+        f=[where(keep, a, b) for a, b in zip(ks[-1], s.f)],
         prev=pick(d.prev, s.prev),
         prev_prev=pick(d.prev_prev, s.prev_prev),
         at_dtmin=pick(d.at_dtmin, s.at_dtmin),
@@ -211,6 +213,12 @@ def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _Sta
 
 
 def _kernel(spec: Spec, *refs):
+    zero_ref, *refs = refs
+    with _tile.anchored(zero_ref[...]):
+        _kernel_body(spec, *refs)
+
+
+def _kernel_body(spec: Spec, *refs):
     times_ref, ts_ref, y0_ref, *rest = refs
     nargs, nconsts = len(spec.num_args), len(spec.const_shapes)
     arg_refs, const_refs = rest[:nargs], rest[nargs : nargs + nconsts]
@@ -224,11 +232,11 @@ def _kernel(spec: Spec, *refs):
     if (cond_fn := spec.cond) is not None:
         cond = lambda t, y: cond_fn(t, y, args, consts[own:])  # noqa: E731
     y0 = [y0_ref[j] for j in range(spec.n)]
-    t_tile = jnp.full(y0[0].shape, t0, t0.dtype)
+    t_tile = _tile.anchor(jnp.full(y0[0].shape, t0, t0.dtype))
 
     def first_rows(k, carry):  # rows at or before t0 show y0; the rest inf
         for j in range(spec.n):
-            row = jnp.where(t_tile >= ts_ref[k], y0[j], jnp.inf)
+            row = where(t_tile >= ts_ref[k], y0[j], jnp.inf)
             ys_ref[k, j] = row.astype(y0[j].dtype)
         return carry
 
@@ -249,7 +257,7 @@ def _kernel(spec: Spec, *refs):
         y_ref[j] = y_end[j]
     t_ref[...] = t_end
     unfinished = (state.result == _SUCCESS) & (state.t < t1)
-    result = jnp.where(unfinished, _code(_MAX_STEPS, state.result), state.result)
+    result = where(unfinished, _code(_MAX_STEPS, state.result), state.result)
     counts = (state.steps, state.accepted, state.rejected, result.astype(jnp.int32))
     for i, c in enumerate(counts):
         count_ref[i] = c
@@ -282,7 +290,7 @@ def solve_blocks(spec: Spec, times, ts, y0, args, consts, interpret: bool):
         (*lead, r, LANES), lambda i: (*(0,) * len(lead), i, 0)
     )
     whole = pl.BlockSpec(memory_space=smem)
-    in_specs = [whole, whole, tiled((n,))]
+    in_specs = [tiled(()), whole, whole, tiled((n,))]
     in_specs += [tiled((a.shape[0],)) for a in args] + [whole] * len(consts)
     num_ts = max(spec.num_ts, 1)
     tdtype = times.dtype
@@ -304,4 +312,6 @@ def solve_blocks(spec: Spec, times, ts, y0, args, consts, interpret: bool):
         if interpret
         else pltpu.CompilerParams(dimension_semantics=("parallel",)),
     )
-    return call(times, ts, y0, *args, *consts)
+    # The zero tile that every select in the kernel is anchored to (`_tile`).
+    zero = jnp.full((rows_total, LANES), -0.0, tdtype)
+    return call(zero, times, ts, y0, *args, *consts)

@@ -23,6 +23,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from . import _tile
+
 
 class KernelUnsupported(Exception):
     """What the kernel path can't do (a primitive, solver or option), in words."""
@@ -103,7 +105,11 @@ def _elementwise(prim, params: dict, args: list[np.ndarray]) -> np.ndarray:
     out = np.empty(shape, dtype=object)
     for index in np.ndindex(shape):
         xs = [a[index] for a in arrays]
-        out[index] = prim.bind(*_match(xs, _tile_shape(xs)), **params)
+        tile = _tile_shape(xs)
+        xs = _match(xs, tile)
+        if prim.name == "select_n" and tile is not None:
+            xs = [_tile.anchor(x) for x in xs]  # real tiles for Mosaic (`_tile`)
+        out[index] = prim.bind(*xs, **params)
     return out
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import Array
 
 from .._solver._tableau import ButcherTableau
+from ._tile import where
 
 
 Tiles = list  # one (rows, 128) array per state component
@@ -103,16 +104,16 @@ def initial_step(pid: Pid, field: Field, t0, y0: Tiles, f0: Tiles):
     d0 = _rms([y / s for y, s in zip(y0, scale)])
     d1 = _rms([f / s for f, s in zip(f0, scale)])
     small = (d0 < 1e-5) | (d1 < 1e-5)
-    h0 = jnp.where(small, 1e-6, 0.01 * d0 / jnp.where(small, 1, d1)).astype(t0.dtype)
+    h0 = where(small, 1e-6, 0.01 * d0 / where(small, 1, d1)).astype(t0.dtype)
     y1 = [y + h0.astype(y.dtype) * f for y, f in zip(y0, f0)]
     f1 = field(t0 + h0, y1)
     d2 = _rms([(a - b) / s for a, b, s in zip(f1, f0, scale)]) / h0
     max_d = jnp.maximum(d1, d2)
     tiny = max_d <= 1e-15
-    h1 = jnp.where(
+    h1 = where(
         tiny,
         jnp.maximum(1e-6, h0 * 1e-3),
-        (0.01 / jnp.where(tiny, 1, max_d)) ** (1 / pid.order),
+        (0.01 / where(tiny, 1, max_d)) ** (1 / pid.order),
     )
     return jnp.minimum(100 * h0, h1).astype(t0.dtype)
 
@@ -142,11 +143,11 @@ def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decisi
     at_dtmin = at_dtmin != 0
     scaled = []
     for e, a, b in zip(error, y0, y1):
-        b = jnp.where(finite(b), b, a)
+        b = where(finite(b), b, a)
         tol = pid.atol + jnp.maximum(jnp.abs(a), jnp.abs(b)) * pid.rtol
         scaled.append(e / tol.astype(jnp.abs(e).dtype))
     err = _rms(scaled)
-    err = jnp.where(finite(err), err, jnp.inf)
+    err = where(finite(err), err, jnp.inf)
     keep = err < 1
     if pid.dtmin is not None:
         keep = keep | at_dtmin
@@ -161,10 +162,10 @@ def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decisi
         factor = factor * prev_prev**c3
     factor = jnp.clip(
         factor,
-        jnp.where(keep, 1, pid.factormin).astype(factor.dtype),
-        jnp.where(keep, pid.factormax, pid.safety).astype(factor.dtype),
+        where(keep, 1, pid.factormin).astype(factor.dtype),
+        where(keep, pid.factormax, pid.safety).astype(factor.dtype),
     )
-    inv = jnp.where((inv == 0) | jnp.isinf(inv), 1, inv).astype(inv.dtype)
+    inv = where((inv == 0) | jnp.isinf(inv), 1, inv).astype(inv.dtype)
     dt = (t1 - t0) * factor
     too_small = jnp.zeros(dt.shape, bool)
     if pid.dtmax is not None:
@@ -172,17 +173,17 @@ def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decisi
     if pid.dtmin is not None:
         if not pid.force_dtmin:
             too_small = dt < pid.dtmin
-        dt = jnp.where(at_dtmin & (factor == 1), pid.dtmin, dt).astype(dt.dtype)
+        dt = where(at_dtmin & (factor == 1), pid.dtmin, dt).astype(dt.dtype)
         at_dtmin = dt <= pid.dtmin
         dt = jnp.maximum(dt, pid.dtmin)
     at_dtmin = at_dtmin.astype(t0.dtype)
-    next_t0 = jnp.where(keep, t1, t0)
+    next_t0 = where(keep, t1, t0)
     return Decision(
         keep,
         next_t0,
         next_t0 + dt,
-        jnp.where(keep, inv, prev),
-        jnp.where(keep, prev, prev_prev),
+        where(keep, inv, prev),
+        where(keep, prev, prev_prev),
         at_dtmin,
         too_small,
     )
