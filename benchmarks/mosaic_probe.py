@@ -72,6 +72,15 @@ def _jvp(x, s, z):
     return value + slope
 
 
+def _jvp_where(x, s, z):  # the event search: anchored selects under jax.jvp
+    def g(u):
+        with _tile.anchored(z):
+            return _tile.where(u > 1.0, 1.0, u * u)
+
+    value, slope = jax.jvp(g, (x,), (jnp.ones_like(x),))
+    return value + slope
+
+
 def _smem_fori(x, s, z):
     return lax.fori_loop(0, 4, lambda k, acc: acc + s[k] * x, jnp.zeros_like(x) + z)
 
@@ -146,6 +155,7 @@ PATTERNS = [
     ("x ** p, float p (pow)", _pow),
     ("exp / log / sqrt", _exp_log),
     ("jax.jvp in the kernel", _jvp),
+    ("jax.jvp of an anchored where (custom_jvp)", _jvp_where),
     ("SMEM at a dynamic index in a fori_loop", _smem_fori),
     ("jnp.min/max of a tile as a loop bound", _minmax_bound),
     ("int32 where, anchored", _int_where_anchored),

@@ -307,17 +307,28 @@ def _splat_selects(jaxpr, found):
             _splat_selects(inner, found)
 
 
-def test_selects_on_real_tiles(x64):
+def _clipped_fall(t, y, a):  # `jnp.where`s with constants, in the field
+    return jnp.stack([y[1], jnp.where(y[0] > 100.0, 0.0, -9.81 * a)])
+
+
+def _clipped_ground(t, y, a, **kwargs):  # and in the condition (under `jax.jvp`)
+    return jnp.where(y[0] > 100.0, 1.0, y[0])
+
+
+@pytest.mark.parametrize("wheres", [False, True], ids=["plain", "wheres"])
+def test_selects_on_real_tiles(x64, wheres):
     """Every `select_n` in the kernel body takes real tiles (no splats, no 0-d
     operands): the TPU's compiler (Mosaic) fails on a select mixing layouts."""
     y0, a = _fall_inputs()
+    field = _clipped_fall if wheres else _fall(jnp.asarray(9.81))
+    cond = _clipped_ground if wheres else _ground
 
     def solve(y0, a):
         return sk.ensemble_solve(
-            sk.ODETerm(_fall(jnp.asarray(9.81))), sk.Tsit5(), 0.0, 10.0, None, y0, a,
+            sk.ODETerm(field), sk.Tsit5(), 0.0, 10.0, None, y0, a,
             saveat=sk.SaveAt(ts=jnp.linspace(0.0, 10.0, 6), t1=True),
             stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
-            event=sk.Event(_ground), kernel=True,
+            event=sk.Event(cond), kernel=True,
         )  # fmt: skip
 
     kernels, found = [], []
@@ -334,3 +345,33 @@ def test_selects_on_real_tiles(x64):
     for k in kernels:
         _splat_selects(k, found)
     assert not found, "\n".join(str(e) for e in found[:5])
+
+
+def test_wheres_in_field_and_event_float64(x64):
+    """`jnp.where`s with constants in the field and in the event's condition (the
+    kernel's anchored selects and their tangents, in the event search): the lane
+    loop's values, steps and event times to round-off."""
+    y0, a = _fall_inputs()
+    out = [
+        sk.ensemble_solve(
+            sk.ODETerm(_clipped_fall),
+            sk.Tsit5(),
+            0.0,
+            10.0,
+            None,
+            y0,
+            a,
+            saveat=sk.SaveAt(ts=jnp.linspace(0.0, 10.0, 6), t1=True),
+            stepsize_controller=sk.PIDController(rtol=1e-8, atol=1e-8),
+            event=sk.Event(_clipped_ground),
+            kernel=kernel,
+        )  # fmt: skip
+        for kernel in (True, False)
+    ]
+    kern, ref = out
+    # The same steps and search (as test_event_float64): round-off, times <= 10.
+    np.testing.assert_allclose(kern.t1, ref.t1, rtol=0, atol=1e-11)
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-10, atol=1e-10)
+    np.testing.assert_array_equal(kern.stats["num_steps"], ref.stats["num_steps"])
+    exact = jnp.sqrt(2 * y0[:, 0] / (9.81 * a))  # heights < 100: the plain fall
+    np.testing.assert_allclose(kern.t1, exact, rtol=1e-6)

@@ -108,8 +108,9 @@ def _elementwise(prim, params: dict, args: list[np.ndarray]) -> np.ndarray:
         tile = _tile_shape(xs)
         xs = _match(xs, tile)
         if prim.name == "select_n" and tile is not None:
-            xs = [_tile.anchor(x) for x in xs]  # real tiles for Mosaic (`_tile`)
-        out[index] = prim.bind(*xs, **params)
+            out[index] = _tile.select_n(*xs)  # real tiles for Mosaic (`_tile`)
+        else:
+            out[index] = prim.bind(*xs, **params)
     return out
 
 

@@ -15,8 +15,12 @@ The zero tile is set for the tracing of one kernel body by `anchored`; outside i
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import Any
 
+import jax
+import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike
 
 
@@ -45,15 +49,48 @@ def anchor(x: ArrayLike, dtype=None) -> Array:
     same values; `x` itself (cast) outside `anchored`."""
     x = jnp.asarray(x) if dtype is None else jnp.asarray(x, dtype)
     zero = _ZERO.get()
-    if zero is None:
-        return x
+    return x if zero is None else _anchor_to(x, zero)
+
+
+def _anchor_to(x, zero):
     if x.dtype == jnp.bool_:
         return x | (zero != 0)
     return x + zero.astype(x.dtype)
 
 
+@jax.custom_jvp
+def _select(which, zero, *cases):
+    return lax.select_n(_anchor_to(which, zero), *[_anchor_to(c, zero) for c in cases])
+
+
+@_select.defjvp
+def _select_jvp(primals, tangents) -> tuple[Array, Any]:
+    # The tangent select anchored too: JAX's own rule would select between the
+    # tangents with a splat of zeros where an operand is a constant.
+    which, zero, *cases = primals
+    out = _select(which, zero, *cases)
+    if not jnp.issubdtype(out.dtype, jnp.inexact):
+        return out, np.zeros(out.shape, jax.dtypes.float0)
+    return out, _select(which, zero, *tangents[2:])
+
+
+def select_n(which: ArrayLike, *cases: ArrayLike) -> Array:
+    """`lax.select_n(which, *cases)` (cases of one shape and dtype) on real tiles:
+    anchored to the zero tile within `anchored`, its tangent too."""
+    zero = _ZERO.get()
+    if zero is None:
+        return lax.select_n(which, *cases)
+    which = jnp.asarray(which)
+    cases = tuple(jnp.broadcast_to(c, zero.shape) for c in cases)
+    return _select(jnp.broadcast_to(which, zero.shape), zero, *cases)
+
+
 def where(mask: ArrayLike, a: ArrayLike, b: ArrayLike) -> Array:
     """`jnp.where(mask, a, b)` with the mask and both operands anchored to the zero
-    tile (see the module docstring); the result's dtype is `jnp.where`'s."""
+    tile (see the module docstring), its tangent too; the result's dtype is
+    `jnp.where`'s."""
     dtype = jnp.result_type(a, b)
-    return jnp.where(anchor(mask, bool), anchor(a, dtype), anchor(b, dtype))
+    if _ZERO.get() is None:
+        return jnp.where(mask, a, b)
+    mask = jnp.asarray(mask, bool)
+    return select_n(mask, jnp.asarray(b, dtype), jnp.asarray(a, dtype))
