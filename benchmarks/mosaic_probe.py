@@ -147,11 +147,11 @@ def _while_mixed(x, s, z):
 
 
 PATTERNS = [
-    ("where(vec mask, const, vec)", _where_const),
+    ("where(vec mask, const, vec) [unanchored: the failing form]", _where_const),
     ("where(vec mask, vec, vec)", _where_vec),
     ("where anchored to a zero tile (_tile.where)", _where_anchored),
     ("mask from SMEM scalars, anchored", _scalar_mask),
-    ("mask from SMEM scalars, not anchored", _scalar_mask_raw),
+    ("mask from SMEM scalars, not anchored [the failing form]", _scalar_mask_raw),
     ("x ** p, float p (pow)", _pow),
     ("exp / log / sqrt", _exp_log),
     ("jax.jvp in the kernel", _jvp),
