@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .. import _kernel
 from .._adjoint import AbstractAdjoint, custom_vjp
 from .._checkpoint import RecursiveCheckpointAdjoint
 from .._controller import AbstractStepSizeController, ConstantStepSize
@@ -168,6 +169,39 @@ def _ensemble(
     )
 
 
+def _use_kernel(kernel, problem: Problem, y0, per_trajectory, keep: Keep) -> bool:
+    """Whether `ensemble_solve` takes the whole-solve kernel (`solverkit._kernel`):
+    `True` raises where it can't; `None` takes it where supported, on a TPU (it
+    lowers to TPUs only so far; elsewhere it would run in Pallas' interpreter)."""
+    if kernel not in (True, False, None):
+        raise TypeError(f"`kernel` must be True, False or None, got {kernel!r}.")
+    if kernel is False:
+        return False
+    if kernel is None and jax.default_backend() != "tpu":
+        return False
+    why = _kernel.supported(problem, y0, per_trajectory, keep)
+    if why is not None and kernel:
+        raise UnsupportedError(
+            f"ensemble_solve(kernel=True) can't solve this: {why}. Use kernel=None "
+            "(the lane loop where the kernel can't) or kernel=False."
+        )
+    return why is None
+
+
+def _kernel_solve(problem: Problem, y0, args, throw, plan: Policy, keep: Keep, adjoint):
+    """The kernel path, with the lane loop (`_ensemble`) as its reference and the
+    lane loop's backward pass (`backward`) for reverse mode."""
+
+    def reference(p, y, a):  # the lane loop, not raising
+        return _ensemble(p, y, a, None, plan, False, keep, adjoint)
+
+    def pull_back(static, dynamic, y, a, num_steps, ct):
+        residuals = (y, a, None, num_steps)
+        return backward(static, dynamic, residuals, ct, plan.lanes, keep, adjoint)
+
+    return _kernel.kernel_solve(problem, y0, args, throw, reference, pull_back)
+
+
 def _record(problem: Problem, events) -> EventRecord | None:
     """The occurrences of an event that continues, per trajectory, in user time."""
     if events is None:
@@ -195,6 +229,7 @@ def ensemble_solve(
     lanes: int | None = None,
     adjoint: AbstractAdjoint = RecursiveCheckpointAdjoint(),
     refill: int | None = None,
+    kernel: bool | None = None,
 ) -> Solution:
     """Solve a batch of problems of one ODE, with finished lanes refilled.
 
@@ -235,7 +270,7 @@ def ensemble_solve(
     - `progress_meter`: shows the fraction of trajectories finished.
     - `lanes`: how many trajectories are solved side by side; default
         `default_lanes(N)` (on a CPU `N // 16`, at least 64; on an accelerator
-        `N` below 16,384 trajectories, `N // 2` from there). At most `N`; with
+        `N`, the lockstep loop, measured faster there). At most `N`; with
         `N` lanes the lockstep loop runs, without refill.
     - `adjoint`: how to differentiate each trajectory in reverse mode, as for
         `diffeqsolve`: `RecursiveCheckpointAdjoint()` (default; `None` means it
@@ -245,6 +280,9 @@ def ensemble_solve(
         starts a buffer of that many lanes); default `lanes // 8`, at least 1. A
         refill runs once `min(refill, lanes // 32)` lanes (at least 1) have
         finished, or no lane runs.
+    - `kernel`: solve in one whole-solve kernel (Pallas; see docs/ensembles.md):
+        `True` (raise if this solve is one it can't do, saying why), `False` (the
+        lane loop), `None` (default: the kernel where supported, on a TPU).
 
     **Returns:**
 
@@ -309,5 +347,7 @@ def ensemble_solve(
         )  # fmt: skip
         check_event_context(event, context, saveat, first(y0), first(args))
     keep = Keep.of(saveat)
+    if _use_kernel(kernel, problem, y0, per_trajectory, keep):
+        return _kernel_solve(problem, y0, args, throw, plan, keep, adjoint)
     with jax.numpy_dtype_promotion("standard"), reverse_only():
         return _ensemble(problem, y0, args, per_trajectory, plan, throw, keep, adjoint)

@@ -1,0 +1,234 @@
+"""What the kernel path supports, and the vector field as the kernel evaluates it:
+the `Closure`'s jaxpr, evaluated lane-wise on tiles (`_scalarize`), its closed-over
+values read from SMEM and each trajectory's arguments from its lanes."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from .._adaptive import PIDController
+from .._closure import Closure
+from .._norm import rms_norm
+from .._problem import Problem
+from .._progress import NoProgressMeter
+from .._solver._runge_kutta import AbstractRungeKutta
+from .._term import ClosureTerm
+from . import _scalarize
+from ._scalarize import KernelUnsupported
+from ._step import Pid
+
+
+def _float(name: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise KernelUnsupported(
+            f"PIDController's `{name}` is not a concrete number"
+        ) from None
+
+
+def pid_of(problem: Problem) -> Pid:
+    """The controller's settings, or `KernelUnsupported`."""
+    c = problem.controller
+    if type(c) is not PIDController:
+        raise KernelUnsupported(
+            f"the step-size controller {type(c).__name__} (the kernel supports "
+            "PIDController)"
+        )
+    if c.norm is not rms_norm or c.step_ts is not None or c.jump_ts is not None:
+        raise KernelUnsupported(
+            "a PIDController with `norm`, `step_ts` or `jump_ts` (the kernel supports "
+            "the RMS norm and no clipped times)"
+        )
+    order = c.error_order if c.error_order is not None else problem.error_order
+    opt = lambda v, name: None if v is None else _float(name, v)  # noqa: E731
+    return Pid(
+        _float("rtol", c.rtol), _float("atol", c.atol), _float("pcoeff", c.pcoeff),
+        _float("icoeff", c.icoeff), _float("dcoeff", c.dcoeff),
+        opt(c.dtmin, "dtmin"), opt(c.dtmax, "dtmax"), bool(c.force_dtmin),
+        _float("safety", c.safety), _float("factormin", c.factormin),
+        _float("factormax", c.factormax), _float("error_order", order),
+    )  # fmt: skip
+
+
+def check(problem: Problem, y0, per_trajectory, keep) -> None:
+    """Raise `KernelUnsupported` naming what the kernel can't do for this solve."""
+    solver = problem.solver
+    tab = getattr(solver, "tableau", None)
+    if (
+        not isinstance(solver, AbstractRungeKutta)
+        or solver.scan_kind is not None
+        or tab is None
+        or not tab.fsal
+        or tab.dense is None
+        or tab.b_err is None
+    ):
+        raise KernelUnsupported(
+            f"the solver {type(solver).__name__} (the kernel supports explicit FSAL "
+            "Runge-Kutta methods with an error estimate and dense output: Tsit5, "
+            "Dopri5)"
+        )
+    pid_of(problem)
+    if not isinstance(problem.terms, ClosureTerm) or problem.direction is not None:
+        raise KernelUnsupported("a MultiTerm, or a solve backwards in time")
+    unsupported = {
+        "an Event that continues, has several conditions or a root_finder": (
+            problem.continues
+            or problem.root_finder is not None
+            or (problem.conds is not None and len(conditions(problem)) != 1)
+        ),
+        "a TimedEvent": problem.timed is not None,
+        "SaveAt(dense=True)": problem.dense,
+        "SaveAt(steps=...), SaveAt(fn=...) or several SubSaveAt": len(problem.saves)
+        != 1
+        or problem.saves[0].every != 0
+        or not problem.saves[0].saves_y,
+        "per-trajectory t0, t1 or SaveAt(ts)": per_trajectory is not None,
+        "SaveAt(solver_state/controller_state/made_jump)": any(keep),
+        "a progress meter": not isinstance(problem.meter, NoProgressMeter),
+        "max_steps=None": problem.max_steps is None,
+        "resuming a solve": problem.resume is not None,
+    }
+    for what, bad in unsupported.items():
+        if bad:
+            raise KernelUnsupported(what)
+    leaves = jtu.tree_leaves(y0)
+    dtypes = {leaf.dtype for leaf in leaves}
+    if len(dtypes) != 1 or not jnp.issubdtype(leaves[0].dtype, jnp.floating):
+        raise KernelUnsupported(
+            f"a state of dtypes {sorted(map(str, dtypes))} (the kernel needs one real "
+            "floating dtype)"
+        )
+    closures = [problem.terms.closure, *conditions(problem)]  # pyright: ignore
+    consts = [c for closure in closures for c in closure.consts]
+    for c in consts:
+        if not (jnp.issubdtype(c.dtype, jnp.number) or c.dtype == jnp.bool_):
+            raise KernelUnsupported(f"a closed-over value of dtype {c.dtype}")
+        if jnp.issubdtype(c.dtype, jnp.complexfloating):
+            raise KernelUnsupported("a complex closed-over value")
+    for closure in closures:
+        _scalarize.check(closure.jaxpr)
+
+
+def conditions(problem: Problem) -> list[Closure]:
+    """The event's converted conditions (none without an event)."""
+    if problem.conds is None:
+        return []
+    return jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
+
+
+def _smem(x):
+    """A shared value flattened to 1-D for SMEM (booleans as int32)."""
+    x = jnp.reshape(x, (-1,))
+    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+
+
+def shared_consts(problem: Problem) -> tuple[list, tuple, tuple]:
+    """The values the vector field (then the event's condition) closes over, as
+    kernel inputs, their shapes and dtypes."""
+    closures = [problem.terms.closure, *conditions(problem)]  # pyright: ignore
+    consts = [c for closure in closures for c in closure.consts]
+    return (
+        [_smem(c) for c in consts],
+        tuple(tuple(c.shape) for c in consts),
+        tuple(c.dtype for c in consts),
+    )
+
+
+def _elements(tiles: list, shape: tuple, dtype) -> np.ndarray:
+    out = np.empty(shape, dtype=object)
+    for flat, index in enumerate(np.ndindex(shape)):
+        x = tiles[flat]
+        out[index] = x != 0 if dtype == jnp.bool_ else x
+    return out
+
+
+class LaneField(eqx.Module):
+    """The vector field of one trajectory, evaluated on tiles: `(t, y tiles, arg
+    tiles, const elements) -> dy/dt tiles` (static data of the kernel)."""
+
+    jaxpr: Any = eqx.field(static=True)
+    # per flat input after `t`: ("y", shape) / ("arg", index, shape, dtype) /
+    # ("value", constant)
+    inputs: tuple = eqx.field(static=True)
+    out_shapes: tuple = eqx.field(static=True)
+    out_dtype: Any = eqx.field(static=True)
+    const_dtypes: tuple = eqx.field(static=True)
+
+    def __call__(self, t, y: list, args: list, consts: list) -> list:
+        consts = [
+            np.vectorize(lambda x: x != 0, otypes=[object])(c) if d == jnp.bool_ else c
+            for c, d in zip(consts, self.const_dtypes)
+        ]
+        t_obj = np.empty((), dtype=object)
+        t_obj[()] = t
+        flat = [t_obj]
+        y_iter = iter(y)
+        for kind in self.inputs:
+            if kind[0] == "y":
+                size = int(np.prod(kind[1], dtype=int))
+                flat.append(
+                    _elements([next(y_iter) for _ in range(size)], kind[1], None)
+                )
+            elif kind[0] == "arg":
+                _, index, shape, dtype = kind
+                flat.append(_elements(args[index], shape, dtype))
+            else:
+                flat.append(_scalarize.as_elements(kind[1]))
+        outs = _scalarize.evaluate(self.jaxpr, consts, flat)
+        tile = y[0].shape
+        tiles = []
+        if len(outs) == 1 and len(self.out_shapes) > 1:
+            outs = [outs[0]] * len(self.out_shapes)
+        for out, shape in zip(outs, self.out_shapes):
+            out = np.broadcast_to(out, shape)
+            for index in np.ndindex(shape):
+                x = jnp.asarray(out[index]).astype(self.out_dtype)
+                tiles.append(jnp.broadcast_to(x, tile))
+        return tiles
+
+
+def lane_field(
+    closure: Closure, t0, y_one, args_one, scalar: bool = False
+) -> LaneField:
+    """The `LaneField` of a converted `(t, y, args)` function, for a trajectory
+    shaped like `y_one` with arguments like `args_one` (array leaves: the
+    per-trajectory arguments, in order): the vector field (shaped like `y`), or with
+    `scalar` an event condition (one value, as `y`'s dtype)."""
+    program = closure.program
+    leaves = jtu.tree_leaves(((t0, y_one, args_one), {}))
+    n_y = len(jtu.tree_leaves(y_one))
+    inputs, arg_index = [], 0
+    for i, (leaf, spec) in enumerate(zip(leaves, program.in_specs)):
+        dynamic = isinstance(spec, jax.ShapeDtypeStruct)
+        is_array = eqx.is_array(leaf)
+        if i == 0:
+            if not dynamic:
+                raise KernelUnsupported("a vector field converted with a static `t`")
+            continue
+        if i <= n_y:
+            inputs.append(("y", tuple(spec.shape)))
+            continue
+        if is_array:
+            if dynamic:
+                inputs.append(("arg", arg_index, tuple(spec.shape), spec.dtype))
+            arg_index += 1
+        elif dynamic:
+            inputs.append(("value", np.asarray(leaf, spec.dtype)))
+    y_leaves = jtu.tree_leaves(y_one)
+    shapes = ((),) if scalar else tuple(tuple(x.shape) for x in y_leaves)
+    if len(program.out_specs) not in (1, len(shapes)) or not all(
+        isinstance(s, jax.ShapeDtypeStruct) for s in program.out_specs
+    ):
+        raise KernelUnsupported("a vector field whose output is not shaped like y")
+    return LaneField(
+        program.jaxpr,
+        tuple(inputs),
+        shapes,
+        y_leaves[0].dtype,
+        tuple(c.dtype for c in closure.consts),
+    )

@@ -1,0 +1,360 @@
+"""`ensemble_solve(..., kernel=...)`'s kernel path: checks, the lane layout, the
+`Solution`, and reverse mode.
+
+Reverse mode is a `custom_vjp` whose forward pass is the kernel and whose backward
+pass pulls the cotangents back through the `vmap` path (`reference`, the ensemble's
+lane loop with its adjoint), which solves every trajectory again: the gradient is the
+`vmap` path's, at its cost, and the kernel speeds up the forward solve.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from .._adjoint import custom_vjp, fill_zeros, parameters
+from .._closure import Closure
+from .._integrate import MESSAGES as _MESSAGES
+from .._problem import Problem
+from .._select import where
+from .._solution import Result, RESULTS, Solution
+from .._unvmap import error_if, unvmap_max
+from . import _field, _pallas
+from ._pallas import LANES
+from ._scalarize import KernelUnsupported
+
+
+_SUCCESS = int(RESULTS.successful.code)
+_EVENT = int(RESULTS.event_occurred.code)
+# Rows of 128 trajectories per block, when not told (None: `default_rows(N)`).
+DEFAULT_ROWS: int | None = None
+# A block has 8 rows per this many trajectories, in powers of two (8 to 64 rows).
+# One TensorCore runs the grid's blocks in sequence, so larger blocks amortise each
+# iteration's fixed cost: measured on a TPU v5e (Heun, Lorenz), 65,536 trajectories
+# took 14.0 ms in blocks of 8 rows, 5.0 ms in blocks of 32; 2^20 took 46 ms in
+# blocks of 64.
+_TRAJECTORIES_PER_8_ROWS = 16384
+_MAX_ROWS = 64
+
+
+def default_rows(batch: int) -> int:
+    """Rows per block for `batch` trajectories: 8 times the largest power of two
+    at most `batch / 16,384`, between 8 and 64."""
+    factor = max(1, batch // _TRAJECTORIES_PER_8_ROWS)
+    power = 1 << (factor.bit_length() - 1)
+    return min(8 * power, _MAX_ROWS)
+
+
+class Settings(NamedTuple):
+    """The static choices of a kernel solve."""
+
+    rows: int
+    interpret: bool
+    save_t0: bool
+    save_t1: bool
+
+
+def supported(problem: Problem, y0, per_trajectory, keep) -> str | None:
+    """`None` where the kernel path can solve this, else what it can't do."""
+    try:
+        _field.check(problem, y0, per_trajectory, keep)
+    except KernelUnsupported as e:
+        return str(e)
+    return None
+
+
+def _to_lanes(x, batch: int, rows: int):
+    """`(N, *s)` to `(m, R, 128)`, `m = prod(s)`, padded with trajectory 0."""
+    block = rows * LANES
+    size = -(-batch // block) * block
+    flat = jnp.reshape(x, (batch, -1))
+    if flat.dtype == jnp.bool_:
+        flat = flat.astype(jnp.int32)
+    pad = jnp.broadcast_to(flat[:1], (size - batch, flat.shape[1]))
+    flat = jnp.concatenate([flat, pad]) if size > batch else flat
+    return flat.T.reshape(flat.shape[1], size // LANES, LANES)
+
+
+def _from_lanes(x, batch: int):
+    """`(..., m, R, 128)` to `(N, ..., m)`."""
+    lead = x.shape[:-2]
+    flat = x.reshape(lead + (-1,))[..., :batch]
+    return jnp.moveaxis(flat, -1, 0)
+
+
+def _state_of(flat, y0_example: PyTree, batch: int) -> PyTree:
+    """`(N, ..., n)` components back into the pytree of `y0` (leading `N, ...`)."""
+    leaves, tree = jtu.tree_flatten(y0_example)
+    lead = flat.shape[:-1]
+    out, start = [], 0
+    for leaf in leaves:
+        shape = leaf.shape[1:]
+        size = int(jnp.size(leaf)) // batch
+        out.append(flat[..., start : start + size].reshape(lead + shape))
+        start += size
+    return jtu.tree_unflatten(tree, out)
+
+
+def _event_spec(problem: Problem, y_one, args_one) -> dict:
+    """The `Spec` fields of the event's condition (none without an event)."""
+    conds = _field.conditions(problem)
+    if not conds:
+        return {}
+    (cond,) = conds
+    direction = problem.event_direction
+    return dict(
+        cond=_field.lane_field(cond, problem.t0, y_one, args_one, scalar=True),
+        cond_real=not jnp.issubdtype(cond.out_struct.dtype, jnp.bool_),
+        cond_direction=None if direction is None else direction[0],
+        field_consts=len(problem.terms.closure.consts),  # pyright: ignore
+    )
+
+
+@eqx.filter_jit
+def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
+    """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts."""
+    leaves = jtu.tree_leaves(y0)
+    batch = leaves[0].shape[0]
+    rows = settings.rows
+    one = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
+    closure = problem.terms.closure  # pyright: ignore[reportAttributeAccessIssue]
+    field = _field.lane_field(closure, problem.t0, one(y0), one(args_dynamic))
+    consts, shapes, _ = _field.shared_consts(problem)
+    save = problem.saves[0]
+    tdtype = problem.t0.dtype
+    ts = save.ts if save.ts is not None else jnp.zeros((1,), tdtype)
+    dt0 = problem.dt0 if problem.dt0 is not None else jnp.zeros((), tdtype)
+    t1 = problem.t1
+    spacing = jnp.finfo(tdtype).eps * jnp.maximum(1, jnp.abs(t1))
+    land = t1 - _pallas.LANDING_ULPS * spacing
+    times = jnp.stack([problem.t0, t1, jnp.asarray(dt0, tdtype), land])
+    y_lanes = jnp.concatenate([_to_lanes(x, batch, rows) for x in leaves])
+    arg_lanes = [_to_lanes(a, batch, rows) for a in jtu.tree_leaves(args_dynamic)]
+    spec = _pallas.Spec(
+        tableau=problem.solver.tableau,  # pyright: ignore[reportAttributeAccessIssue]
+        pid=_field.pid_of(problem),
+        n=y_lanes.shape[0],
+        field=field,
+        num_args=tuple(a.shape[0] for a in arg_lanes),
+        const_shapes=shapes,
+        num_ts=0 if save.ts is None else int(save.ts.shape[0]),
+        has_dt0=problem.dt0 is not None,
+        max_steps=int(problem.max_steps),  # pyright: ignore[reportArgumentType]
+        rows=rows,
+        **_event_spec(problem, one(y0), one(args_dynamic)),
+    )
+    y_end, ys_ts, t_end, counts = _pallas.solve_blocks(
+        spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
+    )
+    t_end = _from_lanes(t_end[None], batch)[:, 0]
+    y_end = _state_of(_from_lanes(y_end, batch), y0, batch)
+    counts = _from_lanes(counts, batch)  # (N, 5)
+    ts_rows, ys_rows = _rows(problem, settings, y0, ys_ts, t_end, y_end)
+    return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
+
+
+def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
+    """The saved rows in the vmap path's layout (`_save.finish_save`): `t0`, the
+    save times reached (those past an event's time: `inf`), then `t1` (the final
+    point) in the first free row, then `inf` padding."""
+    batch = t_end.shape[0]
+    save = problem.saves[0]
+    rows = lambda x: x[:, None]  # noqa: E731
+    ts = jnp.zeros((batch, 0), t_end.dtype)
+    ys = jtu.tree_map(lambda x: jnp.zeros((batch, 0) + x.shape[1:], x.dtype), y0)
+    if save.ts is not None:
+        ys = _state_of(_from_lanes(ys_ts, batch), y0, batch)
+        written = (save.ts[None] <= t_end[:, None]) | (save.ts[None] <= problem.t0)
+        ts = where(written, save.ts[None], jnp.inf)
+        ys = jtu.tree_map(
+            lambda v: where(
+                written.reshape(written.shape + (1,) * (v.ndim - 2)), v, jnp.inf
+            ),
+            ys,
+        )
+    if settings.save_t1:
+        ts = jnp.concatenate([ts, jnp.full((batch, 1), jnp.inf, ts.dtype)], axis=1)
+        ys = jtu.tree_map(
+            lambda v: jnp.concatenate(
+                [v, jnp.full((batch, 1) + v.shape[2:], jnp.inf, v.dtype)], axis=1
+            ),
+            ys,
+        )
+        index = jnp.sum(jnp.isfinite(ts), axis=1)
+        final = jnp.arange(ts.shape[1])[None] == index[:, None]
+        ts = where(final, rows(t_end), ts)
+        ys = jtu.tree_map(
+            lambda v, e: where(
+                final.reshape(final.shape + (1,) * (v.ndim - 2)), rows(e), v
+            ),
+            ys,
+            y_end,
+        )
+    if settings.save_t0:
+        ts = jnp.concatenate([jnp.broadcast_to(problem.t0, (batch, 1)), ts], axis=1)
+        ys = jtu.tree_map(lambda v, y: jnp.concatenate([rows(y), v], axis=1), ys, y0)
+    return ts, ys
+
+
+def _event_mask(problem: Problem, result):
+    """Which condition fired, per trajectory, shaped as the conditions."""
+    if problem.conds is None:
+        return None
+    tree = jtu.tree_structure(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
+    return jtu.tree_unflatten(tree, [result == _EVENT])
+
+
+def _outputs(sol: Solution) -> dict:
+    """The differentiable outputs of the `vmap` path's `Solution`."""
+    return dict(ts=sol.ts, ys=sol.ys, t1=sol.t1)
+
+
+def _lane_cotangents(problem: Problem, ct: dict) -> dict:
+    """The cotangents of the `Solution`'s rows as the lane loop's backward pass
+    takes them (`_ensemble._row`, forwards in time: internal time is time)."""
+    none = dict.fromkeys(
+        ("result", "num_steps", "num_accepted", "num_rejected", "solver_state",
+         "controller_state"),
+    )  # fmt: skip
+    mask = None
+    if problem.conds is not None:
+        is_closure = lambda x: isinstance(x, Closure)  # noqa: E731
+        mask = jtu.tree_map(lambda _: None, problem.conds, is_leaf=is_closure)
+    return dict(ts=ct["ts"], ys=ct["ys"], t_end=ct["t1"], event_mask=mask, **none)
+
+
+def _differentiable(
+    problem: Problem,
+    y0,
+    args_dynamic,
+    settings: Settings,
+    reference: Callable,
+    backward: Callable | None,
+):
+    """`_forward` with reverse mode: `backward`, the lane loop's backward pass, from
+    the kernel's step counts; or without it, through `reference` (the `vmap` path,
+    forward and backward)."""
+
+    def primal(problem, y0, args_dynamic):
+        return _forward(problem, y0, args_dynamic, settings)
+
+    def fwd(problem, y0, args_dynamic):
+        out = primal(problem, y0, args_dynamic)
+        return out, (y0, args_dynamic, out["counts"][:, 0])
+
+    def bwd(static, dynamic, residuals, cotangents):
+        y0, args_dynamic, num_steps = residuals
+        ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
+        if backward is not None:
+            ct_out = _lane_cotangents(eqx.combine(dynamic, static), ct)
+            ct_dynamic, ct_y, ct_args, _ = backward(
+                static, dynamic, y0, args_dynamic, num_steps, ct_out
+            )
+            return ct_dynamic, ct_y, ct_args
+        spec = parameters(dynamic)
+        p_diff, p_rest = eqx.partition(dynamic, spec)
+        a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
+
+        def solve(p, y, a):
+            problem = eqx.combine(p, p_rest, static)
+            return _outputs(reference(problem, y, eqx.combine(a, a_rest)))
+
+        _, vjp = jax.vjp(solve, p_diff, y0, a_diff)
+        ct_p, ct_y, ct_a = vjp(ct)
+        nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
+        ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
+        ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
+        return ct_dynamic, fill_zeros(ct_y, y0), ct_args
+
+    return custom_vjp(
+        problem, primal, fwd, bwd, y0, args_dynamic,
+        adjoint="ensemble_solve(kernel=True)",
+        second_order="Use kernel=False for higher-order derivatives.",
+    )  # fmt: skip
+
+
+def _stats(problem: Problem, counts, rows: int) -> dict:
+    """The lane loop's `stats`; `lanes`: the trajectories the blocks hold (padding
+    included), `lane_steps`: the iterations of every block times its lanes."""
+    batch = counts.shape[0]
+    count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731
+    block = rows * LANES
+    max_steps = int(problem.max_steps or 0)
+    return dict(
+        num_steps=count(counts[:, 0]),
+        num_accepted_steps=count(counts[:, 1]),
+        num_rejected_steps=count(counts[:, 2]),
+        max_steps=jnp.full((batch,), max_steps, jnp.result_type(int)),
+        lanes=-(-batch // block) * block,
+        lane_steps=count(jnp.sum(counts[::block, 4])) * block,
+    )
+
+
+def kernel_solve(
+    problem: Problem,
+    y0: PyTree,
+    args: PyTree,
+    throw: bool,
+    reference: Callable[[Problem, PyTree, PyTree], Solution],
+    backward: Callable | None = None,
+    *,
+    rows: int | None = None,
+    interpret: bool | None = None,
+) -> Solution:
+    """Solve the ensemble with the whole-solve kernel (see `supported` first).
+
+    **Arguments:**
+
+    - `problem`: the `Problem` of one trajectory, as `ensemble_solve` builds it.
+    - `y0`, `args`: the batch (leading axis `N` on every array leaf).
+    - `throw`: raise if any trajectory fails.
+    - `reference`: `(problem, y0, args) -> Solution`, the `vmap` path without
+        raising: the backward pass pulls cotangents back through it (forward and
+        backward) unless `backward` is given.
+    - `backward`: `(static, dynamic, y0, args_dynamic, num_steps, cotangents) ->
+        (ct_dynamic, ct_y0, ct_args, ct_times)`, the lane loop's backward pass
+        (`_ensemble._backward`), which solves each trajectory again with the
+        adjoint, in chunks sorted by the steps each took (the kernel's counts).
+    - `rows`: rows of 128 trajectories per block (a multiple of 8 on a TPU);
+        default `DEFAULT_ROWS`, else `default_rows(N)`.
+    - `interpret`: run the kernel in Pallas' interpreter; default: except on a TPU.
+
+    **Returns:**
+
+    The `Solution` the `vmap` path returns, to the tolerance's order.
+    """
+    if rows is None:
+        batch = jtu.tree_leaves(y0)[0].shape[0]
+        rows = DEFAULT_ROWS if DEFAULT_ROWS is not None else default_rows(batch)
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"  # it lowers to TPUs only, so far
+    save = problem.saves[0]
+    settings = Settings(rows, interpret, save.t0, save.t1)
+    args_dynamic, args_static = eqx.partition(args, eqx.is_array)
+    del args_static  # shared by every trajectory: part of the converted field
+    with jax.numpy_dtype_promotion("standard"):
+        out = _differentiable(problem, y0, args_dynamic, settings, reference, backward)
+    counts = out["counts"]
+    ts, ys, t_end = out["ts"], out["ys"], out["t1"]
+    result = counts[:, 3]
+    if throw:
+        failed = (result != _SUCCESS) & (result != _EVENT)
+        index = unvmap_max(where(failed, result, 0))
+        ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, _MESSAGES)
+    batch = result.shape[0]
+    return Solution(
+        t0=jnp.broadcast_to(problem.t0, (batch,)),
+        t1=t_end,
+        ts=ts,
+        ys=ys,
+        stats=_stats(problem, counts, rows),
+        result=Result(result),
+        event_mask=_event_mask(problem, result),
+        made_jump=None,
+        solver_state=None,
+        controller_state=None,
+    )
