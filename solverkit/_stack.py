@@ -98,3 +98,17 @@ def put_row(stack: Stack, i, row: Row) -> Stack:
         lax.dynamic_update_index_in_dim(a, r, i, 0) for a, r in zip(stack.arrays, row)
     )
     return Stack(arrays, stack.fixed, stack.treedef, stack.places)
+
+
+def get_rows(stack: Stack, i, rows: int) -> tuple[jax.Array, ...]:
+    """Rows `i, ..., i + rows - 1` of `stack`, packed (`i` at most the last
+    `rows`)."""
+    return tuple(lax.dynamic_slice_in_dim(a, i, rows, 0) for a in stack.arrays)
+
+
+def put_rows(stack: Stack, i, rows: tuple[jax.Array, ...]) -> Stack:
+    """`stack` with the packed `rows` (see `get_rows`) written from row `i`."""
+    arrays = tuple(
+        lax.dynamic_update_slice_in_dim(a, r, i, 0) for a, r in zip(stack.arrays, rows)
+    )
+    return Stack(arrays, stack.fixed, stack.treedef, stack.places)
