@@ -29,7 +29,17 @@ from ._loop import Outputs
 from ._problem import Buffers, Carry, Problem
 from ._schedule import Layout
 from ._select import where
-from ._stack import fixed_leaves, get_row, pack, put_row, Stack, stack, unpack
+from ._stack import (
+    fixed_leaves,
+    get_row,
+    get_rows,
+    pack,
+    put_row,
+    put_rows,
+    Stack,
+    stack,
+    unpack,
+)
 from ._tree import tree_where
 from ._unvmap import unvmap_max
 
@@ -202,9 +212,10 @@ def _refill(
     bounds: _schedule.Chunk,
     end,
 ):
-    """`buffer` holding the carries before steps `bounds.start, ..., end - 1`,
-    recomputed from the chunk's source (nothing, when every step is stored), and
-    `mids` updated with the mid checkpoints passed on the way.
+    """`buffer` holding the carries before steps `first, ..., end - 1` (for `first`
+    at most `bounds.start`), and `mids` updated with the mid checkpoints passed on
+    the way. The carries are recomputed from the chunk's source, or copied from the
+    store when it holds every step (stride 1).
 
     Recomputed, never loaded from the forward pass's checkpoints in between: a stored
     carry spliced into a recomputed run can differ from it in the last bit (another
@@ -228,15 +239,22 @@ def _refill(
             mids = put_row(mids, _schedule.mid_row(rev.layout, bounds, k + 1), packed)
         return packed, put_row(buffer, row, packed), mids
 
+    # At stride 1, rows `start, ...` of the store (where it ends, its last `rows`);
+    # else overwritten by the recomputation (a copy of a few rows, cheap beside
+    # it). So `back` reads one array, with no `cond` of two reads (LV ensemble
+    # gradient: 131 kernels to compile against 146).
+    rows = min(rev.layout.buffer, rev.layout.slots + 1)
+    first = jnp.minimum(start, rev.layout.slots + 1 - rows)
+    buffer = put_rows(buffer, 0, get_rows(rev.rec.store, first, rows))
     source = _source(rev, bounds, mids)
     buffer = put_row(buffer, 0, source)
     if use_mids:
         assert mids is not None  # (likewise)
         mids = put_row(mids, _schedule.mid_row(rev.layout, bounds, begin), source)
-    # With every step stored (stride 1) nothing is recomputed: `back` reads the store.
+    # With every step stored (stride 1) nothing is recomputed: `back` reads the copy.
     last = jnp.where(rev.rec.level == 0, begin, end - 1)
     _, buffer, mids = lax.fori_loop(begin, last, body, (source, buffer, mids))
-    return buffer, mids
+    return buffer, mids, jnp.where(rev.rec.level == 0, first, start)
 
 
 def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
@@ -256,30 +274,24 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
         end, mids_of, buffer, mids, ct_p, ct_c = state
         bounds = _schedule.chunk(rev.layout, rev.rec.level, end, mids_of)
         start = bounds.start
-        buffer, mids = _refill(rev, p_diff, buffer, mids, bounds, end)
+        buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
 
-        def back(i, cts):
-            ct_p, ct_c = cts
+        def back(i, state):
+            ct_p, ct_c, row = state
             k = end - 1 - i  # the step to pull back through
-            # At stride 1 the store holds every step, in order (slot `k` is step
-            # `k`).
-            # A `cond` (the predicate is unbatched) reads one of the two: a select of
-            # both let XLA fuse both strided reads into the pullback's fusions, once
-            # per consumer (measured: LV gradient 31 -> 20 ms with the cond). The
-            # row is unpacked inside the branches for the same reason (unpacked
-            # after the cond: Lorenz gradient 21.7-22.0 -> 24.2 ms). The store and
-            # the buffer hold the same pytree, so either's layout unpacks both.
-            carry = lax.cond(
-                rec.level == 0,
-                lambda: unpack(buffer, get_row(rec.store, k)),
-                lambda: unpack(buffer, get_row(buffer, k - start)),
-            )
+            # The row was read by the iteration before (loop state): an array of
+            # its own, not a strided read fused into each kernel of the pullback
+            # that uses it (reading it here: Lorenz gradient 23-24 -> 31-35 ms,
+            # barrier or not).
+            carry = unpack(buffer, row)
             dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
             active = k < rec.n
             ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
-            return ct_p, tree_where(active, dc, ct_c)
+            row = get_row(buffer, jnp.maximum(k - 1 - first, 0))
+            return ct_p, tree_where(active, dc, ct_c), row
 
-        ct_p, ct_c = lax.fori_loop(0, end - start, back, (ct_p, ct_c))
+        row = get_row(buffer, end - 1 - first)
+        ct_p, ct_c, _ = lax.fori_loop(0, end - start, back, (ct_p, ct_c, row))
         return start, bounds.segment, buffer, mids, ct_p, ct_c
 
     loop_state = (

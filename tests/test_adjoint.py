@@ -219,6 +219,24 @@ def test_mid_checkpoints(layout, max_steps, monkeypatch):
     np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "layout, max_steps",
+    [
+        # (slots, buffer, mid); 37 steps, all stored (stride 1): each chunk's carries
+        # are copied from the store into the buffer, not recomputed.
+        ((38, 5, 0), 45),  # the last chunk (35, 36) copies the store's last rows
+        ((40, 50, 0), 46),  # the buffer has more rows than the store (41)
+    ],
+)
+def test_every_step_stored_copied_into_the_buffer(layout, max_steps, monkeypatch):
+    used = _force_layout(monkeypatch, layout)
+    grad = eqx.filter_jit(jax.grad(_euler_final))
+    got = grad(jnp.asarray(0.7), RCA, max_steps)
+    assert used
+    # The same float64 arithmetic as the hand-written derivative: rounding only.
+    np.testing.assert_allclose(got, _euler_reference_grad(0.7), rtol=1e-12)
+
+
 def test_default_layout_past_buffer_times_slots():
     # 4400 steps with max_steps 5000: (128 slots, 32 buffer, 2 mid checkpoints);
     # stride 64, so every segment is walked back from its mid checkpoints.
