@@ -175,6 +175,8 @@ def checked(x: PyTree, checks: list) -> PyTree:
         return x
     messages, index, failed = [], jnp.zeros((), jnp.int32), jnp.asarray(False)
     for mask, describe in checks:
+        if mask.shape[0] == 0:  # nothing to check (e.g. the order of one time)
+            continue
         named = mask.shape[0] <= _NAMED_ENTRIES
         entries = range(mask.shape[0]) if named else [None]
         first = jnp.argmax(mask).astype(jnp.int32) if named else 0

@@ -612,14 +612,14 @@ FEATURES = {
         stepsize_controller=PID,
     ),
     "timed_event": dict(
-        event=sk.TimedEvent(jnp.array([0.25, 0.5]), amount=jnp.array([1.0, 0, 0])),
+        event=sk.TimedEvent(jnp.array([0.25, 0.5]), amount=np.array([1.0, 0, 0])),
         saveat=sk.SaveAt(ts=TS),
         stepsize_controller=PID,
     ),
     "both_events": dict(
         event=(
             sk.Event(_x_falls, direction=False, effect=_halve, max_events=8),
-            sk.TimedEvent(jnp.array([0.3]), amount=jnp.array([2.0, 0, 0])),
+            sk.TimedEvent(jnp.array([0.3]), amount=np.array([2.0, 0, 0])),
         ),
         stepsize_controller=PID,
     ),

@@ -469,3 +469,18 @@ def test_traced_schedule_solves_and_differentiates():
     np.testing.assert_allclose(got, [exact(0.5), exact(0.75)], rtol=2e-5)
     slope = sum(k * np.exp(-(2.5 - k * d)) for k in range(3))
     np.testing.assert_allclose(jax.grad(y_end)(d), slope, rtol=1e-4)
+
+
+def test_one_traced_time():
+    """A schedule of one traced time (nothing to order) solves under jit and vmap:
+    its order check is empty (it used to fail tracing, an argmax of nothing).
+    y' = -y, y(0) = 1, a dose of 1 at tau: y(3) = exp(-3) + exp(-(3 - tau))."""
+
+    def y_end(tau):
+        return _dosed(sk.TimedEvent(tau[None], amount=jnp.ones(2)))[0]
+
+    exact = lambda tau: np.exp(-3.0) + np.exp(-(3.0 - tau))  # noqa: E731
+    # rtol 1e-6 in float32: errors of a few 1e-6 relative.
+    np.testing.assert_allclose(jax.jit(y_end)(jnp.asarray(1.0)), exact(1.0), rtol=2e-5)
+    got = jax.vmap(y_end)(jnp.array([0.5, 1.5]))
+    np.testing.assert_allclose(got, [exact(0.5), exact(1.5)], rtol=2e-5)
