@@ -1,26 +1,28 @@
 """solverkit: ODE solvers in JAX whose vector fields may close over anything."""
 
-from ._adaptive import (
-    ClipStepSizeController as ClipStepSizeController,
-    PIDController as PIDController,
+from ._adjoint._backsolve import (
+    adjoint_rms_seminorm as adjoint_rms_seminorm,
+    BacksolveAdjoint as BacksolveAdjoint,
 )
-from ._adjoint import (
+from ._adjoint._base import (
     AbstractAdjoint as AbstractAdjoint,
     DirectAdjoint as DirectAdjoint,
     ForwardMode as ForwardMode,
     ImplicitAdjoint as ImplicitAdjoint,
 )
-from ._backsolve import (
-    adjoint_rms_seminorm as adjoint_rms_seminorm,
-    BacksolveAdjoint as BacksolveAdjoint,
+from ._adjoint._checkpoint import (
+    RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint,
 )
-from ._checkpoint import RecursiveCheckpointAdjoint as RecursiveCheckpointAdjoint
-from ._closure import (
+from ._closure._convert import (
     Closure as Closure,
     closure_convert as closure_convert,
     is_closure_converted as is_closure_converted,
 )
-from ._controller import (
+from ._controller._adaptive import (
+    ClipStepSizeController as ClipStepSizeController,
+    PIDController as PIDController,
+)
+from ._controller._base import (
     AbstractAdaptiveStepSizeController as AbstractAdaptiveStepSizeController,
     AbstractStepSizeController as AbstractStepSizeController,
     ConstantStepSize as ConstantStepSize,
@@ -37,27 +39,21 @@ from ._event import (
     steady_state_event as steady_state_event,
     SteadyStateEvent as SteadyStateEvent,
 )
-from ._global_interpolation import (
+from ._integrate import diffeqsolve as diffeqsolve
+from ._interpolation._dense import DenseInterpolation as DenseInterpolation
+from ._interpolation._global_interpolation import (
     AbstractGlobalInterpolation as AbstractGlobalInterpolation,
     backward_hermite_coefficients as backward_hermite_coefficients,
     CubicInterpolation as CubicInterpolation,
     LinearInterpolation as LinearInterpolation,
     rectilinear_interpolation as rectilinear_interpolation,
 )
-from ._integrate import diffeqsolve as diffeqsolve
-from ._interpolation import DenseInterpolation as DenseInterpolation
-from ._linear_solver import (
+from ._linear._linear_solver import (
     AbstractLinearSolver as AbstractLinearSolver,
     BandedLinearSolver as BandedLinearSolver,
     DenseLinearSolver as DenseLinearSolver,
     KrylovLinearSolver as KrylovLinearSolver,
     SparseLinearSolver as SparseLinearSolver,
-)
-from ._local_interpolation import (
-    AbstractLocalInterpolation as AbstractLocalInterpolation,
-    FourthOrderPolynomialInterpolation as FourthOrderPolynomialInterpolation,
-    LocalLinearInterpolation as LocalLinearInterpolation,
-    ThirdOrderHermitePolynomialInterpolation as ThirdOrderHermitePolynomialInterpolation,  # noqa: E501
 )
 from ._progress import (
     AbstractProgressMeter as AbstractProgressMeter,
@@ -105,6 +101,12 @@ from ._solver import (
     Tsit5 as Tsit5,
     VeryChord as VeryChord,
     with_stepsize_controller_tols as with_stepsize_controller_tols,
+)
+from ._solver._local_interpolation import (
+    AbstractLocalInterpolation as AbstractLocalInterpolation,
+    FourthOrderPolynomialInterpolation as FourthOrderPolynomialInterpolation,
+    LocalLinearInterpolation as LocalLinearInterpolation,
+    ThirdOrderHermitePolynomialInterpolation as ThirdOrderHermitePolynomialInterpolation,  # noqa: E501
 )
 from ._term import (
     AbstractTerm as AbstractTerm,

@@ -16,16 +16,16 @@ import jax.tree_util as jtu
 import optimistix as optx
 from jaxtyping import Array, PyTree
 
-from ._closure import Closure
-from ._controller import AbstractAdaptiveStepSizeController
+from ._closure._convert import Closure
+from ._closure._unvmap import unvmap_any
+from ._controller._base import AbstractAdaptiveStepSizeController
+from ._controller._norm import rms_norm
 from ._custom_types import Args, RealScalarLike, Y
-from ._norm import rms_norm
 from ._problem import Carry, dense_info_zeros, LastStep, Problem
 from ._select import where
 from ._solution import RESULTS
 from ._time import flip
 from ._tree import nograd, tree_where
-from ._unvmap import unvmap_any
 
 
 class Event(eqx.Module):

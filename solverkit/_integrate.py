@@ -12,15 +12,16 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from . import _timed_event as _timed
-from ._adjoint import AbstractAdjoint, reverse_only
-from ._checkpoint import RecursiveCheckpointAdjoint
-from ._closure import Closure, closure_convert
-from ._controller import AbstractStepSizeController, ConstantStepSize
+from ._adjoint._base import AbstractAdjoint, reverse_only
+from ._adjoint._checkpoint import RecursiveCheckpointAdjoint
+from ._closure._convert import Closure, closure_convert
+from ._closure._unvmap import error_if, unvmap_max
+from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete, StructureError
 from ._event import as_event, Event, with_context
-from ._interpolation import DenseInterpolation
-from ._linear_solver import convert_linear_solvers
+from ._interpolation._dense import DenseInterpolation
+from ._linear._linear_solver import convert_linear_solvers
 from ._problem import Problem, Resume, Save
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import is_sub, save_y, SaveAt
@@ -30,7 +31,6 @@ from ._solver import AbstractSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
 from ._time import flip, flip_finite
 from ._timed_event import TimedEvent
-from ._unvmap import error_if, unvmap_max
 from ._user_solver import convert as convert_user_solver, is_user_solver
 
 

@@ -1,9 +1,9 @@
 """The step loop: step, accept or reject, save, detect events.
 
 Knows nothing of adjoints: an adjoint supplies the function that runs
-`body(problem, carry)` while `cond(problem, carry)` holds (see `_adjoint.py`). Every
-user value reaches the loop through `Problem` (`_problem.py`), an explicit operand.
-What a step saves is written by `_save.py`; events are detected and located by
+`body(problem, carry)` while `cond(problem, carry)` holds (see `_adjoint/_base.py`).
+Every user value reaches the loop through `Problem` (`_problem.py`), an explicit
+operand. What a step saves is written by `_save.py`; events are detected and located by
 `_event.py`.
 """
 
@@ -19,6 +19,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from . import _event, _save, _timed_event as _timed
+from ._closure._unvmap import unvmap_any, unvmap_max, while_loop
 from ._custom_types import Y
 from ._errors import concrete
 from ._problem import adaptive, Buffers, Carry, Hybrid, LastStep, Problem, StepOut
@@ -28,7 +29,6 @@ from ._solution import RESULTS
 from ._term import like_state
 from ._time import flip
 from ._tree import tree_where
-from ._unvmap import unvmap_any, unvmap_max, while_loop
 from ._user_solver import UserSolver
 
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from ._closure import Closure
-from ._controller import AbstractStepSizeController
+from ._closure._convert import Closure
+from ._controller._base import AbstractStepSizeController
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._solver import AbstractSolver
 from ._term import AbstractTerm

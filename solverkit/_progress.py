@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._unvmap import unvmap_max
+from ._closure._unvmap import unvmap_max
 
 
 _ids = itertools.count()

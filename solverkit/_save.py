@@ -9,6 +9,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from ._closure._unvmap import while_loop
 from ._custom_types import RealScalarLike, Y
 from ._problem import (
     Buffers,
@@ -21,7 +22,6 @@ from ._problem import (
 )
 from ._select import where
 from ._time import flip
-from ._unvmap import while_loop
 
 
 def _save_value(problem: Problem, save: Save, tau: RealScalarLike, y: Y):

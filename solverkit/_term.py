@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from ._closure import Closure
+from ._closure._convert import Closure
 from ._custom_types import Args, RealScalarLike, Y
 from ._time import flip
 

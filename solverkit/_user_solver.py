@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from ._closure import Closure, closure_convert
+from ._closure._convert import Closure, closure_convert
 from ._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from ._errors import UnsupportedError
 from ._solver import AbstractSolver

@@ -20,7 +20,7 @@ from helpers import (
 )
 
 import solverkit as sk
-from solverkit import _schedule
+from solverkit._adjoint import _schedule
 
 
 pytestmark = pytest.mark.usefixtures("x64")

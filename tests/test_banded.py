@@ -1,5 +1,5 @@
-"""The band LU (`solverkit._banded`): by rows for narrow bands, by panels for wide
-ones; against a dense solve on random banded matrices whose small diagonal forces
+"""The band LU (`solverkit._linear._banded`): by rows for narrow bands, by panels for
+wide ones; against a dense solve on random banded matrices whose small diagonal forces
 row interchanges, in float32 and float64, under `vmap`, and its gradient."""
 
 import jax
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from solverkit._banded import (
+from solverkit._linear._banded import (
     _BLOCKED_FROM,
     _BLOCKED_TO,
     band_lu,

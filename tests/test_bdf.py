@@ -16,8 +16,8 @@ import pytest
 
 import solverkit as sk
 from benchmarks.stiff_problems import HIRES, ROBER, VDPOL
-from solverkit._linear_solver import AbstractLinearSolver, mass_matvec
-from solverkit._norm import rms_norm
+from solverkit._controller._norm import rms_norm
+from solverkit._linear._linear_solver import AbstractLinearSolver, mass_matvec
 
 
 pytestmark = pytest.mark.usefixtures("x64")

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import solverkit as sk
-from solverkit import _checkpoint
-from solverkit._stack import fixed_leaves, pack, stack, unpack
+from solverkit._adjoint import _checkpoint
+from solverkit._adjoint._stack import fixed_leaves, pack, stack, unpack
 
 
 def _lorenz_grad(n_steps: int = 1000):

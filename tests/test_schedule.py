@@ -1,5 +1,5 @@
-"""The checkpoint schedule's integer rules (`solverkit/_schedule.py`), checked as
-properties by simulating the forward and backward passes of
+"""The checkpoint schedule's integer rules (`solverkit/_adjoint/_schedule.py`), checked
+as properties by simulating the forward and backward passes of
 `RecursiveCheckpointAdjoint` on step indices instead of carries: every chunk's
 recomputation starts from a carry that is stored and still holds the right step,
 the chunks tile the steps, the buffers are never exceeded, and the default layout
@@ -12,8 +12,8 @@ import jax
 import pytest
 from hypothesis import given, settings
 
-from solverkit import _schedule
-from solverkit._schedule import Layout
+from solverkit._adjoint import _schedule
+from solverkit._adjoint._schedule import Layout
 
 
 # The rules as the compiled loops run them: on int32 scalars (jitted once per layout).

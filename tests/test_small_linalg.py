@@ -14,8 +14,8 @@ import pytest
 from helpers import finite_difference, float64
 
 import solverkit as sk
-from solverkit._linalg import _mul, invert, small_inverse, SMALL_MAX
-from solverkit._linear_solver import DenseLinearSolver
+from solverkit._linear._linalg import _mul, invert, small_inverse, SMALL_MAX
+from solverkit._linear._linear_solver import DenseLinearSolver
 
 
 def _matrices(n: int, count: int = 20, seed: int = 0) -> np.ndarray:

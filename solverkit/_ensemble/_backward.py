@@ -18,7 +18,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._adjoint import fill_zeros, parameters
+from .._adjoint._base import fill_zeros, parameters
 from .._progress import NoProgressMeter
 from ._lanes import row, with_lane
 

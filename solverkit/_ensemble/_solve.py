@@ -25,9 +25,10 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .. import _kernel
-from .._adjoint import AbstractAdjoint, custom_vjp
-from .._checkpoint import RecursiveCheckpointAdjoint
-from .._controller import AbstractStepSizeController, ConstantStepSize
+from .._adjoint._base import AbstractAdjoint, custom_vjp
+from .._adjoint._checkpoint import RecursiveCheckpointAdjoint
+from .._closure._unvmap import error_if, unvmap_max
+from .._controller._base import AbstractStepSizeController, ConstantStepSize
 from .._custom_types import RealScalarLike
 from .._errors import concrete, UnsupportedError
 from .._event import Event
@@ -48,7 +49,6 @@ from .._solver import AbstractSolver
 from .._term import AbstractTerm
 from .._time import flip, flip_finite
 from .._timed_event import TimedEvent
-from .._unvmap import error_if, unvmap_max
 from ._backward import backward
 from ._inputs import (
     batch_size,

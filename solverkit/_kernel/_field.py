@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._adaptive import PIDController
-from .._closure import Closure
-from .._norm import rms_norm
+from .._closure._convert import Closure
+from .._controller._adaptive import PIDController
+from .._controller._norm import rms_norm
 from .._problem import Problem
 from .._progress import NoProgressMeter
 from .._solver._runge_kutta import AbstractRungeKutta

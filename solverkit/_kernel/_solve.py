@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._adjoint import custom_vjp, fill_zeros, parameters
-from .._closure import Closure
+from .._adjoint._base import custom_vjp, fill_zeros, parameters
+from .._closure._convert import Closure
+from .._closure._unvmap import error_if, unvmap_max
 from .._integrate import MESSAGES as _MESSAGES
 from .._problem import Problem
 from .._select import where
 from .._solution import Result, RESULTS, Solution
-from .._unvmap import error_if, unvmap_max
 from . import _field, _pallas
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported

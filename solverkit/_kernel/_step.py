@@ -1,8 +1,8 @@
 """One adaptive step of every lane of a block, on `(rows, 128)` tiles: the explicit
 Runge–Kutta step of a tableau, the PID controller's decision, the first-step
 heuristic and the dense output. The arithmetic is that of the `vmap` path
-(`_solver/_runge_kutta.py`, `_adaptive.py`), element by element, in the same order,
-so the two take the same steps up to round-off.
+(`_solver/_runge_kutta.py`, `_controller/_adaptive.py`), element by element, in the same
+order, so the two take the same steps up to round-off.
 """
 
 from collections.abc import Callable

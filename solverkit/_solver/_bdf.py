@@ -28,7 +28,7 @@ error is within tolerance. Other adaptive controllers raise a `ValueError`.
 iteration matrix is refactorised when `γh` changed by more than 30% or after 20 steps,
 and the Jacobian is computed anew after 50 steps, or when a Newton solve failed with an
 old one (the step is then retried at once with the new Jacobian). All linear algebra
-goes through the linear-solver protocol (`_linear_solver.py`).
+goes through the linear-solver protocol (`_linear/_linear_solver.py`).
 
 **Derivatives.** The Newton solve runs on values without derivatives (its reused
 Jacobian is not the Jacobian at the solution); its result is then given the derivative
@@ -49,19 +49,19 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
-from .._controller import AbstractAdaptiveStepSizeController
-from .._linear_solver import (
+from .._closure._unvmap import unvmap_any
+from .._controller._base import AbstractAdaptiveStepSizeController
+from .._controller._norm import rms_norm
+from .._linear._linear_solver import (
     AbstractLinearSolver,
     algebraic_residual,
     DenseLinearSolver,
     KrylovLinearSolver,
     mass_matvec,
 )
-from .._norm import rms_norm
 from .._select import where
 from .._solution import RESULTS
 from .._tree import nograd
-from .._unvmap import unvmap_any
 from ._base import AbstractAdaptiveSolver
 
 

@@ -18,12 +18,8 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
-from .._linalg import invert
-from .._linear_solver import AbstractLinearSolver, DenseLinearSolver
-from .._local_interpolation import (
-    LocalLinearInterpolation,
-    ThirdOrderHermitePolynomialInterpolation,
-)
+from .._linear._linalg import invert
+from .._linear._linear_solver import AbstractLinearSolver, DenseLinearSolver
 from .._select import where
 from .._solution import RESULTS
 from .._term import AbstractTerm, MultiTerm
@@ -39,6 +35,10 @@ from ._implicit_tableau import (
     KVAERNO4,
     KVAERNO5,
     SIL3,
+)
+from ._local_interpolation import (
+    LocalLinearInterpolation,
+    ThirdOrderHermitePolynomialInterpolation,
 )
 from ._root_finder import (
     bind_tols,

@@ -4,9 +4,9 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._custom_types import Args, BoolScalarLike, RealScalarLike, Y
-from .._local_interpolation import LocalLinearInterpolation
 from .._term import AbstractTerm
 from ._base import AbstractSolver, successful
+from ._local_interpolation import LocalLinearInterpolation
 
 
 class LeapfrogMidpoint(AbstractSolver):

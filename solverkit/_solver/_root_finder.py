@@ -21,8 +21,8 @@ import optimistix as optx
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
-from .._controller import AbstractAdaptiveStepSizeController
-from .._linalg import factorise, Inverse, jacobian
+from .._controller._base import AbstractAdaptiveStepSizeController
+from .._linear._linalg import factorise, Inverse, jacobian
 from .._select import where
 from .._solution import Result, RESULTS
 

@@ -27,8 +27,8 @@ from jax.flatten_util import ravel_pytree
 from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
-from .._linalg import time_derivative
-from .._linear_solver import (
+from .._linear._linalg import time_derivative
+from .._linear._linear_solver import (
     AbstractLinearSolver,
     algebraic_residual,
     DenseLinearSolver,

@@ -12,13 +12,13 @@ from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
-from .._local_interpolation import (
+from .._term import AbstractTerm
+from ._base import AbstractAdaptiveSolver, AbstractSolver, axpy, successful
+from ._local_interpolation import (
     AbstractLocalInterpolation,
     LocalLinearInterpolation,
     ThirdOrderHermitePolynomialInterpolation,
 )
-from .._term import AbstractTerm
-from ._base import AbstractAdaptiveSolver, AbstractSolver, axpy, successful
 from ._tableau import (
     BOSH3,
     ButcherTableau,

@@ -1,7 +1,7 @@
 """Rewrites of a converted jaxpr, made once by `closure_convert`: repeated equations
 merged, and the slices of one array along one axis taken by one `split`. Neither
 changes what the jaxpr computes; both make its reverse mode cheaper. Here too are the
-two jaxpr helpers `_closure.py` and `_vma_eval.py` share: tracing with every constant
+two jaxpr helpers `_convert.py` and `_vma_eval.py` share: tracing with every constant
 hoisted, and telling an unused output.
 
 Common subexpressions. Users index their state again and again (`y[0] * y[1] - y[0]`).
@@ -20,7 +20,7 @@ slices of one array along one axis become one `split` at every boundary they use
 a single `concatenate` of the pieces' cotangents, with no pad; forward, XLA lowers a
 `split` to the same slices as before.
 
-This module imports nothing of solverkit (see `_closure.py`).
+This module imports nothing of solverkit (see `_convert.py`).
 """
 
 import contextlib

@@ -16,16 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._custom_types import Args, RealScalarLike, VF, Y
-from ._errors import BadInputError, concrete
-from ._select import where
-from ._solution import Result, RESULTS
-from ._term import AbstractTerm
-from ._time import flip
+from .._custom_types import Args, RealScalarLike, VF, Y
+from .._errors import BadInputError, concrete
+from .._select import where
+from .._solution import Result, RESULTS
+from .._term import AbstractTerm
+from .._time import flip
 
 
 if TYPE_CHECKING:  # annotations only: the solvers import this module
-    from ._solver import AbstractSolver
+    from .._solver import AbstractSolver
 
 
 class AbstractStepSizeController(eqx.Module):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from ._reduce import sum_all
+from .._reduce import sum_all
 
 
 def rms_norm(x: PyTree) -> Array:

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from ._custom_types import RealScalarLike
-from ._select import where
-from ._solver import AbstractSolver
-from ._time import flip
+from .._custom_types import RealScalarLike
+from .._select import where
+from .._solver import AbstractSolver
+from .._time import flip
 
 
 class DenseInterpolation(eqx.Module):

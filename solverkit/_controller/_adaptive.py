@@ -15,22 +15,22 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._controller import (
+from .._custom_types import Args, RealScalarLike, VF, Y
+from .._errors import BadInputError, concrete
+from .._select import where
+from .._solution import RESULTS
+from .._term import AbstractTerm
+from .._time import flip
+from ._base import (
     AbstractAdaptiveStepSizeController,
     AbstractStepSizeController,
     times_of,
 )
-from ._custom_types import Args, RealScalarLike, VF, Y
-from ._errors import BadInputError, concrete
 from ._norm import rms_norm
-from ._select import where
-from ._solution import RESULTS
-from ._term import AbstractTerm
-from ._time import flip
 
 
 if TYPE_CHECKING:  # annotations only: the solvers import the controllers
-    from ._solver import AbstractSolver
+    from .._solver import AbstractSolver
 
 
 def _initial_step(

@@ -11,8 +11,20 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _loop
-from ._adjoint import (
+from .. import _loop
+from .._closure._convert import closure_convert
+from .._closure._unvmap import error_if
+from .._controller._base import AbstractStepSizeController
+from .._controller._norm import rms_norm
+from .._custom_types import RealScalarLike, Y
+from .._errors import UnsupportedError
+from .._linear._linear_solver import has_converted_callable
+from .._loop import Outputs
+from .._problem import Problem
+from .._solver import AbstractRungeKutta, AbstractSolver
+from .._term import ClosureTerm, MultiTerm, total_vf
+from .._time import flip
+from ._base import (
     AbstractAdjoint,
     custom_vjp,
     fill_zeros,
@@ -20,18 +32,6 @@ from ._adjoint import (
     run,
     zeros_cotangent,
 )
-from ._closure import closure_convert
-from ._controller import AbstractStepSizeController
-from ._custom_types import RealScalarLike, Y
-from ._errors import UnsupportedError
-from ._linear_solver import has_converted_callable
-from ._loop import Outputs
-from ._norm import rms_norm
-from ._problem import Problem
-from ._solver import AbstractRungeKutta, AbstractSolver
-from ._term import ClosureTerm, MultiTerm, total_vf
-from ._time import flip
-from ._unvmap import error_if
 
 
 # The adjoint system's vector field (a field and its vjp) is large. For an augmented

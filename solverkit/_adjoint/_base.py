@@ -25,16 +25,16 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _loop
-from ._errors import UnsupportedError
-from ._linalg import lu_factorisation, value_and_jacobian
-from ._loop import Outputs
-from ._problem import Buffers, Carry, Problem
+from .. import _loop
+from .._closure._unvmap import unvmap_any
+from .._closure._vma_eval import match_varying, union_of_axes, vary, varying_axes
+from .._errors import UnsupportedError
+from .._linear._linalg import lu_factorisation, value_and_jacobian
+from .._loop import Outputs
+from .._problem import Buffers, Carry, Problem
+from .._term import ClosureTerm, total_vf
+from .._tree import nograd
 from ._schedule import ceil_sqrt
-from ._term import ClosureTerm, total_vf
-from ._tree import nograd
-from ._unvmap import unvmap_any
-from ._vma_eval import match_varying, union_of_axes, vary, varying_axes
 
 
 def _standard_promotion(fn):

@@ -34,6 +34,9 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
+from .._closure._convert import Closure, closure_convert
+from .._closure._unvmap import error_if
+from .._tree import nograd
 from ._banded import (
     band_lu,
     band_lu_solve,
@@ -42,7 +45,6 @@ from ._banded import (
     BlockedBandLU,
     dense_to_bands,
 )
-from ._closure import Closure, closure_convert
 from ._linalg import Inverse, inverse, lu_factorisation, value_and_jacobian
 from ._sparsity import (
     bandwidths,
@@ -51,8 +53,6 @@ from ._sparsity import (
     coordinates,
     reverse_cuthill_mckee,
 )
-from ._tree import nograd
-from ._unvmap import error_if
 
 
 FlatFn = Callable[[Array], Array]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, ArrayLike, PyTree, Real
 
-from ._errors import concrete
+from .._errors import concrete
 
 
 def _as_arrays(tree: PyTree) -> PyTree:

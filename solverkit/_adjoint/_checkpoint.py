@@ -15,8 +15,15 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _loop, _schedule
-from ._adjoint import (
+from .. import _loop
+from .._closure._unvmap import unvmap_max
+from .._errors import UnsupportedError
+from .._loop import Outputs
+from .._problem import Buffers, Carry, Problem
+from .._select import where
+from .._tree import tree_where
+from . import _schedule
+from ._base import (
     AbstractAdjoint,
     custom_vjp,
     fill_zeros,
@@ -24,11 +31,7 @@ from ._adjoint import (
     run,
     zeros_cotangent,
 )
-from ._errors import UnsupportedError
-from ._loop import Outputs
-from ._problem import Buffers, Carry, Problem
 from ._schedule import Layout
-from ._select import where
 from ._stack import (
     fixed_leaves,
     get_row,
@@ -40,8 +43,6 @@ from ._stack import (
     stack,
     unpack,
 )
-from ._tree import tree_where
-from ._unvmap import unvmap_max
 
 
 class RecursiveCheckpointAdjoint(AbstractAdjoint):

@@ -18,7 +18,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._select import where
+from .._select import where
 
 
 class Layout(NamedTuple):

@@ -15,8 +15,8 @@ import jax.tree_util as jtu
 from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
-from ._custom_types import RealScalarLike, Y
-from ._select import where
+from .._custom_types import RealScalarLike, Y
+from .._select import where
 
 
 def step_fraction(t0: Array, t1: Array, t: RealScalarLike) -> Array:

@@ -10,7 +10,7 @@ interpreted: each primitive's operands are cast to the union of their varying ax
 loops, conds, checkpoints and custom_jvp rules are rebuilt through JAX's own API so
 that their bodies are typed afresh. On JAX without these types, nothing changes.
 
-This module imports nothing of solverkit but `_jaxpr_rewrite` (see `_closure.py`).
+This module imports nothing of solverkit but `_jaxpr_rewrite` (see `_convert.py`).
 """
 
 import jax

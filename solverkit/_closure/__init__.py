@@ -1,0 +1,4 @@
+"""Closure conversion (`_convert.py`: `closure_convert`, `Closure`), the rewrites of a
+converted jaxpr (`_jaxpr_rewrite.py`), its evaluation under `shard_map`
+(`_vma_eval.py`) and batch-aware primitives (`_unvmap.py`). Imports nothing else of
+solverkit."""
