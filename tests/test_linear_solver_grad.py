@@ -175,9 +175,23 @@ def _cases():
     # Backwards, the stiff decay is unstable (docs/api/solvers.md): Kvaerno3's
     # backward solve fails; BDF's passes.
     cases += [("BDF", "sparse-blocks", "backsolve")]
-    return [
-        pytest.param(*c, marks=[] if c in _QUICK else [pytest.mark.slow]) for c in cases
-    ]
+    return [pytest.param(*c, marks=_marks(c)) for c in cases]
+
+
+# Reverse mode through BiCGStab with a banded preconditioner gives NaN gradients
+# (BDF and Rodas5P; found when this tier first ran): a known bug, kept visible.
+_NAN_GRADIENTS = {
+    ("BDF", "bicgstab-banded", "recursive"),
+    ("Rodas5P", "bicgstab-banded", "recursive"),
+}
+
+
+def _marks(case) -> list:
+    marks = [] if case in _QUICK else [pytest.mark.slow]
+    if case in _NAN_GRADIENTS:
+        reason = "NaN gradient through BiCGStab with a banded preconditioner"
+        marks.append(pytest.mark.xfail(reason=reason, strict=False))
+    return marks
 
 
 @pytest.mark.parametrize("stiff,linear,adjoint", _cases())

@@ -215,10 +215,11 @@ def _outputs(sol: Solution) -> dict:
 
 def _lane_cotangents(problem: Problem, ct: dict) -> dict:
     """The cotangents of the `Solution`'s rows as the lane loop's backward pass
-    takes them (`_ensemble._row`, forwards in time: internal time is time)."""
+    takes them (`_ensemble._lanes.row`, forwards in time: internal time is time;
+    no continuing events in the kernel, so `events` is None)."""
     none = dict.fromkeys(
         ("result", "num_steps", "num_accepted", "num_rejected", "solver_state",
-         "controller_state"),
+         "controller_state", "events"),
     )  # fmt: skip
     mask = None
     if problem.conds is not None:
