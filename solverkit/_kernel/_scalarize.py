@@ -177,6 +177,11 @@ _STRUCTURAL: dict[str, Callable] = {
     "split": lambda x, p: tuple(
         np.split(x, np.cumsum(p["sizes"])[:-1], axis=p["axis"])
     ),
+    # Newer JAX (0.12) traces the unpacking of an array (`a, b, c = y`) to `unstack`.
+    "unstack": lambda x, p: tuple(
+        np.squeeze(part, p["axis"])  # object arrays still, 0-d ones included
+        for part in np.split(x, x.shape[p["axis"]], axis=p["axis"])
+    ),
     "reduce_sum": lambda x, p: _reduce(operator.add, x, p["axes"]),
     "reduce_max": lambda x, p: _reduce(jnp.maximum, x, p["axes"]),
     "reduce_min": lambda x, p: _reduce(jnp.minimum, x, p["axes"]),
