@@ -7,6 +7,7 @@ checked as `docs/migrating.md` describes them."""
 import re
 
 import diffrax
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -165,7 +166,10 @@ _ERRORS = [
 )
 def test_errors_as_diffrax(snippet, error, words):
     for lib in LIBS:
-        with pytest.raises(error, match=re.escape(words)):
+        # equinox on a TPU cannot raise from the device: it prints every failed check and
+        # raises the last one's message, so diffrax's words are only checked elsewhere.
+        peer_on_tpu = lib is diffrax and jax.default_backend() == "tpu"
+        with pytest.raises(error, match=None if peer_on_tpu else re.escape(words)):
             snippet(lib)
     with pytest.raises(ValueError):  # solverkit's promise: bad input is a ValueError
         snippet(sk)
