@@ -8,6 +8,8 @@ so a buffer write stays a one-row write under `vmap`. `unvmap_max` serves error 
 and progress fractions the same way, and `error_if` raises once for a whole batch.
 """
 
+import os
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -79,3 +81,37 @@ def error_if(x, failed, index, messages):
     return jax.tree_util.tree_map(
         lambda a: a + token.astype(a.dtype) if eqx.is_inexact_array(a) else a, x
     )
+
+
+def _at_top_level() -> bool:
+    """Whether no JAX transformation is tracing now (False where JAX cannot say)."""
+    try:
+        from jax._src import core
+
+        return bool(core.trace_state_clean())
+    except Exception:  # a JAX without it: keep the check on the device
+        return False
+
+
+def eager(tree) -> bool:
+    """Whether a call on `tree` runs eagerly: outside every `jit`/`vmap`/`grad` trace,
+    with no tracer among its leaves, and with equinox's errors set to raise.
+
+    Then a solve's failure can be checked on the host after it ran (`raise_failed`)
+    instead of inside the program: a host callback costs about 2 ms a call on a TPU,
+    and XLA's persistent compilation cache refuses programs that hold one.
+    """
+    if os.environ.get("EQX_ON_ERROR", "raise") != "raise" or not _at_top_level():
+        return False
+    leaves = jax.tree_util.tree_leaves(tree)
+    return not any(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+def raise_failed(result, ok_codes, messages) -> None:
+    """Raise, on the host, what `error_if` raises inside a program: the message of the
+    largest result code that is not in `ok_codes`, as equinox's error type."""
+    codes = np.asarray(result).ravel()
+    failed = codes[~np.isin(codes, np.asarray(ok_codes))]
+    if failed.size:
+        error = getattr(eqx, "EquinoxRuntimeError", RuntimeError)
+        raise error(messages[int(failed.max())])
