@@ -611,6 +611,7 @@ def _solve(problem: Problem, adjoint, throw, keep: "Keep"):
             problem.direction,
             problem.solver,
             problem.y0,
+            out.bufs.dense_ends,
         )
     carry = out.carry
     count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731  # diffrax's dtype

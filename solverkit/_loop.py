@@ -91,7 +91,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     zero = jnp.asarray(0, jnp.int32)
     hybrid = None
     if problem.continues:
-        hybrid = Hybrid(jnp.asarray(False), t0, zero, jnp.zeros_like(t0))
+        hybrid = Hybrid(zero)
         cond_values = _start_sides(problem, cond_values)
     carry = Carry(
         t=t0,
@@ -206,6 +206,12 @@ def cond(problem: Problem, carry: Carry) -> Array:
 _LANDING_ULPS = 100
 
 
+def _lands_on_t1(problem: Problem, t: Array) -> Array:
+    """Whether a proposed step end `t` is close enough to `t1` to land on it."""
+    spacing = jnp.finfo(t.dtype).eps * jnp.maximum(1, jnp.abs(problem.t1))
+    return t >= problem.t1 - _LANDING_ULPS * spacing
+
+
 def _solver_step(problem: Problem, carry: Carry, t1: Array):
     """The solver's step from `carry.t` to `t1`. A step that ends at a jump of the
     vector field stops just short of it (so that no stage sees the far side), and the
@@ -312,9 +318,6 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         )
     )
     accepted = jnp.asarray(accepted)
-    spacing = jnp.finfo(t0.dtype).eps * jnp.maximum(1, jnp.abs(problem.t1))
-    close = next_t1 >= problem.t1 - _LANDING_ULPS * spacing
-    next_t1 = where(close, problem.t1, next_t1)
     finite = _all_finite(y1)
     result = _step_result(
         problem, carry, accepted, finite, failed, solver_result, controller_result
@@ -346,7 +349,9 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         new, out = _continue(problem, carry, new, out, finite)
     if t_timed is not None:
         new = _after_timed(problem, new, out, t_timed)
-    return new, out
+    # (Only now: an occurrence moves the next step with it.)
+    land = _lands_on_t1(problem, new.tnext)
+    return new._replace(tnext=where(land, problem.t1, new.tnext)), out
 
 
 def _after_timed(problem: Problem, new: Carry, out: StepOut, t_timed: Array) -> Carry:
@@ -401,75 +406,63 @@ def _stopping_event(problem: Problem, carry: Carry, out: StepOut, finite, result
 
 
 def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
-    """An event that continues, after a step: a crossing found in an accepted step
-    turns it into a rejected one, and the next steps land exactly on the located
-    occurrence; a step that lands there applies the effect (the solver's state made
-    anew, as after a jump), records it, or ends the solve (`_occurrence_ends`)."""
+    """An event that continues, after a step: an accepted step in which a crossing
+    is found ends at it (as a loop of solves that each stop at an event does), with
+    the state there from the step's dense output, which its saves use up to there.
+    The occurrence's effect is applied (the solver's state made anew, as after a
+    jump) and recorded, or the occurrence ends the solve (`_occurrence_ends`)."""
     hybrid = carry.hybrid
     assert hybrid is not None  # (`init` made it)
-    t0, t1, accepted = out.t0, out.t1, out.accepted
-    landing = hybrid.landing
-    landed = accepted & landing & (t1 >= hybrid.t_land)
-    # A crossing in a free step: locate it (only when some batch element has one).
+    t0, t1, info = out.t0, out.t1, out.dense_info
     values = _event.eval_conds(problem, t1, out.y1)
     fired = _event.fired(problem, carry.cond_values, values)
-    fired = jtu.tree_map(lambda f: f & accepted & ~landing & finite, fired)
+    fired = jtu.tree_map(lambda f: f & out.accepted & finite, fired)
     found = or_all(jtu.tree_leaves(fired))
-    t_star = lax.cond(
-        unvmap_any(found),
-        lambda: _event.crossing(
-            problem, t0, t1, out.dense_info, fired, carry.cond_values
-        ),
-        lambda: t1,
+
+    def cut():  # only when some batch element found a crossing
+        t = _event.crossing(problem, t0, t1, info, fired, carry.cond_values)
+        y = problem.solver.interpolate(info, t0, t1, t)
+        return t, tree_where(found, y, out.y1)
+
+    t_star, y_star = lax.cond(unvmap_any(found), cut, lambda: (t1, out.y1))
+    count = hybrid.count + found.astype(jnp.int32)
+    out = out._replace(t1=t_star, y1=y_star, landed=found, t_info=t1)
+    apply, result = _occurrence_ends(problem, hybrid, found, count, out, new.result)
+    # The next step, from the occurrence: the one the controller proposed, which
+    # shifts with the occurrence's time and does not stretch with it (else the
+    # derivative of each cut would reach every later step, multiplied by each
+    # step's factor: a spike time's gradient grew ~25-fold a spike); after an
+    # effect, as a solve started there would take (`_after_occurrence`).
+    tnext = t_star + lax.stop_gradient(new.tnext - t1)
+    y, states, cond_values = _after_occurrence(
+        problem,
+        t_star,
+        tree_where(found, y_star, new.y),
+        (found, apply),
+        carry.cond_values,
+        (new.solver_state, tnext, new.controller_state),
     )
-    # The occurrence reached: its effect, a fresh solver state, the conditions anew.
-    count = hybrid.count + landed.astype(jnp.int32)
-    apply, result = _occurrence_ends(problem, hybrid, landed, count, out, new.result)
-    y, restart, after = _after_occurrence(
-        problem, t1, new.y, apply, carry.cond_values, new.solver_state
-    )
+    solver_state, tnext, controller_state = states
+    accepted_values = tree_where(out.accepted, values, carry.cond_values)
     new = new._replace(
+        t=where(found, t_star, new.t),
         y=y,
-        solver_state=tree_where(apply, restart, new.solver_state),
-        cond_values=tree_where(
-            apply, after, tree_where(accepted & ~landing, values, carry.cond_values)
-        ),
+        solver_state=tree_where(found, solver_state, new.solver_state),
+        controller_state=controller_state,
+        cond_values=tree_where(found, cond_values, accepted_values),
+        event_mask=tree_where(found, fired, carry.event_mask),
         result=result,
-        hybrid=hybrid._replace(landing=landing & ~landed, count=count),
-        tnext=where(
-            landing & ~landed,
-            jnp.minimum(new.tnext, hybrid.t_land),
-            # After the occurrence, at least the step that found it: the landing
-            # step may be far shorter (or of no length, for one at `t0`).
-            # It shifts with the occurrence's time, it does not stretch with the
-            # landing step: else that step's derivative would reach every later
-            # step, multiplied by each step's factor (a spike time's gradient grew
-            # ~25-fold a spike).
-            where(
-                landed,
-                t1 + lax.stop_gradient(jnp.maximum(new.tnext - t1, hybrid.h)),
-                new.tnext,
-            ),
-        ),
+        hybrid=Hybrid(count),
+        tnext=where(found, tnext, new.tnext),
     )
-    # ... and a crossing found: the step is undone, the next one ends at it.
-    undone = carry._replace(
-        tnext=t_star,
-        num_steps=new.num_steps,
-        num_rejected=carry.num_rejected + 1,
-        event_mask=fired,
-        hybrid=Hybrid(jnp.asarray(True), t_star, hybrid.count, t1 - t0),
-    )
-    new = tree_where(found, undone, new)
-    out = out._replace(accepted=accepted & ~found, landed=landed)
     return new, out
 
 
 def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, result):
-    """Whether the occurrence a step `landed` on is applied, and the result: the
-    solve stops at the `stop_at`-th (`event_occurred`, before the effect), past
-    `max_events` (`max_events_reached`), or where an occurrence comes at the time
-    of the previous one (its landing step has no length, to a hundred ulps):
+    """Whether the occurrence at the end of a step (where `landed`) is applied, and
+    the result: the solve stops at the `stop_at`-th (`event_occurred`, before the
+    effect), past `max_events` (`max_events_reached`), or where an occurrence comes
+    at the time of the previous one (at the start of its step, to a hundred ulps):
     occurrences accumulate there and no solve goes past (`events_accumulated`)."""
     t0, t1 = out.t0, out.t1
     stop = (
@@ -486,13 +479,17 @@ def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, resul
     return landed & ~stop & ~over & ~accumulated, result
 
 
-def _after_occurrence(problem: Problem, t1, y, apply, reference, solver_state):
-    """Where `apply`: the state after the effect at `t1`, the solver's state made
-    anew there, and the conditions evaluated anew (`reference`: their values at the
-    start of the step that found the crossing); elsewhere `y`, `solver_state` and
-    `reference`. Computed only when some batch element applies an occurrence, and
-    the effect sees the state of one that does not without its derivative, so that
-    an effect singular away from its events puts no NaN into gradients.
+def _after_occurrence(problem: Problem, t1, y, masks, reference, states):
+    """Where `found` (`masks = (found, apply)`: an occurrence at `t1`, the state `y`
+    there): the state after the effect where `apply`; the solver's state made anew
+    at `t1`, and the next step and the controller's state made anew where an
+    effect applies (the state jumped: the steps so far say nothing of what
+    follows); the conditions evaluated anew (`reference`: their values at the
+    start of the step that found the crossing). Elsewhere `y`, `states` (the
+    solver's state, the next step's end, the controller's state) and `reference`.
+    Computed only when some batch element found one, and the effect sees the state
+    of one that does not apply it without its derivative, so that an effect
+    singular away from its events puts no NaN into gradients.
 
     A condition left at (numerically) zero by the occurrence is taken to be on the
     side it moves to (the sign of its rate along the flow), so that the next
@@ -502,20 +499,32 @@ def _after_occurrence(problem: Problem, t1, y, apply, reference, solver_state):
     vanishing bounce), its motion is a crossing of its own, starting there: it is
     taken to be on the side it comes from, so that it fires at once (as at `t0`),
     never to cross unseen."""
+    found, apply = masks
+    terms, args = problem.terms, problem.args
 
     def occur(y):
         _, before = _conditions_along_flow(problem, t1, y)
+        solver_state, tnext, controller_state = states
         if problem.effect is not None:
-            effect, t, seen, args = _only_where(
-                apply, (problem.effect, flip(problem.direction, t1), y, problem.args)
+            effect, t, seen, fn_args = _only_where(
+                apply, (problem.effect, flip(problem.direction, t1), y, args)
             )
-            y = tree_where(apply, like_state(effect(t, seen, args), y), y)
-        restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
+            y = tree_where(apply, like_state(effect(t, seen, fn_args), y), y)
+            func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
+            fresh, fresh_state = problem.controller.init(
+                terms, t1, problem.t1, y, problem.dt0, args, func, problem.error_order
+            )
+            fresh = t1 + lax.stop_gradient(jnp.asarray(fresh, t1.dtype) - t1)
+            tnext = where(apply, fresh, tnext)
+            controller_state = tree_where(apply, fresh_state, controller_state)
+        solver_state = problem.solver.init(terms, t1, problem.t1, y, args)
         after, moving = _conditions_along_flow(problem, t1, y)
         side = lambda a, m, b, r: _side_after(a, m, b, r, _window(t1))
-        return y, restart, jtu.tree_map(side, after, moving, before, reference)
+        values = jtu.tree_map(side, after, moving, before, reference)
+        return y, (solver_state, tnext, controller_state), values
 
-    return lax.cond(unvmap_any(apply), occur, lambda y: (y, solver_state, reference), y)
+    skip = lambda y: (y, states, reference)  # noqa: E731
+    return lax.cond(unvmap_any(found), occur, skip, y)
 
 
 def _only_where(pred, tree: PyTree) -> PyTree:

@@ -111,10 +111,7 @@ class LastStep(NamedTuple):
 class Hybrid(NamedTuple):
     """The loop state of an event that continues."""
 
-    landing: Array  # the next steps end at a located occurrence, `t_land`
-    t_land: Array
     count: Array  # occurrences so far
-    h: Array  # the length of the step that found it (the first step after it)
 
 
 class Carry(NamedTuple):
@@ -150,6 +147,9 @@ class Buffers(NamedTuple):
     # An event that continues: the occurrences' times and states before them.
     event_ts: Array | None = None
     event_ys: PyTree | None = None
+    # With dense output and an event that continues: the end of the interval each
+    # step's dense information covers (a step cut at an occurrence ends before it).
+    dense_ends: Array | None = None
 
 
 class StepOut(NamedTuple):
@@ -161,6 +161,13 @@ class StepOut(NamedTuple):
     y1: PyTree
     dense_info: PyTree
     landed: Array | None = None  # it ended at an occurrence of an event that continues
+    # The end of the interval `dense_info` covers, where the step was cut short at
+    # an occurrence (`t1` there); `None`: `t1`.
+    t_info: Array | None = None
+
+    @property
+    def info_end(self) -> Array:
+        return self.t1 if self.t_info is None else self.t_info
 
 
 def adaptive(problem: Problem) -> bool:
