@@ -11,7 +11,6 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from . import _timed_event as _timed
 from ._adjoint._base import AbstractAdjoint, reverse_only
 from ._adjoint._checkpoint import RecursiveCheckpointAdjoint
 from ._closure._convert import Closure, closure_convert
@@ -19,7 +18,7 @@ from ._closure._unvmap import error_if, unvmap_max
 from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete, StructureError
-from ._event import as_event, Event, with_context
+from ._event import _timed, as_event, Event, TimedEvent, with_context
 from ._interpolation._dense import DenseInterpolation
 from ._linear._linear_solver import convert_linear_solvers
 from ._problem import Problem, Resume, Save
@@ -30,7 +29,6 @@ from ._solution import EventRecord, Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
 from ._time import flip, flip_finite
-from ._timed_event import TimedEvent
 from ._user_solver import convert as convert_user_solver, is_user_solver
 
 

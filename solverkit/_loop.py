@@ -3,8 +3,8 @@
 Knows nothing of adjoints: an adjoint supplies the function that runs
 `body(problem, carry)` while `cond(problem, carry)` holds (see `_adjoint/_base.py`).
 Every user value reaches the loop through `Problem` (`_problem.py`), an explicit
-operand. What a step saves is written by `_save.py`; events are detected and located by
-`_event.py`.
+operand. What a step saves is written by `_save.py`; events act through one interface
+(`_event/_extension.py`: `start`, `init`, `step_end`, `after_step`, `finish`).
 """
 
 import dataclasses
@@ -18,16 +18,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from . import _event, _save, _timed_event as _timed
+from . import _event, _save
 from ._closure._unvmap import unvmap_any, unvmap_max, while_loop
 from ._custom_types import Y
 from ._errors import concrete
-from ._problem import adaptive, Buffers, Carry, Hybrid, LastStep, Problem, StepOut
-from ._reduce import all_true, and_all, or_all
+from ._problem import adaptive, Buffers, Carry, Problem, StepOut
+from ._reduce import all_true, and_all
 from ._select import where
 from ._solution import RESULTS
-from ._term import like_state
-from ._time import flip
 from ._tree import tree_where
 from ._user_solver import UserSolver
 
@@ -69,10 +67,8 @@ def batch_like(sources, tree):
 def init(problem: Problem) -> tuple[Carry, Buffers]:
     """The loop's initial carry and save buffers."""
     saves_from = problem  # saves at `t0` show `y0`, before any event there
-    timed_index, at_t0 = None, None
-    if problem.timed is not None:
-        timed_index, at_t0, y0 = _timed_at_t0(problem)
-        problem = dataclasses.replace(problem, y0=y0)
+    start = _event.start(problem)  # after a `TimedEvent` at `t0`
+    problem = dataclasses.replace(problem, y0=start.y0)
     terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
     func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
     tnext, controller_state = problem.controller.init(
@@ -80,19 +76,11 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     )
     tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
     solver_state, controller_state = _initial_states(problem, controller_state)
-    if at_t0 is not None and problem.resume is not None:  # made anew after an event
+    if start.at_t0 is not None and problem.resume is not None:  # made anew there
         fresh = problem.solver.init(terms, t0, problem.t1, y0, args)
-        solver_state = tree_where(at_t0, fresh, solver_state)
-    cond_values, event_mask, last = _event.init_events(problem, solver_state)
-    result = jnp.asarray(SUCCESS, jnp.int32)
-    if event_mask is not None:
-        at_t0 = or_all(jtu.tree_leaves(event_mask))
-        result = where(at_t0, _EVENT, SUCCESS).astype(jnp.int32)
+        solver_state = tree_where(start.at_t0, fresh, solver_state)
+    events = _event.init(problem, solver_state)
     zero = jnp.asarray(0, jnp.int32)
-    hybrid = None
-    if problem.continues:
-        hybrid = Hybrid(zero)
-        cond_values = _start_sides(problem, cond_values)
     carry = Carry(
         t=t0,
         tnext=tnext,
@@ -102,38 +90,16 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         num_steps=zero,
         num_accepted=zero,
         num_rejected=zero,
-        result=result,
-        cond_values=cond_values,
-        event_mask=event_mask,
-        last=last,
-        hybrid=hybrid,
-        timed_index=timed_index,
+        result=events.result,
+        cond_values=events.cond_values,
+        event_mask=events.event_mask,
+        last=events.last,
+        hybrid=events.hybrid,
+        timed_index=start.timed_index,
     )
     if adaptive(problem):
         carry = batch_like(problem, carry)
     return carry, _save.init_buffers(saves_from, solver_state)
-
-
-def _timed_at_t0(problem: Problem):
-    """The first `TimedEvent` time at or after `t0`, applied there if it is at
-    `t0`: the index of the next, whether one was applied, and the state after."""
-    timed, direction, args = problem.timed, problem.direction, problem.args
-    assert timed is not None
-    t0, before = problem.t0, problem.y0
-    index = _timed.first(timed, t0)
-    t_event = _timed.next_time(timed, index)
-    at_t0 = (t_event == t0) & (t0 < problem.t1)
-    t_event = where(at_t0, t_event, t0)  # the event's own time, for its derivative
-    effect = lambda y: _timed.apply(timed, direction, t_event, y, args, index)
-    rate = lambda y: problem.solver.func(problem.terms, t0, y, args)
-    after, moved = jax.jvp(effect, (before,), (rate(before),))
-    # Its derivative with respect to its time is the one-sided one, of moving it
-    # into the solve (earlier, it would be skipped): as for an event at a later
-    # time, where the step that lands on it carries this derivative.
-    shift = t_event - lax.stop_gradient(t_event)
-    after = jtu.tree_map(lambda a, m, r: a + shift * (m - r), after, moved, rate(after))
-    y0 = tree_where(at_t0, after, before)
-    return index + at_t0.astype(jnp.int32), at_t0, y0
 
 
 def _like(name: str, passed: PyTree, fresh: PyTree) -> PyTree:
@@ -295,17 +261,12 @@ def _step_result(
 def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     """One attempted step. Returns the new carry and what this step saves."""
     t0 = carry.t
-    t1 = jnp.minimum(carry.tnext, problem.t1)
-    t_timed = None
-    if problem.timed is not None:  # land on the next `TimedEvent` time
-        assert carry.timed_index is not None
-        t_timed = _timed.next_time(problem.timed, carry.timed_index)
-        t1 = where(t_timed < t1, t_timed, t1)
+    t1, t_timed = _event.step_end(problem, carry, jnp.minimum(carry.tnext, problem.t1))
     y1, y_error, info, solver_state, solver_result = _solver_step(problem, carry, t1)
     failed = _solver_failed(solver_result)
     if adaptive(problem):
         y_error = _reject_failed(problem, failed, y_error, y1)
-    accepted, next_t0, next_t1, _, controller_state, controller_result = (
+    accepted, _, next_t1, _, controller_state, controller_result = (
         problem.controller.adapt_step_size(
             t0,
             t1,
@@ -322,13 +283,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     result = _step_result(
         problem, carry, accepted, finite, failed, solver_result, controller_result
     )
-    cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last
-    if problem.conds is not None and not problem.continues:
-        out = StepOut(accepted, t0, t1, y1, info)
-        cond_values, event_mask, last, result = _stopping_event(
-            problem, carry, out, finite, result
-        )
-    new = Carry(
+    new = carry._replace(
         t=where(accepted, t1, t0),
         tnext=next_t1,
         y=tree_where(accepted, y1, carry.y),
@@ -338,264 +293,12 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         num_accepted=carry.num_accepted + accepted.astype(jnp.int32),
         num_rejected=carry.num_rejected + (~accepted).astype(jnp.int32),
         result=result,
-        cond_values=cond_values,
-        event_mask=event_mask,
-        last=last,
-        hybrid=carry.hybrid,
-        timed_index=carry.timed_index,
     )
     out = StepOut(accepted, t0, t1, y1, info)
-    if problem.continues:
-        new, out = _continue(problem, carry, new, out, finite)
-    if t_timed is not None:
-        new = _after_timed(problem, new, out, t_timed)
+    new, out = _event.after_step(problem, carry, new, out, finite, t_timed)
     # (Only now: an occurrence moves the next step with it.)
     land = _lands_on_t1(problem, new.tnext)
     return new._replace(tnext=where(land, problem.t1, new.tnext)), out
-
-
-def _after_timed(problem: Problem, new: Carry, out: StepOut, t_timed: Array) -> Carry:
-    """After a step that landed on a `TimedEvent` time (and did not end the solve):
-    the event's change of state, the solver's state made anew, the conditions of an
-    `Event` evaluated anew. Computed only when some batch element landed."""
-    timed = problem.timed
-    assert timed is not None and new.timed_index is not None
-    due = (
-        out.accepted
-        & (out.t1 == t_timed)
-        & (t_timed < problem.t1)
-        & (new.result == SUCCESS)
-    )
-
-    def land(new: Carry) -> Carry:
-        t, args, index = out.t1, problem.args, new.timed_index
-        assert index is not None
-        y = _timed.apply(timed, problem.direction, t, new.y, args, index)
-        y = tree_where(due, y, new.y)
-        restart = problem.solver.init(problem.terms, t, problem.t1, y, args)
-        cond_values = new.cond_values
-        if problem.conds is not None:
-            cond_values = tree_where(due, _event.eval_conds(problem, t, y), cond_values)
-        # The next step shifts with the event's time (see `_continue`).
-        tnext = t + lax.stop_gradient(new.tnext - t)
-        return new._replace(
-            y=y,
-            tnext=where(due, tnext, new.tnext),
-            solver_state=tree_where(due, restart, new.solver_state),
-            cond_values=cond_values,
-            timed_index=index + due.astype(jnp.int32),
-        )
-
-    return lax.cond(unvmap_any(due), land, lambda new: new, new)
-
-
-def _stopping_event(problem: Problem, carry: Carry, out: StepOut, finite, result):
-    """An event that stops the solve, after a step: the conditions at its end,
-    which fired, the step kept for locating a crossing, and the result."""
-    accepted = out.accepted
-    new_values = _event.eval_conds(problem, out.t1, out.y1)
-    fired = _event.fired(problem, carry.cond_values, new_values)
-    fired = jtu.tree_map(lambda f: f & accepted & finite, fired)
-    any_fired = or_all(jtu.tree_leaves(fired))
-    result = where(any_fired & (result == SUCCESS), _EVENT, result)
-    cond_values = tree_where(accepted, new_values, carry.cond_values)
-    last = carry.last
-    if last is not None:
-        last = tree_where(accepted, LastStep(out.t0, out.dense_info), last)
-    return cond_values, fired, last, result
-
-
-def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
-    """An event that continues, after a step: an accepted step in which a crossing
-    is found ends at it (as a loop of solves that each stop at an event does), with
-    the state there from the step's dense output, which its saves use up to there.
-    The occurrence's effect is applied (the solver's state made anew, as after a
-    jump) and recorded, or the occurrence ends the solve (`_occurrence_ends`)."""
-    hybrid = carry.hybrid
-    assert hybrid is not None  # (`init` made it)
-    t0, t1, info = out.t0, out.t1, out.dense_info
-    values = _event.eval_conds(problem, t1, out.y1)
-    fired = _event.fired(problem, carry.cond_values, values)
-    fired = jtu.tree_map(lambda f: f & out.accepted & finite, fired)
-    found = or_all(jtu.tree_leaves(fired))
-
-    def cut():  # only when some batch element found a crossing
-        t = _event.crossing(problem, t0, t1, info, fired, carry.cond_values)
-        y = problem.solver.interpolate(info, t0, t1, t)
-        return t, tree_where(found, y, out.y1)
-
-    t_star, y_star = lax.cond(unvmap_any(found), cut, lambda: (t1, out.y1))
-    count = hybrid.count + found.astype(jnp.int32)
-    out = out._replace(t1=t_star, y1=y_star, landed=found, t_info=t1)
-    apply, result = _occurrence_ends(problem, hybrid, found, count, out, new.result)
-    # The next step, from the occurrence: the one the controller proposed, which
-    # shifts with the occurrence's time and does not stretch with it (else the
-    # derivative of each cut would reach every later step, multiplied by each
-    # step's factor: a spike time's gradient grew ~25-fold a spike); after an
-    # effect, as a solve started there would take (`_after_occurrence`).
-    tnext = t_star + lax.stop_gradient(new.tnext - t1)
-    y, states, cond_values = _after_occurrence(
-        problem,
-        t_star,
-        tree_where(found, y_star, new.y),
-        (found, apply),
-        carry.cond_values,
-        (new.solver_state, tnext, new.controller_state),
-    )
-    solver_state, tnext, controller_state = states
-    accepted_values = tree_where(out.accepted, values, carry.cond_values)
-    new = new._replace(
-        t=where(found, t_star, new.t),
-        y=y,
-        solver_state=tree_where(found, solver_state, new.solver_state),
-        controller_state=controller_state,
-        cond_values=tree_where(found, cond_values, accepted_values),
-        event_mask=tree_where(found, fired, carry.event_mask),
-        result=result,
-        hybrid=Hybrid(count),
-        tnext=where(found, tnext, new.tnext),
-    )
-    return new, out
-
-
-def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, result):
-    """Whether the occurrence at the end of a step (where `landed`) is applied, and
-    the result: the solve stops at the `stop_at`-th (`event_occurred`, before the
-    effect), past `max_events` (`max_events_reached`), or where an occurrence comes
-    at the time of the previous one (at the start of its step, to a hundred ulps):
-    occurrences accumulate there and no solve goes past (`events_accumulated`)."""
-    t0, t1 = out.t0, out.t1
-    stop = (
-        landed & (count >= problem.stop_at)
-        if problem.stop_at
-        else jnp.zeros_like(landed)
-    )
-    over = landed & (count > problem.max_events)
-    close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
-    accumulated = landed & (t1 - t0 <= close) & (hybrid.count > 0) & ~stop & ~over
-    result = where(stop, _EVENT, result)
-    result = where(over, _MAX_EVENTS, result)
-    result = where(accumulated, _ACCUMULATED, result)
-    return landed & ~stop & ~over & ~accumulated, result
-
-
-def _after_occurrence(problem: Problem, t1, y, masks, reference, states):
-    """Where `found` (`masks = (found, apply)`: an occurrence at `t1`, the state `y`
-    there): the state after the effect where `apply`; the solver's state made anew
-    at `t1`, and the next step and the controller's state made anew where an
-    effect applies (the state jumped: the steps so far say nothing of what
-    follows); the conditions evaluated anew (`reference`: their values at the
-    start of the step that found the crossing). Elsewhere `y`, `states` (the
-    solver's state, the next step's end, the controller's state) and `reference`.
-    Computed only when some batch element found one, and the effect sees the state
-    of one that does not apply it without its derivative, so that an effect
-    singular away from its events puts no NaN into gradients.
-
-    A condition left at (numerically) zero by the occurrence is taken to be on the
-    side it moves to (the sign of its rate along the flow), so that the next
-    crossing is found even within the next step; NaN (never fires for a step) where
-    it does not move. But where it moves on to the far side of the crossing while,
-    before the effect, it moved back (a crossing located within rounding of a
-    vanishing bounce), its motion is a crossing of its own, starting there: it is
-    taken to be on the side it comes from, so that it fires at once (as at `t0`),
-    never to cross unseen."""
-    found, apply = masks
-    terms, args = problem.terms, problem.args
-
-    def occur(y):
-        _, before = _conditions_along_flow(problem, t1, y)
-        solver_state, tnext, controller_state = states
-        if problem.effect is not None:
-            effect, t, seen, fn_args = _only_where(
-                apply, (problem.effect, flip(problem.direction, t1), y, args)
-            )
-            y = tree_where(apply, like_state(effect(t, seen, fn_args), y), y)
-            func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
-            fresh, fresh_state = problem.controller.init(
-                terms, t1, problem.t1, y, problem.dt0, args, func, problem.error_order
-            )
-            fresh = t1 + lax.stop_gradient(jnp.asarray(fresh, t1.dtype) - t1)
-            tnext = where(apply, fresh, tnext)
-            controller_state = tree_where(apply, fresh_state, controller_state)
-        solver_state = problem.solver.init(terms, t1, problem.t1, y, args)
-        after, moving = _conditions_along_flow(problem, t1, y)
-        side = lambda a, m, b, r: _side_after(a, m, b, r, _window(t1))
-        values = jtu.tree_map(side, after, moving, before, reference)
-        return y, (solver_state, tnext, controller_state), values
-
-    skip = lambda y: (y, states, reference)  # noqa: E731
-    return lax.cond(unvmap_any(found), occur, skip, y)
-
-
-def _only_where(pred, tree: PyTree) -> PyTree:
-    """`tree`, its floating-point arrays differentiable only where `pred`: a function
-    of it selected by `pred` then sends no NaN back from where it is not (the
-    "double where")."""
-    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
-    dynamic = jtu.tree_map(lambda x: where(pred, x, lax.stop_gradient(x)), dynamic)
-    return eqx.combine(dynamic, static)
-
-
-def _conditions_along_flow(problem: Problem, t, y) -> tuple[PyTree, PyTree]:
-    """The event conditions at `(t, y)` and their rates of change along the flow."""
-    rates = problem.solver.func(problem.terms, t, y, problem.args)
-    return jax.jvp(
-        lambda tau, x: _event.eval_conds(problem, tau, x),
-        (t, y),
-        (jnp.ones_like(t), rates),
-    )
-
-
-def _window(t):
-    """The time within which a located crossing is known: a thousand of `t`'s ulps."""
-    return 1000 * jnp.finfo(t.dtype).eps * jnp.maximum(jnp.abs(t), 1)
-
-
-def _start_sides(problem: Problem, cond_values: PyTree) -> PyTree:
-    """An event that continues, at `t0`: a real condition at zero there (to within
-    the time its crossings are located to) is taken to be on the side it comes
-    from, against its rate, so that it fires in the first step if its direction
-    allows (an occurrence at `t0`, as SciPy's `solve_ivp` finds one)."""
-    t0 = problem.t0
-    _, moving = _conditions_along_flow(problem, t0, problem.y0)
-    zero = jnp.zeros((), t0.dtype)
-    side = lambda v, m: _side(v, -m, zero, _window(t0))
-    return jtu.tree_map(side, cond_values, moving)
-
-
-def _side(value, rate, reference, window):
-    """A real condition's `value` just after an occurrence; where it is zero to
-    within rounding (relative to its `reference`, at the start of the step that
-    found the crossing; or less than its `rate` moves it in the time `window` that
-    the crossing's location is known to), a tiny value on the side its `rate`
-    moves it to."""
-    if jnp.issubdtype(value.dtype, jnp.bool_):
-        return value
-    at_zero, size = _near_zero(value, rate, reference, window)
-    tiny = where(rate == 0, jnp.nan, jnp.sign(rate) * size)
-    return where(at_zero, tiny.astype(value.dtype), value)
-
-
-def _near_zero(value, rate, reference, window):
-    """Whether a real condition's `value` is zero to within rounding (see `_side`),
-    and the size of the tiny value that stands for it then."""
-    tol = jnp.sqrt(jnp.finfo(value.dtype).eps)
-    scale = tol * jnp.abs(reference)
-    at_zero = (jnp.abs(value) <= scale) | (jnp.abs(value) <= jnp.abs(rate) * window)
-    return at_zero, jnp.maximum(scale, tol)
-
-
-def _side_after(value, rate, rate_before, reference, window):
-    """A real condition's `value` just after an occurrence: as `_side`, but on the
-    `reference` side where it is at zero and moves away from it while, before the
-    effect, it moved towards it (`rate_before`): a crossing starting there."""
-    out = _side(value, rate, reference, window)
-    if jnp.issubdtype(value.dtype, jnp.bool_):
-        return out
-    at_zero, size = _near_zero(value, rate, reference, window)
-    back = jnp.sign(reference)
-    again = (jnp.sign(rate) == -back) & (jnp.sign(rate_before) == back) & (back != 0)
-    return where(at_zero & again, (back * size).astype(value.dtype), out)
 
 
 def body(
@@ -707,9 +410,7 @@ def finish(problem: Problem, carry: Carry, bufs: Buffers) -> Outputs:
     result = where(
         (carry.result == SUCCESS) & (carry.t < problem.t1), _MAX_STEPS, carry.result
     )
-    t_end, y_end = carry.t, carry.y
-    if problem.conds is not None:
-        t_end, y_end = _event.locate(problem, carry._replace(result=result))
+    t_end, y_end = _event.finish(problem, carry._replace(result=result))
     outs = [
         _save.finish_save(problem, save, buf, carry, t_end, y_end)
         for save, buf in zip(problem.saves, bufs.saves)

@@ -6,7 +6,7 @@ save buffers.
 Everything is in the loop's internal time `tau = direction * t` (see `_time.py`).
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -18,7 +18,10 @@ from ._controller._base import AbstractStepSizeController
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
-from ._timed_event import Timed
+
+
+if TYPE_CHECKING:  # (`_event/` builds on this module)
+    from ._event._timed import Timed
 
 
 class Problem(eqx.Module):
