@@ -21,7 +21,7 @@ from ._errors import BadInputError, concrete, StructureError
 from ._event import _timed, as_event, Event, TimedEvent, with_context
 from ._interpolation._dense import DenseInterpolation
 from ._linear._linear_solver import convert_linear_solvers
-from ._problem import Problem, Resume, Save
+from ._problem import Events, Problem, Resume, Save
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
@@ -476,14 +476,16 @@ def make_problem(
         saves=saves,
         save_tree=save_tree,
         dense=saveat.dense,
-        conds=_event_conditions(event, context, times, y0, args),
-        event_direction=None if event is None else tuple(event.directions()),
-        root_finder=None if event is None else event.root_finder,
-        effect=_event_effect(event, times, y0, args),
-        continues=event is not None and event.continues,
-        stop_at=None if event is None else event.stop_at,
-        max_events=0 if event is None else event.max_events,
-        timed=_timed_event(timed, times, y0, args),
+        event=Events(
+            conds=_event_conditions(event, context, times, y0, args),
+            directions=None if event is None else tuple(event.directions()),
+            root_finder=None if event is None else event.root_finder,
+            effect=_event_effect(event, times, y0, args),
+            continues=event is not None and event.continues,
+            stop_at=None if event is None else event.stop_at,
+            max_events=0 if event is None else event.max_events,
+            timed=_timed_event(timed, times, y0, args),
+        ),
         max_steps=None if max_steps is None else int(max_steps),
         meter=meter,
         resume=resume,
@@ -637,9 +639,9 @@ def _solve(problem: Problem, adjoint, throw, keep: "Keep"):
 
 def _record(problem: Problem, bufs, carry) -> EventRecord | None:
     """The occurrences of an event that continues, in user time."""
-    if not problem.continues:
+    if not problem.event.continues:
         return None
     assert bufs.event_ts is not None and carry.hybrid is not None
-    num = jnp.minimum(carry.hybrid.count, problem.max_events)
+    num = jnp.minimum(carry.hybrid.count, problem.event.max_events)
     ts = flip_finite(problem.direction, bufs.event_ts)
     return EventRecord(ts, bufs.event_ys, num.astype(jnp.result_type(int)))

@@ -162,7 +162,7 @@ def cond(problem: Problem, carry: Carry) -> Array:
     going = carry.t < problem.t1
     if problem.max_steps is not None:
         going = going & (carry.num_steps < problem.max_steps)
-    if not adaptive(problem) and problem.conds is None:
+    if not adaptive(problem) and problem.event.conds is None:
         return going
     return going & (carry.result == SUCCESS)
 

@@ -24,6 +24,22 @@ if TYPE_CHECKING:  # (`_event/` builds on this module)
     from ._event._timed import Timed
 
 
+class Events(eqx.Module):
+    """A solve's events in the engine's form (internal time); each part `None` (or
+    its default) where the solve has no such event."""
+
+    conds: PyTree | None = None  # an `Event`'s conditions: Closures (t, y, args)
+    directions: tuple | None = eqx.field(static=True, default=None)  # one a condition
+    root_finder: Any = None  # of the event time, or None for the built-in search
+    # An event that continues (`Event.continues`): its effect (or None), the
+    # occurrence that stops the solve (None: none), and how many are recorded.
+    effect: Closure | None = None
+    continues: bool = eqx.field(static=True, default=False)
+    stop_at: int | None = eqx.field(static=True, default=None)
+    max_events: int = eqx.field(static=True, default=0)
+    timed: "Timed | None" = None  # events at given times (`TimedEvent`)
+
+
 class Problem(eqx.Module):
     """Everything a solve needs, as one pytree (arrays are its leaves), in the loop's
     internal time `tau = direction * t`, which always increases."""
@@ -41,18 +57,9 @@ class Problem(eqx.Module):
     saves: tuple["Save", ...] = ()  # one per SubSaveAt
     save_tree: Any = eqx.field(static=True, default=jtu.tree_structure(None))
     dense: bool = eqx.field(static=True, default=False)
-    conds: PyTree | None = None  # pytree of Closures (t, y, args) -> value
-    event_direction: tuple | None = eqx.field(static=True, default=None)
-    root_finder: Any = None  # of the event time, or None for bisection
+    event: "Events" = eqx.field(default_factory=lambda: Events())
     meter: AbstractProgressMeter = NoProgressMeter()
     resume: "Resume | None" = None  # states passed in to continue an earlier solve
-    # An event that continues (`Event.continues`): its effect (or None), the
-    # occurrence that stops the solve (None: none), and how many are recorded.
-    effect: Closure | None = None
-    continues: bool = eqx.field(static=True, default=False)
-    stop_at: int | None = eqx.field(static=True, default=None)
-    max_events: int = eqx.field(static=True, default=0)
-    timed: "Timed | None" = None  # events at given times (`TimedEvent`)
 
     @property
     def error_order(self):

@@ -60,14 +60,14 @@ def init_buffers(problem: Problem, solver_state: PyTree) -> Buffers:
         dense_info = jtu.tree_map(
             lambda x: jnp.zeros((problem.max_steps,) + x.shape, x.dtype), info
         )
-        if problem.continues:  # steps cut at an occurrence (see `StepOut.t_info`)
+        if problem.event.continues:  # steps cut at an occurrence (see `StepOut.t_info`)
             dense_ends = jnp.full((problem.max_steps,), jnp.inf, problem.t0.dtype)
     event_ts = event_ys = None
-    if problem.continues:
-        event_ts = jnp.full((problem.max_events,), jnp.inf, problem.t0.dtype)
+    if problem.event.continues:
+        event_ts = jnp.full((problem.event.max_events,), jnp.inf, problem.t0.dtype)
         event_ys = _inf_like(
             jtu.tree_map(lambda y: jax.ShapeDtypeStruct(y.shape, y.dtype), problem.y0),
-            (problem.max_events,),
+            (problem.event.max_events,),
         )
     return Buffers(tuple(saves), dense_ts, dense_info, event_ts, event_ys, dense_ends)
 
@@ -101,8 +101,8 @@ def write(
     event_ts, event_ys = bufs.event_ts, bufs.event_ys
     if out.landed is not None:
         assert carry.hybrid is not None  # (an event that continues)
-        row = jnp.minimum(carry.hybrid.count - 1, problem.max_events - 1)
-        write = out.landed & (carry.hybrid.count <= problem.max_events)
+        row = jnp.minimum(carry.hybrid.count - 1, problem.event.max_events - 1)
+        write = out.landed & (carry.hybrid.count <= problem.event.max_events)
         event_ts = set_row(event_ts, row, write, out.t1)
         event_ys = jtu.tree_map(
             lambda b, v: set_row(b, row, write, v), event_ys, out.y1

@@ -105,11 +105,11 @@ def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, resul
     occurrences accumulate there and no solve goes past (`events_accumulated`)."""
     t0, t1 = out.t0, out.t1
     stop = (
-        landed & (count >= problem.stop_at)
-        if problem.stop_at
+        landed & (count >= problem.event.stop_at)
+        if problem.event.stop_at
         else jnp.zeros_like(landed)
     )
-    over = landed & (count > problem.max_events)
+    over = landed & (count > problem.event.max_events)
     close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
     accumulated = landed & (t1 - t0 <= close) & (hybrid.count > 0) & ~stop & ~over
     result = where(stop, _EVENT, result)
@@ -144,9 +144,9 @@ def _after_occurrence(problem: Problem, t1, y, masks, reference, states):
     def occur(y):
         _, before = _conditions_along_flow(problem, t1, y)
         solver_state, tnext, controller_state = states
-        if problem.effect is not None:
+        if problem.event.effect is not None:
             effect, t, seen, fn_args = _only_where(
-                apply, (problem.effect, flip(problem.direction, t1), y, args)
+                apply, (problem.event.effect, flip(problem.direction, t1), y, args)
             )
             y = tree_where(apply, like_state(effect(t, seen, fn_args), y), y)
             func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731

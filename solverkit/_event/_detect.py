@@ -26,7 +26,7 @@ def _real_conds(problem: Problem) -> list[bool]:
     return [
         not jnp.issubdtype(c.out_struct.dtype, jnp.bool_)
         for c in jtu.tree_leaves(
-            problem.conds, is_leaf=lambda x: isinstance(x, Closure)
+            problem.event.conds, is_leaf=lambda x: isinstance(x, Closure)
         )
     ]
 
@@ -36,7 +36,7 @@ def eval_conds(problem: Problem, tau: RealScalarLike, y: Y):
     t = flip(problem.direction, tau)
     return jtu.tree_map(
         lambda c: c(t, y, problem.args),
-        problem.conds,
+        problem.event.conds,
         is_leaf=lambda x: isinstance(x, Closure),
     )
 
@@ -55,18 +55,18 @@ def fired(problem: Problem, before, after) -> PyTree:
             return (sb <= 0) & (sa > 0)
         return (sb > 0) & (sa <= 0)
 
-    assert problem.event_direction is not None  # given with the conditions
+    assert problem.event.directions is not None  # given with the conditions
     leaves, tree = jtu.tree_flatten(after)
     out = [
         leaf(b, a, d)
-        for b, a, d in zip(jtu.tree_leaves(before), leaves, problem.event_direction)
+        for b, a, d in zip(jtu.tree_leaves(before), leaves, problem.event.directions)
     ]
     return jtu.tree_unflatten(tree, out)
 
 
 def init_events(problem: Problem, solver_state: PyTree):
     """`(cond_values, event_mask, last)` at the start of the loop."""
-    if problem.conds is None:
+    if problem.event.conds is None:
         return None, None, None
     cond_values = eval_conds(problem, problem.t0, problem.y0)
     # A boolean condition already true at t0 ends the solve there, before any step
@@ -77,7 +77,7 @@ def init_events(problem: Problem, solver_state: PyTree):
     ]
     event_mask = jtu.tree_unflatten(jtu.tree_structure(cond_values), event_mask)
     last = None
-    if any(_real_conds(problem)) and not problem.continues:
+    if any(_real_conds(problem)) and not problem.event.continues:
         last = LastStep(problem.t0, dense_info_zeros(problem, solver_state))
     return cond_values, event_mask, last
 
@@ -188,7 +188,9 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=
     `tstart`, where the dense output's own value may lie on either side."""
     solver = problem.solver
     is_real = _real_conds(problem)
-    leaves = jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
+    leaves = jtu.tree_leaves(
+        problem.event.conds, is_leaf=lambda x: isinstance(x, Closure)
+    )
     t_star = tend
     located = jnp.asarray(False)  # whether a real-valued condition fired
     starts = [None] * len(leaves) if start is None else start
@@ -210,10 +212,10 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=
             fixed[0], fixed[1], fixed[2], fixed[3], fixed[4], tau
         )
         ga = h(a) if before is None else before.astype(tend.dtype)
-        if problem.root_finder is None:
+        if problem.event.root_finder is None:
             root = _root(h, a, b, ga, ~active)
         else:
-            root = _optx_root(h, problem.root_finder, a, b, ga, ~active, before)
+            root = _optx_root(h, problem.event.root_finder, a, b, ga, ~active, before)
         root = lax.stop_gradient(where(active, root, tend))
         g_root, dg_dt = jax.jvp(g, (root,), (jnp.ones_like(root),))
         dg_dt = lax.stop_gradient(where(dg_dt == 0, 1, dg_dt))

@@ -57,7 +57,7 @@ class Fields(NamedTuple):
 
 def start(problem: Problem) -> Start:
     """The state to start from (after a `TimedEvent` at `t0`)."""
-    if problem.timed is None:
+    if problem.event.timed is None:
         return Start(problem.y0, None, None)
     index, at_t0, y0 = _timed_at_t0(problem)
     return Start(y0, index, at_t0)
@@ -72,7 +72,7 @@ def init(problem: Problem, solver_state: PyTree) -> Fields:
         at_t0 = or_all(jtu.tree_leaves(event_mask))
         result = where(at_t0, _EVENT, SUCCESS).astype(jnp.int32)
     hybrid = None
-    if problem.continues:
+    if problem.event.continues:
         hybrid = Hybrid(jnp.asarray(0, jnp.int32))
         cond_values = start_sides(problem, cond_values)
     return Fields(result, cond_values, event_mask, last, hybrid)
@@ -81,10 +81,10 @@ def init(problem: Problem, solver_state: PyTree) -> Fields:
 def step_end(problem: Problem, carry: Carry, t1: Array) -> tuple[Array, Array | None]:
     """The end of the next step, `t1`, moved back to land on the next `TimedEvent`
     time; and that time (`None` without a `TimedEvent`)."""
-    if problem.timed is None:
+    if problem.event.timed is None:
         return t1, None
     assert carry.timed_index is not None
-    t_timed = next_time(problem.timed, carry.timed_index)
+    t_timed = next_time(problem.event.timed, carry.timed_index)
     return where(t_timed < t1, t_timed, t1), t_timed
 
 
@@ -93,14 +93,14 @@ def after_step(
 ) -> tuple[Carry, StepOut]:
     """The carry after a step and what the step saves, once the events have acted on
     them (`carry`: before the step; `finite`: whether its state is finite)."""
-    if problem.conds is not None and not problem.continues:
+    if problem.event.conds is not None and not problem.event.continues:
         cond_values, event_mask, last, result = after_stopping(
             problem, carry, out, finite, new.result
         )
         new = new._replace(
             cond_values=cond_values, event_mask=event_mask, last=last, result=result
         )
-    if problem.continues:
+    if problem.event.continues:
         new, out = after_continuing(problem, carry, new, out, finite)
     if t_timed is not None:
         new = _after_timed(problem, new, out, t_timed)
@@ -110,7 +110,7 @@ def after_step(
 def finish(problem: Problem, carry: Carry) -> tuple[Array, PyTree]:
     """The time and state the solve ends at: a stopping event's located crossing
     (`carry.result` the final result), else the carry's."""
-    if problem.conds is None:
+    if problem.event.conds is None:
         return carry.t, carry.y
     return locate(problem, carry)
 
@@ -118,7 +118,7 @@ def finish(problem: Problem, carry: Carry) -> tuple[Array, PyTree]:
 def _timed_at_t0(problem: Problem):
     """The first `TimedEvent` time at or after `t0`, applied there if it is at
     `t0`: the index of the next, whether one was applied, and the state after."""
-    timed, direction, args = problem.timed, problem.direction, problem.args
+    timed, direction, args = problem.event.timed, problem.direction, problem.args
     assert timed is not None
     t0, before = problem.t0, problem.y0
     index = first_time(timed, t0)
@@ -141,7 +141,7 @@ def _after_timed(problem: Problem, new: Carry, out: StepOut, t_timed: Array) -> 
     """After a step that landed on a `TimedEvent` time (and did not end the solve):
     the event's change of state, the solver's state made anew, the conditions of an
     `Event` evaluated anew. Computed only when some batch element landed."""
-    timed = problem.timed
+    timed = problem.event.timed
     assert timed is not None and new.timed_index is not None
     due = (
         out.accepted
@@ -157,7 +157,7 @@ def _after_timed(problem: Problem, new: Carry, out: StepOut, t_timed: Array) -> 
         y = tree_where(due, y, new.y)
         restart = problem.solver.init(problem.terms, t, problem.t1, y, args)
         cond_values = new.cond_values
-        if problem.conds is not None:
+        if problem.event.conds is not None:
             cond_values = tree_where(due, eval_conds(problem, t, y), cond_values)
         # The next step shifts with the event's time (see `after_continuing`).
         tnext = t + lax.stop_gradient(new.tnext - t)
