@@ -38,6 +38,7 @@ from ._event import (
     Event as Event,
     steady_state_event as steady_state_event,
     SteadyStateEvent as SteadyStateEvent,
+    TimedEvent as TimedEvent,
 )
 from ._integrate import diffeqsolve as diffeqsolve
 from ._interpolation._dense import DenseInterpolation as DenseInterpolation
@@ -113,7 +114,6 @@ from ._term import (
     MultiTerm as MultiTerm,
     ODETerm as ODETerm,
 )
-from ._timed_event import TimedEvent as TimedEvent
 
 
 __version__ = "0.1.0"

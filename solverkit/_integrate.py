@@ -11,7 +11,6 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from . import _timed_event as _timed
 from ._adjoint._base import AbstractAdjoint, reverse_only
 from ._adjoint._checkpoint import RecursiveCheckpointAdjoint
 from ._closure._convert import Closure, closure_convert
@@ -19,10 +18,10 @@ from ._closure._unvmap import error_if, unvmap_max
 from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete, StructureError
-from ._event import as_event, Event, with_context
+from ._event import _timed, as_event, Event, TimedEvent, with_context
 from ._interpolation._dense import DenseInterpolation
 from ._linear._linear_solver import convert_linear_solvers
-from ._problem import Problem, Resume, Save
+from ._problem import Events, Problem, Resume, Save
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
@@ -30,7 +29,6 @@ from ._solution import EventRecord, Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
 from ._time import flip, flip_finite
-from ._timed_event import TimedEvent
 from ._user_solver import convert as convert_user_solver, is_user_solver
 
 
@@ -478,14 +476,16 @@ def make_problem(
         saves=saves,
         save_tree=save_tree,
         dense=saveat.dense,
-        conds=_event_conditions(event, context, times, y0, args),
-        event_direction=None if event is None else tuple(event.directions()),
-        root_finder=None if event is None else event.root_finder,
-        effect=_event_effect(event, times, y0, args),
-        continues=event is not None and event.continues,
-        stop_at=None if event is None else event.stop_at,
-        max_events=0 if event is None else event.max_events,
-        timed=_timed_event(timed, times, y0, args),
+        event=Events(
+            conds=_event_conditions(event, context, times, y0, args),
+            directions=None if event is None else tuple(event.directions()),
+            root_finder=None if event is None else event.root_finder,
+            effect=_event_effect(event, times, y0, args),
+            continues=event is not None and event.continues,
+            stop_at=None if event is None else event.stop_at,
+            max_events=0 if event is None else event.max_events,
+            timed=_timed_event(timed, times, y0, args),
+        ),
         max_steps=None if max_steps is None else int(max_steps),
         meter=meter,
         resume=resume,
@@ -611,6 +611,7 @@ def _solve(problem: Problem, adjoint, throw, keep: "Keep"):
             problem.direction,
             problem.solver,
             problem.y0,
+            out.bufs.dense_ends,
         )
     carry = out.carry
     count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731  # diffrax's dtype
@@ -638,9 +639,9 @@ def _solve(problem: Problem, adjoint, throw, keep: "Keep"):
 
 def _record(problem: Problem, bufs, carry) -> EventRecord | None:
     """The occurrences of an event that continues, in user time."""
-    if not problem.continues:
+    if not problem.event.continues:
         return None
     assert bufs.event_ts is not None and carry.hybrid is not None
-    num = jnp.minimum(carry.hybrid.count, problem.max_events)
+    num = jnp.minimum(carry.hybrid.count, problem.event.max_events)
     ts = flip_finite(problem.direction, bufs.event_ts)
     return EventRecord(ts, bufs.event_ys, num.astype(jnp.result_type(int)))

@@ -3,8 +3,8 @@
 Knows nothing of adjoints: an adjoint supplies the function that runs
 `body(problem, carry)` while `cond(problem, carry)` holds (see `_adjoint/_base.py`).
 Every user value reaches the loop through `Problem` (`_problem.py`), an explicit
-operand. What a step saves is written by `_save.py`; events are detected and located by
-`_event.py`.
+operand. What a step saves is written by `_save.py`; events act through one interface
+(`_event/_extension.py`: `start`, `init`, `step_end`, `after_step`, `finish`).
 """
 
 import dataclasses
@@ -18,16 +18,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from . import _event, _save, _timed_event as _timed
+from . import _event, _save
 from ._closure._unvmap import unvmap_any, unvmap_max, while_loop
 from ._custom_types import Y
 from ._errors import concrete
-from ._problem import adaptive, Buffers, Carry, Hybrid, LastStep, Problem, StepOut
-from ._reduce import all_true, and_all, or_all
+from ._problem import adaptive, Buffers, Carry, Problem, StepOut
+from ._reduce import all_true, and_all
 from ._select import where
 from ._solution import RESULTS
-from ._term import like_state
-from ._time import flip
 from ._tree import tree_where
 from ._user_solver import UserSolver
 
@@ -69,10 +67,8 @@ def batch_like(sources, tree):
 def init(problem: Problem) -> tuple[Carry, Buffers]:
     """The loop's initial carry and save buffers."""
     saves_from = problem  # saves at `t0` show `y0`, before any event there
-    timed_index, at_t0 = None, None
-    if problem.timed is not None:
-        timed_index, at_t0, y0 = _timed_at_t0(problem)
-        problem = dataclasses.replace(problem, y0=y0)
+    start = _event.start(problem)  # after a `TimedEvent` at `t0`
+    problem = dataclasses.replace(problem, y0=start.y0)
     terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
     func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
     tnext, controller_state = problem.controller.init(
@@ -80,19 +76,11 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     )
     tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
     solver_state, controller_state = _initial_states(problem, controller_state)
-    if at_t0 is not None and problem.resume is not None:  # made anew after an event
+    if start.at_t0 is not None and problem.resume is not None:  # made anew there
         fresh = problem.solver.init(terms, t0, problem.t1, y0, args)
-        solver_state = tree_where(at_t0, fresh, solver_state)
-    cond_values, event_mask, last = _event.init_events(problem, solver_state)
-    result = jnp.asarray(SUCCESS, jnp.int32)
-    if event_mask is not None:
-        at_t0 = or_all(jtu.tree_leaves(event_mask))
-        result = where(at_t0, _EVENT, SUCCESS).astype(jnp.int32)
+        solver_state = tree_where(start.at_t0, fresh, solver_state)
+    events = _event.init(problem, solver_state)
     zero = jnp.asarray(0, jnp.int32)
-    hybrid = None
-    if problem.continues:
-        hybrid = Hybrid(jnp.asarray(False), t0, zero, jnp.zeros_like(t0))
-        cond_values = _start_sides(problem, cond_values)
     carry = Carry(
         t=t0,
         tnext=tnext,
@@ -102,38 +90,16 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         num_steps=zero,
         num_accepted=zero,
         num_rejected=zero,
-        result=result,
-        cond_values=cond_values,
-        event_mask=event_mask,
-        last=last,
-        hybrid=hybrid,
-        timed_index=timed_index,
+        result=events.result,
+        cond_values=events.cond_values,
+        event_mask=events.event_mask,
+        last=events.last,
+        hybrid=events.hybrid,
+        timed_index=start.timed_index,
     )
     if adaptive(problem):
         carry = batch_like(problem, carry)
     return carry, _save.init_buffers(saves_from, solver_state)
-
-
-def _timed_at_t0(problem: Problem):
-    """The first `TimedEvent` time at or after `t0`, applied there if it is at
-    `t0`: the index of the next, whether one was applied, and the state after."""
-    timed, direction, args = problem.timed, problem.direction, problem.args
-    assert timed is not None
-    t0, before = problem.t0, problem.y0
-    index = _timed.first(timed, t0)
-    t_event = _timed.next_time(timed, index)
-    at_t0 = (t_event == t0) & (t0 < problem.t1)
-    t_event = where(at_t0, t_event, t0)  # the event's own time, for its derivative
-    effect = lambda y: _timed.apply(timed, direction, t_event, y, args, index)
-    rate = lambda y: problem.solver.func(problem.terms, t0, y, args)
-    after, moved = jax.jvp(effect, (before,), (rate(before),))
-    # Its derivative with respect to its time is the one-sided one, of moving it
-    # into the solve (earlier, it would be skipped): as for an event at a later
-    # time, where the step that lands on it carries this derivative.
-    shift = t_event - lax.stop_gradient(t_event)
-    after = jtu.tree_map(lambda a, m, r: a + shift * (m - r), after, moved, rate(after))
-    y0 = tree_where(at_t0, after, before)
-    return index + at_t0.astype(jnp.int32), at_t0, y0
 
 
 def _like(name: str, passed: PyTree, fresh: PyTree) -> PyTree:
@@ -196,7 +162,7 @@ def cond(problem: Problem, carry: Carry) -> Array:
     going = carry.t < problem.t1
     if problem.max_steps is not None:
         going = going & (carry.num_steps < problem.max_steps)
-    if not adaptive(problem) and problem.conds is None:
+    if not adaptive(problem) and problem.event.conds is None:
         return going
     return going & (carry.result == SUCCESS)
 
@@ -204,6 +170,12 @@ def cond(problem: Problem, carry: Carry) -> Array:
 # A proposed step end this close to `t1` (in units of `t1`'s spacing, at least 1)
 # lands on `t1` exactly, so that no sliver of a step is left to take.
 _LANDING_ULPS = 100
+
+
+def _lands_on_t1(problem: Problem, t: Array) -> Array:
+    """Whether a proposed step end `t` is close enough to `t1` to land on it."""
+    spacing = jnp.finfo(t.dtype).eps * jnp.maximum(1, jnp.abs(problem.t1))
+    return t >= problem.t1 - _LANDING_ULPS * spacing
 
 
 def _solver_step(problem: Problem, carry: Carry, t1: Array):
@@ -289,17 +261,12 @@ def _step_result(
 def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     """One attempted step. Returns the new carry and what this step saves."""
     t0 = carry.t
-    t1 = jnp.minimum(carry.tnext, problem.t1)
-    t_timed = None
-    if problem.timed is not None:  # land on the next `TimedEvent` time
-        assert carry.timed_index is not None
-        t_timed = _timed.next_time(problem.timed, carry.timed_index)
-        t1 = where(t_timed < t1, t_timed, t1)
+    t1, t_timed = _event.step_end(problem, carry, jnp.minimum(carry.tnext, problem.t1))
     y1, y_error, info, solver_state, solver_result = _solver_step(problem, carry, t1)
     failed = _solver_failed(solver_result)
     if adaptive(problem):
         y_error = _reject_failed(problem, failed, y_error, y1)
-    accepted, next_t0, next_t1, _, controller_state, controller_result = (
+    accepted, _, next_t1, _, controller_state, controller_result = (
         problem.controller.adapt_step_size(
             t0,
             t1,
@@ -312,20 +279,11 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         )
     )
     accepted = jnp.asarray(accepted)
-    spacing = jnp.finfo(t0.dtype).eps * jnp.maximum(1, jnp.abs(problem.t1))
-    close = next_t1 >= problem.t1 - _LANDING_ULPS * spacing
-    next_t1 = where(close, problem.t1, next_t1)
     finite = _all_finite(y1)
     result = _step_result(
         problem, carry, accepted, finite, failed, solver_result, controller_result
     )
-    cond_values, event_mask, last = carry.cond_values, carry.event_mask, carry.last
-    if problem.conds is not None and not problem.continues:
-        out = StepOut(accepted, t0, t1, y1, info)
-        cond_values, event_mask, last, result = _stopping_event(
-            problem, carry, out, finite, result
-        )
-    new = Carry(
+    new = carry._replace(
         t=where(accepted, t1, t0),
         tnext=next_t1,
         y=tree_where(accepted, y1, carry.y),
@@ -335,258 +293,12 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         num_accepted=carry.num_accepted + accepted.astype(jnp.int32),
         num_rejected=carry.num_rejected + (~accepted).astype(jnp.int32),
         result=result,
-        cond_values=cond_values,
-        event_mask=event_mask,
-        last=last,
-        hybrid=carry.hybrid,
-        timed_index=carry.timed_index,
     )
     out = StepOut(accepted, t0, t1, y1, info)
-    if problem.continues:
-        new, out = _continue(problem, carry, new, out, finite)
-    if t_timed is not None:
-        new = _after_timed(problem, new, out, t_timed)
-    return new, out
-
-
-def _after_timed(problem: Problem, new: Carry, out: StepOut, t_timed: Array) -> Carry:
-    """After a step that landed on a `TimedEvent` time (and did not end the solve):
-    the event's change of state, the solver's state made anew, the conditions of an
-    `Event` evaluated anew. Computed only when some batch element landed."""
-    timed = problem.timed
-    assert timed is not None and new.timed_index is not None
-    due = (
-        out.accepted
-        & (out.t1 == t_timed)
-        & (t_timed < problem.t1)
-        & (new.result == SUCCESS)
-    )
-
-    def land(new: Carry) -> Carry:
-        t, args, index = out.t1, problem.args, new.timed_index
-        assert index is not None
-        y = _timed.apply(timed, problem.direction, t, new.y, args, index)
-        y = tree_where(due, y, new.y)
-        restart = problem.solver.init(problem.terms, t, problem.t1, y, args)
-        cond_values = new.cond_values
-        if problem.conds is not None:
-            cond_values = tree_where(due, _event.eval_conds(problem, t, y), cond_values)
-        # The next step shifts with the event's time (see `_continue`).
-        tnext = t + lax.stop_gradient(new.tnext - t)
-        return new._replace(
-            y=y,
-            tnext=where(due, tnext, new.tnext),
-            solver_state=tree_where(due, restart, new.solver_state),
-            cond_values=cond_values,
-            timed_index=index + due.astype(jnp.int32),
-        )
-
-    return lax.cond(unvmap_any(due), land, lambda new: new, new)
-
-
-def _stopping_event(problem: Problem, carry: Carry, out: StepOut, finite, result):
-    """An event that stops the solve, after a step: the conditions at its end,
-    which fired, the step kept for locating a crossing, and the result."""
-    accepted = out.accepted
-    new_values = _event.eval_conds(problem, out.t1, out.y1)
-    fired = _event.fired(problem, carry.cond_values, new_values)
-    fired = jtu.tree_map(lambda f: f & accepted & finite, fired)
-    any_fired = or_all(jtu.tree_leaves(fired))
-    result = where(any_fired & (result == SUCCESS), _EVENT, result)
-    cond_values = tree_where(accepted, new_values, carry.cond_values)
-    last = carry.last
-    if last is not None:
-        last = tree_where(accepted, LastStep(out.t0, out.dense_info), last)
-    return cond_values, fired, last, result
-
-
-def _continue(problem: Problem, carry: Carry, new: Carry, out: StepOut, finite):
-    """An event that continues, after a step: a crossing found in an accepted step
-    turns it into a rejected one, and the next steps land exactly on the located
-    occurrence; a step that lands there applies the effect (the solver's state made
-    anew, as after a jump), records it, or ends the solve (`_occurrence_ends`)."""
-    hybrid = carry.hybrid
-    assert hybrid is not None  # (`init` made it)
-    t0, t1, accepted = out.t0, out.t1, out.accepted
-    landing = hybrid.landing
-    landed = accepted & landing & (t1 >= hybrid.t_land)
-    # A crossing in a free step: locate it (only when some batch element has one).
-    values = _event.eval_conds(problem, t1, out.y1)
-    fired = _event.fired(problem, carry.cond_values, values)
-    fired = jtu.tree_map(lambda f: f & accepted & ~landing & finite, fired)
-    found = or_all(jtu.tree_leaves(fired))
-    t_star = lax.cond(
-        unvmap_any(found),
-        lambda: _event.crossing(
-            problem, t0, t1, out.dense_info, fired, carry.cond_values
-        ),
-        lambda: t1,
-    )
-    # The occurrence reached: its effect, a fresh solver state, the conditions anew.
-    count = hybrid.count + landed.astype(jnp.int32)
-    apply, result = _occurrence_ends(problem, hybrid, landed, count, out, new.result)
-    y, restart, after = _after_occurrence(
-        problem, t1, new.y, apply, carry.cond_values, new.solver_state
-    )
-    new = new._replace(
-        y=y,
-        solver_state=tree_where(apply, restart, new.solver_state),
-        cond_values=tree_where(
-            apply, after, tree_where(accepted & ~landing, values, carry.cond_values)
-        ),
-        result=result,
-        hybrid=hybrid._replace(landing=landing & ~landed, count=count),
-        tnext=where(
-            landing & ~landed,
-            jnp.minimum(new.tnext, hybrid.t_land),
-            # After the occurrence, at least the step that found it: the landing
-            # step may be far shorter (or of no length, for one at `t0`).
-            # It shifts with the occurrence's time, it does not stretch with the
-            # landing step: else that step's derivative would reach every later
-            # step, multiplied by each step's factor (a spike time's gradient grew
-            # ~25-fold a spike).
-            where(
-                landed,
-                t1 + lax.stop_gradient(jnp.maximum(new.tnext - t1, hybrid.h)),
-                new.tnext,
-            ),
-        ),
-    )
-    # ... and a crossing found: the step is undone, the next one ends at it.
-    undone = carry._replace(
-        tnext=t_star,
-        num_steps=new.num_steps,
-        num_rejected=carry.num_rejected + 1,
-        event_mask=fired,
-        hybrid=Hybrid(jnp.asarray(True), t_star, hybrid.count, t1 - t0),
-    )
-    new = tree_where(found, undone, new)
-    out = out._replace(accepted=accepted & ~found, landed=landed)
-    return new, out
-
-
-def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, result):
-    """Whether the occurrence a step `landed` on is applied, and the result: the
-    solve stops at the `stop_at`-th (`event_occurred`, before the effect), past
-    `max_events` (`max_events_reached`), or where an occurrence comes at the time
-    of the previous one (its landing step has no length, to a hundred ulps):
-    occurrences accumulate there and no solve goes past (`events_accumulated`)."""
-    t0, t1 = out.t0, out.t1
-    stop = (
-        landed & (count >= problem.stop_at)
-        if problem.stop_at
-        else jnp.zeros_like(landed)
-    )
-    over = landed & (count > problem.max_events)
-    close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
-    accumulated = landed & (t1 - t0 <= close) & (hybrid.count > 0) & ~stop & ~over
-    result = where(stop, _EVENT, result)
-    result = where(over, _MAX_EVENTS, result)
-    result = where(accumulated, _ACCUMULATED, result)
-    return landed & ~stop & ~over & ~accumulated, result
-
-
-def _after_occurrence(problem: Problem, t1, y, apply, reference, solver_state):
-    """Where `apply`: the state after the effect at `t1`, the solver's state made
-    anew there, and the conditions evaluated anew (`reference`: their values at the
-    start of the step that found the crossing); elsewhere `y`, `solver_state` and
-    `reference`. Computed only when some batch element applies an occurrence, and
-    the effect sees the state of one that does not without its derivative, so that
-    an effect singular away from its events puts no NaN into gradients.
-
-    A condition left at (numerically) zero by the occurrence is taken to be on the
-    side it moves to (the sign of its rate along the flow), so that the next
-    crossing is found even within the next step; NaN (never fires for a step) where
-    it does not move. But where it moves on to the far side of the crossing while,
-    before the effect, it moved back (a crossing located within rounding of a
-    vanishing bounce), its motion is a crossing of its own, starting there: it is
-    taken to be on the side it comes from, so that it fires at once (as at `t0`),
-    never to cross unseen."""
-
-    def occur(y):
-        _, before = _conditions_along_flow(problem, t1, y)
-        if problem.effect is not None:
-            effect, t, seen, args = _only_where(
-                apply, (problem.effect, flip(problem.direction, t1), y, problem.args)
-            )
-            y = tree_where(apply, like_state(effect(t, seen, args), y), y)
-        restart = problem.solver.init(problem.terms, t1, problem.t1, y, problem.args)
-        after, moving = _conditions_along_flow(problem, t1, y)
-        side = lambda a, m, b, r: _side_after(a, m, b, r, _window(t1))
-        return y, restart, jtu.tree_map(side, after, moving, before, reference)
-
-    return lax.cond(unvmap_any(apply), occur, lambda y: (y, solver_state, reference), y)
-
-
-def _only_where(pred, tree: PyTree) -> PyTree:
-    """`tree`, its floating-point arrays differentiable only where `pred`: a function
-    of it selected by `pred` then sends no NaN back from where it is not (the
-    "double where")."""
-    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
-    dynamic = jtu.tree_map(lambda x: where(pred, x, lax.stop_gradient(x)), dynamic)
-    return eqx.combine(dynamic, static)
-
-
-def _conditions_along_flow(problem: Problem, t, y) -> tuple[PyTree, PyTree]:
-    """The event conditions at `(t, y)` and their rates of change along the flow."""
-    rates = problem.solver.func(problem.terms, t, y, problem.args)
-    return jax.jvp(
-        lambda tau, x: _event.eval_conds(problem, tau, x),
-        (t, y),
-        (jnp.ones_like(t), rates),
-    )
-
-
-def _window(t):
-    """The time within which a located crossing is known: a thousand of `t`'s ulps."""
-    return 1000 * jnp.finfo(t.dtype).eps * jnp.maximum(jnp.abs(t), 1)
-
-
-def _start_sides(problem: Problem, cond_values: PyTree) -> PyTree:
-    """An event that continues, at `t0`: a real condition at zero there (to within
-    the time its crossings are located to) is taken to be on the side it comes
-    from, against its rate, so that it fires in the first step if its direction
-    allows (an occurrence at `t0`, as SciPy's `solve_ivp` finds one)."""
-    t0 = problem.t0
-    _, moving = _conditions_along_flow(problem, t0, problem.y0)
-    zero = jnp.zeros((), t0.dtype)
-    side = lambda v, m: _side(v, -m, zero, _window(t0))
-    return jtu.tree_map(side, cond_values, moving)
-
-
-def _side(value, rate, reference, window):
-    """A real condition's `value` just after an occurrence; where it is zero to
-    within rounding (relative to its `reference`, at the start of the step that
-    found the crossing; or less than its `rate` moves it in the time `window` that
-    the crossing's location is known to), a tiny value on the side its `rate`
-    moves it to."""
-    if jnp.issubdtype(value.dtype, jnp.bool_):
-        return value
-    at_zero, size = _near_zero(value, rate, reference, window)
-    tiny = where(rate == 0, jnp.nan, jnp.sign(rate) * size)
-    return where(at_zero, tiny.astype(value.dtype), value)
-
-
-def _near_zero(value, rate, reference, window):
-    """Whether a real condition's `value` is zero to within rounding (see `_side`),
-    and the size of the tiny value that stands for it then."""
-    tol = jnp.sqrt(jnp.finfo(value.dtype).eps)
-    scale = tol * jnp.abs(reference)
-    at_zero = (jnp.abs(value) <= scale) | (jnp.abs(value) <= jnp.abs(rate) * window)
-    return at_zero, jnp.maximum(scale, tol)
-
-
-def _side_after(value, rate, rate_before, reference, window):
-    """A real condition's `value` just after an occurrence: as `_side`, but on the
-    `reference` side where it is at zero and moves away from it while, before the
-    effect, it moved towards it (`rate_before`): a crossing starting there."""
-    out = _side(value, rate, reference, window)
-    if jnp.issubdtype(value.dtype, jnp.bool_):
-        return out
-    at_zero, size = _near_zero(value, rate, reference, window)
-    back = jnp.sign(reference)
-    again = (jnp.sign(rate) == -back) & (jnp.sign(rate_before) == back) & (back != 0)
-    return where(at_zero & again, (back * size).astype(value.dtype), out)
+    new, out = _event.after_step(problem, carry, new, out, finite, t_timed)
+    # (Only now: an occurrence moves the next step with it.)
+    land = _lands_on_t1(problem, new.tnext)
+    return new._replace(tnext=where(land, problem.t1, new.tnext)), out
 
 
 def body(
@@ -698,9 +410,7 @@ def finish(problem: Problem, carry: Carry, bufs: Buffers) -> Outputs:
     result = where(
         (carry.result == SUCCESS) & (carry.t < problem.t1), _MAX_STEPS, carry.result
     )
-    t_end, y_end = carry.t, carry.y
-    if problem.conds is not None:
-        t_end, y_end = _event.locate(problem, carry._replace(result=result))
+    t_end, y_end = _event.finish(problem, carry._replace(result=result))
     outs = [
         _save.finish_save(problem, save, buf, carry, t_end, y_end)
         for save, buf in zip(problem.saves, bufs.saves)

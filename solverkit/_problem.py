@@ -6,7 +6,7 @@ save buffers.
 Everything is in the loop's internal time `tau = direction * t` (see `_time.py`).
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -18,7 +18,26 @@ from ._controller._base import AbstractStepSizeController
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
-from ._timed_event import Timed
+
+
+if TYPE_CHECKING:  # (`_event/` builds on this module)
+    from ._event._timed import Timed
+
+
+class Events(eqx.Module):
+    """A solve's events in the engine's form (internal time); each part `None` (or
+    its default) where the solve has no such event."""
+
+    conds: PyTree | None = None  # an `Event`'s conditions: Closures (t, y, args)
+    directions: tuple | None = eqx.field(static=True, default=None)  # one a condition
+    root_finder: Any = None  # of the event time, or None for the built-in search
+    # An event that continues (`Event.continues`): its effect (or None), the
+    # occurrence that stops the solve (None: none), and how many are recorded.
+    effect: Closure | None = None
+    continues: bool = eqx.field(static=True, default=False)
+    stop_at: int | None = eqx.field(static=True, default=None)
+    max_events: int = eqx.field(static=True, default=0)
+    timed: "Timed | None" = None  # events at given times (`TimedEvent`)
 
 
 class Problem(eqx.Module):
@@ -38,18 +57,9 @@ class Problem(eqx.Module):
     saves: tuple["Save", ...] = ()  # one per SubSaveAt
     save_tree: Any = eqx.field(static=True, default=jtu.tree_structure(None))
     dense: bool = eqx.field(static=True, default=False)
-    conds: PyTree | None = None  # pytree of Closures (t, y, args) -> value
-    event_direction: tuple | None = eqx.field(static=True, default=None)
-    root_finder: Any = None  # of the event time, or None for bisection
+    event: "Events" = eqx.field(default_factory=lambda: Events())
     meter: AbstractProgressMeter = NoProgressMeter()
     resume: "Resume | None" = None  # states passed in to continue an earlier solve
-    # An event that continues (`Event.continues`): its effect (or None), the
-    # occurrence that stops the solve (None: none), and how many are recorded.
-    effect: Closure | None = None
-    continues: bool = eqx.field(static=True, default=False)
-    stop_at: int | None = eqx.field(static=True, default=None)
-    max_events: int = eqx.field(static=True, default=0)
-    timed: "Timed | None" = None  # events at given times (`TimedEvent`)
 
     @property
     def error_order(self):
@@ -111,10 +121,7 @@ class LastStep(NamedTuple):
 class Hybrid(NamedTuple):
     """The loop state of an event that continues."""
 
-    landing: Array  # the next steps end at a located occurrence, `t_land`
-    t_land: Array
     count: Array  # occurrences so far
-    h: Array  # the length of the step that found it (the first step after it)
 
 
 class Carry(NamedTuple):
@@ -150,6 +157,9 @@ class Buffers(NamedTuple):
     # An event that continues: the occurrences' times and states before them.
     event_ts: Array | None = None
     event_ys: PyTree | None = None
+    # With dense output and an event that continues: the end of the interval each
+    # step's dense information covers (a step cut at an occurrence ends before it).
+    dense_ends: Array | None = None
 
 
 class StepOut(NamedTuple):
@@ -161,6 +171,13 @@ class StepOut(NamedTuple):
     y1: PyTree
     dense_info: PyTree
     landed: Array | None = None  # it ended at an occurrence of an event that continues
+    # The end of the interval `dense_info` covers, where the step was cut short at
+    # an occurrence (`t1` there); `None`: `t1`.
+    t_info: Array | None = None
+
+    @property
+    def info_end(self) -> Array:
+        return self.t1 if self.t_info is None else self.t_info
 
 
 def adaptive(problem: Problem) -> bool:

@@ -52,7 +52,7 @@ def init_buffers(problem: Problem, solver_state: PyTree) -> Buffers:
             steps_ts = jnp.full((rows,), jnp.inf, problem.t0.dtype)
             steps_ys = _inf_like(struct, (rows,))
         saves.append(SaveBuffer(ts_ys, steps_ts, steps_ys))
-    dense_ts = dense_info = None
+    dense_ts = dense_info = dense_ends = None
     if problem.dense:
         assert problem.max_steps is not None  # (likewise)
         info = dense_info_zeros(problem, solver_state)
@@ -60,14 +60,16 @@ def init_buffers(problem: Problem, solver_state: PyTree) -> Buffers:
         dense_info = jtu.tree_map(
             lambda x: jnp.zeros((problem.max_steps,) + x.shape, x.dtype), info
         )
+        if problem.event.continues:  # steps cut at an occurrence (see `StepOut.t_info`)
+            dense_ends = jnp.full((problem.max_steps,), jnp.inf, problem.t0.dtype)
     event_ts = event_ys = None
-    if problem.continues:
-        event_ts = jnp.full((problem.max_events,), jnp.inf, problem.t0.dtype)
+    if problem.event.continues:
+        event_ts = jnp.full((problem.event.max_events,), jnp.inf, problem.t0.dtype)
         event_ys = _inf_like(
             jtu.tree_map(lambda y: jax.ShapeDtypeStruct(y.shape, y.dtype), problem.y0),
-            (problem.max_events,),
+            (problem.event.max_events,),
         )
-    return Buffers(tuple(saves), dense_ts, dense_info, event_ts, event_ys)
+    return Buffers(tuple(saves), dense_ts, dense_info, event_ts, event_ys, dense_ends)
 
 
 def write(
@@ -87,23 +89,25 @@ def write(
         _write_save(problem, save, carry, out, buf, differentiable)
         for save, buf in zip(problem.saves, bufs.saves)
     )
-    dense_ts, dense_info = bufs.dense_ts, bufs.dense_info
+    dense_ts, dense_info, dense_ends = bufs.dense_ts, bufs.dense_info, bufs.dense_ends
     if problem.dense:
         row = jnp.maximum(carry.num_accepted - 1, 0)
         dense_ts = set_row(dense_ts, row + 1, out.accepted, out.t1)
         dense_info = jtu.tree_map(
             lambda b, v: set_row(b, row, out.accepted, v), dense_info, out.dense_info
         )
+        if dense_ends is not None:
+            dense_ends = set_row(dense_ends, row, out.accepted, out.info_end)
     event_ts, event_ys = bufs.event_ts, bufs.event_ys
     if out.landed is not None:
         assert carry.hybrid is not None  # (an event that continues)
-        row = jnp.minimum(carry.hybrid.count - 1, problem.max_events - 1)
-        write = out.landed & (carry.hybrid.count <= problem.max_events)
+        row = jnp.minimum(carry.hybrid.count - 1, problem.event.max_events - 1)
+        write = out.landed & (carry.hybrid.count <= problem.event.max_events)
         event_ts = set_row(event_ts, row, write, out.t1)
         event_ys = jtu.tree_map(
             lambda b, v: set_row(b, row, write, v), event_ys, out.y1
         )
-    return Buffers(saves, dense_ts, dense_info, event_ts, event_ys)
+    return Buffers(saves, dense_ts, dense_info, event_ts, event_ys, dense_ends)
 
 
 def _write_save(
@@ -120,7 +124,7 @@ def _write_save(
         ts = save.ts
 
         def at(tau: RealScalarLike):
-            y = problem.solver.interpolate(out.dense_info, t0, t1, tau)
+            y = problem.solver.interpolate(out.dense_info, t0, out.info_end, tau)
             return _save_value(problem, save, tau, y)
 
         if differentiable:

@@ -478,13 +478,13 @@ def test_occurrence_masks_are_boolean():
     the bits of -1 and sending `where` down its slow path)."""
     from types import SimpleNamespace
 
-    from solverkit import _loop
+    from solverkit._event import _continuing
 
-    problem = SimpleNamespace(stop_at=None, max_events=4)
+    problem = SimpleNamespace(event=SimpleNamespace(stop_at=None, max_events=4))
     hybrid = SimpleNamespace(count=jnp.asarray(1, jnp.int32))
     out = SimpleNamespace(t0=jnp.asarray(0.0), t1=jnp.asarray(1.0))
     landed = jnp.asarray(True)
-    apply, result = _loop._occurrence_ends(
+    apply, result = _continuing._occurrence_ends(
         problem,
         hybrid,
         landed,
@@ -539,12 +539,12 @@ def test_optimistix_root_after_an_occurrence_is_not_the_previous_one():
     wrong side of the condition's turning point) found the previous occurrence
     again. The bracketed search takes over: the next root. g = -(t-1)(t-3)(t+10)
     on [1, 3.05] (its maximum at 2.04, right of the middle)."""
-    from solverkit import _event
+    from solverkit._event import _detect
 
     g = lambda t: -(t - 1.0) * (t - 3.0) * (t + 10.0)  # noqa: E731
     a, b = jnp.asarray(1.0), jnp.asarray(3.05)
     newton = optx.Newton(rtol=1e-12, atol=1e-12)
-    root = _event._optx_root(
+    root = _detect._optx_root(
         g, newton, a, b, jnp.asarray(1e-8), jnp.asarray(False), jnp.asarray(1e-8)
     )
     np.testing.assert_allclose(root, 3.0, rtol=1e-10)

@@ -142,7 +142,7 @@ class BacksolveAdjoint(AbstractAdjoint):
             unsupported.append("`saveat=SaveAt(steps=True)`")
         if problem.dense:
             unsupported.append("`saveat=SaveAt(dense=True)`")
-        if problem.conds is not None or problem.timed is not None:
+        if problem.event.conds is not None or problem.event.timed is not None:
             unsupported.append(
                 "events (`BacksolveAdjoint` is not compatible with events)"
             )

@@ -77,9 +77,9 @@ def row(problem: Problem, out: _loop.Outputs, keep: Keep) -> dict:
     """What a finished solve hands back for its trajectory (internal time): every
     per-trajectory field of `diffeqsolve`'s `Solution`."""
     events = None
-    if problem.continues:  # as `_integrate._record`, less the change of time
+    if problem.event.continues:  # as `_integrate._record`, less the change of time
         assert out.carry.hybrid is not None
-        num = jnp.minimum(out.carry.hybrid.count, problem.max_events)
+        num = jnp.minimum(out.carry.hybrid.count, problem.event.max_events)
         events = (out.bufs.event_ts, out.bufs.event_ys, num)
     carry = out.carry
     return dict(

@@ -31,7 +31,7 @@ from .._closure._unvmap import error_if, unvmap_max
 from .._controller._base import AbstractStepSizeController, ConstantStepSize
 from .._custom_types import RealScalarLike
 from .._errors import concrete, UnsupportedError
-from .._event import Event
+from .._event import Event, TimedEvent
 from .._integrate import (
     as_state,
     check_arguments,
@@ -48,7 +48,6 @@ from .._solution import EventRecord, Result, RESULTS, Solution
 from .._solver import AbstractSolver
 from .._term import AbstractTerm
 from .._time import flip, flip_finite
-from .._timed_event import TimedEvent
 from ._backward import backward
 from ._inputs import (
     batch_size,

@@ -27,6 +27,9 @@ class DenseInterpolation(eqx.Module):
     direction: Array | None
     solver: AbstractSolver
     y0: PyTree  # returned when no step was taken (t0 == t1)
+    # The end of the interval each step's information covers where it is not the
+    # next boundary (a step cut short at an event's occurrence); None: all are.
+    ends: Array | None = None
 
     def _evaluate(self, t: RealScalarLike) -> PyTree:
         tau = flip(self.direction, t)
@@ -36,7 +39,8 @@ class DenseInterpolation(eqx.Module):
         info = jtu.tree_map(
             lambda b: lax.dynamic_index_in_dim(b, index, keepdims=False), self.infos
         )
-        t1 = where(self.num_steps == 0, self.ts[0], self.ts[index + 1])
+        end = self.ts[index + 1] if self.ends is None else self.ends[index]
+        t1 = where(self.num_steps == 0, self.ts[0], end)
         y = self.solver.interpolate(info, self.ts[index], t1, tau)
         return jtu.tree_map(lambda a, b: where(self.num_steps == 0, b, a), y, self.y0)
 

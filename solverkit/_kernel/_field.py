@@ -77,11 +77,11 @@ def check(problem: Problem, y0, per_trajectory, keep) -> None:
         raise KernelUnsupported("a MultiTerm, or a solve backwards in time")
     unsupported = {
         "an Event that continues, has several conditions or a root_finder": (
-            problem.continues
-            or problem.root_finder is not None
-            or (problem.conds is not None and len(conditions(problem)) != 1)
+            problem.event.continues
+            or problem.event.root_finder is not None
+            or (problem.event.conds is not None and len(conditions(problem)) != 1)
         ),
-        "a TimedEvent": problem.timed is not None,
+        "a TimedEvent": problem.event.timed is not None,
         "SaveAt(dense=True)": problem.dense,
         "SaveAt(steps=...), SaveAt(fn=...) or several SubSaveAt": len(problem.saves)
         != 1
@@ -116,9 +116,11 @@ def check(problem: Problem, y0, per_trajectory, keep) -> None:
 
 def conditions(problem: Problem) -> list[Closure]:
     """The event's converted conditions (none without an event)."""
-    if problem.conds is None:
+    if problem.event.conds is None:
         return []
-    return jtu.tree_leaves(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
+    return jtu.tree_leaves(
+        problem.event.conds, is_leaf=lambda x: isinstance(x, Closure)
+    )
 
 
 def _smem(x):

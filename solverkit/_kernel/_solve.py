@@ -105,7 +105,7 @@ def _event_spec(problem: Problem, y_one, args_one) -> dict:
     if not conds:
         return {}
     (cond,) = conds
-    direction = problem.event_direction
+    direction = problem.event.directions
     return dict(
         cond=_field.lane_field(cond, problem.t0, y_one, args_one, scalar=True),
         cond_real=not jnp.issubdtype(cond.out_struct.dtype, jnp.bool_),
@@ -202,9 +202,11 @@ def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
 
 def _event_mask(problem: Problem, result):
     """Which condition fired, per trajectory, shaped as the conditions."""
-    if problem.conds is None:
+    if problem.event.conds is None:
         return None
-    tree = jtu.tree_structure(problem.conds, is_leaf=lambda x: isinstance(x, Closure))
+    tree = jtu.tree_structure(
+        problem.event.conds, is_leaf=lambda x: isinstance(x, Closure)
+    )
     return jtu.tree_unflatten(tree, [result == _EVENT])
 
 
@@ -222,9 +224,9 @@ def _lane_cotangents(problem: Problem, ct: dict) -> dict:
          "controller_state", "events"),
     )  # fmt: skip
     mask = None
-    if problem.conds is not None:
+    if problem.event.conds is not None:
         is_closure = lambda x: isinstance(x, Closure)  # noqa: E731
-        mask = jtu.tree_map(lambda _: None, problem.conds, is_leaf=is_closure)
+        mask = jtu.tree_map(lambda _: None, problem.event.conds, is_leaf=is_closure)
     return dict(ts=ct["ts"], ys=ct["ys"], t_end=ct["t1"], event_mask=mask, **none)
 
 

@@ -18,12 +18,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._closure._convert import Closure
-from ._closure._unvmap import error_if
-from ._errors import BadInputError, concrete
-from ._select import where
-from ._term import like_state
-from ._time import flip
+from .._closure._convert import Closure
+from .._closure._unvmap import error_if
+from .._errors import BadInputError, concrete
+from .._select import where
+from .._term import like_state
+from .._time import flip
 
 
 class TimedEvent(eqx.Module):
