@@ -39,6 +39,9 @@ DEFAULT_ROWS: int | None = None
 # blocks of 64.
 _TRAJECTORIES_PER_8_ROWS = 16384
 _MAX_ROWS = 64
+# Run the kernel in Pallas' interpreter, when not told (None: except on a TPU;
+# False on a CPU lowers the kernel for a TPU: `.lower(lowering_platforms=("tpu",))`).
+DEFAULT_INTERPRET: bool | None = None
 
 
 def default_rows(batch: int) -> int:
@@ -76,7 +79,9 @@ def _to_lanes(x, batch: int, rows: int):
         flat = flat.astype(jnp.int32)
     pad = jnp.broadcast_to(flat[:1], (size - batch, flat.shape[1]))
     flat = jnp.concatenate([flat, pad]) if size > batch else flat
-    return flat.T.reshape(flat.shape[1], size // LANES, LANES)
+    # One component per trajectory: a reshape, not a transpose.
+    flat = flat.reshape(1, size) if flat.shape[1] == 1 else flat.T
+    return flat.reshape(flat.shape[0], size // LANES, LANES)
 
 
 def _from_lanes(x, batch: int):
@@ -84,6 +89,13 @@ def _from_lanes(x, batch: int):
     lead = x.shape[:-2]
     flat = x.reshape(lead + (-1,))[..., :batch]
     return jnp.moveaxis(flat, -1, 0)
+
+
+def _per_trajectory(tile, batch: int):
+    """`(R, 128)` to `(N,)`: a reshape, no transpose (a `(N, k)` array with a small
+    `k` is padded to 128 lanes on a TPU, and its strided slices overflowed scoped
+    VMEM at N = 2^20)."""
+    return tile.reshape(-1)[:batch]
 
 
 def _state_of(flat, y0_example: PyTree, batch: int) -> PyTree:
@@ -114,12 +126,22 @@ def _event_spec(problem: Problem, y_one, args_one) -> dict:
     )
 
 
-@eqx.filter_jit
-def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
-    """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts."""
+def lane_inputs(problem: Problem, y0: PyTree, args_dynamic: PyTree, rows: int):
+    """The kernel's static `Spec` and its inputs in the lane layout.
+
+    **Arguments:**
+
+    - `problem`, `y0`, `args_dynamic`: as `kernel_solve` takes them (the arrays of
+        `args` only).
+    - `rows`: rows of 128 trajectories per block.
+
+    **Returns:**
+
+    `(spec, times, ts, y_lanes, arg_lanes, consts)`: `_pallas.solve_blocks`'s
+    arguments but the last.
+    """
     leaves = jtu.tree_leaves(y0)
     batch = leaves[0].shape[0]
-    rows = settings.rows
     one = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
     closure = problem.terms.closure  # pyright: ignore[reportAttributeAccessIssue]
     field = _field.lane_field(closure, problem.t0, one(y0), one(args_dynamic))
@@ -147,12 +169,18 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
         rows=rows,
         **_event_spec(problem, one(y0), one(args_dynamic)),
     )
-    y_end, ys_ts, t_end, counts = _pallas.solve_blocks(
-        spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
-    )
-    t_end = _from_lanes(t_end[None], batch)[:, 0]
+    return spec, times, ts, y_lanes, arg_lanes, consts
+
+
+@eqx.filter_jit
+def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
+    """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts
+    (lane layout, `(5, R, 128)`)."""
+    batch = jtu.tree_leaves(y0)[0].shape[0]
+    inputs = lane_inputs(problem, y0, args_dynamic, settings.rows)
+    y_end, ys_ts, t_end, counts = _pallas.solve_blocks(*inputs, settings.interpret)
+    t_end = _per_trajectory(t_end, batch)
     y_end = _state_of(_from_lanes(y_end, batch), y0, batch)
-    counts = _from_lanes(counts, batch)  # (N, 5)
     ts_rows, ys_rows = _rows(problem, settings, y0, ys_ts, t_end, y_end)
     return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
 
@@ -164,6 +192,11 @@ def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
     batch = t_end.shape[0]
     save = problem.saves[0]
     rows = lambda x: x[:, None]  # noqa: E731
+    if save.ts is None and not settings.save_t0:  # the final point or nothing
+        keep = settings.save_t1
+        ts = rows(t_end) if keep else jnp.zeros((batch, 0), t_end.dtype)
+        ys = jtu.tree_map(lambda v: rows(v) if keep else rows(v)[:, :0], y_end)
+        return ts, ys
     ts = jnp.zeros((batch, 0), t_end.dtype)
     ys = jtu.tree_map(lambda x: jnp.zeros((batch, 0) + x.shape[1:], x.dtype), y0)
     if save.ts is not None:
@@ -245,7 +278,8 @@ def _differentiable(
 
     def fwd(problem, y0, args_dynamic):
         out = primal(problem, y0, args_dynamic)
-        return out, (y0, args_dynamic, out["counts"][:, 0])
+        steps = _per_trajectory(out["counts"][0], out["t1"].shape[0])
+        return out, (y0, args_dynamic, steps)
 
     def bwd(static, dynamic, residuals, cotangents):
         y0, args_dynamic, num_steps = residuals
@@ -278,20 +312,35 @@ def _differentiable(
     )  # fmt: skip
 
 
-def _stats(problem: Problem, counts, rows: int) -> dict:
-    """The lane loop's `stats`; `lanes`: the trajectories the blocks hold (padding
-    included), `lane_steps`: the iterations of every block times its lanes."""
-    batch = counts.shape[0]
-    count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731
-    block = rows * LANES
+def _stats(problem: Problem, counts, batch: int) -> dict:
+    """The lane loop's `stats` from the kernel's `(5, R, 128)` counts; `lanes`: the
+    trajectories the blocks hold (padding included), `lane_steps`: the iterations
+    of every block times its lanes (each row of a block holds its iterations)."""
+    int_dtype = jnp.result_type(int)
+    count = lambda i: _per_trajectory(counts[i], batch).astype(int_dtype)  # noqa: E731
     max_steps = int(problem.max_steps or 0)
     return dict(
-        num_steps=count(counts[:, 0]),
-        num_accepted_steps=count(counts[:, 1]),
-        num_rejected_steps=count(counts[:, 2]),
-        max_steps=jnp.full((batch,), max_steps, jnp.result_type(int)),
-        lanes=-(-batch // block) * block,
-        lane_steps=count(jnp.sum(counts[::block, 4])) * block,
+        num_steps=count(0),
+        num_accepted_steps=count(1),
+        num_rejected_steps=count(2),
+        max_steps=jnp.full((batch,), max_steps, int_dtype),
+        lanes=counts.shape[1] * LANES,
+        lane_steps=jnp.sum(counts[4, :, 0].astype(int_dtype)) * LANES,
+    )
+
+
+def _check(outputs: tuple, result):
+    """`outputs`, raising at run time if any trajectory failed: one reduction of the
+    result codes to the first failure's code, and an error check on that scalar
+    alone (no output passes through its `cond`: on a TPU that would copy every
+    output), which every inexact output then depends on (`x - 0` is `x`, bit for
+    bit, `-0.0` included)."""
+    failed = (result != _SUCCESS) & (result != _EVENT)
+    index = unvmap_max(where(failed, result, 0))
+    token = error_if(jnp.zeros((), jnp.int32), index > 0, index, _MESSAGES)
+    return jtu.tree_map(
+        lambda a: a - token.astype(a.dtype) if eqx.is_inexact_array(a) else a,
+        outputs,
     )
 
 
@@ -322,7 +371,8 @@ def kernel_solve(
         adjoint, in chunks sorted by the steps each took (the kernel's counts).
     - `rows`: rows of 128 trajectories per block (a multiple of 8 on a TPU);
         default `DEFAULT_ROWS`, else `default_rows(N)`.
-    - `interpret`: run the kernel in Pallas' interpreter; default: except on a TPU.
+    - `interpret`: run the kernel in Pallas' interpreter; default
+        `DEFAULT_INTERPRET`, else except on a TPU.
 
     **Returns:**
 
@@ -331,6 +381,8 @@ def kernel_solve(
     if rows is None:
         batch = jtu.tree_leaves(y0)[0].shape[0]
         rows = DEFAULT_ROWS if DEFAULT_ROWS is not None else default_rows(batch)
+    if interpret is None:
+        interpret = DEFAULT_INTERPRET
     if interpret is None:
         interpret = jax.default_backend() != "tpu"  # it lowers to TPUs only, so far
     save = problem.saves[0]
@@ -341,18 +393,16 @@ def kernel_solve(
         out = _differentiable(problem, y0, args_dynamic, settings, reference, backward)
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
-    result = counts[:, 3]
+    batch = t_end.shape[0]
+    result = _per_trajectory(counts[3], batch)
     if throw:
-        failed = (result != _SUCCESS) & (result != _EVENT)
-        index = unvmap_max(where(failed, result, 0))
-        ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, _MESSAGES)
-    batch = result.shape[0]
+        ts, ys, t_end = _check((ts, ys, t_end), result)
     return Solution(
         t0=jnp.broadcast_to(problem.t0, (batch,)),
         t1=t_end,
         ts=ts,
         ys=ys,
-        stats=_stats(problem, counts, rows),
+        stats=_stats(problem, counts, batch),
         result=Result(result),
         event_mask=_event_mask(problem, result),
         made_jump=None,
