@@ -116,3 +116,20 @@ def test_throw_same_values_and_raises(saveat):
     batched = eqx.filter_jit(jax.vmap(_solver(throw=True, saveat=save, max_steps=8)))
     with pytest.raises(Exception, match="maximum number of solver steps"):
         jax.block_until_ready(batched(y0[None].repeat(2, 0), rho[None].repeat(2, 0)))
+
+
+@pytest.mark.slow
+def test_profile_benchmark_runs(tmp_path):
+    """`benchmarks.kernel_profile` (the chip command) runs every piece on the CPU."""
+    import json
+
+    from benchmarks import kernel_profile
+
+    argv = ["--out", str(tmp_path), "--sizes", "128", "--t1", "1", "--repeats", "1"]
+    assert kernel_profile.main([*argv, "--interpret"]) == 0
+    rows = json.loads((tmp_path / "kernel_profile.json").read_text())["rows"]
+    assert [r["piece"] for r in rows] == [
+        "dispatch", "callback", "kernel_only", "kernel", "kernel_throw", "vmap",
+        "vmap_throw",
+    ]  # fmt: skip
+    assert not [r for r in rows if "error" in r]
