@@ -23,7 +23,7 @@ from .._integrate import MESSAGES as _MESSAGES
 from .._problem import Problem
 from .._select import where
 from .._solution import Result, RESULTS, Solution
-from . import _field, _pallas
+from . import _field, _pallas, _tangent
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
 
@@ -126,7 +126,13 @@ def _event_spec(problem: Problem, y_one, args_one) -> dict:
     )
 
 
-def lane_inputs(problem: Problem, y0: PyTree, args_dynamic: PyTree, rows: int):
+def lane_inputs(
+    problem: Problem,
+    y0: PyTree,
+    args_dynamic: PyTree,
+    rows: int,
+    directions: tuple = (),
+):
     """The kernel's static `Spec` and its inputs in the lane layout.
 
     **Arguments:**
@@ -134,6 +140,8 @@ def lane_inputs(problem: Problem, y0: PyTree, args_dynamic: PyTree, rows: int):
     - `problem`, `y0`, `args_dynamic`: as `kernel_solve` takes them (the arrays of
         `args` only).
     - `rows`: rows of 128 trajectories per block.
+    - `directions`: forward sensitivities along these (`_tangent`): the state then
+        holds `n (1 + K)` components, the tangents after the state.
 
     **Returns:**
 
@@ -155,6 +163,9 @@ def lane_inputs(problem: Problem, y0: PyTree, args_dynamic: PyTree, rows: int):
     land = t1 - _pallas.LANDING_ULPS * spacing
     times = jnp.stack([problem.t0, t1, jnp.asarray(dt0, tdtype), land])
     y_lanes = jnp.concatenate([_to_lanes(x, batch, rows) for x in leaves])
+    n = y_lanes.shape[0]
+    starts = [_tangent.initial(d, j, y_lanes[0]) for d in directions for j in range(n)]
+    y_lanes = jnp.concatenate([y_lanes, *(s[None] for s in starts)])
     arg_lanes = [_to_lanes(a, batch, rows) for a in jtu.tree_leaves(args_dynamic)]
     spec = _pallas.Spec(
         tableau=problem.solver.tableau,  # pyright: ignore[reportAttributeAccessIssue]
@@ -168,6 +179,8 @@ def lane_inputs(problem: Problem, y0: PyTree, args_dynamic: PyTree, rows: int):
         max_steps=int(problem.max_steps),  # pyright: ignore[reportArgumentType]
         rows=rows,
         **_event_spec(problem, one(y0), one(args_dynamic)),
+        directions=tuple(directions),
+        primal=n,
     )
     return spec, times, ts, y_lanes, arg_lanes, consts
 
