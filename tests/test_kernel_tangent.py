@@ -38,8 +38,8 @@ def _saveat():
     return sk.SaveAt(ts=jnp.linspace(0.0, 1.0, TS), t1=True)
 
 
-def _controller():
-    return sk.PIDController(rtol=1e-8, atol=1e-8)
+def _controller(tol=1e-8):
+    return sk.PIDController(rtol=tol, atol=tol)
 
 
 def _problem(y0, args, sigma, beta):
@@ -130,3 +130,64 @@ def test_tangents_match_vmap_jacobian_float64(x64):
     np.testing.assert_array_equal(
         _solve._per_trajectory(counts[0], N), plain.stats["num_steps"]
     )
+
+
+def _loss(backward, y0, rho, k, sigma, monkeypatch):
+    monkeypatch.setattr(_solve, "BACKWARD", backward)
+    sol = sk.ensemble_solve(
+        sk.ODETerm(_field(sigma, 8 / 3)), sk.Tsit5(), 0.0, 1.0, None, y0, (rho, k),
+        saveat=_saveat(), kernel=True,
+        stepsize_controller=_controller(1e-8 if y0.dtype == jnp.float64 else 1e-5),
+    )  # fmt: skip
+    return jnp.sum(sol.ys**2) + jnp.sum(jnp.sin(sol.ys[:, 1:, 0]))
+
+
+def _inputs(dtype, n=N):
+    y0 = jnp.tile(jnp.asarray([1.0, 0.0, 0.0], dtype), (n, 1))
+    y0 = y0 + jnp.linspace(0, 0.1, n, dtype=dtype)[:, None]
+    return y0, jnp.linspace(1.0, 21.0, n, dtype=dtype), jnp.arange(n) % 3
+
+
+def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
+    """`BACKWARD = "tangent"`: the gradient with respect to y0, a per-trajectory
+    float, a closed-over array (with an integer per-trajectory argument alongside)
+    under `jit` equals the lane loop's backward pass's."""
+    y0, rho, k = _inputs(jnp.float64)
+    sigma = jnp.asarray(10.0)
+    grads = {}
+    for backward in ("loop", "tangent"):
+        grad = jax.grad(
+            lambda a, b, c: _loss(backward, a, b, k, c, monkeypatch), argnums=(0, 1, 2)
+        )
+        grads[backward] = jax.jit(grad)(y0, rho, sigma)
+    for a, b in zip(grads["tangent"], grads["loop"]):
+        # The same derivative of the same discrete solve, by forward sensitivities
+        # vs the adjoint: round-off (see the first test), far below rtol 1e-8.
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * scale)
+
+
+def test_tangent_backward_vmap_float32(monkeypatch):
+    """float32, `jax.vmap` of the gradient over a closed-over float, against the
+    loop's backward pass; float32's steps may differ by a step or two where an error
+    estimate is within round-off of 1 (test_kernel), so to the solver's tolerance
+    times the gradient's scale."""
+    y0, rho, k = _inputs(jnp.float32)
+    sigmas = jnp.asarray([9.0, 10.0], jnp.float32)
+
+    def grads(backward):
+        def one(s):
+            g = jax.grad(
+                lambda a, c: _loss(backward, a, rho, k, c, monkeypatch), (0, 1)
+            )
+            return g(y0, s)
+
+        return jax.jit(jax.vmap(one))(sigmas)
+
+    got, want = grads("tangent"), grads("loop")
+    assert got[0].dtype == jnp.float32 and got[1].shape == (2,)
+    for a, b in zip(got, want):
+        # rtol 1e-5: a step more or less moves a trajectory's values by ~1e-5
+        # relative, and its gradient by about as much times its growth (<~ 30 here).
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * scale)

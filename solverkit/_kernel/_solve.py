@@ -7,6 +7,7 @@ lane loop with its adjoint), which solves every trajectory again: the gradient i
 `vmap` path's, at its cost, and the kernel speeds up the forward solve.
 """
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ from .._integrate import MESSAGES as _MESSAGES
 from .._problem import Problem
 from .._select import where
 from .._solution import Result, RESULTS, Solution
-from . import _field, _pallas, _tangent
+from . import _backward, _field, _pallas, _tangent
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
 
@@ -42,6 +43,9 @@ _MAX_ROWS = 64
 # Run the kernel in Pallas' interpreter, when not told (None: except on a TPU;
 # False on a CPU lowers the kernel for a TPU: `.lower(lowering_platforms=("tpu",))`).
 DEFAULT_INTERPRET: bool | None = None
+# The backward pass: "loop" (the lane loop's adjoint, `_ensemble._backward`) or
+# "tangent" (forward sensitivities in the kernel, `_backward`, where it applies).
+BACKWARD = "loop"
 
 
 def default_rows(batch: int) -> int:
@@ -198,6 +202,34 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
     return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
 
 
+def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, directions):
+    """The saved rows `ys` and, per direction, their tangent (same layout), from one
+    kernel run with forward sensitivities."""
+    batch = jtu.tree_leaves(y0)[0].shape[0]
+    spec, times, ts, y_lanes, arg_lanes, consts = lane_inputs(
+        problem, y0, args_dynamic, settings.rows, directions
+    )
+    y_end, ys_ts, t_end, _ = _pallas.solve_blocks(
+        spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
+    )
+    t_end = _per_trajectory(t_end, batch)
+    n = spec.own
+
+    def rows_of(k: int, start):
+        part = slice(n * k, n * (k + 1))
+        end = _state_of(_from_lanes(y_end[part], batch), y0, batch)
+        return _rows(problem, settings, start, ys_ts[:, part], t_end, end)[1]
+
+    def start_of(direction):
+        flat = jnp.zeros((batch, n), ys_ts.dtype)
+        if direction[0] == "state":
+            flat = flat.at[:, direction[1]].set(1)
+        return _state_of(flat, y0, batch)
+
+    tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
+    return rows_of(0, y0), tangents
+
+
 def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
     """The saved rows in the vmap path's layout (`_save.finish_save`): `t0`, the
     save times reached (those past an event's time: `inf`), then `t1` (the final
@@ -297,6 +329,15 @@ def _differentiable(
     def bwd(static, dynamic, residuals, cotangents):
         y0, args_dynamic, num_steps = residuals
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
+        problem = eqx.combine(dynamic, static)
+        directions = _backward.directions_of(problem, y0, args_dynamic)
+        if BACKWARD == "tangent" and directions is not None:
+            forward = functools.partial(_tangent_rows, settings)
+            ct_consts, ct_y, ct_args = _backward.pull_back(
+                forward, problem, y0, args_dynamic, directions, ct["ys"]
+            )
+            ct_dynamic = fill_zeros(_backward.with_consts(dynamic, ct_consts), dynamic)
+            return ct_dynamic, fill_zeros(ct_y, y0), fill_zeros(ct_args, args_dynamic)
         if backward is not None:
             ct_out = _lane_cotangents(eqx.combine(dynamic, static), ct)
             ct_dynamic, ct_y, ct_args, _ = backward(
