@@ -2,7 +2,7 @@
 `ensemble_solve(kernel=True)` call timed separately, side by side in one process.
 
 `python -m benchmarks.kernel_profile --out DIR [--sizes 4096,65536] [--t1 1,10]
-[--repeats 20] [--big] [--trace] [--interpret]`
+[--repeats 20] [--big] [--grad] [--trace] [--interpret]`
 
 Lorenz, Tsit5, PIDController(rtol = atol = 1e-5), SaveAt(t1=True), float32 (as
 `benchmarks.kernel`). Pieces (each a jitted function on the same inputs):
@@ -13,6 +13,11 @@ Lorenz, Tsit5, PIDController(rtol = atol = 1e-5), SaveAt(t1=True), float32 (as
 - `kernel_only`: the `pallas_call` alone, on inputs already in the lane layout.
 - `kernel`, `kernel_throw`: `ensemble_solve(kernel=True)`, throw=False / True.
 - `vmap`, `vmap_throw`: `kernel=False` (the lockstep loop), throw=False / True.
+- with `--grad`: the gradient of `sum(y(t1)^2)` with respect to y0 and rho:
+  `grad_vmap` (kernel=False), `grad_loop` (the kernel forward, the lane loop's
+  backward pass: `_solve.BACKWARD = "loop"`, the default), `grad_tangent` (forward
+  sensitivities in the kernel, `BACKWARD = "tangent"`: 6 directions here), at
+  the largest `--t1` only.
 
 Per piece: the first call (trace, compile, run), `latency` (median over `--repeats`
 of a call and `block_until_ready`) and `pipelined` (`--repeats` calls back to back,
@@ -100,7 +105,28 @@ def _pieces(n: int, t1: float, interpret: bool):
         ("vmap_throw", False, True),
     ]:
         pieces[name] = (_solver(kernel, throw, t1), (y0, rho))
+    for name, kernel, backward in [
+        ("grad_vmap", False, "loop"),
+        ("grad_loop", True, "loop"),
+        ("grad_tangent", True, "tangent"),
+    ]:
+        pieces[name] = (_grad(kernel, backward, t1), (y0, rho))
     return pieces
+
+
+def _grad(kernel: bool, backward: str, t1: float):
+    solve = _solver(kernel, False, t1)
+    loss = lambda y0, rho: jnp.sum(solve(y0, rho).ys ** 2)  # noqa: E731
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    def call(y0, rho):  # the backward pass is chosen when traced (first call)
+        _solve.BACKWARD = backward
+        try:
+            return grad(y0, rho)
+        finally:
+            _solve.BACKWARD = "loop"
+
+    return call
 
 
 def _time(fn, args, repeats: int) -> dict:
@@ -173,6 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--t1", default="1,10")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--big", action="store_true")
+    parser.add_argument("--grad", action="store_true")
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--interpret", action="store_true")
     args = parser.parse_args(argv)
@@ -182,11 +209,13 @@ def main(argv=None) -> int:
         args.interpret = _solve.DEFAULT_INTERPRET = True
     names = ["dispatch", "callback", "kernel_only", "kernel", "kernel_throw"]
     names += ["vmap", "vmap_throw"]
+    grads = ["grad_vmap", "grad_loop", "grad_tangent"] if args.grad else []
     rows: list = []
     meta = dict(device=str(jax.devices()[0]), argv=sys.argv[1:])
+    t1s = [float(s) for s in args.t1.split(",")]
     for n in [int(s) for s in args.sizes.split(",")]:
-        for t1 in [float(s) for s in args.t1.split(",")]:
-            _run(rows, n, t1, names, args)
+        for t1 in t1s:  # gradients at the longest horizon only
+            _run(rows, n, t1, names + (grads if t1 == max(t1s) else []), args)
     if args.big:
         _run(rows, 2**20, 1.0, ["kernel_only", "kernel", "kernel_throw"], args)
     if args.trace:
