@@ -24,8 +24,9 @@ of a call and `block_until_ready`) and `pipelined` (`--repeats` calls back to ba
 then one block, per call): latency minus pipelined is the host's share. `--big` adds
 the kernel at N = 2^20 (throw=False and True); `--trace` writes a `jax.profiler`
 trace of a few calls of `kernel` and `kernel_throw` under `DIR/trace`. Writes
-`kernel_profile.json` and `kernel_profile.md`; a piece that fails is written down
-with its error and the rest go on. `--interpret` runs the kernel in Pallas'
+`kernel_profile.json` and `kernel_profile.md` after every piece (a run cut short
+keeps what it measured); a piece that fails is written down with its error and the
+rest go on. `--interpret` runs the kernel in Pallas'
 interpreter (a CPU check of the script with tiny sizes).
 """
 
@@ -149,7 +150,14 @@ def _time(fn, args, repeats: int) -> dict:
     return row
 
 
+def _save(out: pathlib.Path, meta: dict, rows: list) -> None:
+    (out / "kernel_profile.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
+    (out / "kernel_profile.md").write_text(_markdown(rows))
+
+
 def _run(rows: list, n: int, t1: float, names, args) -> None:
+    """Time `names` at this size and horizon, appending to `rows` and writing the
+    files after each (a run cut short keeps what it measured)."""
     pieces = _pieces(n, t1, args.interpret)
     for name in names:
         row = dict(piece=name, n=n, t1=t1)
@@ -162,6 +170,7 @@ def _run(rows: list, n: int, t1: float, names, args) -> None:
             traceback.print_exc()
         rows.append(row)
         print(json.dumps(row), flush=True)
+        _save(pathlib.Path(args.out), args.meta, rows)
 
 
 def _trace(out: pathlib.Path, n: int, t1: float) -> None:
@@ -211,17 +220,16 @@ def main(argv=None) -> int:
     names += ["vmap", "vmap_throw"]
     grads = ["grad_vmap", "grad_loop", "grad_tangent"] if args.grad else []
     rows: list = []
-    meta = dict(device=str(jax.devices()[0]), argv=sys.argv[1:])
+    args.meta = dict(device=str(jax.devices()[0]), argv=sys.argv[1:])
     t1s = [float(s) for s in args.t1.split(",")]
-    for n in [int(s) for s in args.sizes.split(",")]:
+    for i, n in enumerate([int(s) for s in args.sizes.split(",")]):
         for t1 in t1s:  # gradients at the longest horizon only
             _run(rows, n, t1, names + (grads if t1 == max(t1s) else []), args)
-    if args.big:
-        _run(rows, 2**20, 1.0, ["kernel_only", "kernel", "kernel_throw"], args)
+        if args.big and i == 0:  # after the first size: N = 2^20 compiles?
+            _run(rows, 2**20, 1.0, ["kernel_only", "kernel", "kernel_throw"], args)
     if args.trace:
         _trace(out, int(args.sizes.split(",")[0]), 1.0)
-    (out / "kernel_profile.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
-    (out / "kernel_profile.md").write_text(_markdown(rows))
+    _save(out, args.meta, rows)
     print(_markdown(rows))
     return 0
 
