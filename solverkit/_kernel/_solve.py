@@ -385,10 +385,9 @@ def _stats(problem: Problem, counts, batch: int) -> dict:
 
 def _check(outputs: tuple, result):
     """`outputs`, raising at run time if any trajectory failed: one reduction of the
-    result codes to the first failure's code, and an error check on that scalar
-    alone (no output passes through its `cond`: on a TPU that would copy every
-    output), which every inexact output then depends on (`x - 0` is `x`, bit for
-    bit, `-0.0` included)."""
+    result codes to the largest failure code, and an error check on that scalar
+    alone (its `cond` carries no output), which every inexact output then depends
+    on (`x - 0` is `x`, bit for bit, `-0.0` included)."""
     failed = (result != _SUCCESS) & (result != _EVENT)
     index = unvmap_max(where(failed, result, 0))
     token = error_if(jnp.zeros((), jnp.int32), index > 0, index, _MESSAGES)
@@ -396,6 +395,12 @@ def _check(outputs: tuple, result):
         lambda a: a - token.astype(a.dtype) if eqx.is_inexact_array(a) else a,
         outputs,
     )
+
+
+def _default_interpret() -> bool:
+    if DEFAULT_INTERPRET is not None:
+        return DEFAULT_INTERPRET
+    return jax.default_backend() != "tpu"  # it lowers to TPUs only, so far
 
 
 def kernel_solve(
@@ -436,9 +441,7 @@ def kernel_solve(
         batch = jtu.tree_leaves(y0)[0].shape[0]
         rows = DEFAULT_ROWS if DEFAULT_ROWS is not None else default_rows(batch)
     if interpret is None:
-        interpret = DEFAULT_INTERPRET
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"  # it lowers to TPUs only, so far
+        interpret = _default_interpret()
     save = problem.saves[0]
     settings = Settings(rows, interpret, save.t0, save.t1)
     args_dynamic, args_static = eqx.partition(args, eqx.is_array)
