@@ -2,9 +2,9 @@
 `Solution`, and reverse mode.
 
 Reverse mode is a `custom_vjp` whose forward pass is the kernel and whose backward
-pass pulls the cotangents back through the `vmap` path (`reference`, the ensemble's
-lane loop with its adjoint), which solves every trajectory again: the gradient is the
-`vmap` path's, at its cost, and the kernel speeds up the forward solve.
+pass is the kernel again with forward sensitivities (`_backward`, where it applies),
+else the `vmap` path's (the ensemble's lane loop with its adjoint, which solves
+every trajectory again). The gradient is the `vmap` path's to round-off either way.
 """
 
 import functools
@@ -43,9 +43,12 @@ _MAX_ROWS = 64
 # Run the kernel in Pallas' interpreter, when not told (None: except on a TPU;
 # False on a CPU lowers the kernel for a TPU: `.lower(lowering_platforms=("tpu",))`).
 DEFAULT_INTERPRET: bool | None = None
-# The backward pass: "loop" (the lane loop's adjoint, `_ensemble._backward`) or
-# "tangent" (forward sensitivities in the kernel, `_backward`, where it applies).
-BACKWARD = "loop"
+# The backward pass: "tangent" (forward sensitivities in the kernel, `_backward`,
+# where it applies: <= 32 directions, no event; else the loop's) or "loop" (the
+# lane loop's adjoint, `_ensemble._backward`). On a TPU v5e (float32, Lorenz, t1 =
+# 10, `benchmarks.kernel_profile --grad`): 1.31 / 5.85 ms against the loop's 6.66 /
+# 59.3 ms and kernel=False's 7.72 / 67.5 ms at N = 4096 / 65,536.
+BACKWARD = "tangent"
 
 
 def default_rows(batch: int) -> int:
@@ -427,7 +430,8 @@ def kernel_solve(
     - `backward`: `(static, dynamic, y0, args_dynamic, num_steps, cotangents) ->
         (ct_dynamic, ct_y0, ct_args, ct_times)`, the lane loop's backward pass
         (`_ensemble._backward`), which solves each trajectory again with the
-        adjoint, in chunks sorted by the steps each took (the kernel's counts).
+        adjoint, in chunks sorted by the steps each took (the kernel's counts);
+        used where forward sensitivities in the kernel (`BACKWARD`) don't apply.
     - `rows`: rows of 128 trajectories per block (a multiple of 8 on a TPU);
         default `DEFAULT_ROWS`, else `default_rows(N)`.
     - `interpret`: run the kernel in Pallas' interpreter; default
