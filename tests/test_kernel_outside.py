@@ -133,3 +133,49 @@ def test_profile_benchmark_runs(tmp_path):
         "vmap_throw",
     ]  # fmt: skip
     assert not [r for r in rows if "error" in r]
+
+
+def _eager_solve(kernel: bool, max_steps: int, throw: bool = True):
+    y0, rho = _inputs(256)
+    sigma = jnp.asarray(10.0, jnp.float32)  # a closed-over array: concrete here
+    return sk.ensemble_solve(
+        sk.ODETerm(_field(sigma, 8 / 3)), sk.Tsit5(), 0.0, 1.0, None, y0, rho,
+        stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5), kernel=kernel,
+        max_steps=max_steps, throw=throw,
+    )  # fmt: skip
+
+
+def test_eager_checks_on_the_host(monkeypatch):
+    """Called eagerly, `ensemble_solve` compiles no error check (no host callback)
+    and raises from the host what the check would, for the kernel and the vmap
+    paths alike; under `jit` the check stays in the program."""
+    from solverkit._ensemble import _solve as ensemble
+
+    checks = []
+
+    def record(module):
+        original = module.error_if
+
+        def error_if(*args, **kwargs):
+            checks.append(module.__name__)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "error_if", error_if)
+
+    record(ensemble)
+    record(_solve)
+    errors = {}
+    for kernel in (True, False):
+        with pytest.raises(eqx.EquinoxRuntimeError) as info:
+            _eager_solve(kernel, max_steps=8)
+        errors[kernel] = str(info.value)
+    assert errors[True] == errors[False] == sk.RESULTS.max_steps_reached.message()
+    assert checks == []
+    for kernel in (True, False):  # no failure: the solve's values, nothing raised
+        loud = _eager_solve(kernel, max_steps=4096)
+        quiet = _eager_solve(kernel, max_steps=4096, throw=False)
+        np.testing.assert_array_equal(loud.ys, quiet.ys)
+    assert checks == []
+    y0, rho = _inputs(256)
+    jax.make_jaxpr(_solver(throw=True))(y0, rho)  # traced: the device check
+    assert checks == ["solverkit._kernel._solve"]
