@@ -20,8 +20,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from .. import _kernel
@@ -187,6 +189,23 @@ def _use_kernel(kernel, problem: Problem, y0, per_trajectory, keep: Keep) -> boo
     return why is None
 
 
+def _eager(problem: Problem, y0, args) -> bool:
+    """No tracer among the inputs and the values the functions close over: the
+    solve runs now, outside any `jit`, `vmap` or `grad`."""
+    leaves = jtu.tree_leaves((problem, y0, args))
+    return not any(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+def _raise_failed(result: Result) -> None:
+    """Raise, from the host, what the device check (`error_if`) would: the message
+    of the largest failure code, as `equinox.EquinoxRuntimeError`."""
+    codes = np.asarray(result.code)
+    failed = codes[(codes != _SUCCESS) & (codes != _EVENT)]
+    if failed.size:
+        error = getattr(eqx, "EquinoxRuntimeError", RuntimeError)
+        raise error(MESSAGES[int(failed.max())])
+
+
 def _kernel_solve(problem: Problem, y0, args, throw, plan: Policy, keep: Keep, adjoint):
     """The kernel path, with the lane loop (`_ensemble`) as its reference and the
     lane loop's backward pass (`backward`) for reverse mode."""
@@ -346,7 +365,15 @@ def ensemble_solve(
         )  # fmt: skip
         check_event_context(event, context, saveat, first(y0), first(args))
     keep = Keep.of(saveat)
+    on_host = throw and _eager(problem, y0, args)
+    throw = throw and not on_host  # eagerly: no host callback in the program
     if _use_kernel(kernel, problem, y0, per_trajectory, keep):
-        return _kernel_solve(problem, y0, args, throw, plan, keep, adjoint)
-    with jax.numpy_dtype_promotion("standard"), reverse_only():
-        return _ensemble(problem, y0, args, per_trajectory, plan, throw, keep, adjoint)
+        sol = _kernel_solve(problem, y0, args, throw, plan, keep, adjoint)
+    else:
+        with jax.numpy_dtype_promotion("standard"), reverse_only():
+            sol = _ensemble(
+                problem, y0, args, per_trajectory, plan, throw, keep, adjoint
+            )
+    if on_host:
+        _raise_failed(sol.result)
+    return sol

@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._solution import RESULTS
 from .._solver._tableau import ButcherTableau
-from . import _event, _step, _tile
+from . import _event, _step, _tangent, _tile
 from ._step import Pid
 from ._tile import where
 
@@ -58,6 +58,15 @@ class Spec(NamedTuple):
     cond_real: bool = True
     cond_direction: bool | None = None
     field_consts: int = 0
+    # Forward sensitivities (`_tangent`): the directions, and the state's own
+    # components among the `n` (the rest: one tangent of them per direction).
+    directions: tuple = ()
+    primal: int = 0
+
+    @property
+    def own(self) -> int:
+        """The state's own components (the controller reads only these)."""
+        return self.primal or self.n
 
 
 class _State(NamedTuple):
@@ -96,12 +105,13 @@ def _going(spec: Spec, s: _State, t1):
     return (s.t < t1) & (s.steps < spec.max_steps) & (s.result == _SUCCESS)
 
 
-def _init(spec: Spec, field, cond, t0, t1, dt0, y0):
+def _init(spec: Spec, field, primal, cond, t0, t1, dt0, y0):
     f0 = field(t0, y0)
     if spec.has_dt0:
         dt = _tile.anchor(jnp.broadcast_to(dt0, y0[0].shape).astype(t0.dtype))
     else:
-        dt = _step.initial_step(spec.pid, field, t0, y0, f0)
+        p = spec.own
+        dt = _step.initial_step(spec.pid, primal, t0, y0[:p], f0[:p])
     dt = _step.clip_dt0(spec.pid, dt)
     tnext = jnp.minimum(t0 + dt, t1)
     # Carried tiles start as real tiles (not splats): see `_tile`.
@@ -175,11 +185,11 @@ def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _Sta
     t_end = jnp.minimum(s.tnext, t1)
     h = t_end - s.t
     y1, error, ks = _step.rk_step(spec.tableau, field, s.t, h, s.y, s.f)
-    d = _step.adapt(
-        spec.pid, s.t, t_end, s.y, y1, error, (s.prev, s.prev_prev, s.at_dtmin)
-    )
+    p = spec.own  # the controller and the check read the state, not its tangents
+    history = (s.prev, s.prev_prev, s.at_dtmin)
+    d = _step.adapt(spec.pid, s.t, t_end, s.y[:p], y1[:p], error[:p], history)
     next_t1 = where(d.next_t1 >= land, t1, d.next_t1)
-    finite = functools.reduce(lambda a, b: a & b, [_step.finite(v) for v in y1])
+    finite = functools.reduce(lambda a, b: a & b, [_step.finite(v) for v in y1[:p]])
     keep = going & d.keep
     ok = _code(_SUCCESS, s.result)
     result = where(d.too_small, _code(_DT_MIN, ok), ok)
@@ -227,7 +237,12 @@ def _kernel_body(spec: Spec, *refs):
     args = [[r[i] for i in range(m)] for r, m in zip(arg_refs, spec.num_args)]
     consts = [_read_const(r, shape) for r, shape in zip(const_refs, spec.const_shapes)]
     own = spec.field_consts if spec.cond is not None else len(consts)
-    field = lambda t, y: spec.field(t, y, args, consts[:own])  # noqa: E731
+    field = primal = lambda t, y: spec.field(t, y, args, consts[:own])  # noqa: E731
+    if spec.directions:
+        assert spec.cond is None, "no event with forward sensitivities"
+        field = _tangent.augment(
+            spec.field, spec.own, spec.directions, args, consts[:own]
+        )
     cond = None
     if (cond_fn := spec.cond) is not None:
         cond = lambda t, y: cond_fn(t, y, args, consts[own:])  # noqa: E731
@@ -241,7 +256,7 @@ def _kernel_body(spec: Spec, *refs):
         return carry
 
     lax.fori_loop(0, spec.num_ts, first_rows, 0)
-    state = _init(spec, field, cond, t_tile, t1, dt0, y0)
+    state = _init(spec, field, primal, cond, t_tile, t1, dt0, y0)
     state = lax.while_loop(
         lambda s: jnp.any(_going(spec, s, t1)),
         lambda s: _body(spec, field, cond, t1, land, ts_ref, ys_ref, s),

@@ -2,11 +2,12 @@
 `Solution`, and reverse mode.
 
 Reverse mode is a `custom_vjp` whose forward pass is the kernel and whose backward
-pass pulls the cotangents back through the `vmap` path (`reference`, the ensemble's
-lane loop with its adjoint), which solves every trajectory again: the gradient is the
-`vmap` path's, at its cost, and the kernel speeds up the forward solve.
+pass is the kernel again with forward sensitivities (`_backward`, where it applies),
+else the `vmap` path's (the ensemble's lane loop with its adjoint, which solves
+every trajectory again). The gradient is the `vmap` path's to round-off either way.
 """
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ from .._integrate import MESSAGES as _MESSAGES
 from .._problem import Problem
 from .._select import where
 from .._solution import Result, RESULTS, Solution
-from . import _field, _pallas
+from . import _backward, _field, _pallas, _tangent
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
 
@@ -39,6 +40,15 @@ DEFAULT_ROWS: int | None = None
 # blocks of 64.
 _TRAJECTORIES_PER_8_ROWS = 16384
 _MAX_ROWS = 64
+# Run the kernel in Pallas' interpreter, when not told (None: except on a TPU;
+# False on a CPU lowers the kernel for a TPU: `.lower(lowering_platforms=("tpu",))`).
+DEFAULT_INTERPRET: bool | None = None
+# The backward pass: "tangent" (forward sensitivities in the kernel, `_backward`,
+# where it applies: <= 32 directions, no event; else the loop's) or "loop" (the
+# lane loop's adjoint, `_ensemble._backward`). On a TPU v5e (float32, Lorenz, t1 =
+# 10, `benchmarks.kernel_profile --grad`): 1.31 / 5.85 ms against the loop's 6.66 /
+# 59.3 ms and kernel=False's 7.72 / 67.5 ms at N = 4096 / 65,536.
+BACKWARD = "tangent"
 
 
 def default_rows(batch: int) -> int:
@@ -76,7 +86,9 @@ def _to_lanes(x, batch: int, rows: int):
         flat = flat.astype(jnp.int32)
     pad = jnp.broadcast_to(flat[:1], (size - batch, flat.shape[1]))
     flat = jnp.concatenate([flat, pad]) if size > batch else flat
-    return flat.T.reshape(flat.shape[1], size // LANES, LANES)
+    # One component per trajectory: a reshape, not a transpose.
+    flat = flat.reshape(1, size) if flat.shape[1] == 1 else flat.T
+    return flat.reshape(flat.shape[0], size // LANES, LANES)
 
 
 def _from_lanes(x, batch: int):
@@ -84,6 +96,13 @@ def _from_lanes(x, batch: int):
     lead = x.shape[:-2]
     flat = x.reshape(lead + (-1,))[..., :batch]
     return jnp.moveaxis(flat, -1, 0)
+
+
+def _per_trajectory(tile, batch: int):
+    """`(R, 128)` to `(N,)`: a reshape, no transpose (a `(N, k)` array with a small
+    `k` is padded to 128 lanes on a TPU, and its strided slices overflowed scoped
+    VMEM at N = 2^20)."""
+    return tile.reshape(-1)[:batch]
 
 
 def _state_of(flat, y0_example: PyTree, batch: int) -> PyTree:
@@ -114,12 +133,30 @@ def _event_spec(problem: Problem, y_one, args_one) -> dict:
     )
 
 
-@eqx.filter_jit
-def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
-    """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts."""
+def lane_inputs(
+    problem: Problem,
+    y0: PyTree,
+    args_dynamic: PyTree,
+    rows: int,
+    directions: tuple = (),
+):
+    """The kernel's static `Spec` and its inputs in the lane layout.
+
+    **Arguments:**
+
+    - `problem`, `y0`, `args_dynamic`: as `kernel_solve` takes them (the arrays of
+        `args` only).
+    - `rows`: rows of 128 trajectories per block.
+    - `directions`: forward sensitivities along these (`_tangent`): the state then
+        holds `n (1 + K)` components, the tangents after the state.
+
+    **Returns:**
+
+    `(spec, times, ts, y_lanes, arg_lanes, consts)`: `_pallas.solve_blocks`'s
+    arguments but the last.
+    """
     leaves = jtu.tree_leaves(y0)
     batch = leaves[0].shape[0]
-    rows = settings.rows
     one = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
     closure = problem.terms.closure  # pyright: ignore[reportAttributeAccessIssue]
     field = _field.lane_field(closure, problem.t0, one(y0), one(args_dynamic))
@@ -133,6 +170,9 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
     land = t1 - _pallas.LANDING_ULPS * spacing
     times = jnp.stack([problem.t0, t1, jnp.asarray(dt0, tdtype), land])
     y_lanes = jnp.concatenate([_to_lanes(x, batch, rows) for x in leaves])
+    n = y_lanes.shape[0]
+    starts = [_tangent.initial(d, j, y_lanes[0]) for d in directions for j in range(n)]
+    y_lanes = jnp.concatenate([y_lanes, *(s[None] for s in starts)])
     arg_lanes = [_to_lanes(a, batch, rows) for a in jtu.tree_leaves(args_dynamic)]
     spec = _pallas.Spec(
         tableau=problem.solver.tableau,  # pyright: ignore[reportAttributeAccessIssue]
@@ -146,15 +186,51 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
         max_steps=int(problem.max_steps),  # pyright: ignore[reportArgumentType]
         rows=rows,
         **_event_spec(problem, one(y0), one(args_dynamic)),
+        directions=tuple(directions),
+        primal=n,
     )
-    y_end, ys_ts, t_end, counts = _pallas.solve_blocks(
-        spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
-    )
-    t_end = _from_lanes(t_end[None], batch)[:, 0]
+    return spec, times, ts, y_lanes, arg_lanes, consts
+
+
+@eqx.filter_jit
+def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
+    """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts
+    (lane layout, `(5, R, 128)`)."""
+    batch = jtu.tree_leaves(y0)[0].shape[0]
+    inputs = lane_inputs(problem, y0, args_dynamic, settings.rows)
+    y_end, ys_ts, t_end, counts = _pallas.solve_blocks(*inputs, settings.interpret)
+    t_end = _per_trajectory(t_end, batch)
     y_end = _state_of(_from_lanes(y_end, batch), y0, batch)
-    counts = _from_lanes(counts, batch)  # (N, 5)
     ts_rows, ys_rows = _rows(problem, settings, y0, ys_ts, t_end, y_end)
     return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
+
+
+def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, directions):
+    """The saved rows `ys` and, per direction, their tangent (same layout), from one
+    kernel run with forward sensitivities."""
+    batch = jtu.tree_leaves(y0)[0].shape[0]
+    spec, times, ts, y_lanes, arg_lanes, consts = lane_inputs(
+        problem, y0, args_dynamic, settings.rows, directions
+    )
+    y_end, ys_ts, t_end, _ = _pallas.solve_blocks(
+        spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
+    )
+    t_end = _per_trajectory(t_end, batch)
+    n = spec.own
+
+    def rows_of(k: int, start):
+        part = slice(n * k, n * (k + 1))
+        end = _state_of(_from_lanes(y_end[part], batch), y0, batch)
+        return _rows(problem, settings, start, ys_ts[:, part], t_end, end)[1]
+
+    def start_of(direction):
+        flat = jnp.zeros((batch, n), ys_ts.dtype)
+        if direction[0] == "state":
+            flat = flat.at[:, direction[1]].set(1)
+        return _state_of(flat, y0, batch)
+
+    tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
+    return rows_of(0, y0), tangents
 
 
 def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
@@ -164,6 +240,11 @@ def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
     batch = t_end.shape[0]
     save = problem.saves[0]
     rows = lambda x: x[:, None]  # noqa: E731
+    if save.ts is None and not settings.save_t0:  # the final point or nothing
+        keep = settings.save_t1
+        ts = rows(t_end) if keep else jnp.zeros((batch, 0), t_end.dtype)
+        ys = jtu.tree_map(lambda v: rows(v) if keep else rows(v)[:, :0], y_end)
+        return ts, ys
     ts = jnp.zeros((batch, 0), t_end.dtype)
     ys = jtu.tree_map(lambda x: jnp.zeros((batch, 0) + x.shape[1:], x.dtype), y0)
     if save.ts is not None:
@@ -247,11 +328,21 @@ def _differentiable(
 
     def fwd(problem, y0, args_dynamic):
         out = primal(problem, y0, args_dynamic)
-        return out, (y0, args_dynamic, out["counts"][:, 0])
+        steps = _per_trajectory(out["counts"][0], out["t1"].shape[0])
+        return out, (y0, args_dynamic, steps)
 
     def bwd(static, dynamic, residuals, cotangents):
         y0, args_dynamic, num_steps = residuals
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
+        problem = eqx.combine(dynamic, static)
+        directions = _backward.directions_of(problem, y0, args_dynamic)
+        if BACKWARD == "tangent" and directions is not None:
+            forward = functools.partial(_tangent_rows, settings)
+            ct_consts, ct_y, ct_args = _backward.pull_back(
+                forward, problem, y0, args_dynamic, directions, ct["ys"]
+            )
+            ct_dynamic = fill_zeros(_backward.with_consts(dynamic, ct_consts), dynamic)
+            return ct_dynamic, fill_zeros(ct_y, y0), fill_zeros(ct_args, args_dynamic)
         if backward is not None:
             ct_out = _lane_cotangents(eqx.combine(dynamic, static), ct)
             ct_dynamic, ct_y, ct_args, _ = backward(
@@ -280,21 +371,41 @@ def _differentiable(
     )  # fmt: skip
 
 
-def _stats(problem: Problem, counts, rows: int) -> dict:
-    """The lane loop's `stats`; `lanes`: the trajectories the blocks hold (padding
-    included), `lane_steps`: the iterations of every block times its lanes."""
-    batch = counts.shape[0]
-    count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731
-    block = rows * LANES
+def _stats(problem: Problem, counts, batch: int) -> dict:
+    """The lane loop's `stats` from the kernel's `(5, R, 128)` counts; `lanes`: the
+    trajectories the blocks hold (padding included), `lane_steps`: the iterations
+    of every block times its lanes (each row of a block holds its iterations)."""
+    int_dtype = jnp.result_type(int)
+    count = lambda i: _per_trajectory(counts[i], batch).astype(int_dtype)  # noqa: E731
     max_steps = int(problem.max_steps or 0)
     return dict(
-        num_steps=count(counts[:, 0]),
-        num_accepted_steps=count(counts[:, 1]),
-        num_rejected_steps=count(counts[:, 2]),
-        max_steps=jnp.full((batch,), max_steps, jnp.result_type(int)),
-        lanes=-(-batch // block) * block,
-        lane_steps=count(jnp.sum(counts[::block, 4])) * block,
+        num_steps=count(0),
+        num_accepted_steps=count(1),
+        num_rejected_steps=count(2),
+        max_steps=jnp.full((batch,), max_steps, int_dtype),
+        lanes=counts.shape[1] * LANES,
+        lane_steps=jnp.sum(counts[4, :, 0].astype(int_dtype)) * LANES,
     )
+
+
+def _check(outputs: tuple, result):
+    """`outputs`, raising at run time if any trajectory failed: one reduction of the
+    result codes to the largest failure code, and an error check on that scalar
+    alone (its `cond` carries no output), which every inexact output then depends
+    on (`x - 0` is `x`, bit for bit, `-0.0` included)."""
+    failed = (result != _SUCCESS) & (result != _EVENT)
+    index = unvmap_max(where(failed, result, 0))
+    token = error_if(jnp.zeros((), jnp.int32), index > 0, index, _MESSAGES)
+    return jtu.tree_map(
+        lambda a: a - token.astype(a.dtype) if eqx.is_inexact_array(a) else a,
+        outputs,
+    )
+
+
+def _default_interpret() -> bool:
+    if DEFAULT_INTERPRET is not None:
+        return DEFAULT_INTERPRET
+    return jax.default_backend() != "tpu"  # it lowers to TPUs only, so far
 
 
 def kernel_solve(
@@ -321,10 +432,12 @@ def kernel_solve(
     - `backward`: `(static, dynamic, y0, args_dynamic, num_steps, cotangents) ->
         (ct_dynamic, ct_y0, ct_args, ct_times)`, the lane loop's backward pass
         (`_ensemble._backward`), which solves each trajectory again with the
-        adjoint, in chunks sorted by the steps each took (the kernel's counts).
+        adjoint, in chunks sorted by the steps each took (the kernel's counts);
+        used where forward sensitivities in the kernel (`BACKWARD`) don't apply.
     - `rows`: rows of 128 trajectories per block (a multiple of 8 on a TPU);
         default `DEFAULT_ROWS`, else `default_rows(N)`.
-    - `interpret`: run the kernel in Pallas' interpreter; default: except on a TPU.
+    - `interpret`: run the kernel in Pallas' interpreter; default
+        `DEFAULT_INTERPRET`, else except on a TPU.
 
     **Returns:**
 
@@ -334,7 +447,7 @@ def kernel_solve(
         batch = jtu.tree_leaves(y0)[0].shape[0]
         rows = DEFAULT_ROWS if DEFAULT_ROWS is not None else default_rows(batch)
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"  # it lowers to TPUs only, so far
+        interpret = _default_interpret()
     save = problem.saves[0]
     settings = Settings(rows, interpret, save.t0, save.t1)
     args_dynamic, args_static = eqx.partition(args, eqx.is_array)
@@ -343,18 +456,16 @@ def kernel_solve(
         out = _differentiable(problem, y0, args_dynamic, settings, reference, backward)
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
-    result = counts[:, 3]
+    batch = t_end.shape[0]
+    result = _per_trajectory(counts[3], batch)
     if throw:
-        failed = (result != _SUCCESS) & (result != _EVENT)
-        index = unvmap_max(where(failed, result, 0))
-        ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, _MESSAGES)
-    batch = result.shape[0]
+        ts, ys, t_end = _check((ts, ys, t_end), result)
     return Solution(
         t0=jnp.broadcast_to(problem.t0, (batch,)),
         t1=t_end,
         ts=ts,
         ys=ys,
-        stats=_stats(problem, counts, rows),
+        stats=_stats(problem, counts, batch),
         result=Result(result),
         event_mask=_event_mask(problem, result),
         made_jump=None,

@@ -1,0 +1,123 @@
+"""The kernel's backward pass by forward sensitivities (`_tangent`): one kernel run
+carries the tangent of every trajectory along each of its inputs (state components,
+per-trajectory argument components, elements of the values the field closes over),
+and the cotangents are contracted with them.
+
+Its cost grows with the number of directions, not with the outputs, so it is used
+for few of them (`MAX_DIRECTIONS`) and no event; otherwise the lane loop's backward
+pass (`_ensemble._backward`) runs.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from .._problem import Problem
+from .._select import where
+
+
+# Directions (inputs per trajectory plus shared scalars) up to which the backward
+# pass is this one.
+MAX_DIRECTIONS = 32
+
+
+def _size(x, batch: int) -> int:
+    return int(np.prod(x.shape, dtype=int)) // batch
+
+
+def directions_of(problem: Problem, y0, args_dynamic) -> tuple | None:
+    """The directions of every differentiable input, or `None` where this backward
+    pass does not apply (an event, or more than `MAX_DIRECTIONS` of them)."""
+    if problem.conds is not None:
+        return None
+    leaves = jtu.tree_leaves(y0)
+    batch = leaves[0].shape[0]
+    n = sum(_size(x, batch) for x in leaves)
+    out: list = [("state", j) for j in range(n)]
+    for i, a in enumerate(jtu.tree_leaves(args_dynamic)):
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            out += [("arg", i, c) for c in range(_size(a, batch))]
+    consts = problem.terms.closure.consts  # pyright: ignore[reportAttributeAccessIssue]
+    for i, c in enumerate(consts):
+        if jnp.issubdtype(c.dtype, jnp.inexact):
+            out += [("const", i, e) for e in range(int(np.prod(c.shape, dtype=int)))]
+    return tuple(out) if len(out) <= MAX_DIRECTIONS else None
+
+
+def _contract(ct_ys, rows, finite):
+    """Per trajectory, `Σ ct · tangent` over the saved rows that were written."""
+    terms = jtu.tree_map(
+        lambda c, t, f: jnp.sum((c * where(f, t, 0)).reshape(c.shape[0], -1), axis=1),
+        ct_ys,
+        rows,
+        finite,
+    )
+    return sum(jtu.tree_leaves(terms))
+
+
+def pull_back(forward, problem: Problem, y0, args_dynamic, directions, ct_ys):
+    """The cotangents of `(problem's closed-over values, y0, args_dynamic)`.
+
+    **Arguments:**
+
+    - `forward`: `(problem, y0, args_dynamic, directions) -> (ys rows, [ys rows
+        of each direction's tangent])`, the kernel with forward sensitivities
+        (`_solve._tangent_rows`).
+    - `problem`, `y0`, `args_dynamic`: as the forward pass took them.
+    - `directions`: from `directions_of`.
+    - `ct_ys`: the cotangent of the saved rows `ys`.
+
+    **Returns:**
+
+    `(ct_consts, ct_y0, ct_args)`: a list over the field's closed-over values
+    (`None` for those not differentiated), and pytrees like `y0`, `args_dynamic`
+    (`None` leaves where not differentiated).
+    """
+    ys, tangents = forward(problem, y0, args_dynamic, directions)
+    finite = jtu.tree_map(jnp.isfinite, ys)
+    g = [_contract(ct_ys, t, finite) for t in tangents]
+    leaves, tree = jtu.tree_flatten(y0)
+    batch = leaves[0].shape[0]
+    by_kind: dict = {}
+    for d, gk in zip(directions, g):
+        by_kind.setdefault((d[0],) + tuple(d[1:-1]), []).append(gk)
+    state = jnp.stack(by_kind[("state",)], axis=1)  # (N, n) in leaf order
+    ct_y, start = [], 0
+    for x in leaves:
+        size = _size(x, batch)
+        ct_y.append(state[:, start : start + size].reshape(x.shape).astype(x.dtype))
+        start += size
+    ct_args = []
+    for i, a in enumerate(jtu.tree_leaves(args_dynamic)):
+        parts = by_kind.get(("arg", i))
+        if parts is not None:
+            parts = jnp.stack(parts, 1).reshape(a.shape).astype(a.dtype)
+        ct_args.append(parts)
+    consts = problem.terms.closure.consts  # pyright: ignore[reportAttributeAccessIssue]
+    ct_consts = []
+    for i, c in enumerate(consts):
+        parts = by_kind.get(("const", i))
+        ct_consts.append(
+            None
+            if parts is None
+            else jnp.stack([jnp.sum(p) for p in parts]).reshape(c.shape).astype(c.dtype)
+        )
+    args_tree = jtu.tree_structure(args_dynamic)
+    return (
+        ct_consts,
+        jtu.tree_unflatten(tree, ct_y),
+        jtu.tree_unflatten(args_tree, ct_args),
+    )
+
+
+def with_consts(dynamic: Problem, ct_consts: list) -> Problem:
+    """A cotangent of the problem's arrays: `ct_consts` at the field's closed-over
+    values, `None` elsewhere."""
+    nothing = jtu.tree_map(lambda _: None, dynamic)
+    return eqx.tree_at(
+        lambda p: p.terms.closure.consts,
+        nothing,
+        tuple(ct_consts),
+        is_leaf=lambda x: x is None,
+    )
