@@ -286,6 +286,19 @@ def _step_result(
     return where(carry.result == SUCCESS, result, carry.result)
 
 
+def _landing(problem: Problem, accepted: Array, t0, t1, next_t1) -> Array:
+    """The next step's end: a proposed end within `_LANDING_ULPS` spacings of the
+    solve's end lands on it. A rejected step `[t0, t1]` whose retry would land there
+    is retried on half of itself instead (as diffrax does the first time: it halves
+    what is left), never on the end again: else a retry the controller shrank by
+    less than the window is the same step, rejected again, until `max_steps`
+    (float32: the window is ~2e-3 at `t = 200`; VdP ensembles lost trajectories)."""
+    spacing = jnp.finfo(t0.dtype).eps * jnp.maximum(1, jnp.abs(problem.t1))
+    close = next_t1 >= problem.t1 - _LANDING_ULPS * spacing
+    retry = t0 + 0.5 * (t1 - t0)
+    return where(close, where(accepted, problem.t1, retry), next_t1)
+
+
 def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     """One attempted step. Returns the new carry and what this step saves."""
     t0 = carry.t
@@ -312,15 +325,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         )
     )
     accepted = jnp.asarray(accepted)
-    spacing = jnp.finfo(t0.dtype).eps * jnp.maximum(1, jnp.abs(problem.t1))
-    close = next_t1 >= problem.t1 - _LANDING_ULPS * spacing
-    # A rejected step that would land on `t1` is retried on half of itself (as
-    # diffrax does the first time: it halves what is left), never on `t1` again:
-    # else a retry the controller shrank by less than the window lands on `t1` once
-    # more, is rejected again, and so on to `max_steps` (float32, where the window is
-    # ~2e-3 at `t1 = 200`: VdP ensembles lost trajectories this way).
-    retry = t0 + 0.5 * (t1 - t0)
-    next_t1 = where(close, where(accepted, problem.t1, retry), next_t1)
+    next_t1 = _landing(problem, accepted, t0, t1, next_t1)
     finite = _all_finite(y1)
     result = _step_result(
         problem, carry, accepted, finite, failed, solver_result, controller_result
