@@ -52,8 +52,12 @@ _OUTCOMES = (
     (
         "dt_min_reached",
         "The minimum step size was reached in the differential equation solver: "
-        "the step size fell below `dtmin`. Lower `dtmin`, loosen the tolerances, or "
-        "use `PIDController(..., force_dtmin=True)` to keep stepping at `dtmin`.",
+        "the step size fell below `dtmin`, or a step of one float spacing of `t` "
+        "(the smallest that advances time) was rejected, as the tolerances are "
+        "below what the error estimate resolves at this `t` in this precision "
+        "(float32 times far from zero are coarse). Lower `dtmin`, loosen the "
+        "tolerances, use a higher precision, or use "
+        "`PIDController(..., force_dtmin=True)` to keep stepping at `dtmin`.",
     ),
     (
         "nonfinite",

@@ -81,6 +81,29 @@ def _next_after(points, t: RealScalarLike):
     return where(index > last, jnp.inf, points[jnp.minimum(index, last)])
 
 
+def _after(t: Array, t_next: Array) -> Array:
+    """`t_next`, or the next float after `t` if `t_next` rounded to `t` (or below):
+    the smallest step that advances time (as diffrax's `nextafter`)."""
+    return jnp.maximum(t_next, _next_float(t))
+
+
+def _next_float(t: Array) -> Array:
+    """The next float after `t` (not differentiated: `nextafter` has no derivative)."""
+    return jnp.nextafter(lax.stop_gradient(t), jnp.asarray(jnp.inf, t.dtype))
+
+
+def _advancing(t0: Array, t1: Array, keep, next_t0: Array, next_t1: Array, result):
+    """The next step end made to advance time (`_after`), and the result: a rejected
+    step that was already the smallest one (one float spacing, e.g. ~1.5e-5 at
+    `t = 200` in float32) ends the solve with `dt_min_reached`, as the error estimate
+    does not reach the tolerances in this precision (retrying it would spin until
+    `max_steps`)."""
+    smallest = t1 <= _next_float(t0)
+    stuck = jnp.asarray(~keep & smallest)
+    result = RESULTS.where(stuck, RESULTS.dt_min_reached, result)
+    return _after(next_t0, next_t1), result
+
+
 class PIDState(NamedTuple):
     prev: Array  # inverse scaled error of the last accepted step
     prev_prev: Array  # ... and of the one before
@@ -202,7 +225,7 @@ class PIDController(AbstractAdaptiveStepSizeController):
         if self.dtmin is not None:
             dt0 = jnp.maximum(dt0, self.dtmin)
         one = jnp.ones((), t0.dtype)
-        return t0 + dt0, PIDState(one, one, jnp.asarray(False))
+        return _after(t0, t0 + dt0), PIDState(one, one, jnp.asarray(False))
 
     def _bounded(self, dt, factor, at_dtmin):
         """`dt` within `[dtmin, dtmax]`, whether it is at `dtmin`, and the result."""
@@ -262,12 +285,13 @@ class PIDController(AbstractAdaptiveStepSizeController):
         inv = where((inv == 0) | jnp.isinf(inv), 1, inv)
         dt, at_dtmin, result = self._bounded((t1 - t0) * factor, factor, at_dtmin)
         next_t0 = where(keep, t1, t0)
+        next_t1, result = _advancing(t0, t1, keep, next_t0, next_t0 + dt, result)
         state = PIDState(
             where(keep, inv, prev),
             where(keep, prev, prev_prev),
             jnp.asarray(at_dtmin),
         )
-        return keep, next_t0, next_t0 + dt, False, state, result
+        return keep, next_t0, next_t1, False, state, result
 
 
 class ClipState(NamedTuple):
