@@ -114,6 +114,7 @@ from ._term import (
     ODETerm as ODETerm,
 )
 from ._timed_event import TimedEvent as TimedEvent
+from ._tolerances import IControl as IControl, Tolerances as Tolerances
 
 
 __version__ = "0.1.0"

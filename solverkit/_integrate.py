@@ -570,8 +570,10 @@ def diffeqsolve(
     event = _legacy_event(event, discrete_terminating_event)
     resume = _resume(solver_state, controller_state, made_jump)
     times = solve_times(t0, t1, dt0)
-    stepsize_controller.check(solver, times.known_t0, times.known_t1, dt0)
-    solver = solver.bind_controller_tols(stepsize_controller)
+    # No terms here to pass: the built-in solvers' error orders don't use them.
+    error_order = solver.error_order(None)  # pyright: ignore[reportArgumentType]
+    stepsize_controller.check(error_order, times.known_t0, times.known_t1, dt0)
+    solver = solver.bind_controller_tols(stepsize_controller.tolerances())
     y0 = as_state(y0)
     problem = make_problem(
         terms, solver, times, y0, args, saveat, stepsize_controller, event,

@@ -72,6 +72,95 @@ def test_documented_import_order_is_the_code():
     assert not wrong, "imports against the documented order: " + "; ".join(wrong)
 
 
+def _dotted(path: pathlib.Path) -> str:
+    """`solverkit._solver._bdf` for `solverkit/_solver/_bdf.py` (a package's
+    `__init__.py` is the package)."""
+    parts = path.relative_to(_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _every_import(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The solverkit modules (dotted names in `known`) a file imports anywhere: at
+    the top, under `if TYPE_CHECKING:`, inside functions."""
+    package = _dotted(path) if path.name == "__init__.py" else _dotted(path.parent)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            bases = [alias.name for alias in node.names]
+            names: list[str] = []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                base = node.module or ""
+            else:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            bases, names = [base], [alias.name for alias in node.names]
+        else:
+            continue
+        for base in bases:
+            # `from . import _x` names a module; `from ._x import f` a module's name.
+            subs = {f"{base}.{n}" for n in names} & known
+            found.update(subs or {m for m in [base] if m in known})
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of `graph` (a list of nodes, the first repeated at the end), or
+    `None`."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _import_graphs() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """`(files, units)`: who imports whom among the package's files, and among its
+    top-level modules and subpackages (`_solver`, `_controller`, ...)."""
+    files = sorted(_PACKAGE.rglob("*.py"))
+    known = {_dotted(f) for f in files}
+    by_file = {_dotted(f): _every_import(f, known) for f in files}
+    unit = lambda name: name.split(".")[1] if "." in name else name  # noqa: E731
+    by_unit: dict[str, set[str]] = {}
+    for name, deps in by_file.items():
+        if name == "solverkit":  # `__init__` imports everything
+            continue
+        by_unit.setdefault(unit(name), set()).update(
+            unit(d) for d in deps if unit(d) != unit(name) and d != "solverkit"
+        )
+    return by_file, by_unit
+
+
+def test_no_import_circle():
+    # Any import counts, also those only type annotations read (under
+    # `TYPE_CHECKING`) and deferred ones inside functions: a circle of either kind
+    # means two layers that know each other.
+    by_file, by_unit = _import_graphs()
+    circle = _cycle(by_unit)
+    assert circle is None, "import circle between modules: " + " → ".join(circle)
+    circle = _cycle(by_file)
+    assert circle is None, "import circle between files: " + " → ".join(circle)
+
+
+def test_the_circle_finder_finds_circles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
 def _solverkit_modules() -> list[type]:
     classes = {
         cls

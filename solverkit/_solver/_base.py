@@ -14,6 +14,7 @@ from jaxtyping import PyTree
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from .._solution import Result, RESULTS
 from .._term import AbstractTerm
+from .._tolerances import Tolerances
 
 
 def axpy(y: Y, h, terms, row=None) -> Y:
@@ -80,11 +81,12 @@ class AbstractSolver(eqx.Module):
         default: the solver's order)."""
         return self.order(terms)
 
-    def bind_controller_tols(self, stepsize_controller) -> "AbstractSolver":
+    def bind_controller_tols(self, tolerances: Tolerances | None) -> "AbstractSolver":
         """This solver, with whatever it takes from the step-size controller filled
         in (an implicit solver's root-finder tolerances); called once by
-        `diffeqsolve` before the solve. The default changes nothing."""
-        del stepsize_controller
+        `diffeqsolve` before the solve, with `stepsize_controller.tolerances()`
+        (`None` for a controller without tolerances). The default changes nothing."""
+        del tolerances
         return self
 
     def func(

@@ -50,7 +50,6 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
 from .._closure._unvmap import unvmap_any
-from .._controller._base import AbstractAdaptiveStepSizeController
 from .._controller._norm import rms_norm
 from .._linear._linear_solver import (
     AbstractLinearSolver,
@@ -61,6 +60,7 @@ from .._linear._linear_solver import (
 )
 from .._select import where
 from .._solution import RESULTS
+from .._tolerances import Tolerances
 from .._tree import nograd
 from ._base import AbstractAdaptiveSolver
 
@@ -306,40 +306,33 @@ class BDF(AbstractAdaptiveSolver):
         # The first step is of order 1 (the controller's initial step uses this).
         return 2.0
 
-    def bind_controller_tols(self, stepsize_controller) -> "BDF":
-        controller = stepsize_controller
-        while hasattr(controller, "controller"):  # `ClipStepSizeController`
-            controller = controller.controller
-        if not isinstance(controller, AbstractAdaptiveStepSizeController):
+    def bind_controller_tols(self, tolerances: Tolerances | None) -> "BDF":
+        if tolerances is None:  # a fixed controller: the order still adapts
             if self.rtol is None or self.atol is None:
                 raise ValueError(
                     "BDF takes the tolerances of its Newton solve from the step-size "
-                    f"controller, but {type(controller).__name__} has none: pass "
-                    "them, e.g. `BDF(rtol=1e-6, atol=1e-6)`, or use "
+                    "controller, but this one has none: pass them, e.g. "
+                    "`BDF(rtol=1e-6, atol=1e-6)`, or use "
                     "`PIDController(rtol=..., atol=...)`."
                 )
             return dataclasses.replace(self, adaptive=False)
-        names = ("rtol", "atol", "safety", "icoeff", "pcoeff", "dcoeff", "norm")
-        if not all(hasattr(controller, n) for n in names) or (
-            controller.pcoeff != 0 or controller.dcoeff != 0  # pyright: ignore
-        ):
+        control = tolerances.i_control
+        if control is None:
             raise ValueError(
                 "BDF chooses its own step sizes and orders and passes them to the "
                 "controller through its error estimate, which only an I-controller "
                 "reproduces: use `PIDController(rtol=..., atol=...)` with `pcoeff=0` "
                 "and `dcoeff=0` (the defaults), optionally inside a "
-                "`ClipStepSizeController`, or `ConstantStepSize`/`StepTo`; got "
-                f"{type(stepsize_controller).__name__}."
+                "`ClipStepSizeController`, or `ConstantStepSize`/`StepTo`."
             )
-        c: Any = controller
-        order = c.error_order if c.error_order is not None else 2.0
+        order = 2.0 if control.error_order is None else control.error_order
         return dataclasses.replace(
             self,
-            rtol=c.rtol,
-            atol=c.atol,
-            norm=c.norm,
-            safety=c.safety,
-            exponent=order / c.icoeff,
+            rtol=tolerances.rtol,
+            atol=tolerances.atol,
+            norm=tolerances.norm,
+            safety=control.safety,
+            exponent=order / control.icoeff,
             adaptive=True,
         )
 

@@ -23,6 +23,7 @@ from .._linear._linear_solver import AbstractLinearSolver, DenseLinearSolver
 from .._select import where
 from .._solution import RESULTS
 from .._term import AbstractTerm, MultiTerm
+from .._tolerances import Tolerances
 from .._tree import nograd, tree_add
 from ._base import AbstractAdaptiveSolver, axpy
 from ._implicit_tableau import (
@@ -107,8 +108,10 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
     def error_order(self, terms) -> float | None:
         return self.tableau.embedded_order + 1
 
-    def bind_controller_tols(self, stepsize_controller) -> "AbstractImplicitRK":
-        finder = bind_tols(self.root_finder, stepsize_controller, type(self).__name__)
+    def bind_controller_tols(
+        self, tolerances: Tolerances | None
+    ) -> "AbstractImplicitRK":
+        finder = bind_tols(self.root_finder, tolerances, type(self).__name__)
         return eqx.tree_at(lambda s: s.root_finder, self, finder)
 
     def _terms(self, terms) -> tuple[Any, Any]:
