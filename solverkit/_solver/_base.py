@@ -15,6 +15,7 @@ from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from .._solution import Result, RESULTS
 from .._term import AbstractTerm
 from .._tolerances import Tolerances
+from .._tree import tree_where
 
 
 def axpy(y: Y, h, terms, row=None) -> Y:
@@ -88,6 +89,15 @@ class AbstractSolver(eqx.Module):
         (`None` for a controller without tolerances). The default changes nothing."""
         del tolerances
         return self
+
+    def revert(
+        self, accepted: BoolScalarLike, new_state: PyTree, old_state: PyTree
+    ) -> PyTree:
+        """The state to go on from after a step: `new_state` where the step was
+        `accepted`, else `old_state` (the default) or, for a solver that keeps a cache
+        across a rejection (a Jacobian, a factorisation), `old_state` with the
+        cache of `new_state`. Called by the step loop after every step."""
+        return tree_where(accepted, new_state, old_state)
 
     def func(
         self, terms: AbstractTerm, t0: RealScalarLike, y0: Y, args: Args
