@@ -161,6 +161,89 @@ def test_the_circle_finder_finds_circles():
     assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
+# The house rules (STYLE.md): no module over 500 lines, no function over 60 lines of
+# code (docstrings, comments and blank lines not counted).
+_MODULE_LINES, _FUNCTION_LINES = 500, 60
+# Exempt, each for its reason: coefficient tables, which read best whole.
+_TABLES = {
+    "_solver/_tableau.py": "Butcher tableaux of the explicit Runge-Kutta methods",
+    "_solver/_implicit_tableau.py": "tableaux of the implicit and IMEX methods",
+    "_solver/_implicit_tableau.py::_kencarp5": "KenCarp5's coefficients, one table",
+}
+# Over the limits and being split in parallel work (#40); remove when merged.
+_PENDING = {
+    "_loop.py": "the step loop and the continuing events (events work)",
+    "_event.py": "events work",
+    "_linear/_linear_solver.py": "the linear solvers, one Module each (linear work)",
+}
+
+
+def _code_lines(lines: list[str], node: ast.AST) -> int:
+    """Lines of code of a function: its lines less its docstring, comments and
+    blank lines (nested functions count as its lines)."""
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    doc: set[int] = set()
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        assert first.end_lineno is not None
+        doc = set(range(first.lineno, first.end_lineno + 1))
+    assert node.end_lineno is not None
+    return sum(
+        1
+        for i in range(node.lineno, node.end_lineno + 1)
+        if i not in doc and lines[i - 1].strip() and not lines[i - 1].strip()[0] == "#"
+    )
+
+
+def _sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """`(modules, functions)`: lines per module, code lines per function
+    (`path::name`), paths relative to the package."""
+    modules, functions = {}, {}
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        rel = path.relative_to(_PACKAGE).as_posix()
+        text = path.read_text()
+        lines = text.splitlines()
+        modules[rel] = len(lines)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(lines, node)
+                functions[f"{rel}::{node.name}"] = max(
+                    n, functions.get(f"{rel}::{node.name}", 0)
+                )
+    return modules, functions
+
+
+def test_modules_and_functions_are_short():
+    modules, functions = _sizes()
+    exempt = set(_TABLES) | set(_PENDING)
+    long_modules = {
+        k: n for k, n in modules.items() if n > _MODULE_LINES and k not in exempt
+    }
+    long_functions = {
+        k: n
+        for k, n in functions.items()
+        if n > _FUNCTION_LINES and k not in exempt and k.split("::")[0] not in exempt
+    }
+    assert not long_modules, f"modules over {_MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, (
+        f"functions over {_FUNCTION_LINES} code lines: {long_functions}"
+    )
+
+
+def test_the_line_counter_counts_code():
+    text = '''def f(x):
+    """A docstring
+    of three lines.
+    """
+    # a comment
+
+    y = x + 1
+    return y
+'''
+    node = ast.parse(text).body[0]
+    assert _code_lines(text.splitlines(), node) == 3  # def, y = ..., return
+
+
 def _solverkit_modules() -> list[type]:
     classes = {
         cls

@@ -32,18 +32,12 @@ from .._controller._base import AbstractStepSizeController, ConstantStepSize
 from .._custom_types import RealScalarLike
 from .._errors import concrete, UnsupportedError
 from .._event import Event
-from .._integrate import (
-    as_state,
-    check_arguments,
-    Keep,
-    make_problem,
-    MESSAGES,
-    solve_times,
-)
+from .._integrate import MESSAGES
 from .._problem import Problem
 from .._progress import AbstractProgressMeter, NoProgressMeter
 from .._saveat import SaveAt
 from .._select import where
+from .._setup import as_state, check_arguments, Keep, make_problem, solve_times
 from .._solution import EventRecord, Result, RESULTS, Solution
 from .._solver import AbstractSolver
 from .._term import AbstractTerm
