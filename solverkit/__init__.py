@@ -114,6 +114,7 @@ from ._term import (
     MultiTerm as MultiTerm,
     ODETerm as ODETerm,
 )
+from ._tolerances import IControl as IControl, Tolerances as Tolerances
 
 
 __version__ = "0.1.0"

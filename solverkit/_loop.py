@@ -300,7 +300,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
         t=where(accepted, t1, t0),
         tnext=next_t1,
         y=tree_where(accepted, y1, carry.y),
-        solver_state=tree_where(accepted, solver_state, carry.solver_state),
+        solver_state=problem.solver.revert(accepted, solver_state, carry.solver_state),
         controller_state=controller_state,
         num_steps=carry.num_steps + 1,
         num_accepted=carry.num_accepted + accepted.astype(jnp.int32),

@@ -6,7 +6,7 @@ save buffers.
 Everything is in the loop's internal time `tau = direction * t` (see `_time.py`).
 """
 
-from typing import Any, NamedTuple, TYPE_CHECKING
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -18,10 +18,6 @@ from ._controller._base import AbstractStepSizeController
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
-
-
-if TYPE_CHECKING:  # (`_event/` builds on this module)
-    from ._event._timed import Timed
 
 
 class Events(eqx.Module):
@@ -37,7 +33,7 @@ class Events(eqx.Module):
     continues: bool = eqx.field(static=True, default=False)
     stop_at: int | None = eqx.field(static=True, default=None)
     max_events: int = eqx.field(static=True, default=0)
-    timed: "Timed | None" = None  # events at given times (`TimedEvent`)
+    timed: Any = None  # events at given times: an `_event._timed.Timed` (`TimedEvent`)
 
 
 class Problem(eqx.Module):

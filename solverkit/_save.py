@@ -47,7 +47,7 @@ def init_buffers(problem: Problem, solver_state: PyTree) -> Buffers:
         if save.ts is not None:
             ts_ys = _inf_like(struct, (save.ts.shape[0],))
         if save.every:
-            assert problem.max_steps is not None  # `_integrate._saves` checked it
+            assert problem.max_steps is not None  # `_setup._saves` checked it
             rows = save.step_rows(problem.max_steps)
             steps_ts = jnp.full((rows,), jnp.inf, problem.t0.dtype)
             steps_ys = _inf_like(struct, (rows,))

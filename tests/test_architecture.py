@@ -72,6 +72,176 @@ def test_documented_import_order_is_the_code():
     assert not wrong, "imports against the documented order: " + "; ".join(wrong)
 
 
+def _dotted(path: pathlib.Path) -> str:
+    """`solverkit._solver._bdf` for `solverkit/_solver/_bdf.py` (a package's
+    `__init__.py` is the package)."""
+    parts = path.relative_to(_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _every_import(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The solverkit modules (dotted names in `known`) a file imports anywhere: at
+    the top, under `if TYPE_CHECKING:`, inside functions."""
+    package = _dotted(path) if path.name == "__init__.py" else _dotted(path.parent)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            bases = [alias.name for alias in node.names]
+            names: list[str] = []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                base = node.module or ""
+            else:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            bases, names = [base], [alias.name for alias in node.names]
+        else:
+            continue
+        for base in bases:
+            # `from . import _x` names a module; `from ._x import f` a module's name.
+            subs = {f"{base}.{n}" for n in names} & known
+            found.update(subs or {m for m in [base] if m in known})
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of `graph` (a list of nodes, the first repeated at the end), or
+    `None`."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _import_graphs() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """`(files, units)`: who imports whom among the package's files, and among its
+    top-level modules and subpackages (`_solver`, `_controller`, ...)."""
+    files = sorted(_PACKAGE.rglob("*.py"))
+    known = {_dotted(f) for f in files}
+    by_file = {_dotted(f): _every_import(f, known) for f in files}
+    unit = lambda name: name.split(".")[1] if "." in name else name  # noqa: E731
+    by_unit: dict[str, set[str]] = {}
+    for name, deps in by_file.items():
+        if name == "solverkit":  # `__init__` imports everything
+            continue
+        by_unit.setdefault(unit(name), set()).update(
+            unit(d) for d in deps if unit(d) != unit(name) and d != "solverkit"
+        )
+    return by_file, by_unit
+
+
+def test_no_import_circle():
+    # Any import counts, also those only type annotations read (under
+    # `TYPE_CHECKING`) and deferred ones inside functions: a circle of either kind
+    # means two layers that know each other.
+    by_file, by_unit = _import_graphs()
+    circle = _cycle(by_unit)
+    assert circle is None, "import circle between modules: " + " → ".join(circle)
+    circle = _cycle(by_file)
+    assert circle is None, "import circle between files: " + " → ".join(circle)
+
+
+def test_the_circle_finder_finds_circles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+# The house rules (STYLE.md): no module over 500 lines, no function over 60 lines of
+# code (docstrings, comments and blank lines not counted).
+_MODULE_LINES, _FUNCTION_LINES = 500, 60
+# Exempt, each for its reason: coefficient tables, which read best whole.
+_TABLES = {
+    "_solver/_tableau.py": "Butcher tableaux of the explicit Runge-Kutta methods",
+    "_solver/_implicit_tableau.py": "tableaux of the implicit and IMEX methods",
+    "_solver/_implicit_tableau.py::_kencarp5": "KenCarp5's coefficients, one table",
+}
+# Over the limits and being split in parallel work (#40); remove when merged.
+_PENDING = {
+    "_linear/_linear_solver.py": "the linear solvers, one Module each (linear work)",
+}
+
+
+def _code_lines(lines: list[str], node: ast.AST) -> int:
+    """Lines of code of a function: its lines less its docstring, comments and
+    blank lines (nested functions count as its lines)."""
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    doc: set[int] = set()
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        assert first.end_lineno is not None
+        doc = set(range(first.lineno, first.end_lineno + 1))
+    assert node.end_lineno is not None
+    return sum(
+        1
+        for i in range(node.lineno, node.end_lineno + 1)
+        if i not in doc and lines[i - 1].strip() and not lines[i - 1].strip()[0] == "#"
+    )
+
+
+def _sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """`(modules, functions)`: lines per module, code lines per function
+    (`path::name`), paths relative to the package."""
+    modules, functions = {}, {}
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        rel = path.relative_to(_PACKAGE).as_posix()
+        text = path.read_text()
+        lines = text.splitlines()
+        modules[rel] = len(lines)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(lines, node)
+                functions[f"{rel}::{node.name}"] = max(
+                    n, functions.get(f"{rel}::{node.name}", 0)
+                )
+    return modules, functions
+
+
+def test_modules_and_functions_are_short():
+    modules, functions = _sizes()
+    exempt = set(_TABLES) | set(_PENDING)
+    long_modules = {
+        k: n for k, n in modules.items() if n > _MODULE_LINES and k not in exempt
+    }
+    long_functions = {
+        k: n
+        for k, n in functions.items()
+        if n > _FUNCTION_LINES and k not in exempt and k.split("::")[0] not in exempt
+    }
+    assert not long_modules, f"modules over {_MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, (
+        f"functions over {_FUNCTION_LINES} code lines: {long_functions}"
+    )
+
+
+def test_the_line_counter_counts_code():
+    text = '''def f(x):
+    """A docstring
+    of three lines.
+    """
+    # a comment
+
+    y = x + 1
+    return y
+'''
+    node = ast.parse(text).body[0]
+    assert _code_lines(text.splitlines(), node) == 3  # def, y = ..., return
+
+
 def _solverkit_modules() -> list[type]:
     classes = {
         cls

@@ -166,8 +166,8 @@ _ERRORS = [
 )
 def test_errors_as_diffrax(snippet, error, words):
     for lib in LIBS:
-        # equinox on a TPU cannot raise from the device: it prints every failed check and
-        # raises the last one's message, so diffrax's words are only checked elsewhere.
+        # equinox on a TPU cannot raise from the device: it prints every failed check
+        # and raises the last one's message, so diffrax's words go unchecked there.
         peer_on_tpu = lib is diffrax and jax.default_backend() == "tpu"
         with pytest.raises(error, match=None if peer_on_tpu else re.escape(words)):
             snippet(lib)

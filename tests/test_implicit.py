@@ -404,7 +404,8 @@ def test_constant_step_needs_tolerances():
 
 
 def test_root_finder_tolerances_from_controller():
-    solver = sk.Kvaerno5().bind_controller_tols(sk.PIDController(rtol=1e-4, atol=1e-7))
+    tolerances = sk.PIDController(rtol=1e-4, atol=1e-7).tolerances()
+    solver = sk.Kvaerno5().bind_controller_tols(tolerances)
     assert solver.root_finder.rtol == 1e-4 and solver.root_finder.atol == 1e-7
 
 

@@ -146,7 +146,7 @@ def test_reuse_matches_and_reuses():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-12)
     assert abs(int(na) - int(nb)) <= max(5, int(na) // 10)
     # The last Jacobian is older than the last step: it was reused.
-    assert int(state.jac_age) > 0 or int(state.factor_age) > 1
+    assert int(state.cache.jac_age) > 0 or int(state.cache.factor_age) > 1
 
 
 @pytest.mark.slow

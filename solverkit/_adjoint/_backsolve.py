@@ -173,9 +173,8 @@ class BacksolveAdjoint(AbstractAdjoint):
         if self.solver is None:
             return problem.solver  # bound already
         controller = self.stepsize_controller
-        return self.solver.bind_controller_tols(
-            problem.controller if controller is None else controller
-        )
+        controller = problem.controller if controller is None else controller
+        return self.solver.bind_controller_tols(controller.tolerances())
 
     def loop(self, problem: Problem) -> Outputs:
         def bwd(static, dynamic, out, ct_out):

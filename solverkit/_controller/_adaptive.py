@@ -6,7 +6,7 @@ solve is run forwards in `-t`).
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, TYPE_CHECKING
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax.lax as lax
@@ -21,16 +21,13 @@ from .._select import where
 from .._solution import RESULTS
 from .._term import AbstractTerm
 from .._time import flip
+from .._tolerances import IControl, Tolerances
 from ._base import (
     AbstractAdaptiveStepSizeController,
     AbstractStepSizeController,
     times_of,
 )
 from ._norm import rms_norm
-
-
-if TYPE_CHECKING:  # annotations only: the solvers import the controllers
-    from .._solver import AbstractSolver
 
 
 def _initial_step(
@@ -176,20 +173,27 @@ class PIDController(AbstractAdaptiveStepSizeController):
 
     def check(
         self,
-        solver: "AbstractSolver",
+        error_order: float | None,
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
     ) -> None:
-        # No terms here to pass: the built-in solvers' error orders don't use them.
-        if self.error_order is None and solver.error_order(None) is None:  # pyright: ignore[reportArgumentType]
+        if self.error_order is None and error_order is None:
             raise BadInputError(  # diffrax raises a RuntimeError
                 "Cannot use adaptive step sizes with a solver that does not provide "
-                f"error estimates: {type(solver).__name__} has no error estimate, so "
-                "it can't be used "
-                "with PIDController: use ConstantStepSize, or a solver with an "
-                "embedded error estimate (Tsit5, Dopri5, Bosh3, Heun, ...)."
+                "error estimates: the solver has no error estimate (its `error_order` "
+                "is None), so it can't be used with PIDController: use "
+                "ConstantStepSize, or a solver with an embedded error estimate (Tsit5, "
+                "Dopri5, Bosh3, Heun, ...)."
             )
+
+    def tolerances(self) -> Tolerances:
+        # An I-controller (no proportional or derivative part) tells a solver how it
+        # sizes steps, so that one choosing its own (`BDF`) can reproduce it.
+        i_control = None
+        if self.pcoeff == 0 and self.dcoeff == 0:
+            i_control = IControl(self.safety, self.icoeff, self.error_order)
+        return Tolerances(self.rtol, self.atol, self.norm, i_control)
 
     def _order(self, error_order: RealScalarLike | None) -> RealScalarLike:
         order = self.error_order if self.error_order is not None else error_order
@@ -350,12 +354,15 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
 
     def check(
         self,
-        solver: "AbstractSolver",
+        error_order: float | None,
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
     ) -> None:
-        self.controller.check(solver, t0, t1, dt0)
+        self.controller.check(error_order, t0, t1, dt0)
+
+    def tolerances(self) -> Tolerances:
+        return self.controller.tolerances()
 
     @property
     def has_jumps(self) -> bool:

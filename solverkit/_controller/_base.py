@@ -8,7 +8,7 @@ solve is run forwards in `-t`).
 
 import abc
 from collections.abc import Callable
-from typing import Any, NamedTuple, TYPE_CHECKING
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax.lax as lax
@@ -22,10 +22,7 @@ from .._select import where
 from .._solution import Result, RESULTS
 from .._term import AbstractTerm
 from .._time import flip
-
-
-if TYPE_CHECKING:  # annotations only: the solvers import this module
-    from .._solver import AbstractSolver
+from .._tolerances import Tolerances
 
 
 class AbstractStepSizeController(eqx.Module):
@@ -102,25 +99,34 @@ class AbstractStepSizeController(eqx.Module):
 
     def check(
         self,
-        solver: "AbstractSolver",
+        error_order: float | None,
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
     ) -> None:
         """Raise a `ValueError` before tracing if the controller can't be used so
-        (`t0`, `t1` are NumPy values where known, else `None`; `dt0` as passed to
+        (`error_order` the solver's, `None` for a solver without an error estimate;
+        `t0`, `t1` NumPy values where known, else `None`; `dt0` as passed to
         `diffeqsolve`)."""
+
+    def tolerances(self) -> Tolerances | None:
+        """The tolerances a solver takes from this controller (bound by
+        `solver.bind_controller_tols`), or `None` for a controller without them."""
+        return None
 
 
 class AbstractAdaptiveStepSizeController(AbstractStepSizeController):
     """Base class of the controllers that size steps from an error estimate, with
     tolerances that other parts of a solve may read: an implicit solver's root finder
     (`with_stepsize_controller_tols`) and `steady_state_event` take `rtol`, `atol`
-    and `norm` from it."""
+    and `norm` from it (a solver through `tolerances()`)."""
 
     rtol: eqx.AbstractVar[Any]
     atol: eqx.AbstractVar[Any]
     norm: eqx.AbstractVar[Callable[[PyTree], Array]]
+
+    def tolerances(self) -> Tolerances:
+        return Tolerances(self.rtol, self.atol, self.norm)
 
 
 def times_of(t0: RealScalarLike, t1: RealScalarLike):
@@ -196,7 +202,7 @@ class ConstantStepSize(AbstractStepSizeController):
 
     def check(
         self,
-        solver: "AbstractSolver",
+        error_order: float | None,
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,
@@ -276,7 +282,7 @@ class StepTo(AbstractStepSizeController):
 
     def check(
         self,
-        solver: "AbstractSolver",
+        error_order: float | None,
         t0: RealScalarLike,
         t1: RealScalarLike,
         dt0: RealScalarLike | None,

@@ -14,8 +14,8 @@ from jaxtyping import PyTree
 
 from .._errors import BadInputError, concrete, UnsupportedError
 from .._event import Event, with_context
-from .._integrate import split_events
 from .._saveat import is_sub, SaveAt
+from .._setup import split_events
 
 
 def batch_size(y0: PyTree, args: PyTree) -> int:

@@ -26,9 +26,9 @@ from jaxtyping import Array, PyTree
 
 from .. import _loop
 from .._closure._unvmap import unvmap_any
-from .._integrate import Keep
 from .._problem import Buffers, Carry, Problem
 from .._select import where
+from .._setup import Keep
 from ._inputs import PerTrajectory
 from ._policy import Policy
 

@@ -23,29 +23,22 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PyTree
 
 from .. import _kernel
 from .._adjoint._base import AbstractAdjoint, custom_vjp
 from .._adjoint._checkpoint import RecursiveCheckpointAdjoint
-from .._closure._unvmap import error_if, unvmap_max
+from .._closure._unvmap import eager, error_if, raise_failed, unvmap_max
 from .._controller._base import AbstractStepSizeController, ConstantStepSize
 from .._custom_types import RealScalarLike
 from .._errors import concrete, UnsupportedError
 from .._event import Event, TimedEvent
-from .._integrate import (
-    as_state,
-    check_arguments,
-    Keep,
-    make_problem,
-    MESSAGES,
-    solve_times,
-)
+from .._integrate import MESSAGES
 from .._problem import Problem
 from .._progress import AbstractProgressMeter, NoProgressMeter
 from .._saveat import SaveAt
 from .._select import where
+from .._setup import as_state, check_arguments, Keep, make_problem, solve_times
 from .._solution import EventRecord, Result, RESULTS, Solution
 from .._solver import AbstractSolver
 from .._term import AbstractTerm
@@ -189,21 +182,14 @@ def _use_kernel(kernel, problem: Problem, y0, per_trajectory, keep: Keep) -> boo
     return why is None
 
 
-def _eager(problem: Problem, y0, args) -> bool:
-    """No tracer among the inputs and the values the functions close over: the
-    solve runs now, outside any `jit`, `vmap` or `grad`."""
-    leaves = jtu.tree_leaves((problem, y0, args))
-    return not any(isinstance(x, jax.core.Tracer) for x in leaves)
-
-
-def _raise_failed(result: Result) -> None:
-    """Raise, from the host, what the device check (`error_if`) would: the message
-    of the largest failure code, as `equinox.EquinoxRuntimeError`."""
-    codes = np.asarray(result.code)
-    failed = codes[(codes != _SUCCESS) & (codes != _EVENT)]
-    if failed.size:
-        error = getattr(eqx, "EquinoxRuntimeError", RuntimeError)
-        raise error(MESSAGES[int(failed.max())])
+def _check_one_grid(controller: AbstractStepSizeController, per_trajectory) -> None:
+    """A controller of one grid of times (`StepTo`) can't serve per-trajectory times."""
+    if per_trajectory is not None and controller.one_grid:
+        raise UnsupportedError(
+            "StepTo(ts) steps to one grid of times, from t0 to t1: it can't be used "
+            "with per-trajectory `t0`, `t1` in ensemble_solve (use a PIDController, "
+            "or ConstantStepSize)."
+        )
 
 
 def _kernel_solve(problem: Problem, y0, args, throw, plan: Policy, keep: Keep, adjoint):
@@ -339,15 +325,12 @@ def ensemble_solve(
     batch = batch_size(y0, args)
     plan = policy(batch, positive_int("lanes", lanes), positive_int("refill", refill))
     t0, t1, saveat, per_trajectory = split_times(t0, t1, saveat, batch)
-    if per_trajectory is not None and stepsize_controller.one_grid:
-        raise UnsupportedError(
-            "StepTo(ts) steps to one grid of times, from t0 to t1: it can't be used "
-            "with per-trajectory `t0`, `t1` in ensemble_solve (use a PIDController, "
-            "or ConstantStepSize)."
-        )
+    _check_one_grid(stepsize_controller, per_trajectory)
     times = solve_times(t0, t1, dt0)
-    stepsize_controller.check(solver, times.known_t0, times.known_t1, dt0)
-    solver = solver.bind_controller_tols(stepsize_controller)
+    # No terms here to pass: the built-in solvers' error orders don't use them.
+    error_order = solver.error_order(None)  # pyright: ignore[reportArgumentType]
+    stepsize_controller.check(error_order, times.known_t0, times.known_t1, dt0)
+    solver = solver.bind_controller_tols(stepsize_controller.tolerances())
     y0 = as_state(y0)
     first = lambda tree: jtu.tree_map(  # noqa: E731
         lambda x: x[0] if eqx.is_array(x) else x, tree
@@ -360,12 +343,11 @@ def ensemble_solve(
     if per_trajectory is not None and event is not None:
         context = dict(
             terms=terms, solver=solver, t0=times.t0, t1=times.t1, dt0=dt0,
-            saveat=saveat, stepsize_controller=stepsize_controller,
-            max_steps=max_steps,
+            saveat=saveat, stepsize_controller=stepsize_controller, max_steps=max_steps
         )  # fmt: skip
         check_event_context(event, context, saveat, first(y0), first(args))
     keep = Keep.of(saveat)
-    on_host = throw and _eager(problem, y0, args)
+    on_host = throw and eager((problem, y0, args))
     throw = throw and not on_host  # eagerly: no host callback in the program
     if _use_kernel(kernel, problem, y0, per_trajectory, keep):
         sol = _kernel_solve(problem, y0, args, throw, plan, keep, adjoint)
@@ -375,5 +357,5 @@ def ensemble_solve(
                 problem, y0, args, per_trajectory, plan, throw, keep, adjoint
             )
     if on_host:
-        _raise_failed(sol.result)
+        raise_failed(sol.result.code, (_SUCCESS, _EVENT), MESSAGES)
     return sol

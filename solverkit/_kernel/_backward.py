@@ -29,7 +29,7 @@ def _size(x, batch: int) -> int:
 def directions_of(problem: Problem, y0, args_dynamic) -> tuple | None:
     """The directions of every differentiable input, or `None` where this backward
     pass does not apply (an event, or more than `MAX_DIRECTIONS` of them)."""
-    if problem.conds is not None:
+    if problem.event.conds is not None:
         return None
     leaves = jtu.tree_leaves(y0)
     batch = leaves[0].shape[0]

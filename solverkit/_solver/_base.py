@@ -14,6 +14,8 @@ from jaxtyping import PyTree
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from .._solution import Result, RESULTS
 from .._term import AbstractTerm
+from .._tolerances import Tolerances
+from .._tree import tree_where
 
 
 def axpy(y: Y, h, terms, row=None) -> Y:
@@ -80,12 +82,22 @@ class AbstractSolver(eqx.Module):
         default: the solver's order)."""
         return self.order(terms)
 
-    def bind_controller_tols(self, stepsize_controller) -> "AbstractSolver":
+    def bind_controller_tols(self, tolerances: Tolerances | None) -> "AbstractSolver":
         """This solver, with whatever it takes from the step-size controller filled
         in (an implicit solver's root-finder tolerances); called once by
-        `diffeqsolve` before the solve. The default changes nothing."""
-        del stepsize_controller
+        `diffeqsolve` before the solve, with `stepsize_controller.tolerances()`
+        (`None` for a controller without tolerances). The default changes nothing."""
+        del tolerances
         return self
+
+    def revert(
+        self, accepted: BoolScalarLike, new_state: PyTree, old_state: PyTree
+    ) -> PyTree:
+        """The state to go on from after a step: `new_state` where the step was
+        `accepted`, else `old_state` (the default) or, for a solver that keeps a cache
+        across a rejection (a Jacobian, a factorisation), `old_state` with the
+        cache of `new_state`. Called by the step loop after every step."""
+        return tree_where(accepted, new_state, old_state)
 
     def func(
         self, terms: AbstractTerm, t0: RealScalarLike, y0: Y, args: Args

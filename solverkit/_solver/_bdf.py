@@ -24,22 +24,23 @@ default) computes exactly that factor, with any `norm` (the error's entries are 
 divided by the norm of a vector of ones), and accepts exactly when the step's own
 error is within tolerance. Other adaptive controllers raise a `ValueError`.
 
-**Jacobian and factorisation reuse** (the rules of CVODE, Hindmarsh et al. 2005): the
-iteration matrix is refactorised when `γh` changed by more than 30% or after 20 steps,
-and the Jacobian is computed anew after 50 steps, or when a Newton solve failed with an
-old one (the step is then retried at once with the new Jacobian). All linear algebra
-goes through the linear-solver protocol (`_linear/_linear_solver.py`).
+**Jacobian and factorisation reuse** (the rules of CVODE, Hindmarsh et al. 2005, in
+`_reuse.py`): the iteration matrix is refactorised when `h/α` changed by more than 30%
+or after 20 steps, and the Jacobian is computed anew after 50 steps, or when a Newton
+solve failed with an old one (the step is then retried at once with the new
+Jacobian). A rejected step keeps them, as SciPy's BDF does. All linear algebra goes
+through the linear-solver protocol (`_linear/_linear_solver.py`).
 
 **Derivatives.** The Newton solve runs on values without derivatives (its reused
 Jacobian is not the Jacobian at the solution); its result is then given the derivative
 of the exact solution by the implicit function theorem, with the linear solver
-linearised anew at the solution (`_correction`). So forward and reverse mode
-see the derivative of the discrete scheme, whatever Jacobian the solve reused.
+linearised anew at the solution (`_bdf_formulas.correction`). So forward and reverse
+mode see the derivative of the discrete scheme, whatever Jacobian the solve reused.
 """
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -49,65 +50,52 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
-from .._closure._unvmap import unvmap_any
-from .._controller._base import AbstractAdaptiveStepSizeController
 from .._controller._norm import rms_norm
 from .._linear._linear_solver import (
     AbstractLinearSolver,
     algebraic_residual,
     DenseLinearSolver,
     KrylovLinearSolver,
-    mass_matvec,
 )
 from .._select import where
 from .._solution import RESULTS
-from .._tree import nograd
+from .._tolerances import Tolerances
+from .._tree import nograd, tree_where
+from . import _reuse as reuse
 from ._base import AbstractAdaptiveSolver
+from ._bdf_formulas import (
+    check_mass,
+    coefficients,
+    correction,
+    flat_field,
+    newton as bdf_newton,
+    next_order,
+    order_errors,
+    rescale,
+    to_mass,
+    update,
+)
+from ._reuse import Cache
 
 
-# NDF coefficients κ_k of Shampine & Reichelt (1997), Table 1 (orders 1 to 5; order 6
-# is used only for the error estimate of order `k + 1`). With κ = 0, the BDFs.
-_KAPPA_NDF = (0.0, -0.1850, -1.0 / 9.0, -0.0823, -0.0415, 0.0, 0.0)
-# The most Newton iterations' worth of step-size damping (Shampine & Reichelt's
-# `(2m + 1) / (2m + iterations)`) and the factor after a failed Newton solve.
-_NEWTON_FAIL_FACTOR = 0.5
-# The controller's factor for "keep this step size" is below 1 and so clipped to 1.
-_HOLD_FACTOR = 0.999
-# CVODE's reuse rules (Hindmarsh et al. 2005, section 2.1).
-_REFACTOR_CHANGE = 0.3
-_REFACTOR_STEPS = 20
-_REJAC_STEPS = 50
 # A failed linear solve is tried again at this fraction of `c = h/α` to tell a
 # singular pencil `M - cJ` (singular for every `c`) from an unlucky `c` (a root of
 # `det(M - cJ)`); not a simple ratio, which a structured problem might hit twice.
 _PROBE_RATIO = 0.29
 
 
-def _coefficients(max_order: int, ndf: bool):
-    """`(γ, α, E)` for orders `0..max_order + 1`: `γ_k = Σ_{i<=k} 1/i`, the leading
-    coefficient `α_k = (1 - κ_k) γ_k`, and the error constant `E_k = κ_k γ_k +
-    1/(k+1)`."""
-    size = max_order + 2
-    kappa = np.array(_KAPPA_NDF[:size] if ndf else [0.0] * size)
-    gamma = np.concatenate([[0.0], np.cumsum(1.0 / np.arange(1, size))])
-    alpha = (1 - kappa) * gamma
-    error = kappa * gamma + 1 / (np.arange(size) + 1)
-    return gamma, alpha, error
-
-
 class BDFState(NamedTuple):
-    """The solver's state between steps: arrays only."""
+    """The solver's state between steps: arrays only. A rejected step reverts all
+    but the `cache`."""
 
     D: Array  # (max_order + 3, n): backward differences, scaled for step `h`
     h: Array  # the step the differences are scaled for
     order: Array  # int32, the order of the next step
     n_equal: Array  # int32, steps taken since the step size last changed
-    jac: Any  # the linear solver's Jacobian
-    jac_age: Array  # int32, steps since `jac` was computed
-    factor: Any  # the linear solver's factor of `M - c J`
-    c_factor: Array  # the `c = h/α` it was made for (0: none yet)
-    factor_age: Array  # int32, steps since `factor` was made
     consistent: Array  # bool: the initial values satisfy the algebraic equations
+    # The Jacobian and the factor of `M - c J` (for `c = h/α`), kept by a rejected
+    # step (`BDF.revert`).
+    cache: Cache
 
 
 class BDFDense(NamedTuple):
@@ -117,101 +105,6 @@ class BDFDense(NamedTuple):
     y1: PyTree
     D: Array  # (max_order, n): the differences D[1..max_order] after the step
     order: Array
-
-
-def _rescale(D: Array, order: Array, r: Array, max_order: int) -> Array:
-    """The differences `D[0..order]` for a step `r` times the one they were made for
-    (Shampine & Reichelt 1997, section 2.3); the rows above `order` unchanged."""
-    size = max_order + 1
-    i = np.arange(size)[:, None]
-    j = np.arange(size)[None, :]
-    inside = (i <= order) & (j <= order)
-
-    def interp(rho):
-        # R[i, j] = Π_{m=1..i} (m - 1 - ρ j) / m, and R[0, j] = 1.
-        m = jnp.where(i == 0, 1.0, jnp.where(j == 0, 0.0, (i - 1 - rho * j) / i))
-        return jnp.where(inside, jnp.cumprod(m.astype(D.dtype), axis=0), 0)
-
-    ru = jnp.matmul(interp(r), interp(jnp.ones_like(r)), precision="highest")
-    ru = jnp.where(inside, ru, jnp.eye(size, dtype=D.dtype))
-    head = jnp.matmul(ru.T, D[:size], precision="highest")
-    return jnp.concatenate([head, D[size:]])
-
-
-def _update(D: Array, d: Array, order: Array) -> Array:
-    """The differences after a step of order `k` with correction `d`: `D[k+2] = d -
-    D[k+1]`, `D[k+1] = d`, and `D[i] += D[i+1]` for `i = k, ..., 0`."""
-    rows = np.arange(D.shape[0])[:, None]
-    d = d[None, :]
-    below = jnp.where(rows <= order, D, 0)
-    # D_new[i] = Σ_{i<=j<=k} D[j] + d for i <= k.
-    tail = jnp.flip(jnp.cumsum(jnp.flip(below, 0), axis=0), 0) + d
-    prev = jnp.sum(jnp.where(rows == order + 1, D, 0), axis=0)
-    out = jnp.where(rows <= order, tail, D)
-    out = jnp.where(rows == order + 1, d, out)
-    return jnp.where(rows == order + 2, d - prev[None, :], out)
-
-
-def _correction(static, d, t1, c, y_pred, psi, dynamic):
-    """`d`, the converged Newton correction, with the derivative of the exact
-    solution of `G(d) = c f(t1, y_pred + d) - M (ψ + d) = 0` by the implicit function
-    theorem: `d' = (M - c J)^{-1} ∂G/∂(t1, c, y_pred, ψ, field)`, with `J` the exact
-    Jacobian at `y_pred + d` (the linear solver linearised there anew). `static` is
-    the non-array part of `dynamic`'s `(terms, args, mass, linear_solver,
-    unravel)`; the mass matrix is differentiated too (`∂G/∂M = -(ψ + d)`)."""
-    fn = jax.custom_jvp(lambda d, t1, c, y_pred, psi, dynamic: d)
-
-    def residual(d, t1, c, y_pred, psi, dynamic):
-        terms, args, mass, _, unravel = eqx.combine(dynamic, static)
-        f = _flat_field(terms, args, unravel, t1, y_pred + d, d.dtype)
-        return c * f - mass_matvec(mass, psi + d)
-
-    @fn.defjvp
-    def _jvp(primals, tangents):
-        d, t1, c, y_pred, psi, dynamic = primals
-        terms, args, mass, linear_solver, unravel = eqx.combine(dynamic, static)
-        field = lambda x: _flat_field(terms, args, unravel, t1, x, d.dtype)
-        _, jac = linear_solver.linearise(field, y_pred + d)
-        factor = linear_solver.factorise(jac, c, mass)
-        _, dg = jax.jvp(lambda *p: residual(d, *p), primals[1:], tangents[1:])
-        return d, linear_solver.solve_tangent(factor, dg, field)
-
-    return fn(d, t1, c, y_pred, psi, dynamic)
-
-
-def _flat_field(terms, args, unravel, t, x, dtype) -> Array:
-    out = terms.vf(t, unravel(x), args)
-    return ravel_pytree(out)[0].astype(dtype)
-
-
-def _check_mass(mass: Array | None, n: int) -> None:
-    if mass is None:
-        return
-    if mass.ndim == 1 and mass.shape == (n,):
-        return
-    if mass.ndim == 2 and mass.shape == (n, n):
-        return
-    raise ValueError(
-        f"BDF: `mass_matrix` must be a vector of shape ({n},) (a diagonal mass "
-        f"matrix) or a matrix of shape ({n}, {n}) for a state of {n} unknowns, got "
-        f"shape {mass.shape}. (With BacksolveAdjoint, the backward solve's state is "
-        "larger: pass `BacksolveAdjoint(solver=...)` a solver without a mass matrix, "
-        "or use RecursiveCheckpointAdjoint.)"
-    )
-
-
-def _to_mass(mass) -> Array | None:
-    return None if mass is None else jnp.asarray(mass)
-
-
-def _maybe(pred, make: Callable, old):
-    """`make()` where `pred`, else `old`; computed only if some batch element needs
-    it."""
-    return lax.cond(
-        unvmap_any(pred),
-        lambda: jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), make(), old),
-        lambda: old,
-    )
 
 
 class BDF(AbstractAdaptiveSolver):
@@ -259,7 +152,7 @@ class BDF(AbstractAdaptiveSolver):
     """
 
     linear_solver: AbstractLinearSolver = DenseLinearSolver()
-    mass_matrix: Array | None = eqx.field(default=None, converter=_to_mass)
+    mass_matrix: Array | None = eqx.field(default=None, converter=to_mass)
     max_order: int = eqx.field(default=5, static=True)
     ndf: bool = eqx.field(default=True, static=True)
     newton_max_steps: int = eqx.field(default=4, static=True)
@@ -306,40 +199,33 @@ class BDF(AbstractAdaptiveSolver):
         # The first step is of order 1 (the controller's initial step uses this).
         return 2.0
 
-    def bind_controller_tols(self, stepsize_controller) -> "BDF":
-        controller = stepsize_controller
-        while hasattr(controller, "controller"):  # `ClipStepSizeController`
-            controller = controller.controller
-        if not isinstance(controller, AbstractAdaptiveStepSizeController):
+    def bind_controller_tols(self, tolerances: Tolerances | None) -> "BDF":
+        if tolerances is None:  # a fixed controller: the order still adapts
             if self.rtol is None or self.atol is None:
                 raise ValueError(
                     "BDF takes the tolerances of its Newton solve from the step-size "
-                    f"controller, but {type(controller).__name__} has none: pass "
-                    "them, e.g. `BDF(rtol=1e-6, atol=1e-6)`, or use "
+                    "controller, but this one has none: pass them, e.g. "
+                    "`BDF(rtol=1e-6, atol=1e-6)`, or use "
                     "`PIDController(rtol=..., atol=...)`."
                 )
             return dataclasses.replace(self, adaptive=False)
-        names = ("rtol", "atol", "safety", "icoeff", "pcoeff", "dcoeff", "norm")
-        if not all(hasattr(controller, n) for n in names) or (
-            controller.pcoeff != 0 or controller.dcoeff != 0  # pyright: ignore
-        ):
+        control = tolerances.i_control
+        if control is None:
             raise ValueError(
                 "BDF chooses its own step sizes and orders and passes them to the "
                 "controller through its error estimate, which only an I-controller "
                 "reproduces: use `PIDController(rtol=..., atol=...)` with `pcoeff=0` "
                 "and `dcoeff=0` (the defaults), optionally inside a "
-                "`ClipStepSizeController`, or `ConstantStepSize`/`StepTo`; got "
-                f"{type(stepsize_controller).__name__}."
+                "`ClipStepSizeController`, or `ConstantStepSize`/`StepTo`."
             )
-        c: Any = controller
-        order = c.error_order if c.error_order is not None else 2.0
+        order = 2.0 if control.error_order is None else control.error_order
         return dataclasses.replace(
             self,
-            rtol=c.rtol,
-            atol=c.atol,
-            norm=c.norm,
-            safety=c.safety,
-            exponent=order / c.icoeff,
+            rtol=tolerances.rtol,
+            atol=tolerances.atol,
+            norm=tolerances.norm,
+            safety=control.safety,
+            exponent=order / control.icoeff,
             adaptive=True,
         )
 
@@ -364,12 +250,12 @@ class BDF(AbstractAdaptiveSolver):
         dtype = flat0.dtype
         n = flat0.shape[0]
         mass = self.mass_matrix
-        _check_mass(mass, n)
+        check_mass(mass, n)
         rtol, atol = self._tols()
         n_terms, n_args, n_t0 = nograd((terms, args, t0))
-        field = lambda x: _flat_field(n_terms, n_args, unravel, n_t0, x, dtype)
+        field = lambda x: flat_field(n_terms, n_args, unravel, n_t0, x, dtype)
         _, jac = self.linear_solver.linearise(field, nograd(flat0))
-        f0 = _flat_field(terms, args, unravel, t0, flat0, dtype)
+        f0 = flat_field(terms, args, unravel, t0, flat0, dtype)
         # y'(t0): M y' = f, with the algebraic components' derivatives unknown (0).
         if mass is None:
             yp0 = f0
@@ -387,73 +273,30 @@ class BDF(AbstractAdaptiveSolver):
         c0 = jnp.zeros((), dtype)
         shapes = jax.eval_shape(self.linear_solver.factorise, jac, c0, mass)
         factor = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        zero = jnp.asarray(0, jnp.int32)
         return BDFState(
             D=D,
             h=jnp.ones((), dtype),
             order=jnp.asarray(1, jnp.int32),
-            n_equal=zero,
-            jac=jax.tree_util.tree_map(lax.stop_gradient, jac),
-            jac_age=zero,
-            factor=factor,
-            c_factor=c0,
-            factor_age=zero,
+            n_equal=jnp.asarray(0, jnp.int32),
             consistent=jnp.asarray(consistent),
+            cache=reuse.start(
+                jax.tree_util.tree_map(lax.stop_gradient, jac), factor, c0
+            ),
         )
 
-    def _newton(self, field, factor, c, y_pred, psi, scale, unravel):
-        """The simplified Newton iteration (no derivatives): `(d, converged,
-        iterations, unsolved)`, `unsolved` when it failed because a linear solve
-        of a finite right-hand side was not finite (`M - cJ` singular)."""
-        rtol, _ = self._tols()
-        mass = self.mass_matrix
-        eps = float(jnp.finfo(y_pred.dtype).eps)
-        rtol = jnp.asarray(rtol, y_pred.dtype)
-        tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, jnp.sqrt(rtol)))
-        maxiter = self.newton_max_steps
-
-        def cond(carry):
-            i, _, _, done, fail, _ = carry
-            return (i < maxiter) & ~done & ~fail
-
-        def body(carry):
-            i, d, old, _, _, _ = carry
-            f = field(y_pred + d)
-            rhs = c * f - mass_matvec(mass, psi + d)
-            dy = self.linear_solver.solve(factor, rhs, field)
-            dy_norm = self._scaled_norm(dy, scale, unravel).astype(old.dtype)
-            have_rate = old >= 0
-            rate = dy_norm / jnp.where(have_rate & (old > 0), old, 1)
-            unsolved = jnp.all(jnp.isfinite(rhs)) & ~jnp.all(jnp.isfinite(dy))
-            bad = ~jnp.all(jnp.isfinite(f)) | ~jnp.all(jnp.isfinite(dy))
-            slow = rate ** (maxiter - i) / jnp.where(rate < 1, 1 - rate, 1) * dy_norm
-            bad = bad | (have_rate & ((rate >= 1) | (slow > tol)))
-            done = (dy_norm == 0) | (
-                have_rate & (rate / jnp.where(rate < 1, 1 - rate, 1) * dy_norm < tol)
-            )
-            done = done & ~bad
-            d = jnp.where(bad, d, d + dy)
-            return i + 1, d, dy_norm, done, bad, unsolved
-
-        real = jnp.zeros((), jnp.abs(y_pred).dtype)
-        init = (
-            jnp.asarray(0, jnp.int32),
-            jnp.zeros_like(y_pred),
-            real - 1,
-            jnp.asarray(False),
-            jnp.asarray(False),
-            jnp.asarray(False),
+    def revert(self, accepted, new_state: BDFState, old_state: BDFState) -> BDFState:
+        # A rejected step keeps its Jacobian and factor (SciPy's BDF does too).
+        return tree_where(accepted, new_state, old_state)._replace(
+            cache=new_state.cache
         )
-        i, d, _, done, _, unsolved = lax.while_loop(cond, body, init)
-        return d, done, i, unsolved & ~done
 
     def _predict(self, state: BDFState, h: Array, dtype):
         """`(D, y_pred, psi, c)`: the differences rescaled to the step `h`, the
         predictor `Σ_{j<=k} D[j]`, `ψ` and `c = h/α_k`."""
         K = self.max_order
-        gamma, alpha, _ = (jnp.asarray(a, dtype) for a in _coefficients(K, self.ndf))
+        gamma, alpha, _ = (jnp.asarray(a, dtype) for a in coefficients(K, self.ndf))
         k = state.order
-        D = _rescale(state.D, k, h / state.h, K)
+        D = rescale(state.D, k, h / state.h, K)
         index = np.arange(K + 3)
         y_pred = jnp.sum(jnp.where(index[:, None] <= k, D, 0), axis=0)
         gammas = jnp.concatenate([gamma, jnp.zeros(1, dtype)])
@@ -462,54 +305,32 @@ class BDF(AbstractAdaptiveSolver):
         return D, y_pred, psi, h / alpha[k]
 
     def _solve_reusing(self, field, state: BDFState, c, y_pred, psi, scale, unravel):
-        """The Newton solve (no derivatives) with CVODE's reuse rules: a new
-        Jacobian when stale, a new factorisation when `c` changed or is old, and
-        one retry with a new Jacobian after a failure with an old one.
+        """The Newton solve (no derivatives) with CVODE's reuse rules (`_reuse.py`).
 
-        **Returns:** `(d, converged, iterations, singular, reuse)`, `reuse` the
-        state's new `(jac, jac_age, factor, c_factor, factor_age)` (ages not yet
-        advanced), `singular` whether `M - cJ` is singular whatever the step size
-        (`_singular`).
+        **Returns:** `(d, converged, iterations, singular, cache)`, `cache` the
+        state's new one (ages not yet advanced), `singular` whether `M - cJ` is
+        singular whatever the step size (`_singular`).
         """
         linear_solver = self.linear_solver
         new_jac = lambda: nograd(linear_solver.linearise(field, y_pred)[1])
-        new_factor = lambda jac: nograd(
+        new_factor = lambda jac, c: nograd(
             linear_solver.factorise(jac, c, self.mass_matrix)
         )
-        stale = state.jac_age >= _REJAC_STEPS
-        jac = _maybe(stale, new_jac, state.jac)
-        jac_age = jnp.where(stale, 0, state.jac_age)
-        c_old = state.c_factor
-        change = jnp.abs(c - c_old) > _REFACTOR_CHANGE * jnp.abs(c_old)
-        refactor = stale | (c_old == 0) | change | (state.factor_age >= _REFACTOR_STEPS)
-        factor = _maybe(refactor, lambda: new_factor(jac), state.factor)
-        factor_age = jnp.where(refactor, 0, state.factor_age)
-        d, converged, iters, unsolved = self._newton(
-            field, factor, c, y_pred, psi, scale, unravel
-        )
-        # A failed solve with an old Jacobian: a new Jacobian, at once.
-        retry = ~converged & (jac_age > 0)
+        size = lambda x: self._scaled_norm(x, scale, unravel)
+        newton = lambda factor: bdf_newton(self, field, factor, c, y_pred, psi, size)
+        cache, refactored = reuse.refresh(state.cache, c, new_jac, new_factor)
+        out = newton(cache.factor)
 
-        def again():
-            jac2 = new_jac()
-            factor2 = new_factor(jac2)
-            d2, conv2, it2, unsolved2 = self._newton(
-                field, factor2, c, y_pred, psi, scale, unravel
-            )
-            return jac2, factor2, d2, conv2, iters + it2, unsolved2
+        def again(factor):
+            d, converged, iters, unsolved = newton(factor)
+            return d, converged, out[2] + iters, unsolved
 
-        jac, factor, d, converged, iters, unsolved = _maybe(
-            retry, again, (jac, factor, d, converged, iters, unsolved)
+        cache, out, _ = reuse.retry(
+            cache, refactored, ~out[1], c, new_jac, new_factor, again, out
         )
-        singular = self._singular(field, unsolved, jac, c)
-        reuse = (
-            jac,
-            jnp.where(retry, 0, jac_age),
-            factor,
-            jnp.where(refactor | retry, c, c_old),
-            jnp.where(retry, 0, factor_age),
-        )
-        return d, converged, iters, singular, reuse
+        d, converged, iters, unsolved = out
+        singular = self._singular(field, unsolved, cache.jac, c)
+        return d, converged, iters, singular, cache
 
     def _singular(self, field, unsolved: Array, jac, c: Array) -> Array:
         """Whether `M - cJ` is singular for every step size: with a singular mass
@@ -528,71 +349,7 @@ class BDF(AbstractAdaptiveSolver):
             out = ls.solve(factor, jnp.ones(mass.shape[0], c.dtype), field)
             return ~jnp.all(jnp.isfinite(out))
 
-        return _maybe(unsolved, lambda: nograd(probe()), jnp.zeros_like(unsolved))
-
-    def _order_errors(self, D_new, d, k, err_scale, unravel):
-        """The scaled error estimates of orders `k - 1`, `k` and `k + 1` (`inf`
-        where that order does not exist), from `d` and the updated differences."""
-        K = self.max_order
-        error_const = jnp.asarray(_coefficients(K, self.ndf)[2], d.dtype)
-        err = self._scaled_norm(error_const[k] * d, err_scale, unravel)
-        rows = np.arange(K + 3)[:, None]
-        pick = lambda i: jnp.sum(jnp.where(rows == i, D_new, 0), axis=0)
-        big = jnp.asarray(jnp.inf, err.dtype)
-        err_m = jnp.where(
-            k > 1,
-            self._scaled_norm(error_const[k - 1] * pick(k), err_scale, unravel),
-            big,
-        )
-        err_p = jnp.where(
-            k < K,
-            self._scaled_norm(
-                error_const[jnp.minimum(k + 1, K + 1)] * pick(k + 2),
-                err_scale,
-                unravel,
-            ),
-            big,
-        )
-        return err_m, err, err_p
-
-    def _next_order(self, state: BDFState, errors, r, h, t1, iters, converged):
-        """Shampine & Reichelt's choice of the next order and step-size factor.
-
-        **Returns:** `(new_order, n_equal, controller_error)`, the last the error an
-        I-controller turns into exactly the chosen factor.
-        """
-        err_m, err, err_p = errors
-        dtype = h.dtype
-        k = state.order
-        same = jnp.abs(r - 1) <= 1e-6 + 64 * jnp.finfo(dtype).eps * jnp.abs(
-            t1.astype(dtype)
-        ) / jnp.abs(jnp.where(h == 0, 1, h))
-        n_equal = jnp.where(same, state.n_equal + 1, 1)
-
-        def grow(e, p):
-            return jnp.where(e == 0, jnp.asarray(1e10, e.dtype), e ** (-1.0 / p))
-
-        kf = k.astype(err.dtype)
-        factors = jnp.stack([grow(err_m, kf), grow(err, kf + 1), grow(err_p, kf + 2)])
-        choice = jnp.argmax(factors).astype(jnp.int32)
-        m = self.newton_max_steps
-        damp = (2 * m + 1) / (2 * m + iters.astype(err.dtype))
-        select = n_equal >= k + 1
-        new_order = jnp.clip(jnp.where(select, k + choice - 1, k), 1, self.max_order)
-        hold = _HOLD_FACTOR / self.safety
-        grow_factor = jnp.where(select, damp * jnp.max(factors), hold)
-        accepted = converged & (err <= 1)
-        target = jnp.where(accepted, grow_factor, damp * grow(err, kf + 1))
-        target = jnp.where(converged, target, _NEWTON_FAIL_FACTOR / self.safety)
-        # The controller's factor is `safety * target`, at least 1 on acceptance.
-        target = jnp.where(accepted, jnp.maximum(target, hold), target)
-        target = jnp.maximum(target, jnp.asarray(1e-10, target.dtype))
-        controller_error = target ** (-self.exponent)
-        # On rejection, surely beyond the tolerance whatever the rounding.
-        controller_error = jnp.where(
-            accepted, controller_error, jnp.maximum(controller_error, 1.01)
-        )
-        return new_order, n_equal, controller_error
+        return reuse.maybe(unsolved, lambda: nograd(probe()), jnp.zeros_like(unsolved))
 
     def _report(self, state: BDFState, d, scaled_error, converged):
         """`(y_error, result)` for the step-size controller (flat, unravelled by
@@ -602,7 +359,7 @@ class BDF(AbstractAdaptiveSolver):
             y_error = lax.stop_gradient(scaled_error)
             result = RESULTS.successful
         else:
-            error_const = _coefficients(self.max_order, self.ndf)[2]
+            error_const = coefficients(self.max_order, self.ndf)[2]
             y_error = jnp.asarray(error_const, d.dtype)[state.order] * d
             result = RESULTS.where(
                 converged, RESULTS.successful, RESULTS.implicit_nonconvergence
@@ -629,26 +386,27 @@ class BDF(AbstractAdaptiveSolver):
         n_terms, n_args, n_t1, n_c, n_y_pred, n_psi = nograd(
             (terms, args, t1, c, y_pred, psi)
         )
-        field = lambda x: _flat_field(n_terms, n_args, unravel, n_t1, x, dtype)
+        field = lambda x: flat_field(n_terms, n_args, unravel, n_t1, x, dtype)
         scale = atol + rtol * jnp.abs(n_y_pred)
-        d, converged, iters, singular, reuse = self._solve_reusing(
+        d, converged, iters, singular, cache = self._solve_reusing(
             field, state, n_c, n_y_pred, n_psi, scale, unravel
         )
         dynamic, static = eqx.partition(
             (terms, args, mass, self.linear_solver, unravel), eqx.is_array
         )
-        d = _correction(static, lax.stop_gradient(d), t1, c, y_pred, psi, dynamic)
+        d = correction(static, lax.stop_gradient(d), t1, c, y_pred, psi, dynamic)
         y1 = y_pred + d
-        D_new = _update(D, d, k)
+        D_new = update(D, d, k)
 
         # Error estimate and the next step's order and size.
         err_scale = atol + rtol * jnp.maximum(jnp.abs(flat0), jnp.abs(y1))
         err_scale = lax.stop_gradient(err_scale)
-        errors = self._order_errors(
-            lax.stop_gradient(D_new), lax.stop_gradient(d), k, err_scale, unravel
+        size = lambda x: self._scaled_norm(x, err_scale, unravel)
+        errors = order_errors(
+            self, lax.stop_gradient(D_new), lax.stop_gradient(d), k, size
         )
-        new_order, n_equal, controller_error = self._next_order(
-            state, errors, h / state.h, h, t1, iters, converged
+        new_order, n_equal, controller_error = next_order(
+            self, state, errors, h / state.h, h, t1, iters, converged
         )
         # The controller measures `norm(y_error / err_scale)`; for a vector of
         # equal entries `e` any norm gives `e · norm(ones)` (`√n e` for the 2-norm),
@@ -662,18 +420,13 @@ class BDF(AbstractAdaptiveSolver):
             converged,
         )
         result = RESULTS.where(singular, RESULTS.singular, result)
-        jac, jac_age, factor, c_factor, factor_age = reuse
         new_state = BDFState(
             D=D_new,
             h=h,
             order=new_order.astype(jnp.int32),
             n_equal=jnp.where(new_order != k, 0, n_equal).astype(jnp.int32),
-            jac=jac,
-            jac_age=(jac_age + 1).astype(jnp.int32),
-            factor=factor,
-            c_factor=c_factor,
-            factor_age=(factor_age + 1).astype(jnp.int32),
             consistent=state.consistent,
+            cache=reuse.advance(cache),
         )
         dense = BDFDense(y1=unravel(y1), D=D_new[1 : self.max_order + 1], order=k)
         return unravel(y1), unravel(y_error), dense, new_state, result

@@ -5,12 +5,15 @@ Per step: the Jacobian of the implicit term is the one carried in the solver sta
 (taken at the start of the step, so a rejected step's retry reuses it), one inverse of
 `I - γh J` serves every stage and every chord iteration, and each stage's root gets
 exact derivatives from the implicit function theorem (`_root_finder.implicit_root`).
+With `reuse_jacobian`, the Jacobian and the factorisations live across steps by
+CVODE's rules (`_reuse.py`), and a rejected step keeps them.
 """
 
 import functools
 from typing import Any, ClassVar, NamedTuple, TYPE_CHECKING
 
 import equinox as eqx
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -23,7 +26,9 @@ from .._linear._linear_solver import AbstractLinearSolver, DenseLinearSolver
 from .._select import where
 from .._solution import RESULTS
 from .._term import AbstractTerm, MultiTerm
-from .._tree import nograd, tree_add
+from .._tolerances import Tolerances
+from .._tree import nograd, tree_add, tree_where
+from . import _reuse as reuse
 from ._base import AbstractAdaptiveSolver, axpy
 from ._implicit_tableau import (
     IMPLICIT_EULER,
@@ -40,6 +45,7 @@ from ._local_interpolation import (
     LocalLinearInterpolation,
     ThirdOrderHermitePolynomialInterpolation,
 )
+from ._reuse import Cache
 from ._root_finder import (
     bind_tols,
     chord,
@@ -60,28 +66,16 @@ else:
 
 class ImplicitState(NamedTuple):
     """What a step starts from: the fields at `(t0, y0)`, and the implicit term's
-    Jacobian there (`None` with an optimistix root finder, which takes its own)."""
+    Jacobian there (`None` with an optimistix root finder, which takes its own, or
+    with `reuse_jacobian`, which keeps it in `cache`)."""
 
     f_explicit: PyTree | None
     f_implicit: PyTree
     jac: Any  # in the linear solver's representation
     eta: Array  # the chord iteration's convergence factor, carried between stages
-    # With `reuse_jacobian` only: the factorisations of the last step, the step
-    # they were made for, and the steps since the Jacobian and since them.
-    factor: Any = None
-    h_factor: Array | None = None
-    jac_age: Array | None = None
-    factor_age: Array | None = None
-
-
-# CVODE's rules for reusing the Jacobian and the factorisations across steps
-# (Hindmarsh et al., SUNDIALS: Suite of nonlinear and differential/algebraic
-# equation solvers, ACM TOMS 31(3):363-396, 2005, §2.1): refactorise after a
-# relative change of γh above 30% or 20 steps, take a new Jacobian after 50 steps or
-# a convergence failure.
-_REFACTOR_CHANGE = 0.3
-_REFACTOR_STEPS = 20
-_JACOBIAN_STEPS = 50
+    # With `reuse_jacobian` only: the Jacobian and the factorisations (made for
+    # `h`), kept by a rejected step (`revert`).
+    cache: Cache | None = None
 
 
 class AbstractImplicitRK(AbstractAdaptiveSolver):
@@ -107,8 +101,10 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
     def error_order(self, terms) -> float | None:
         return self.tableau.embedded_order + 1
 
-    def bind_controller_tols(self, stepsize_controller) -> "AbstractImplicitRK":
-        finder = bind_tols(self.root_finder, stepsize_controller, type(self).__name__)
+    def bind_controller_tols(
+        self, tolerances: Tolerances | None
+    ) -> "AbstractImplicitRK":
+        finder = bind_tols(self.root_finder, tolerances, type(self).__name__)
         return eqx.tree_at(lambda s: s.root_finder, self, finder)
 
     def _terms(self, terms) -> tuple[Any, Any]:
@@ -148,32 +144,17 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         return jtu.tree_map(lambda *x: jnp.stack(x), *invs)
 
     def _start(
-        self, terms, t, y, args, f_implicit=None, prev: ImplicitState | None = None
+        self, terms, t, y, args, f_implicit=None, cache: Cache | None = None
     ) -> ImplicitState:
         ex, im = self._terms(terms)
         f_ex = None if ex is None else ex.vf(t, y, args)
         if f_implicit is None:
             f_implicit = im.vf(t, y, args)
         jac = None
-        if self._reuses() and prev is not None:
-            assert prev.jac_age is not None
-            age = prev.jac_age + 1
-            fresh = age >= _JACOBIAN_STEPS
-            old = prev.jac
-            jac = lax.cond(fresh, lambda: self._linearise(im, t, y, args), lambda: old)
-            prev = prev._replace(jac_age=jnp.where(fresh, 0, age))
-        elif self._uses_chord():
+        if self._uses_chord() and not self._reuses():
             jac = self._linearise(im, t, y, args)
         eta = jnp.real(jnp.asarray(1.0, jnp.result_type(*jtu.tree_leaves(y))))
-        state = ImplicitState(f_ex, f_implicit, jac, eta)
-        if prev is not None and self._reuses():
-            state = state._replace(
-                factor=prev.factor,
-                h_factor=prev.h_factor,
-                jac_age=prev.jac_age,
-                factor_age=prev.factor_age,
-            )
-        return state
+        return ImplicitState(f_ex, f_implicit, jac, eta, cache)
 
     def func(self, terms, t0, y0, args) -> PyTree:
         ex, im = self._terms(terms)
@@ -184,13 +165,18 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         state = self._start(terms, t0, y0, args)
         if not self._reuses():
             return state
-        h = lax.stop_gradient(jnp.asarray(t1) - jnp.asarray(t0))
-        return state._replace(
-            factor=self._factorise(state.jac, h),
-            h_factor=h,
-            jac_age=jnp.asarray(0),
-            factor_age=jnp.asarray(0),
-        )
+        jac = self._linearise(self._terms(terms)[1], t0, y0, args)
+        # No factorisation yet (scale 0): the first step makes it for its `h`.
+        h = jnp.zeros_like(lax.stop_gradient(jnp.asarray(t1) - jnp.asarray(t0)))
+        shapes = jax.eval_shape(self._factorise, jac, h)
+        factor = jtu.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        return state._replace(cache=reuse.start(jac, factor, h))
+
+    def revert(self, accepted, new_state, old_state) -> ImplicitState:
+        out = tree_where(accepted, new_state, old_state)
+        if self._reuses():  # a rejected step keeps its Jacobian and factorisations
+            out = out._replace(cache=new_state.cache)
+        return out
 
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
         del made_jump
@@ -226,57 +212,31 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
 
     def _step_reusing(self, terms, t0, t1, y0, args, state: ImplicitState):
         """A step with the Jacobian and factorisations kept across steps by CVODE's
-        rules (see `reuse_jacobian`). Every decision is on values without gradients;
-        the stages' derivatives come from the exact Jacobian at each root
-        (`implicit_root`), whatever matrix the chord iteration used."""
+        rules (`_reuse.py`; see `reuse_jacobian`): a retry after a convergence
+        failure takes a new Jacobian at `(t0, y0)`. Every decision is on values
+        without gradients; the stages' derivatives come from the exact Jacobian at
+        each root (`implicit_root`), whatever matrix the chord iteration used (with
+        the old factorisation `h` may differ from the one it was made for by up to
+        30%: the chord iteration converges with such a matrix, to the same root)."""
         ex, im = self._terms(terms)
         h = t1 - t0
         hs = lax.stop_gradient(h)
-        assert state.factor_age is not None and state.jac_age is not None
-        assert state.h_factor is not None
-        jac = lax.stop_gradient(state.jac)
-        change = jnp.abs(hs / jnp.where(state.h_factor == 0, 1, state.h_factor) - 1)
-        refactor = (
-            (change > _REFACTOR_CHANGE)
-            | (state.factor_age >= _REFACTOR_STEPS)
-            | ((state.jac_age == 0) & (state.factor_age > 0))  # a new Jacobian
+        assert state.cache is not None
+        new_jac = lambda: self._linearise(im, t0, y0, args)  # noqa: E731
+        cache, refactored = reuse.refresh(
+            nograd(state.cache), hs, new_jac, self._factorise
         )
-        factor, h_factor = lax.cond(
-            refactor,
-            lambda: (self._factorise(jac, hs), hs),
-            lambda: (lax.stop_gradient(state.factor), state.h_factor),
+        attempt = lambda factor: self._stages(  # noqa: E731
+            ex, im, t0, t1, y0, args, state, factor
         )
-        # With the old factorisation h_factor may differ from h by up to 30%: the
-        # chord iteration converges with such a matrix, to the same root.
-        out = self._stages(ex, im, t0, t1, y0, args, state, factor)
-        # A convergence failure with a Jacobian or factorisation not fresh for this
-        # step: retry once with a new Jacobian at (t0, y0) and a new factorisation,
-        # before the step is rejected (the state of a rejected step is dropped).
-        stale = (state.jac_age > 0) | ~refactor
-        retry = (out[3] != RESULTS.successful) & stale
-
-        def again():
-            fresh_jac = self._linearise(im, t0, y0, args)
-            fresh_factor = self._factorise(fresh_jac, hs)
-            fresh = self._stages(ex, im, t0, t1, y0, args, state, fresh_factor)
-            return fresh, fresh_jac, fresh_factor, hs, jnp.asarray(0)
-
-        out, jac, factor, h_factor, jac_age = lax.cond(
-            retry,
-            again,
-            lambda: (out, jac, factor, h_factor, state.jac_age),
+        out = attempt(cache.factor)
+        failed = out[3] != RESULTS.successful
+        cache, out, _ = reuse.retry(
+            cache, refactored, failed, hs, new_jac, self._factorise, attempt, out
         )
-        factor_age = jnp.where(refactor | retry, 0, state.factor_age) + 1
         k_im, k_ex, z, status, eta = out
-        kept = state._replace(
-            jac=jac,
-            factor=factor,
-            h_factor=h_factor,
-            jac_age=jac_age,
-            factor_age=factor_age,
-        )
         return self._finish(
-            terms, t1, y0, h, args, z, k_im, k_ex, status, eta, prev=kept
+            terms, t1, y0, h, args, z, k_im, k_ex, status, eta, reuse.advance(cache)
         )
 
     def _stage(self, ex, im, t0, t1, h, y0, args, inv, i, carry):
@@ -319,7 +279,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             k_ex = jtu.tree_map(lambda ks, x: ks.at[i].set(x), k_ex, f)
         return k_im, k_ex, z, status, eta
 
-    def _finish(self, terms, t1, y0, h, args, z, k_im, k_ex, status, eta, prev=None):
+    def _finish(self, terms, t1, y0, h, args, z, k_im, k_ex, status, eta, cache=None):
         tab = self.tableau
         last = tab.num_stages - 1
         pick = lambda ks, j: jtu.tree_map(lambda x: x[j], ks)  # noqa: E731
@@ -335,7 +295,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         y_error = axpy(zero, h, [(tab.b_err_im, k_im), (tab.b_err_ex, k_ex)])
         ok = status == RESULTS.successful
         y_error = jtu.tree_map(lambda e: where(ok, e, jnp.inf), y_error)
-        new_state = self._start(terms, t1, y1, args, f_implicit1, prev)
+        new_state = self._start(terms, t1, y1, args, f_implicit1, cache)
         new_state = new_state._replace(eta=eta)
         f0, f1 = pick(k_im, 0), new_state.f_implicit
         if k_ex is not None:
@@ -415,10 +375,12 @@ def _arguments_doc(stages: str) -> str:
         `solverkit.AbstractLinearSolver` (default: `DenseLinearSolver()`).
     - `reuse_jacobian`: keep the Jacobian and the factorisations across steps by
         CVODE's rules (refactorise after a 30% change in `γh` or 20 steps; a new
-        Jacobian after 50 steps, or at once after a convergence failure). Off by
+        Jacobian after 50 steps, or at once after a convergence failure; a
+        rejected step keeps them). Off by
         default: on small dense problems it is slower (Kvaerno5 on ROBER: 1.6x
-        single, 2x vmapped, where a Jacobian and an inverse are ~27% of a step),
-        since under `vmap` its decisions compute both branches. Gradients are
+        single, 2x vmapped, where a Jacobian and an inverse are ~27% of a step;
+        measured when its decisions computed both branches under `vmap`, where
+        now all lanes make a new one when one lane needs it). Gradients are
         exact either way (each stage's derivative uses the Jacobian at its root).
     """
 

@@ -21,10 +21,10 @@ import optimistix as optx
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
-from .._controller._base import AbstractAdaptiveStepSizeController
 from .._linear._linalg import factorise, Inverse, jacobian
 from .._select import where
 from .._solution import Result, RESULTS
+from .._tolerances import Tolerances
 
 
 class _UseStepSizeTol:
@@ -161,9 +161,9 @@ def with_stepsize_controller_tols(cls: type) -> Callable[..., Any]:
     return make
 
 
-def bind_tols(root_finder, stepsize_controller, solver_name: str):
-    """`root_finder` with every `use_stepsize_tol` field taken from the controller;
-    a `ValueError` when the controller has no tolerances."""
+def bind_tols(root_finder, tolerances: Tolerances | None, solver_name: str):
+    """`root_finder` with every `use_stepsize_tol` field taken from the controller's
+    `tolerances`; a `ValueError` when the controller has none (`None`)."""
     names = [
         n
         for n in ("rtol", "atol", "norm")
@@ -171,18 +171,17 @@ def bind_tols(root_finder, stepsize_controller, solver_name: str):
     ]
     if not names:
         return root_finder
-    if not isinstance(stepsize_controller, AbstractAdaptiveStepSizeController):
+    if tolerances is None:
         # The first sentence is diffrax's, which its users and tests match on.
         raise ValueError(
             "A fixed step size controller is being used alongside an implicit "
             "solver, but the tolerances for the implicit solver have not been "
             f"specified. {solver_name} takes the tolerances of its root finder from "
-            f"the step-size controller, but {type(stepsize_controller).__name__} has "
-            "none. Use an adaptive controller such as `PIDController(rtol=..., "
-            f"atol=...)`, or pass them, e.g. `{solver_name}(root_finder="
-            "VeryChord(rtol=1e-6, atol=1e-6))`."
+            "the step-size controller, but this one has none. Use an adaptive "
+            "controller such as `PIDController(rtol=..., atol=...)`, or pass them, "
+            f"e.g. `{solver_name}(root_finder=VeryChord(rtol=1e-6, atol=1e-6))`."
         )
-    values = tuple(getattr(stepsize_controller, n) for n in names)
+    values = tuple(getattr(tolerances, n) for n in names)
     return eqx.tree_at(
         lambda f: tuple(getattr(f, n) for n in names), root_finder, values
     )
