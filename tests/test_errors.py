@@ -207,3 +207,35 @@ def test_throw_under_jit_and_vmap():
         jax.block_until_ready(jax.jit(jax.vmap(lambda t: solve(t, True).ys))(t1))
     ok = jax.jit(jax.vmap(lambda t: solve(t, True).ys))(jnp.array([0.5, 0.7]))
     assert np.all(np.isfinite(np.asarray(ok)))
+
+
+def test_eager_failure_is_raised_from_the_host(monkeypatch):
+    """Called eagerly, `diffeqsolve(throw=True)` compiles no device check (a host
+    callback: ~2 ms a call on a TPU, and never in the persistent compilation cache)
+    and raises the same error from the host; traced, the check stays in the program;
+    `throw=False` and successful solves are unchanged."""
+    from solverkit import _integrate
+
+    checks = []
+    original = _integrate.error_if
+
+    def error_if(*args, **kwargs):
+        checks.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_integrate, "error_if", error_if)
+    message = sk.RESULTS.max_steps_reached.message()
+    with pytest.raises(RuntimeError, match="maximum number of solver steps") as info:
+        _solve(t1=10.0, max_steps=3)
+    assert str(info.value) == message and checks == []
+    quiet = _solve(t1=10.0, max_steps=3, throw=False)
+    assert quiet.result == sk.RESULTS.max_steps_reached
+    np.testing.assert_array_equal(_solve().ys, _solve(throw=False).ys)
+    assert checks == []
+    with pytest.raises(RuntimeError, match="maximum number of solver steps"):
+        jax.jit(lambda y: _solve(y0=y, t1=10.0, max_steps=3).ys)(jnp.ones(2))
+    assert checks == [1]
+    # Under vmap (traced, the batch fails if any element does) and grad: on the device.
+    with pytest.raises(RuntimeError, match="maximum number of solver steps"):
+        jax.vmap(lambda t1: _solve(t1=t1, max_steps=3).ys)(jnp.array([0.2, 10.0]))
+    assert checks == [1, 1]
