@@ -90,7 +90,10 @@ def diffeqsolve(
         element fails); with `False` check `Solution.result` instead. With fixed
         steps (`ConstantStepSize`, `StepTo`) a non-finite state is reported as
         `RESULTS.nonfinite`; without an event the solve still runs on to `t1`. An
-        adaptive controller rejects such steps instead.
+        adaptive controller rejects such steps instead. Called outside `jit`,
+        `vmap` and `grad`, the check runs on the host once the solve has finished;
+        traced, it is a check in the program (a host callback: about 2 ms a call
+        on a TPU).
     - `progress_meter`: `NoProgressMeter()`, `TextProgressMeter()` or
         `TqdmProgressMeter()`.
     - `solver_state`, `controller_state`, `made_jump`: to continue an earlier solve
