@@ -28,6 +28,7 @@ import pathlib
 
 import jax
 import pytest
+from _profile_plugin import Profile
 from helpers import float64
 
 
@@ -52,6 +53,14 @@ def _persistent_compilation_cache() -> None:
 
 
 _persistent_compilation_cache()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time
+    (tests/_profile_plugin.py; summary: `python -m benchmarks.test_profile DIR`)."""
+    where = os.environ.get("SOLVERKIT_TEST_PROFILE")
+    if where:
+        config.pluginmanager.register(Profile(pathlib.Path(where)), "solverkit-profile")
 
 
 @pytest.fixture
