@@ -102,10 +102,47 @@ def _float64_reason(item: pytest.Item) -> str | None:
     return None
 
 
+def _is_quick_case(item: pytest.Item) -> bool | None:
+    """For a test marked `quick_cases(case, ...)`, whether this parametrization is one
+    of the cases the quick loop keeps (`None` for a test without the marker). A case is
+    a test id (`"gmres-0"`) or a dict of parameter values (`dict(method="gmres")`)."""
+    marker = item.get_closest_marker("quick_cases")
+    callspec = getattr(item, "callspec", None)
+    if marker is None or callspec is None:
+        return None
+    for case in marker.args:
+        if isinstance(case, dict):
+            if all(callspec.params.get(k, object()) == v for k, v in case.items()):
+                return True
+        elif case == callspec.id:
+            return True
+    return False
+
+
+def _mark_slow_unless_quick_case(items: list[pytest.Item]) -> None:
+    """Marks slow the cases that `quick_cases` leaves out; a marker that keeps no case
+    is an error (a typo in a case would otherwise drop the test from the quick loop)."""
+    kept: dict[str, bool] = {}
+    for item in items:
+        quick = _is_quick_case(item)
+        if quick is None:
+            continue
+        name = item.nodeid.split("[")[0]
+        kept[name] = kept.get(name, False) or quick
+        if not quick:
+            item.add_marker(pytest.mark.slow)
+    lost = [name for name, any_kept in kept.items() if not any_kept]
+    if lost:
+        raise pytest.UsageError(f"`quick_cases` matches no case of {lost}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
-    """On a TPU, float64 is emulated (slow, and some of it unsupported): tests that
-    need it are skipped there, with the reason. CPU and GPU runs are unchanged."""
+    """Marks the cases that `quick_cases` leaves out slow. On a TPU, float64 is
+    emulated (slow, and some of it unsupported): tests that need it are skipped
+    there, with the reason. CPU and GPU runs are unchanged."""
     del config
+    _mark_slow_unless_quick_case(items)
     if jax.default_backend() != "tpu":
         return
     for item in items:

@@ -73,6 +73,7 @@ def _reference_ts():
 
 
 @pytest.mark.parametrize("lanes", [4, 5, N, 32, None])
+@pytest.mark.quick_cases(dict(lanes=5), dict(lanes=None))
 def test_adaptive_ts_matches_vmap(lanes):
     # 4 and 5 lanes do not divide N; 32 > N is clipped to N; None is the default.
     y0, args = inputs()

@@ -54,6 +54,8 @@ def _run(solver, fn, x, gamma_h, mass, rhs):
 _run_jit = jax.jit(_run, static_argnums=(0, 1))
 
 
+# Quick loop: each band shape once, each kind of mass once.
+@pytest.mark.quick_cases("0-1-1", "1-2-0", "2-0-3", "0-2-3")
 @pytest.mark.parametrize("lower,upper", [(1, 1), (2, 0), (0, 3), (2, 3)])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
 def test_banded_matches_dense(lower, upper, mass_index):
@@ -178,6 +180,8 @@ def _sparse_matrix(kind, seed=0):
     return np.where(rng.uniform(size=(_N, _N)) < 0.5, a, 0) + 3 * np.eye(_N)
 
 
+# Quick loop: each kind of pattern once, each kind of mass once.
+@pytest.mark.quick_cases("0-blocks", "1-banded", "2-dense")
 @pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
 def test_sparse_matches_dense(kind, mass_index):
@@ -214,6 +218,7 @@ def test_sparse_vmap_over_rhs_and_point():
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.quick_cases("blocks")
 @pytest.mark.parametrize("kind", ["blocks", "banded"])
 def test_sparse_grad_against_dense_and_finite_differences(kind):
     matrix = _sparse_matrix(kind)
@@ -249,6 +254,7 @@ def test_sparse_bad_arguments():
         solver.linearise(lambda x: x, jnp.zeros(4))
 
 
+@pytest.mark.quick_cases("blocks")  # the other kinds: test_sparse_matches_dense
 @pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
 def test_sparse_singular_gives_nan(kind):
     matrix = _sparse_matrix(kind)
@@ -289,6 +295,8 @@ _PRECONDITIONERS = {
 }
 
 
+# Quick loop: each method, each preconditioner, each kind of mass at least once.
+@pytest.mark.quick_cases("0-none-gmres", "2-banded-bicgstab", "2-callable-gmres")
 @pytest.mark.parametrize("method", ["gmres", "bicgstab"])
 @pytest.mark.parametrize("preconditioner", sorted(_PRECONDITIONERS))
 @pytest.mark.parametrize("mass_index", [0, 2])
@@ -348,6 +356,9 @@ def test_krylov_bad_arguments():
     ],
     ids=["banded", "sparse", "krylov"],
 )
+# Quick loop: a solver that calls the field only to linearise, and one that calls it
+# in every solve.
+@pytest.mark.quick_cases("banded", "krylov")
 def test_closure_over_float_and_vmapped_int(solver):
     """The field closes over a differentiated float and a vmapped int index."""
     a = jnp.asarray(_banded_matrix(_N, 2, 1))
