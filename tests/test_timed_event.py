@@ -58,6 +58,7 @@ def test_repeated_dose_against_analytic():
 @pytest.mark.parametrize(
     "adjoint", [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 )
+@pytest.mark.quick_cases("adjoint0")  # the default adjoint
 def test_gradients_against_analytic(adjoint):
     """With respect to the rates, the amount and each dose time: at `t0`, between
     saves, and at a save time (the one-sided derivative of moving the dose later)."""
