@@ -475,6 +475,10 @@ ADJOINTS = [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 
 @pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
 @pytest.mark.parametrize("linear_solver", [sk.DenseLinearSolver(), MatrixFree()])
+# Quick loop: each linear solver and each adjoint once.
+@pytest.mark.quick_cases(
+    "linear_solver0-RecursiveCheckpointAdjoint", "linear_solver1-DirectAdjoint"
+)
 def test_grad_rober(adjoint, linear_solver):
     x = jnp.asarray(0.04)
     g = _grad("rober", sk.BDF(linear_solver=linear_solver), adjoint, x)
