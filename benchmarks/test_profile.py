@@ -7,6 +7,10 @@ XLA compilations, and CPU seconds, which load changes far less than wall time):
         python -m pytest -q -m "not slow"
     python -m benchmarks.test_profile /tmp/prof --top 10 [--out DIR]
 
+`--quick-ids FILE` (the node ids of `pytest --collect-only -q -m "not slow"`, one a
+line) re-tiers the recorded rows: what the quick loop of another checkout would cost,
+test by test, from one run's records.
+
 `compiles` counts XLA backend compilations, a persistent-cache read included
 (`cache_hits` says how many were reads); `compile_s` is their seconds, `trace_s`
 and `lower_s` the tracing to a jaxpr and lowering to StableHLO.
@@ -69,8 +73,13 @@ def main() -> None:
     parser.add_argument("where", type=pathlib.Path, help="SOLVERKIT_TEST_PROFILE dir")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--out", type=pathlib.Path, help="also write report.md here")
+    parser.add_argument("--quick-ids", type=pathlib.Path, help="re-tier by these ids")
     args = parser.parse_args()
-    text = report(load(args.where), args.top)
+    rows = load(args.where)
+    if args.quick_ids is not None:
+        quick = set(args.quick_ids.read_text().split())
+        rows = [dict(r, slow=r["nodeid"] not in quick) for r in rows]
+    text = report(rows, args.top)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
