@@ -4,7 +4,7 @@ and the process's CPU time.
 
 On when `SOLVERKIT_TEST_PROFILE=DIR` is set (conftest.py registers it): each pytest
 process appends one JSON line per test to `DIR/<worker>.jsonl`. Summarise with
-`python -m benchmarks.test_profile DIR`.
+`python -m benchmarks.suite_profile DIR`.
 """
 
 import json

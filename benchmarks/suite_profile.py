@@ -5,7 +5,7 @@ XLA compilations, and CPU seconds, which load changes far less than wall time):
 
     SOLVERKIT_TEST_PROFILE=/tmp/prof SOLVERKIT_TEST_JAX_CACHE=/tmp/empty-cache \\
         python -m pytest -q -m "not slow"
-    python -m benchmarks.test_profile /tmp/prof --top 10 [--out DIR]
+    python -m benchmarks.suite_profile /tmp/prof --top 10 [--out DIR]
 
 `--quick-ids FILE` (the node ids of `pytest --collect-only -q -m "not slow"`, one a
 line) re-tiers the recorded rows: what the quick loop of another checkout would cost,
