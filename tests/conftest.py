@@ -9,6 +9,9 @@ plain helper functions, problems and solver lists live in `helpers.py`.
 Markers (registered in pyproject.toml, `--strict-markers`): `slow` marks the example
 and benchmark subprocesses and the long checks; `python -m pytest -q -m "not slow"` is
 the quick loop (a couple of minutes), `python -m pytest -q` runs everything.
+`quick_cases(...)` on a parametrized test keeps the named cases in the quick loop and
+marks the others slow: one representative per feature there, the products in the full
+suite. `SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time.
 
 Compiled programs are kept in JAX's persistent compilation cache, in `.jax_cache/` at
 the repository root (ignored by git; `SOLVERKIT_TEST_JAX_CACHE=DIR` moves it,
