@@ -357,6 +357,7 @@ def _norm_steps(rates, problem, norm, tol):
 
 
 @pytest.mark.parametrize("name", ["two", "max"])
+@pytest.mark.quick_cases("two")  # the norm that saw √n times the error
 def test_controller_norms(name):
     """BDF hands its step-size factor to the controller through `y_error`, which the
     controller measures in its own norm: the steps must be BDF's own choice in that
