@@ -9,6 +9,9 @@ plain helper functions, problems and solver lists live in `helpers.py`.
 Markers (registered in pyproject.toml, `--strict-markers`): `slow` marks the example
 and benchmark subprocesses and the long checks; `python -m pytest -q -m "not slow"` is
 the quick loop (a couple of minutes), `python -m pytest -q` runs everything.
+`quick_cases(...)` on a parametrized test keeps the named cases in the quick loop and
+marks the others slow: one representative per feature there, the products in the full
+suite. `SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time.
 
 Compiled programs are kept in JAX's persistent compilation cache, in `.jax_cache/` at
 the repository root (ignored by git; `SOLVERKIT_TEST_JAX_CACHE=DIR` moves it,
@@ -28,6 +31,7 @@ import pathlib
 
 import jax
 import pytest
+from _profile_plugin import Profile
 from helpers import float64
 
 
@@ -52,6 +56,14 @@ def _persistent_compilation_cache() -> None:
 
 
 _persistent_compilation_cache()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time
+    (tests/_profile_plugin.py; summary: `python -m benchmarks.suite_profile DIR`)."""
+    where = os.environ.get("SOLVERKIT_TEST_PROFILE")
+    if where:
+        config.pluginmanager.register(Profile(pathlib.Path(where)), "solverkit-profile")
 
 
 @pytest.fixture
@@ -93,10 +105,47 @@ def _float64_reason(item: pytest.Item) -> str | None:
     return None
 
 
+def _is_quick_case(item: pytest.Item) -> bool | None:
+    """For a test marked `quick_cases(case, ...)`, whether this parametrization is one
+    of the cases the quick loop keeps (`None` for a test without the marker). A case is
+    a test id (`"gmres-0"`) or a dict of parameter values (`dict(method="gmres")`)."""
+    marker = item.get_closest_marker("quick_cases")
+    callspec = getattr(item, "callspec", None)
+    if marker is None or callspec is None:
+        return None
+    for case in marker.args:
+        if isinstance(case, dict):
+            if all(callspec.params.get(k, object()) == v for k, v in case.items()):
+                return True
+        elif case == callspec.id:
+            return True
+    return False
+
+
+def _mark_slow_unless_quick_case(items: list[pytest.Item]) -> None:
+    """Marks slow the cases that `quick_cases` leaves out; a marker that keeps no case
+    is an error (a typo in a case would otherwise drop the test from the quick loop)."""
+    kept: dict[str, bool] = {}
+    for item in items:
+        quick = _is_quick_case(item)
+        if quick is None:
+            continue
+        name = item.nodeid.split("[")[0]
+        kept[name] = kept.get(name, False) or quick
+        if not quick:
+            item.add_marker(pytest.mark.slow)
+    lost = [name for name, any_kept in kept.items() if not any_kept]
+    if lost:
+        raise pytest.UsageError(f"`quick_cases` matches no case of {lost}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
-    """On a TPU, float64 is emulated (slow, and some of it unsupported): tests that
-    need it are skipped there, with the reason. CPU and GPU runs are unchanged."""
+    """Marks the cases that `quick_cases` leaves out slow. On a TPU, float64 is
+    emulated (slow, and some of it unsupported): tests that need it are skipped
+    there, with the reason. CPU and GPU runs are unchanged."""
     del config
+    _mark_slow_unless_quick_case(items)
     if jax.default_backend() != "tpu":
         return
     for item in items:

@@ -357,6 +357,7 @@ def _norm_steps(rates, problem, norm, tol):
 
 
 @pytest.mark.parametrize("name", ["two", "max"])
+@pytest.mark.quick_cases("two")  # the norm that saw √n times the error
 def test_controller_norms(name):
     """BDF hands its step-size factor to the controller through `y_error`, which the
     controller measures in its own norm: the steps must be BDF's own choice in that
@@ -475,6 +476,10 @@ ADJOINTS = [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 
 @pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
 @pytest.mark.parametrize("linear_solver", [sk.DenseLinearSolver(), MatrixFree()])
+# Quick loop: each linear solver and each adjoint once.
+@pytest.mark.quick_cases(
+    "linear_solver0-RecursiveCheckpointAdjoint", "linear_solver1-DirectAdjoint"
+)
 def test_grad_rober(adjoint, linear_solver):
     x = jnp.asarray(0.04)
     g = _grad("rober", sk.BDF(linear_solver=linear_solver), adjoint, x)

@@ -304,6 +304,7 @@ def test_empty_state_with_pid():
     ids=["constant", "pid", "pid-pi"],
 )
 @pytest.mark.parametrize("solver", ["Tsit5", "ReversibleHeun", "Bosh3"])
+@pytest.mark.quick_cases("ReversibleHeun-constant", "Tsit5-pid")
 def test_none_state_under_every_controller(controller, solver):
     # y0=None: no leaves, so an empty error estimate, accepted at every step size.
     term = sk.ODETerm(lambda t, y, args: y)
@@ -607,6 +608,7 @@ def _shifted(x, args):
     "x0", [lambda: jnp.array(-2.0), lambda: (jnp.array([1.0, 0.5]), jnp.array(0.3))],
     ids=["0d", "tree"],
 )
+@pytest.mark.quick_cases("tree")
 @pytest.mark.usefixtures("x64")  # a tolerance of 1e-6 is float64's, as diffrax tests
 def test_very_chord_is_an_optimistix_root_finder(x0):
     import optimistix as optx

@@ -133,6 +133,13 @@ _LINEAR_SOLVERS = {
 
 @pytest.mark.parametrize("linear", list(_LINEAR_SOLVERS))
 @pytest.mark.parametrize("cls", [sk.Rodas5P, sk.BDF, sk.Kvaerno5])
+# Quick loop: each linear solver once, each stiff family once.
+@pytest.mark.quick_cases(
+    dict(cls=sk.Rodas5P, linear="dense"),
+    dict(cls=sk.BDF, linear="banded"),
+    dict(cls=sk.Kvaerno5, linear="krylov"),
+    dict(cls=sk.Rodas5P, linear="sparse"),
+)
 def test_stiff_linear_solver_products_are_highest(cls, linear):
     # BDF + SparseLinearSolver has no reverse mode yet (JAX: "scatter transpose is
     # only implemented where unique_indices=True"): its forward solve only.

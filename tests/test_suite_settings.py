@@ -1,10 +1,18 @@
 """The test suite's own machinery (conftest.py, helpers.py): compile counting stays
-right with the persistent compilation cache on."""
+right with the persistent compilation cache on; the `quick_cases` marker; the
+per-test profile (`SOLVERKIT_TEST_PROFILE`)."""
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from helpers import count_compiles
+
+from benchmarks import suite_profile as profile
 
 
 def test_count_compiles_counts_persistent_cache_reads():
@@ -23,3 +31,45 @@ def test_count_compiles_counts_persistent_cache_reads():
     with count_compiles() as counter:
         f(y).block_until_ready()
     assert counter.count == 0
+
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _pytest(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=_ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_quick_cases_keep_the_listed_cases_only():
+    # test_krylov_matches_dense: 12 cases, 3 named in its `quick_cases` marker.
+    proc = _pytest(
+        "--collect-only", "-q", "-m", "not slow",
+        "tests/test_linear_solver.py", "-k", "krylov_matches_dense",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ids = {
+        line.split("[")[1].rstrip("]") for line in proc.stdout.split() if "::" in line
+    }
+    assert ids == {"0-none-gmres", "2-banded-bicgstab", "2-callable-gmres"}
+
+
+@pytest.mark.slow
+def test_profile_records_every_test(tmp_path: pathlib.Path):
+    where = tmp_path / "profile"
+    proc = _pytest(
+        "-q", "tests/test_suite_settings.py", "-k", "persistent_cache_reads",
+        env={"SOLVERKIT_TEST_PROFILE": str(where)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = profile.load(where)
+    assert [r["nodeid"].split("::")[1] for r in rows] == [
+        "test_count_compiles_counts_persistent_cache_reads"
+    ]
+    # At least the test's program twice: compiled, then read back after clearing.
+    assert rows[0]["compiles"] >= 2 and rows[0]["cpu_s"] > 0
+    assert "| quick (not slow) | 1 |" in profile.report(rows, top=1)

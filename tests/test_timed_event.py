@@ -58,6 +58,7 @@ def test_repeated_dose_against_analytic():
 @pytest.mark.parametrize(
     "adjoint", [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 )
+@pytest.mark.quick_cases("adjoint0")  # the default adjoint
 def test_gradients_against_analytic(adjoint):
     """With respect to the rates, the amount and each dose time: at `t0`, between
     saves, and at a save time (the one-sided derivative of moving the dose later)."""
@@ -433,6 +434,14 @@ def _dosed(schedule):
 
 @pytest.mark.parametrize("how", ["now", "jit", "vmap"])
 @pytest.mark.parametrize("case", sorted(_SCHEDULES))
+# Quick loop: every known bad schedule; traced, the times, amounts and interval once.
+@pytest.mark.quick_cases(
+    dict(how="now"),
+    "nan-time-jit",
+    "zero-interval-jit",
+    "nan-amount-per-time-vmap",
+    "not-increasing-vmap",
+)
 def test_bad_schedules_are_errors_also_when_traced(case, how):
     """A NaN time, amount, start or interval, a non-positive interval and times not
     increasing are errors naming the schedule's argument and entry: known, a

@@ -1,0 +1,74 @@
+"""Per-test cost of the suite that does not depend on the machine's load: XLA
+compilations, persistent-cache reads, seconds spent tracing, lowering and compiling,
+and the process's CPU time.
+
+On when `SOLVERKIT_TEST_PROFILE=DIR` is set (conftest.py registers it): each pytest
+process appends one JSON line per test to `DIR/<worker>.jsonl`. Summarise with
+`python -m benchmarks.suite_profile DIR`.
+"""
+
+import json
+import os
+import pathlib
+import resource
+import threading
+
+import jax
+import pytest
+
+
+_DURATIONS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+}
+_COUNTS = {
+    "/jax/core/compile/backend_compile_duration": "compiles",
+    "/jax/compilation_cache/cache_hits": "cache_hits",
+    "/jax/compilation_cache/cache_misses": "cache_misses",
+}
+
+
+class Profile:
+    """Counters the JAX monitoring listeners add to, and the per-test writer."""
+
+    def __init__(self, where: pathlib.Path):
+        self.lock = threading.Lock()
+        self.totals = dict.fromkeys([*_DURATIONS.values(), *_COUNTS.values()], 0.0)
+        where.mkdir(parents=True, exist_ok=True)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        self.out = open(where / f"{worker}-{os.getpid()}.jsonl", "a")  # noqa: SIM115
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
+        with self.lock:
+            if event in _DURATIONS:
+                self.totals[_DURATIONS[event]] += duration
+            if event in _COUNTS:
+                self.totals[_COUNTS[event]] += 1
+
+    def _on_event(self, event: str, **kwargs) -> None:
+        if event in _COUNTS:
+            with self.lock:
+                self.totals[_COUNTS[event]] += 1
+
+    @staticmethod
+    def _cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
+        with self.lock:
+            before = dict(self.totals)
+        cpu = self._cpu()
+        yield
+        cpu = self._cpu() - cpu
+        with self.lock:
+            row = {k: round(v - before[k], 4) for k, v in self.totals.items()}
+        row["cpu_s"] = round(cpu, 4)
+        row["nodeid"] = item.nodeid
+        row["slow"] = item.get_closest_marker("slow") is not None
+        self.out.write(json.dumps(row) + "\n")
+        self.out.flush()
