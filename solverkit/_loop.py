@@ -214,13 +214,15 @@ def _solver_step(problem: Problem, carry: Carry, t1: Array):
     solver, terms, args = problem.solver, problem.terms, problem.args
     controller = problem.controller
     if not controller.has_jumps:
-        return solver.step(terms, carry.t, t1, carry.y, args, carry.solver_state, False)
+        return solver.loop_step(
+            terms, carry.t, t1, carry.y, args, carry.solver_state, False
+        )
     at_jump = controller.ends_on_jump(carry.controller_state, t1)
     fixed = lax.stop_gradient(t1)
     below = fixed - jnp.nextafter(fixed, jnp.asarray(-jnp.inf, t1.dtype))
     above = jnp.nextafter(fixed, jnp.asarray(jnp.inf, t1.dtype)) - fixed
     t1_solve = where(at_jump, t1 - below, t1)
-    y1, y_error, info, solver_state, result = solver.step(
+    y1, y_error, info, solver_state, result = solver.loop_step(
         terms, carry.t, t1_solve, carry.y, args, carry.solver_state, False
     )
     # Made anew only when some batch element ends on a jump (for BDF, a Jacobian).
