@@ -75,7 +75,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         problem = dataclasses.replace(problem, y0=y0)
     terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
     func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
-    tnext, controller_state = problem.controller.init(
+    tnext, controller_state = problem.controller.loop_init(
         terms, t0, problem.t1, y0, problem.dt0, args, func, problem.error_order
     )
     tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
@@ -302,7 +302,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     if adaptive(problem):
         y_error = _reject_failed(problem, failed, y_error, y1)
     accepted, next_t0, next_t1, _, controller_state, controller_result = (
-        problem.controller.adapt_step_size(
+        problem.controller.loop_adapt_step_size(
             t0,
             t1,
             carry.y,

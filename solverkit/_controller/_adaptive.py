@@ -140,16 +140,20 @@ class PIDController(AbstractAdaptiveStepSizeController):
         ):
             raise ValueError("PIDController: `rtol` and `atol` can't both be zero.")
 
-    def to_internal(self, direction: Array | None) -> AbstractStepSizeController:
+    def _as_clip(self) -> "ClipStepSizeController | None":
+        """With `step_ts` or `jump_ts`: the `ClipStepSizeController` this is."""
         if self.step_ts is None and self.jump_ts is None:
-            return self
+            return None
         plain = eqx.tree_at(
             lambda c: (c.step_ts, c.jump_ts), self, (None, None), is_leaf=_is_none
         )
         # pyright counts the abstract `rtol`, `atol`, `norm` (properties here) as
         # fields of `ClipStepSizeController.__init__`.
-        clip = ClipStepSizeController(plain, self.step_ts, self.jump_ts)  # pyright: ignore[reportCallIssue]
-        return clip.to_internal(direction)
+        return ClipStepSizeController(plain, self.step_ts, self.jump_ts)  # pyright: ignore[reportCallIssue]
+
+    def to_internal(self, direction: Array | None) -> AbstractStepSizeController:
+        clip = self._as_clip()
+        return self if clip is None else clip.to_internal(direction)
 
     def check(
         self,
@@ -184,6 +188,9 @@ class PIDController(AbstractAdaptiveStepSizeController):
         func: Callable[..., VF],
         error_order: RealScalarLike | None,
     ):
+        clip = self._as_clip()  # called by hand: as diffrax's (a clip controller)
+        if clip is not None:
+            return clip.init(terms, t0, t1, y0, dt0, args, func, error_order)
         t0, t1 = times_of(t0, t1)
         if dt0 is None:
             dt0 = _initial_step(
@@ -230,6 +237,11 @@ class PIDController(AbstractAdaptiveStepSizeController):
         error_order: RealScalarLike | None,
         controller_state: PyTree,
     ):
+        clip = self._as_clip()  # called by hand: as diffrax's (a clip controller)
+        if clip is not None:
+            return clip.adapt_step_size(
+                t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+            )
         prev, prev_prev, at_dtmin = controller_state
         order = self._order(error_order)
         t0, t1 = times_of(t0, t1)
@@ -378,9 +390,19 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
         func: Callable[..., VF],
         error_order: RealScalarLike | None,
     ):
+        """diffrax's: the first step ends at the next of `step_ts`, or one ulp before
+        the next of `jump_ts`, if the wrapped controller's would pass it."""
         t0, t1 = times_of(t0, t1)
         tnext, inner = self.controller.init(
             terms, t0, t1, y0, dt0, args, func, error_order
+        )
+        return self._clip_before(t0, t0, jnp.asarray(tnext, t0.dtype), inner)
+
+    def loop_init(self, *args):
+        terms, t0, t1, y0, dt0, fn_args, func, error_order = args
+        t0, t1 = times_of(t0, t1)
+        tnext, inner = self.controller.loop_init(
+            terms, t0, t1, y0, dt0, fn_args, func, error_order
         )
         tnext, jump = self._clip(t0, jnp.asarray(tnext, t0.dtype))
         return tnext, ClipState(inner, jump)
@@ -405,16 +427,67 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
         error_order: RealScalarLike | None,
         controller_state: PyTree,
     ):
-        inner, jump = controller_state
+        """diffrax's: a step ends one ulp before a jump, and the step after it starts
+        one ulp after the jump (`made_jump`); a next start at or one ulp before a
+        time of `step_ts` looks past it for the next end (so that nested
+        controllers agree)."""
         t0, t1 = times_of(t0, t1)
         keep, next_t0, next_t1, made_jump, inner, result = (
             self.controller.adapt_step_size(
-                t0, t1, y0, y1_candidate, args, y_error, error_order, inner
+                t0, t1, y0, y1_candidate, args, y_error, error_order,
+                controller_state.inner,
+            )
+        )  # fmt: skip
+        next_t0 = jnp.asarray(next_t0, t0.dtype)
+        next_t1 = jnp.asarray(next_t1, t0.dtype)
+        past = next_t0
+        if self.step_ts is not None:
+            past, _ = _past_point(next_t0, self.step_ts.astype(t0.dtype))
+        if self.jump_ts is not None:
+            next_t0, jumped = _past_point(next_t0, self.jump_ts.astype(t0.dtype))
+            made_jump = made_jump | jumped
+            # Never an empty (or reversed) step after the start moved past a jump.
+            next_t1 = jnp.maximum(next_t1, _ulp_after(next_t0))
+        next_t1, state = self._clip_before(past, next_t0, next_t1, inner)
+        return keep, next_t0, next_t1, made_jump, state, result
+
+    def _clip_before(self, t_steps: Array, t_jumps: Array, t1: Array, inner: PyTree):
+        """`t1` clipped to the next of `step_ts` after `t_steps` and to one ulp before
+        the next of `jump_ts` after `t_jumps` (diffrax's convention), and the state."""
+        jump = jnp.asarray(jnp.inf, t1.dtype)
+        if self.step_ts is not None:
+            t1 = jnp.minimum(t1, _next_after(self.step_ts, t_steps).astype(t1.dtype))
+        if self.jump_ts is not None:
+            jump = _next_after(self.jump_ts, t_jumps).astype(t1.dtype)
+            t1 = jnp.minimum(t1, jnp.nextafter(jump, jnp.asarray(-jnp.inf, t1.dtype)))
+        return t1, ClipState(inner, jump)
+
+    def loop_adapt_step_size(self, *args):
+        t0, t1, y0, y1_candidate, fn_args, y_error, error_order, state = args
+        inner, jump = state
+        t0, t1 = times_of(t0, t1)
+        keep, next_t0, next_t1, made_jump, inner, result = (
+            self.controller.loop_adapt_step_size(
+                t0, t1, y0, y1_candidate, fn_args, y_error, error_order, inner
             )
         )
         made_jump = made_jump | (keep & (t1 == jump))
         next_t1, jump = self._clip(next_t0, jnp.asarray(next_t1))
         return keep, next_t0, next_t1, made_jump, ClipState(inner, jump), result
+
+
+def _ulp_after(t: Array) -> Array:
+    return jnp.nextafter(t, jnp.asarray(jnp.inf, t.dtype))
+
+
+def _past_point(t: Array, points: Array) -> tuple[Array, Array]:
+    """`t` moved to one ulp after a point of `points` that it is at or one ulp
+    before (the end of a step that stopped short of a jump), and whether it moved."""
+    up = _ulp_after(t)
+    before = jnp.any(up == points)
+    at = jnp.any(t == points)
+    moved = where(at, up, where(before, _ulp_after(up), t))
+    return moved, before | at
 
 
 def _is_none(x) -> bool:
