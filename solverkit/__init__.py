@@ -45,6 +45,7 @@ from ._interpolation._global_interpolation import (
     AbstractGlobalInterpolation as AbstractGlobalInterpolation,
     backward_hermite_coefficients as backward_hermite_coefficients,
     CubicInterpolation as CubicInterpolation,
+    linear_interpolation as linear_interpolation,
     LinearInterpolation as LinearInterpolation,
     rectilinear_interpolation as rectilinear_interpolation,
 )
