@@ -202,7 +202,7 @@ def _weights(tableau: ButcherTableau, theta, dtype) -> Array:
     return th * weights
 
 
-class TableauInterpolation(AbstractLocalInterpolation):
+class AbstractTableauInterpolation(AbstractLocalInterpolation):
     """The dense output of a Runge-Kutta tableau with its own (`tableau.dense`), from
     diffrax's `dense_info`: `y(t0 + θh) = y0 + Σ_i k_i Σ_j dense[i, j] θ^(j+1)`. Each
     solver's subclass (its `interpolation_cls`) fixes the tableau.
@@ -236,7 +236,8 @@ def _interpolation_for(tableau: ButcherTableau, name: str):
     """The `interpolation_cls` that reads the `dense_info` of `step` for the method of
     `tableau` (diffrax's for each built-in method): linear for a first-order method,
     cubic Hermite from the first and last stages for one without its own dense output,
-    else a `TableauInterpolation` of `tableau`, named `name + "Interpolation"`."""
+    else an `AbstractTableauInterpolation` of `tableau`, named
+    `name + "Interpolation"`."""
     if tableau.order == 1:
         return LocalLinearInterpolation
     if tableau.dense is None:
@@ -248,7 +249,7 @@ def _interpolation_for(tableau: ButcherTableau, name: str):
         __annotations__={"tableau": ClassVar[ButcherTableau]},
         tableau=tableau,
     )
-    return type(f"{name}Interpolation", (TableauInterpolation,), namespace)
+    return type(f"{name}Interpolation", (AbstractTableauInterpolation,), namespace)
 
 
 _SCAN_KINDS = (None, "lax", "checkpointed", "bounded")
