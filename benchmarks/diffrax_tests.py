@@ -60,6 +60,7 @@ NOT_ODE = (
     "test_integrate.py::test_sde_strong_order",
     "test_adjoint.py::test_sde_against",
     "test_solver.py::test_adaptive_dt0_milstein",
+    "test_adaptive_stepsize_controller.py::test_revisit_steps",  # a ControlTerm
 )
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent

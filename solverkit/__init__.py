@@ -18,16 +18,14 @@ from ._closure._convert import (
     closure_convert as closure_convert,
     is_closure_converted as is_closure_converted,
 )
-from ._controller._adaptive import (
-    ClipStepSizeController as ClipStepSizeController,
-    PIDController as PIDController,
-)
+from ._controller._adaptive import PIDController as PIDController
 from ._controller._base import (
     AbstractAdaptiveStepSizeController as AbstractAdaptiveStepSizeController,
     AbstractStepSizeController as AbstractStepSizeController,
     ConstantStepSize as ConstantStepSize,
     StepTo as StepTo,
 )
+from ._controller._clip import ClipStepSizeController as ClipStepSizeController
 from ._ensemble import (
     default_lanes as default_lanes,
     ensemble_solve as ensemble_solve,
@@ -46,6 +44,7 @@ from ._interpolation._global_interpolation import (
     AbstractGlobalInterpolation as AbstractGlobalInterpolation,
     backward_hermite_coefficients as backward_hermite_coefficients,
     CubicInterpolation as CubicInterpolation,
+    linear_interpolation as linear_interpolation,
     LinearInterpolation as LinearInterpolation,
     rectilinear_interpolation as rectilinear_interpolation,
 )

@@ -71,7 +71,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     problem = dataclasses.replace(problem, y0=start.y0)
     terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
     func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
-    tnext, controller_state = problem.controller.init(
+    tnext, controller_state = problem.controller.loop_init(
         terms, t0, problem.t1, y0, problem.dt0, args, func, problem.error_order
     )
     tnext = jnp.minimum(jnp.asarray(tnext, t0.dtype), problem.t1)
@@ -186,13 +186,15 @@ def _solver_step(problem: Problem, carry: Carry, t1: Array):
     solver, terms, args = problem.solver, problem.terms, problem.args
     controller = problem.controller
     if not controller.has_jumps:
-        return solver.step(terms, carry.t, t1, carry.y, args, carry.solver_state, False)
+        return solver.loop_step(
+            terms, carry.t, t1, carry.y, args, carry.solver_state, False
+        )
     at_jump = controller.ends_on_jump(carry.controller_state, t1)
     fixed = lax.stop_gradient(t1)
     below = fixed - jnp.nextafter(fixed, jnp.asarray(-jnp.inf, t1.dtype))
     above = jnp.nextafter(fixed, jnp.asarray(jnp.inf, t1.dtype)) - fixed
     t1_solve = where(at_jump, t1 - below, t1)
-    y1, y_error, info, solver_state, result = solver.step(
+    y1, y_error, info, solver_state, result = solver.loop_step(
         terms, carry.t, t1_solve, carry.y, args, carry.solver_state, False
     )
     # Made anew only when some batch element ends on a jump (for BDF, a Jacobian).
@@ -280,7 +282,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
     if adaptive(problem):
         y_error = _reject_failed(problem, failed, y_error, y1)
     accepted, _, next_t1, _, controller_state, controller_result = (
-        problem.controller.adapt_step_size(
+        problem.controller.loop_adapt_step_size(
             t0,
             t1,
             carry.y,

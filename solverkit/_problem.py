@@ -184,7 +184,7 @@ def adaptive(problem: Problem) -> bool:
 def dense_info_zeros(problem: Problem, solver_state: PyTree) -> PyTree:
     """Zeros shaped like one step's dense information."""
     _, _, info, _, _ = eqx.filter_eval_shape(
-        problem.solver.step,
+        problem.solver.loop_step,
         problem.terms,
         problem.t0,
         problem.t1,

@@ -119,6 +119,48 @@ def test_linear_and_rectilinear_against_diffrax():
             assert_tree_allclose(got, want)
 
 
+@pytest.mark.parametrize(
+    "ys, options",
+    [
+        (_missing(), {}),
+        (_missing(), {"fill_forward_nans_at_end": True}),
+        (_first_missing(), {"replace_nans_at_start": -1.0}),
+        (
+            _first_missing(),
+            {"replace_nans_at_start": 0.5, "fill_forward_nans_at_end": True},
+        ),
+    ],
+    ids=["missing", "fill-end", "start", "both"],
+)  # fmt: skip
+def test_linear_interpolation_fills_as_diffrax(ys, options):
+    # diffrax's `linear_interpolation` (missing data filled by the line between the
+    # observations either side), as a pytree, jitted, and vmapped over data sets.
+    with float64():
+        ts = jnp.asarray(_TS)
+        want = diffrax.linear_interpolation(ts, jnp.asarray(ys), **options)
+        got = sk.linear_interpolation(_TS, ys, **options)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        tree = {  # the options as a pytree of the data's structure, a tuple
+            k: (v,) if k == "replace_nans_at_start" else v for k, v in options.items()
+        }
+        fill = lambda y: sk.linear_interpolation(ts, (y,), **tree)[0]  # noqa: E731
+        batch = jnp.stack([jnp.asarray(ys), 2 * jnp.asarray(ys)])
+        want2 = diffrax.linear_interpolation(ts, batch[1], **options)
+        np.testing.assert_allclose(
+            jax.jit(jax.vmap(fill))(batch)[1], want2, rtol=1e-12, atol=1e-12
+        )
+        # A straight line's fill is the line: the gradient of the filled sum with
+        # respect to the observations matches diffrax's (zero at the gaps).
+        grad = lambda f: jax.grad(lambda y: jnp.nansum(f(y)))  # noqa: E731
+        ref = lambda y: diffrax.linear_interpolation(ts, y, **options)  # noqa: E731
+        observed = ~np.isnan(ys)
+        np.testing.assert_allclose(
+            jax.jit(grad(fill))(jnp.asarray(ys))[observed],
+            grad(ref)(jnp.asarray(ys))[observed],
+            rtol=1e-12,
+        )
+
+
 @pytest.mark.slow
 def test_pytree_data_and_attributes():
     ys = {"u": jnp.arange(4.0), "v": jnp.ones((4, 2))}

@@ -1,5 +1,5 @@
-"""Adaptive step-size controllers: `PIDController`, `ClipStepSizeController` (steps
-that also end at given times, or just before jumps), and the first-step heuristic.
+"""The adaptive step-size controller `PIDController` and the first-step heuristic
+(`ClipStepSizeController` is in `_clip.py`).
 
 Controllers work in the loop's internal time, which always increases (a backwards
 solve is run forwards in `-t`).
@@ -20,13 +20,13 @@ from .._errors import BadInputError, concrete
 from .._select import where
 from .._solution import RESULTS
 from .._term import AbstractTerm
-from .._time import flip
 from .._tolerances import IControl, Tolerances
 from ._base import (
     AbstractAdaptiveStepSizeController,
     AbstractStepSizeController,
     times_of,
 )
+from ._clip import _is_none, _times, ClipStepSizeController
 from ._norm import rms_norm
 
 
@@ -58,24 +58,6 @@ def _initial_step(
         (0.01 / where(max_d <= 1e-15, 1, max_d)) ** (1 / error_order),
     )
     return lax.stop_gradient(jnp.minimum(100 * h0, h1).astype(t0.dtype))
-
-
-def _times(ts):
-    if ts is None:
-        return None
-    ts = jnp.asarray(ts)
-    if ts.ndim != 1:
-        raise ValueError(
-            f"ClipStepSizeController: times must be a 1-D array, got shape {ts.shape}."
-        )
-    return None if ts.shape[0] == 0 else ts
-
-
-def _next_after(points, t: RealScalarLike):
-    """The first of the sorted `points` strictly after `t` (`inf` if none)."""
-    index = jnp.searchsorted(points, t, side="right")
-    last = points.shape[0] - 1
-    return where(index > last, jnp.inf, points[jnp.minimum(index, last)])
 
 
 def _after(t: Array, t_next: Array) -> Array:
@@ -160,16 +142,20 @@ class PIDController(AbstractAdaptiveStepSizeController):
         ):
             raise ValueError("PIDController: `rtol` and `atol` can't both be zero.")
 
-    def to_internal(self, direction: Array | None) -> AbstractStepSizeController:
+    def _as_clip(self) -> "ClipStepSizeController | None":
+        """With `step_ts` or `jump_ts`: the `ClipStepSizeController` this is."""
         if self.step_ts is None and self.jump_ts is None:
-            return self
+            return None
         plain = eqx.tree_at(
             lambda c: (c.step_ts, c.jump_ts), self, (None, None), is_leaf=_is_none
         )
         # pyright counts the abstract `rtol`, `atol`, `norm` (properties here) as
         # fields of `ClipStepSizeController.__init__`.
-        clip = ClipStepSizeController(plain, self.step_ts, self.jump_ts)  # pyright: ignore[reportCallIssue]
-        return clip.to_internal(direction)
+        return ClipStepSizeController(plain, self.step_ts, self.jump_ts)  # pyright: ignore[reportCallIssue]
+
+    def to_internal(self, direction: Array | None) -> AbstractStepSizeController:
+        clip = self._as_clip()
+        return self if clip is None else clip.to_internal(direction)
 
     def check(
         self,
@@ -211,6 +197,9 @@ class PIDController(AbstractAdaptiveStepSizeController):
         func: Callable[..., VF],
         error_order: RealScalarLike | None,
     ):
+        clip = self._as_clip()  # called by hand: as diffrax's (a clip controller)
+        if clip is not None:
+            return clip.init(terms, t0, t1, y0, dt0, args, func, error_order)
         t0, t1 = times_of(t0, t1)
         if dt0 is None:
             dt0 = _initial_step(
@@ -257,6 +246,11 @@ class PIDController(AbstractAdaptiveStepSizeController):
         error_order: RealScalarLike | None,
         controller_state: PyTree,
     ):
+        clip = self._as_clip()  # called by hand: as diffrax's (a clip controller)
+        if clip is not None:
+            return clip.adapt_step_size(
+                t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+            )
         prev, prev_prev, at_dtmin = controller_state
         order = self._order(error_order)
         t0, t1 = times_of(t0, t1)
@@ -296,157 +290,3 @@ class PIDController(AbstractAdaptiveStepSizeController):
             jnp.asarray(at_dtmin),
         )
         return keep, next_t0, next_t1, False, state, result
-
-
-class ClipState(NamedTuple):
-    inner: PyTree  # the wrapped controller's state
-    jump: Array  # the next jump after the current time (`inf` if none)
-
-
-class ClipStepSizeController(AbstractAdaptiveStepSizeController):
-    """Wraps an adaptive controller so that steps also end exactly at given times.
-
-    **Arguments:**
-
-    - `controller`: the adaptive controller to wrap (e.g. a `PIDController`).
-    - `step_ts`: times every solve steps to exactly (e.g. where the vector field
-        changes behaviour).
-    - `jump_ts`: times where the vector field jumps (is discontinuous in `t`): a step
-        ends just before each, and the next starts at it with the vector field
-        evaluated anew, so no step straddles the jump.
-    - `store_rejected_steps`: accepted for diffrax compatibility; it has no effect
-        (diffrax uses it to revisit rejected step ends, which matters to SDEs).
-    """
-
-    controller: AbstractAdaptiveStepSizeController
-    step_ts: Any = eqx.field(default=None, converter=_times)
-    jump_ts: Any = eqx.field(default=None, converter=_times)
-    store_rejected_steps: int | None = eqx.field(default=None, static=True)
-
-    def __check_init__(self):
-        if not isinstance(self.controller, AbstractAdaptiveStepSizeController):
-            raise ValueError(
-                "Can only apply `ClipStepSizeController` to adaptive step size "
-                "controllers (such as PIDController), but got "
-                f"{self.controller!r}."
-            )
-        if self.store_rejected_steps is not None and not (
-            isinstance(self.store_rejected_steps, (int, np.integer))
-            and self.store_rejected_steps > 0
-        ):
-            raise ValueError(
-                "`store_rejected_steps must either be `None` or a non-negative "
-                f"integer (a positive one; got {self.store_rejected_steps!r})."
-            )
-
-    # The wrapped controller's tolerances (see `AbstractAdaptiveStepSizeController`).
-    @property
-    def rtol(self):
-        return self.controller.rtol
-
-    @property
-    def atol(self):
-        return self.controller.atol
-
-    @property
-    def norm(self):
-        return self.controller.norm
-
-    def check(
-        self,
-        error_order: float | None,
-        t0: RealScalarLike,
-        t1: RealScalarLike,
-        dt0: RealScalarLike | None,
-    ) -> None:
-        self.controller.check(error_order, t0, t1, dt0)
-
-    def tolerances(self) -> Tolerances:
-        return self.controller.tolerances()
-
-    @property
-    def has_jumps(self) -> bool:
-        return self.jump_ts is not None or self.controller.has_jumps
-
-    @property
-    def one_grid(self) -> bool:
-        return self.controller.one_grid
-
-    def to_internal(self, direction: Array | None) -> "ClipStepSizeController":
-        """Times mapped to internal time and sorted (they then increase)."""
-
-        def move(ts):
-            if ts is None:
-                return None
-            if direction is not None and ts.dtype != direction.dtype:
-                ts = ts.astype(direction.dtype)  # integer times, strict promotion
-            return jnp.sort(flip(direction, ts))
-
-        inner = self.controller.to_internal(direction)
-        steps, jumps = move(self.step_ts), move(self.jump_ts)
-        # (the ignore: see `PIDController.to_internal`)
-        return ClipStepSizeController(inner, steps, jumps, self.store_rejected_steps)  # pyright: ignore[reportArgumentType]
-
-    def _clip(self, t0: Array, t1: Array):
-        """The proposed step end `t1` clipped to the next time after `t0`, and the
-        next jump after `t0` (`inf` if none)."""
-        jump = jnp.asarray(jnp.inf, t1.dtype)
-        if self.step_ts is not None:
-            t1 = jnp.minimum(t1, _next_after(self.step_ts, t0).astype(t1.dtype))
-        if self.jump_ts is not None:
-            jump = _next_after(self.jump_ts, t0).astype(t1.dtype)
-            t1 = jnp.minimum(t1, jump)
-        return t1, jump
-
-    def init(
-        self,
-        terms: AbstractTerm,
-        t0: RealScalarLike,
-        t1: RealScalarLike,
-        y0: Y,
-        dt0: RealScalarLike | None,
-        args: Args,
-        func: Callable[..., VF],
-        error_order: RealScalarLike | None,
-    ):
-        t0, t1 = times_of(t0, t1)
-        tnext, inner = self.controller.init(
-            terms, t0, t1, y0, dt0, args, func, error_order
-        )
-        tnext, jump = self._clip(t0, jnp.asarray(tnext, t0.dtype))
-        return tnext, ClipState(inner, jump)
-
-    def resume(self, controller_state: PyTree, fresh: PyTree) -> PyTree:
-        # The wrapped controller's history; the next jump after this solve's `t0`.
-        inner = self.controller.resume(controller_state.inner, fresh.inner)
-        return ClipState(inner, fresh.jump)
-
-    def ends_on_jump(self, controller_state: PyTree, t1: RealScalarLike) -> Array:
-        inner, jump = controller_state
-        return (t1 == jump) | self.controller.ends_on_jump(inner, t1)
-
-    def adapt_step_size(
-        self,
-        t0: RealScalarLike,
-        t1: RealScalarLike,
-        y0: Y,
-        y1_candidate: Y,
-        args: Args,
-        y_error: Y | None,
-        error_order: RealScalarLike | None,
-        controller_state: PyTree,
-    ):
-        inner, jump = controller_state
-        t0, t1 = times_of(t0, t1)
-        keep, next_t0, next_t1, made_jump, inner, result = (
-            self.controller.adapt_step_size(
-                t0, t1, y0, y1_candidate, args, y_error, error_order, inner
-            )
-        )
-        made_jump = made_jump | (keep & (t1 == jump))
-        next_t1, jump = self._clip(next_t0, jnp.asarray(next_t1))
-        return keep, next_t0, next_t1, made_jump, ClipState(inner, jump), result
-
-
-def _is_none(x) -> bool:
-    return x is None

@@ -61,6 +61,18 @@ class AbstractStepSizeController(eqx.Module):
     ) -> tuple[Any, Any, Any, Any, PyTree, Result]:
         """**Returns:** `(keep_step, next_t0, next_t1, made_jump, state, result)`."""
 
+    def loop_init(self, *args) -> tuple[Any, Any]:
+        """`init` as `diffeqsolve`'s loop takes it (the same arguments). A controller
+        with jumps may end a step at a jump time itself there, where its `init`
+        (diffrax's) ends it one ulp before (see `has_jumps`). Default: `init`."""
+        return self.init(*args)
+
+    def loop_adapt_step_size(self, *args) -> tuple[Any, Any, Any, Any, PyTree, Result]:
+        """`adapt_step_size` as `diffeqsolve`'s loop takes it (the same arguments and
+        outputs, with `loop_init`'s convention at jumps). Default:
+        `adapt_step_size`."""
+        return self.adapt_step_size(*args)
+
     def resume(self, controller_state: PyTree, fresh: PyTree) -> PyTree:
         """The state to continue an earlier solve from: `controller_state`, which
         that solve returned (`SaveAt(controller_state=True)`), or `fresh`, this
@@ -77,7 +89,10 @@ class AbstractStepSizeController(eqx.Module):
 
     @property
     def has_jumps(self) -> bool:
-        """Whether a step may end at a jump of the vector field in time."""
+        """Whether a step may end at a jump of the vector field in time. In the
+        loop (`loop_init`, `loop_adapt_step_size`) such a step ends at the jump
+        time itself; the loop steps the solver to one ulp before it and starts the
+        next step from the field one ulp after it."""
         return False
 
     @property

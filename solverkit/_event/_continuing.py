@@ -150,7 +150,7 @@ def _after_occurrence(problem: Problem, t1, y, masks, reference, states):
             )
             y = tree_where(apply, like_state(effect(t, seen, fn_args), y), y)
             func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
-            fresh, fresh_state = problem.controller.init(
+            fresh, fresh_state = problem.controller.loop_init(
                 terms, t1, problem.t1, y, problem.dt0, args, func, problem.error_order
             )
             fresh = t1 + lax.stop_gradient(jnp.asarray(fresh, t1.dtype) - t1)

@@ -376,3 +376,60 @@ def _rectilinear(ts, leaves, starts, tree):
         jnp.repeat(_fill_forward(y, r), 2, axis=0)[:-1] for y, r in zip(leaves, starts)
     ]
     return jnp.repeat(ts, 2)[1:], jtu.tree_unflatten(tree, new_ys)
+
+
+def linear_interpolation(
+    ts: Real[ArrayLike, " times"],
+    ys: PyTree[ArrayLike],
+    *,
+    fill_forward_nans_at_end: bool = False,
+    replace_nans_at_start: PyTree[ArrayLike] | None = None,
+) -> PyTree[Array]:
+    """Missing data (`NaN`) filled in by the straight line between the observations
+    either side of it, e.g. before a [`solverkit.LinearInterpolation`][].
+
+    **Arguments:**
+
+    - `ts`: strictly increasing times, shape `(times,)`.
+    - `ys`: pytree of arrays of shape `(times, ...)`; `NaN` marks missing data.
+    - `fill_forward_nans_at_end`: if true, missing data after the last observation
+        takes its value (else it stays `NaN`).
+    - `replace_nans_at_start`: a value for `ys[0]` where it is `NaN`, from which the
+        data up to the first observation is then filled in (else it stays `NaN`).
+
+    **Returns:**
+
+    `ys` with its missing data filled in (same structure, shapes and dtypes).
+    """
+    ts = _check_ts(ts)
+    ys = _as_arrays(ys)
+    leaves, tree = jtu.tree_flatten(ys)
+    _check_leading(ys, ts.shape[0], "ys")
+    starts = _option_leaves(ys, replace_nans_at_start, "replace_nans_at_start")
+    filled = _linear_leaves(ts, leaves, starts, fill_forward_nans_at_end)
+    return jtu.tree_unflatten(tree, filled)
+
+
+@eqx.filter_jit
+def _linear_leaves(ts, leaves, starts, fill_forward_nans_at_end):
+    with jax.numpy_dtype_promotion("standard"):  # real times against complex data
+        return [
+            _linear_leaf(ts, y, r, fill_forward_nans_at_end)
+            for y, r in zip(leaves, starts)
+        ]
+
+
+def _linear_leaf(ts, ys, start, fill_forward_nans_at_end):
+    """One leaf of `linear_interpolation`."""
+    times = _per_channel(ts, ys.shape).astype(jnp.result_type(ts.dtype, float))
+    ys = _first_values(ys, start)
+    observed = ~jnp.isnan(ys)
+    last, following = _last_observed(observed), _next_observed(observed)
+    t0, y0 = _take(times, last), _take(ys, last)
+    t1, y1 = _take(times, following), _take(ys, following)
+    # Before the first observation y0 is NaN (ys[0] is), after the last y1 is.
+    gap = jnp.where(observed, 1, t1 - t0)
+    line = y0 + ((times - t0) / gap).astype(ys.dtype) * (y1 - y0)
+    if fill_forward_nans_at_end:
+        line = jnp.where(following == ys.shape[0], y0, line)
+    return jnp.where(observed, ys, line)

@@ -136,6 +136,21 @@ class AbstractSolver(eqx.Module):
         solver without an error estimate.
         """
 
+    def loop_step(
+        self,
+        terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+        solver_state: PyTree,
+        made_jump: BoolScalarLike,
+    ) -> tuple[Y, Y | None, PyTree, PyTree, Result]:
+        """`step` as `diffeqsolve`'s loop takes it: the same outputs, but `dense_info`
+        in whatever form `interpolate` reads (a built-in solver may keep a cheaper
+        form there than the one its `step` gives). Default: `step`."""
+        return self.step(terms, t0, t1, y0, args, solver_state, made_jump)
+
     def interpolate(
         self,
         dense_info: DenseInfo,

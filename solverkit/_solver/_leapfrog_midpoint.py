@@ -1,5 +1,6 @@
 """`LeapfrogMidpoint`: the explicit two-step midpoint (leapfrog) method."""
 
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
@@ -47,6 +48,6 @@ class LeapfrogMidpoint(AbstractSolver):
         del made_jump
         t_prev, y_prev = solver_state
         f0 = terms.vf(t0, y0, args)
-        span = t1 - t_prev
+        span = jnp.asarray(t1) - jnp.asarray(t_prev)  # Python floats by hand
         y1 = jtu.tree_map(lambda a, f: a + span.astype(a.dtype) * f, y_prev, f0)
         return y1, None, dict(y0=y0, y1=y1), (t0, y0), successful

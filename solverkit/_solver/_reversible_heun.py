@@ -1,5 +1,6 @@
 """`ReversibleHeun`: an algebraically reversible second-order method."""
 
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
@@ -46,7 +47,7 @@ class ReversibleHeun(AbstractAdaptiveSolver):
     ):
         del made_jump
         yhat0, f0 = solver_state
-        h = t1 - t0
+        h = jnp.asarray(t1) - jnp.asarray(t0)  # Python-float times called by hand
         cast = lambda x: h.astype(x.dtype)
         yhat1 = jtu.tree_map(lambda y, z, f: 2 * y - z + cast(y) * f, y0, yhat0, f0)
         f1 = terms.vf(t1, yhat1, args)

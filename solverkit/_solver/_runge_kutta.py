@@ -1,6 +1,5 @@
 """Explicit Runge-Kutta solvers: one generic step reading a Butcher tableau."""
 
-import functools
 from typing import Any, ClassVar, TYPE_CHECKING
 
 import equinox as eqx
@@ -17,6 +16,7 @@ from ._base import AbstractAdaptiveSolver, AbstractSolver, axpy, successful
 from ._local_interpolation import (
     AbstractLocalInterpolation,
     LocalLinearInterpolation,
+    step_fraction,
     ThirdOrderHermitePolynomialInterpolation,
 )
 from ._tableau import (
@@ -86,6 +86,31 @@ class AbstractRungeKutta(AbstractSolver):
     def step(
         self,
         terms: AbstractTerm,
+        t0: RealScalarLike,
+        t1: RealScalarLike,
+        y0: Y,
+        args: Args,
+        solver_state: PyTree,
+        made_jump: BoolScalarLike = False,
+    ):
+        """One step, with diffrax's `dense_info`: `dict(y0=, y1=)` for a first-order
+        method, else `dict(y0=, y1=, k=)`, `k` the stage increments `h f_i` stacked on
+        a leading axis of each leaf (shape `(stages, *y.shape)`), as
+        `interpolation_cls(t0=, t1=, **dense_info)` takes them."""
+        del made_jump
+        t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
+        y1, y_error, ks, f1, result = self._stages(
+            terms, t0, t1, y0, args, solver_state
+        )
+        if self.tableau.order == 1:
+            return y1, y_error, dict(y0=y0, y1=y1), f1, result
+        h = t1 - t0
+        k = jtu.tree_map(lambda *f: jnp.stack(f) * h.astype(f[0].dtype), *ks)
+        return y1, y_error, dict(y0=y0, y1=y1, k=k), f1, result
+
+    def loop_step(
+        self,
+        terms: AbstractTerm,
         t0: Array,
         t1: Array,
         y0: Y,
@@ -93,16 +118,33 @@ class AbstractRungeKutta(AbstractSolver):
         solver_state: PyTree,
         made_jump: BoolScalarLike = False,
     ):
+        """`step` as the loop takes it, with the stages left unstacked in `dense_info`
+        (`fs`, the rates `f_i`) and, for the methods without their own dense output,
+        the rates at both ends (`f0`, `f1`: the end's, the next step's first stage)."""
         del made_jump
+        y1, y_error, ks, f1, result = self._stages(
+            terms, t0, t1, y0, args, solver_state
+        )
+        if self.tableau.order == 1:  # linear between the steps, as diffrax
+            info = dict(y0=y0, y1=y1)
+        elif self.tableau.dense is None:
+            info = dict(y0=y0, y1=y1, f0=ks[0], f1=f1)
+        else:
+            info = dict(y0=y0, y1=y1, fs=tuple(ks))
+        return y1, y_error, info, f1, result
+
+    def _stages(self, terms: AbstractTerm, t0, t1, y0: Y, args: Args, f0):
+        """`(y1, y_error, ks, f1, result)`: the stage rates `ks` and the rate `f1` at
+        the step's end (the next step's first stage)."""
         tab = self.tableau
         h = t1 - t0
         num_stages = len(tab.c)
         if self.scan_kind is not None:
-            ks = _stages_in_a_loop(tab, terms, t0, h, y0, args, solver_state)
+            ks = _stages_in_a_loop(tab, terms, t0, h, y0, args, f0)
             if tab.fsal:  # the last stage's argument is the solution
                 yi = axpy(y0, h, list(zip(tab.a[-1], ks)))
         else:
-            ks = [solver_state]
+            ks = [f0]
             for i in range(1, num_stages):
                 yi = axpy(y0, h, list(zip(tab.a[i, :i], ks)))
                 ks.append(terms.vf(t0 + float(tab.c[i]) * h, yi, args))
@@ -117,14 +159,7 @@ class AbstractRungeKutta(AbstractSolver):
         else:
             zero = jtu.tree_map(jnp.zeros_like, y0)
             y_error = axpy(zero, h, list(zip(tab.b_err, ks)))
-        return y1, y_error, self._dense_info(y0, y1, ks, f1), f1, successful
-
-    def _dense_info(self, y0: Y, y1: Y, ks, f1) -> dict:
-        if self.tableau.order == 1:  # linear between the steps, as diffrax
-            return dict(y0=y0, y1=y1)
-        if self.tableau.dense is None:
-            return dict(y0=y0, y1=y1, f0=ks[0], f1=f1)
-        return dict(y0=y0, y1=y1, k=tuple(ks))
+        return y1, y_error, ks, f1, successful
 
     def interpolate(
         self,
@@ -133,62 +168,88 @@ class AbstractRungeKutta(AbstractSolver):
         t1: Array,
         t: RealScalarLike,
     ):
-        if "k" in dense_info:
-            cls = functools.partial(TableauInterpolation, tableau=self.tableau)
-        elif "f0" in dense_info:
+        """The dense output at `t`, from `step`'s or `loop_step`'s `dense_info`."""
+        if "fs" in dense_info:
+            h = jnp.asarray(t1) - jnp.asarray(t0)
+            theta = step_fraction(jnp.asarray(t0), jnp.asarray(t1), t)
+
+            def leaf(y0: Y, *fs):
+                w = _weights(self.tableau, theta, y0.dtype)
+                acc = sum(w[i] * f for i, f in enumerate(fs))
+                return y0 + h.astype(y0.dtype) * acc
+
+            return jtu.tree_map(leaf, dense_info["y0"], *dense_info["fs"])
+        if "f0" in dense_info:
             cls = ThirdOrderHermitePolynomialInterpolation
-        else:
-            cls = LocalLinearInterpolation
+        else:  # diffrax's form, from `step`
+            cls = self.interpolation_cls or _interpolation_for(
+                self.tableau, type(self).__name__
+            )
         return cls(t0=t0, t1=t1, **dense_info).evaluate(t)
 
 
-class TableauInterpolation(AbstractLocalInterpolation):
-    """The dense output of a Runge-Kutta tableau with its own (`tableau.dense`):
-    `y(t0 + θh) = y0 + h Σ_i k_i Σ_j dense[i, j] θ^(j+1)`.
+def _weights(tableau: ButcherTableau, theta, dtype) -> Array:
+    """Each stage's weight in the dense output at `theta`, the polynomials
+    `sum_j dense[i, j] theta^(j+1)`, by Horner's rule (multiplications only, no float
+    `power`)."""
+    dense = tableau.dense
+    assert dense is not None
+    th = jnp.asarray(theta, dtype=dtype)
+    column = lambda j: jnp.asarray(np.asarray(dense)[:, j], dtype=dtype)
+    weights = column(-1)
+    for j in range(dense.shape[1] - 2, -1, -1):
+        weights = column(j) + th * weights
+    return th * weights
+
+
+class AbstractTableauInterpolation(AbstractLocalInterpolation):
+    """The dense output of a Runge-Kutta tableau with its own (`tableau.dense`), from
+    diffrax's `dense_info`: `y(t0 + θh) = y0 + Σ_i k_i Σ_j dense[i, j] θ^(j+1)`. Each
+    solver's subclass (its `interpolation_cls`) fixes the tableau.
 
     **Arguments:**
 
     - `t0`, `t1`: the step.
     - `y0`, `y1`: the solution at its ends.
-    - `k`: the stages `f_i` (a tuple of pytrees of `y0`'s structure), as the
-        solver's `dense_info` gives them.
-    - `tableau`: the `ButcherTableau`.
+    - `k`: the stage increments `h f_i`, stacked on a leading axis of each leaf of
+        `y0`'s structure (shape `(stages, *y.shape)`), as the solver's `step` gives
+        them in `dense_info`.
     """
 
+    tableau: AbstractClassVar[ButcherTableau]
     y0: PyTree
     y1: PyTree
-    k: tuple
-    tableau: ButcherTableau = eqx.field(static=True)
+    k: PyTree
 
     def at(self, t: RealScalarLike) -> PyTree:
-        h = jnp.asarray(self.t1) - jnp.asarray(self.t0)
         theta = self._theta(t)
-        dense = self.tableau.dense
-        assert dense is not None
 
-        def leaf(y0: Y, *ks):
-            th = jnp.asarray(theta, dtype=y0.dtype)
-            # Each stage's weight, the polynomial `sum_j dense[i, j] theta^(j+1)`,
-            # by Horner's rule: multiplications only (no float `power`), one pass.
-            column = lambda j: jnp.asarray(np.asarray(dense)[:, j], dtype=y0.dtype)
-            weights = column(-1)
-            for j in range(dense.shape[1] - 2, -1, -1):
-                weights = column(j) + th * weights
-            weights = th * weights
-            acc = sum(weights[i] * k for i, k in enumerate(ks))
-            return y0 + jnp.asarray(h, dtype=y0.dtype) * acc
+        def leaf(y0, k):
+            y0, k = jnp.asarray(y0), jnp.asarray(k)
+            w = _weights(self.tableau, theta, k.dtype)
+            return y0 + jnp.tensordot(w, k, axes=1, precision=Precision.HIGHEST)
 
-        return jtu.tree_map(leaf, self.y0, *self.k)
+        return jtu.tree_map(leaf, self.y0, self.k)
 
 
-def _interpolation_for(tableau: ButcherTableau):
-    """The `interpolation_cls` of the solver of `tableau`, matching the keys of its
-    `dense_info` (see `AbstractRungeKutta._dense_info`)."""
+def _interpolation_for(tableau: ButcherTableau, name: str):
+    """The `interpolation_cls` that reads the `dense_info` of `step` for the method of
+    `tableau` (diffrax's for each built-in method): linear for a first-order method,
+    cubic Hermite from the first and last stages for one without its own dense output,
+    else an `AbstractTableauInterpolation` of `tableau`, named
+    `name + "Interpolation"`."""
     if tableau.order == 1:
         return LocalLinearInterpolation
     if tableau.dense is None:
-        return ThirdOrderHermitePolynomialInterpolation
-    return functools.partial(TableauInterpolation, tableau=tableau)
+        return ThirdOrderHermitePolynomialInterpolation.from_k
+    namespace = dict(
+        __module__=__name__,
+        __qualname__=f"{name}Interpolation",
+        __doc__=f"`{name}`'s dense output, from its `dense_info`.",
+        __annotations__={"tableau": ClassVar[ButcherTableau]},
+        tableau=tableau,
+    )
+    return type(f"{name}Interpolation", (AbstractTableauInterpolation,), namespace)
 
 
 _SCAN_KINDS = (None, "lax", "checkpointed", "bounded")
@@ -231,35 +292,35 @@ class Euler(AbstractRungeKutta):
     """Explicit Euler: first order, no error estimate (use `ConstantStepSize`)."""
 
     tableau: ClassVar[ButcherTableau] = EULER
-    interpolation_cls: ClassVar[Any] = _interpolation_for(EULER)
+    interpolation_cls: ClassVar[Any] = _interpolation_for(EULER, "Euler")
 
 
 class Heun(AbstractERK):
     """Heun's method: second order, with an embedded Euler error estimate."""
 
     tableau: ClassVar[ButcherTableau] = HEUN
-    interpolation_cls: ClassVar[Any] = _interpolation_for(HEUN)
+    interpolation_cls: ClassVar[Any] = _interpolation_for(HEUN, "Heun")
 
 
 class Midpoint(AbstractERK):
     """Explicit midpoint method: second order, embedded Euler error estimate."""
 
     tableau: ClassVar[ButcherTableau] = MIDPOINT
-    interpolation_cls: ClassVar[Any] = _interpolation_for(MIDPOINT)
+    interpolation_cls: ClassVar[Any] = _interpolation_for(MIDPOINT, "Midpoint")
 
 
 class Ralston(AbstractERK):
     """Ralston's method: second order with minimal truncation error."""
 
     tableau: ClassVar[ButcherTableau] = RALSTON
-    interpolation_cls: ClassVar[Any] = _interpolation_for(RALSTON)
+    interpolation_cls: ClassVar[Any] = _interpolation_for(RALSTON, "Ralston")
 
 
 class Bosh3(AbstractERK):
     """Bogacki-Shampine 3(2): third order, FSAL."""
 
     tableau: ClassVar[ButcherTableau] = BOSH3
-    interpolation_cls: ClassVar[Any] = _interpolation_for(BOSH3)
+    interpolation_cls: ClassVar[Any] = _interpolation_for(BOSH3, "Bosh3")
 
 
 class Tsit5(AbstractERK):
@@ -267,18 +328,18 @@ class Tsit5(AbstractERK):
     A good default for non-stiff problems."""
 
     tableau: ClassVar[ButcherTableau] = TSIT5
-    interpolation_cls: ClassVar[Any] = _interpolation_for(TSIT5)
+    interpolation_cls: ClassVar[Any] = _interpolation_for(TSIT5, "Tsit5")
 
 
 class Dopri5(AbstractERK):
     """Dormand-Prince 5(4): fifth order, FSAL, fourth-order dense output."""
 
     tableau: ClassVar[ButcherTableau] = DOPRI5
-    interpolation_cls: ClassVar[Any] = _interpolation_for(DOPRI5)
+    interpolation_cls: ClassVar[Any] = _interpolation_for(DOPRI5, "Dopri5")
 
 
 class Dopri8(AbstractERK):
     """Dormand-Prince 8(5,3): eighth order, for tight tolerances."""
 
     tableau: ClassVar[ButcherTableau] = DOPRI8
-    interpolation_cls: ClassVar[Any] = _interpolation_for(DOPRI8)
+    interpolation_cls: ClassVar[Any] = _interpolation_for(DOPRI8, "Dopri8")

@@ -1,0 +1,149 @@
+"""Built-in solvers' `step`, `dense_info` and `interpolation_cls` as diffrax's, used on
+their own outside `diffeqsolve` (a library that builds its own interpolant from
+`dense_info["k"]`). Each is compared with diffrax's on the same step: the keys, the
+shapes, and the values to round-off."""
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg
+
+import solverkit as sk
+
+
+pytestmark = pytest.mark.usefixtures("x64")
+
+_EXPLICIT = ["Euler", "Heun", "Midpoint", "Ralston", "Bosh3", "Tsit5", "Dopri5"]
+_ALL = _EXPLICIT + ["Dopri8"]
+_T0, _T1 = 0.3, 0.55  # Python floats, as a user passes them
+_A = np.array([[-0.5, 1.0, 0.0], [-1.0, -0.5, 0.2], [0.0, -0.2, -0.1]])
+
+
+def _field():
+    """A linear field `y' = A y` (on a dict state of two leaves, one 2-d) that closes
+    over values of several dtypes: a float64 matrix, an int32 scale and a bool."""
+    a = jnp.asarray(_A)
+    two = jnp.asarray(2, jnp.int32)
+    on = jnp.asarray(True)
+
+    def f(t, y, args):
+        del t, args
+        flat = jnp.concatenate([y["a"], y["b"].reshape(-1)])
+        d = jnp.where(on, a, 0.0) @ flat * (two // 2)
+        return {"a": d[:1], "b": d[1:].reshape(2, 1)}
+
+    return f
+
+
+def _y0(scale=1.0):
+    return {"a": jnp.array([1.0]) * scale, "b": jnp.array([[2.0], [-0.5]]) * scale}
+
+
+def _step(lib, name, y0):
+    solver = getattr(lib, name)()
+    term = lib.ODETerm(_field())
+    state = solver.init(term, _T0, _T1, y0, None)
+    return solver, solver.step(term, _T0, _T1, y0, None, state, False)
+
+
+def _close(a, b, scale):
+    # float64 round-off of a step's stage sums: at most ~100 ulps of the state's size.
+    check = lambda x, y: np.testing.assert_allclose(x, y, atol=1e-13 * scale)  # noqa: E731
+    jax.tree.map(check, a, b)
+
+
+@pytest.mark.parametrize("name", _ALL)
+def test_dense_info_is_diffraxs(name):
+    y0 = _y0()
+    _, (y1, _, ours, _, _) = _step(sk, name, y0)
+    _, (y1_ref, _, ref, _, _) = _step(diffrax, name, y0)
+    assert set(ours) == set(ref)
+    assert jax.tree.structure(ours) == jax.tree.structure(ref)
+    shapes = lambda info: jax.tree.map(jnp.shape, info)  # noqa: E731
+    assert shapes(ours) == shapes(ref)  # k: (stages, *y.shape) per leaf
+    _close(ours, ref, 2.0)
+    _close(y1, y1_ref, 2.0)
+
+
+@pytest.mark.parametrize("name", _EXPLICIT)
+def test_interpolation_cls_is_diffraxs(name):
+    y0 = _y0()
+    solver, (_, _, info, _, _) = _step(sk, name, y0)
+    ref_solver, (_, _, ref_info, _, _) = _step(diffrax, name, y0)
+    ours = solver.interpolation_cls(t0=_T0, t1=_T1, **info)
+    ref = ref_solver.interpolation_cls(t0=_T0, t1=_T1, **ref_info)
+    for t in np.linspace(_T0, _T1, 7):
+        _close(ours.evaluate(t), ref.evaluate(t), 2.0)
+        _close(solver.interpolate(info, _T0, _T1, t), ref.evaluate(t), 2.0)
+    increment = jax.tree.map(jnp.subtract, ref.evaluate(_T1), ref.evaluate(_T0))
+    _close(ours.evaluate(_T0, _T1), increment, 2.0)
+
+
+def test_dopri8_interpolation_is_fifth_order():
+    # solverkit's Dopri8 dense output is its own (not diffrax's coefficients): both are
+    # of order 5, so each is within (h |A|)^6 |y| of the exact solution (constant ~1);
+    # they differ from each other by about that much, not by round-off.
+    y0 = _y0()
+    solver, (_, _, info, _, _) = _step(sk, "Dopri8", y0)
+    ours = solver.interpolation_cls(t0=_T0, t1=_T1, **info)
+    flat0 = np.concatenate([np.ravel(y0["a"]), np.ravel(y0["b"])])
+    bound = ((_T1 - _T0) * np.linalg.norm(_A, 2)) ** 6 * np.abs(flat0).max()
+    for t in np.linspace(_T0, _T1, 7):
+        exact = scipy.linalg.expm(_A * (t - _T0)) @ flat0
+        got = ours.evaluate(t)
+        got = np.concatenate([np.ravel(got["a"]), np.ravel(got["b"])])
+        np.testing.assert_allclose(got, exact, atol=bound)
+
+
+@pytest.mark.parametrize("name", ["Heun", "Tsit5"])
+def test_dense_info_under_jit_vmap_grad(name):
+    # A batch of initial states; the interpolant at mid-step and its gradient with
+    # respect to the initial state, against diffrax's.
+    scales = jnp.array([0.5, 1.0, 2.0])
+    mid = 0.5 * (_T0 + _T1)
+
+    def value(lib, scale):
+        solver, (_, _, info, _, _) = _step(lib, name, _y0(scale))
+        out = solver.interpolation_cls(t0=_T0, t1=_T1, **info).evaluate(mid)
+        return jnp.sum(out["b"]) + jnp.sum(out["a"]), info["k"]
+
+    ours = jax.jit(jax.vmap(lambda s: value(sk, s)))(scales)
+    ref = jax.vmap(lambda s: value(diffrax, s))(scales)
+    _close(ours, ref, 4.0)
+    assert ours[1]["b"].shape == (3, len(ref[1]["b"][0]), 2, 1)
+    grad = lambda lib: jax.vmap(jax.grad(lambda s: value(lib, s)[0]))  # noqa: E731
+    _close(jax.jit(grad(sk))(scales), grad(diffrax)(scales), 4.0)
+
+
+def test_loop_dense_output_unchanged_by_public_form():
+    # The loop keeps its own form of `dense_info`; a solve's dense output still equals
+    # the public step's interpolant on the first step (fixed step, so the same step).
+    y0 = _y0()
+    solver = sk.Tsit5()
+    sol = sk.diffeqsolve(
+        sk.ODETerm(_field()), solver, _T0, _T1, _T1 - _T0, y0,
+        saveat=sk.SaveAt(dense=True),
+    )  # fmt: skip
+    _, (_, _, info, _, _) = _step(sk, "Tsit5", y0)
+    interp = solver.interpolation_cls(t0=_T0, t1=_T1, **info)
+    for t in np.linspace(_T0, _T1, 5):
+        _close(sol.evaluate(t), interp.evaluate(t), 2.0)
+
+
+@pytest.mark.parametrize("name", ["ReversibleHeun", "LeapfrogMidpoint"])
+def test_two_state_solvers_step_by_hand_as_diffrax(name):
+    # Python-float times (they failed with an AttributeError); two steps, so the
+    # second uses the state the first returned.
+    y0 = _y0()
+    outs = []
+    for lib in (sk, diffrax):
+        solver, term = getattr(lib, name)(), lib.ODETerm(_field())
+        state = solver.init(term, _T0, _T1, y0, None)
+        y1, _, info, state, _ = solver.step(term, _T0, _T1, y0, None, state, False)
+        t2 = _T1 + 0.2
+        y2, _, info2, _, _ = solver.step(term, _T1, t2, y1, None, state, False)
+        outs.append((info, info2, y2))
+    assert jax.tree.structure(outs[0]) == jax.tree.structure(outs[1])
+    _close(outs[0], outs[1], 2.0)
