@@ -113,7 +113,7 @@ def _init(spec: Spec, field, primal, cond, t0, t1, dt0, y0):
         p = spec.own
         dt = _step.initial_step(spec.pid, primal, t0, y0[:p], f0[:p])
     dt = _step.clip_dt0(spec.pid, dt)
-    tnext = jnp.minimum(t0 + dt, t1)
+    tnext = jnp.minimum(jnp.maximum(t0 + dt, _step.next_float(t0)), t1)
     # Carried tiles start as real tiles (not splats): see `_tile`.
     zero = _tile.anchor(jnp.zeros(y0[0].shape, jnp.int32))
     one = _tile.anchor(jnp.ones(y0[0].shape, t0.dtype))
@@ -180,6 +180,15 @@ def _after_event(spec: Spec, cond, s: _State, t_end, y1, keep, result):
     return result, g, tuple(last)
 
 
+def _landing(t0, h, t1, land, d: _step.Decision):
+    """The next step's end (`_loop._landing`): at or past `land` it is `t1` after an
+    accepted step, and half of the rejected step `[t0, t0 + h]` after a rejected one
+    (else a retry shrunk by less than the window is that step again, to
+    `max_steps`)."""
+    retry = t0 + 0.5 * h
+    return where(d.next_t1 >= land, where(d.keep, t1, retry), d.next_t1)
+
+
 def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _State:
     going = _going(spec, s, t1)
     t_end = jnp.minimum(s.tnext, t1)
@@ -188,7 +197,7 @@ def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _Sta
     p = spec.own  # the controller and the check read the state, not its tangents
     history = (s.prev, s.prev_prev, s.at_dtmin)
     d = _step.adapt(spec.pid, s.t, t_end, s.y[:p], y1[:p], error[:p], history)
-    next_t1 = where(d.next_t1 >= land, t1, d.next_t1)
+    next_t1 = _landing(s.t, h, t1, land, d)
     finite = functools.reduce(lambda a, b: a & b, [_step.finite(v) for v in y1[:p]])
     keep = going & d.keep
     ok = _code(_SUCCESS, s.result)

@@ -118,6 +118,26 @@ def initial_step(pid: Pid, field: Field, t0, y0: Tiles, f0: Tiles):
     return jnp.minimum(100 * h0, h1).astype(t0.dtype)
 
 
+# `next_float`'s addend, in units of `eps |t|`: 0.7 to 1.4 spacings of `t`.
+_NEXT = 0.7
+
+
+def next_float(t):
+    """The next float after `t`, `nextafter(t, inf)`, as a multiply, an add and a
+    max (Mosaic may not lower `nextafter`): `t + max(0.7 eps |t|, tiny)`.
+
+    With `t = ±m 2^e`, `m` in `[1, 2)`, the spacing of `t` is `eps 2^e`, and the
+    addend `0.7 m eps 2^e` is 0.7 to 1.4 spacings: rounded to nearest, the sum is
+    `t` plus one spacing (for `t = -2^e` the spacing above is half, the addend 1.4
+    of those halves: one too). So it is exact for every `t` with `eps |t|` normal
+    (`|t| >= 2^-103` in float32), with or without a fused multiply-add (one
+    rounding either way). Nearer zero it adds the smallest normal float instead of a
+    subnormal (which the TPU flushes to zero): still a step forward."""
+    info = jnp.finfo(t.dtype)
+    spacing = jnp.abs(t) * jnp.asarray(_NEXT * float(info.eps), t.dtype)
+    return t + jnp.maximum(spacing, jnp.asarray(info.tiny, t.dtype))
+
+
 def clip_dt0(pid: Pid, dt0):
     if pid.dtmax is not None:
         dt0 = jnp.minimum(dt0, pid.dtmax)
@@ -178,10 +198,14 @@ def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decisi
         dt = jnp.maximum(dt, pid.dtmin)
     at_dtmin = at_dtmin.astype(t0.dtype)
     next_t0 = where(keep, t1, t0)
+    # As `_adaptive._advancing`: the next step end is at least the next float after
+    # its start (a zero-length step has zero error and would be accepted forever),
+    # and a rejected step of one spacing ends the solve with `dt_min_reached`.
+    too_small = too_small | (~keep & (t1 <= next_float(t0)))
     return Decision(
         keep,
         next_t0,
-        next_t0 + dt,
+        jnp.maximum(next_t0 + dt, next_float(next_t0)),
         where(keep, inv, prev),
         where(keep, prev, prev_prev),
         at_dtmin,
