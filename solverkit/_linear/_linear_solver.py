@@ -45,6 +45,7 @@ from ._banded import (
     BlockedBandLU,
     dense_to_bands,
 )
+from ._bicgstab import bicgstab
 from ._linalg import Inverse, inverse, lu_factorisation, value_and_jacobian
 from ._sparsity import (
     bandwidths,
@@ -632,20 +633,23 @@ class _KrylovFactor(eqx.Module):
 class KrylovLinearSolver(AbstractLinearSolver):
     """Matrix-free Newton–Krylov: no Jacobian is formed; each product with
     `M - γh J` is one Jacobian-vector product of the field at the linearisation
-    point, inside lineax's GMRES or BiCGStab.
+    point, inside GMRES (lineax's) or BiCGStab (solverkit's, which stops at an
+    exact half step and returns 0 for a zero right-hand side, where lineax's
+    divides by zero).
 
     For large systems whose Jacobian is too wide to factorise (2-D and 3-D PDEs),
     ideally with a preconditioner. Derivatives of a solve (with respect to the
     right-hand side, the point and whatever the field closes over) are implicit,
-    exact up to the tolerances (lineax's; for `solve_tangent`, the same iteration
-    with the transposed operator), and never taken through the preconditioner.
+    exact up to the tolerances (lineax's rule for GMRES's `solve`; otherwise the
+    same iteration with the transposed operator and preconditioner), and never
+    taken through the preconditioner.
 
     **Arguments:**
 
     - `method`: `"gmres"` (the robust default) or `"bicgstab"` (less memory, may
-      break down).
-    - `rtol`, `atol`: lineax's stopping rule, `|r| <= atol + rtol |b|` in the max
-      norm.
+      break down: then NaN, see below).
+    - `rtol`, `atol`: the stopping rule, `|r| <= atol + rtol |b|` in the max norm
+      (lineax's GMRES also asks the last update to be as small relative to `x`).
     - `max_steps`: the most iterations.
     - `restart`: GMRES's restart length.
     - `preconditioner`: `None`; another linear solver (a
@@ -720,9 +724,11 @@ class KrylovLinearSolver(AbstractLinearSolver):
         return _KrylovFactor(point, gamma_h, mass, factor)
 
     def solve(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
+        if self.method == "bicgstab":
+            return self.solve_tangent(factor, rhs, fn)
         b = rhs.astype(factor.point.dtype)
         matvec = self._matvec(factor, fn)
-        x = self._iterate(matvec, self._preconditioner(factor, fn, b), b)
+        x = self._lineax(matvec, self._preconditioner(factor, fn, b), b)
         return x.astype(rhs.dtype)
 
     def solve_tangent(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
@@ -763,20 +769,11 @@ class KrylovLinearSolver(AbstractLinearSolver):
         return nograd(lx.FunctionLinearOperator(apply, structure))
 
     def _iterate(self, matvec: FlatFn, preconditioner, b: Array) -> Array:
-        """lineax's GMRES or BiCGStab; NaN where it fails.
-
-        BiCGStab breaks down on `b = 0` (a state at equilibrium, a zero cotangent).
-        There it solves for `x + u` (`u` all ones), whose right-hand side `b + A u`
-        is not zero, and subtracts `u`: a function linear in `b`, so its derivatives
-        are those of `A^{-1} b`; the value is then set to the exact 0 without
-        touching them."""
+        """GMRES (lineax's) or BiCGStab (`_bicgstab.py`); NaN where it fails."""
         if self.method == "gmres":
             return self._lineax(matvec, preconditioner, b)
-        zero = lax.stop_gradient(jnp.all(b == 0))
-        u = jnp.where(zero, 1, 0).astype(b.dtype) * jnp.ones_like(b)
-        shift = lax.cond(zero, matvec, jnp.zeros_like, u)
-        x = self._lineax(matvec, preconditioner, b + shift) - u
-        return x - lax.stop_gradient(jnp.where(zero, x, 0))
+        apply = None if preconditioner is None else preconditioner.mv
+        return bicgstab(matvec, apply, b, self.rtol, self.atol, self.max_steps)
 
     def _lineax(self, matvec: FlatFn, preconditioner, b: Array) -> Array:
         structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
@@ -784,12 +781,9 @@ class KrylovLinearSolver(AbstractLinearSolver):
         options = {}
         if preconditioner is not None:
             options["preconditioner"] = preconditioner
-        if self.method == "gmres":
-            method = lx.GMRES(
-                self.rtol, self.atol, max_steps=self.max_steps, restart=self.restart
-            )
-        else:
-            method = lx.BiCGStab(self.rtol, self.atol, max_steps=self.max_steps)
+        method = lx.GMRES(
+            self.rtol, self.atol, max_steps=self.max_steps, restart=self.restart
+        )
         solution = lx.linear_solve(operator, b, method, options=options, throw=False)
         converged = solution.result == lx.RESULTS.successful
         return jnp.where(converged, solution.value, jnp.nan)
