@@ -52,11 +52,11 @@ from jaxtyping import Array, PyTree
 from .._closure._unvmap import unvmap_any
 from .._controller._base import AbstractAdaptiveStepSizeController
 from .._controller._norm import rms_norm
+from .._linear._krylov import KrylovLinearSolver
 from .._linear._linear_solver import (
     AbstractLinearSolver,
     algebraic_residual,
     DenseLinearSolver,
-    KrylovLinearSolver,
     mass_matvec,
 )
 from .._select import where
