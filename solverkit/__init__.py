@@ -48,13 +48,13 @@ from ._interpolation._global_interpolation import (
     LinearInterpolation as LinearInterpolation,
     rectilinear_interpolation as rectilinear_interpolation,
 )
+from ._linear._band_solver import BandedLinearSolver as BandedLinearSolver
+from ._linear._krylov import KrylovLinearSolver as KrylovLinearSolver
 from ._linear._linear_solver import (
     AbstractLinearSolver as AbstractLinearSolver,
-    BandedLinearSolver as BandedLinearSolver,
     DenseLinearSolver as DenseLinearSolver,
-    KrylovLinearSolver as KrylovLinearSolver,
-    SparseLinearSolver as SparseLinearSolver,
 )
+from ._linear._sparse import SparseLinearSolver as SparseLinearSolver
 from ._progress import (
     AbstractProgressMeter as AbstractProgressMeter,
     NoProgressMeter as NoProgressMeter,

@@ -172,7 +172,6 @@ _TABLES = {
 }
 # Over the limits and being split in parallel work (#40); remove when merged.
 _PENDING = {
-    "_linear/_linear_solver.py": "the linear solvers, one Module each (linear work)",
 }
 
 

@@ -130,7 +130,9 @@ def _grad(stiff: str, linear: str, adjoint: str):
     return jax.jit(jax.vmap(jax.grad(_loss(stiff, linear, adjoint)), (None, 0)))
 
 
-_PARAMS = jnp.array([1.0, 1.0])
+# numpy: float64 when the `x64` fixture is on (a jnp array made at import is
+# float32, and so would be the gradient).
+_PARAMS = np.array([1.0, 1.0])
 _LINEARS = (
     "banded",
     "sparse-blocks",
@@ -141,7 +143,9 @@ _LINEARS = (
     "bicgstab-banded",
 )
 # Two of the combinations that once failed; each compiles four programs (about
-# 20 s on a quiet CPU, minutes on a loaded one), so the rest are slow.
+# 20 s on a quiet CPU, minutes on a loaded one), so the rest are slow. (BiCGStab's
+# NaN gradients, BDF and Rodas5P with "bicgstab-banded", are also caught quickly
+# by `tests/test_linear_solver.py`'s BiCGStab tests.)
 _QUICK = {
     ("BDF", "sparse-blocks", "recursive"),
     ("BDF", "gmres-sparse", "recursive"),
@@ -178,20 +182,8 @@ def _cases():
     return [pytest.param(*c, marks=_marks(c)) for c in cases]
 
 
-# Reverse mode through BiCGStab with a banded preconditioner gives NaN gradients
-# (BDF and Rodas5P; found when this tier first ran): a known bug, kept visible.
-_NAN_GRADIENTS = {
-    ("BDF", "bicgstab-banded", "recursive"),
-    ("Rodas5P", "bicgstab-banded", "recursive"),
-}
-
-
 def _marks(case) -> list:
-    marks = [] if case in _QUICK else [pytest.mark.slow]
-    if case in _NAN_GRADIENTS:
-        reason = "NaN gradient through BiCGStab with a banded preconditioner"
-        marks.append(pytest.mark.xfail(reason=reason, strict=False))
-    return marks
+    return [] if case in _QUICK else [pytest.mark.slow]
 
 
 @pytest.mark.parametrize("stiff,linear,adjoint", _cases())

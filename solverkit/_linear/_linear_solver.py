@@ -20,39 +20,16 @@ matrix) or a matrix `(n, n)`.
 """
 
 import abc
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.lax as lax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
-import lineax as lx
-import numpy as np
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
-from .._closure._convert import Closure, closure_convert
-from .._closure._unvmap import error_if
-from .._tree import nograd
-from ._banded import (
-    band_lu,
-    band_lu_solve,
-    band_matvec,
-    BandLU,
-    BlockedBandLU,
-    dense_to_bands,
-)
 from ._linalg import Inverse, inverse, lu_factorisation, value_and_jacobian
-from ._sparsity import (
-    bandwidths,
-    colour_columns,
-    components,
-    coordinates,
-    reverse_cuthill_mckee,
-)
 
 
 FlatFn = Callable[[Array], Array]
@@ -186,6 +163,17 @@ class AbstractLinearSolver(eqx.Module):
         del x
         return self
 
+    def holds_converted_callable(self) -> bool:
+        """Whether this solver holds a user function closure-converted (by
+        `closure_converted`) for one state shape, which another state (a
+        `BacksolveAdjoint`'s backward one) cannot use. By default `False`.
+
+        **Returns:**
+
+        A Python bool.
+        """
+        return False
+
 
 class DenseLinearSolver(AbstractLinearSolver):
     """Dense Jacobians (one forward-mode pass of `n` columns) and dense LU
@@ -211,7 +199,7 @@ class DenseLinearSolver(AbstractLinearSolver):
         return factor.solve(rhs)
 
 
-def _check_point(fn: FlatFn, x: Array, name: str) -> None:
+def check_point(fn: FlatFn, x: Array, name: str) -> None:
     """Static checks of `linearise`'s arguments: `x` a vector, `fn(x)` one like it."""
     if x.ndim != 1:
         raise ValueError(f"{name}.linearise: `x` must be a vector (n,), got {x.shape}")
@@ -223,7 +211,8 @@ def _check_point(fn: FlatFn, x: Array, name: str) -> None:
         )
 
 
-def _check_mass(mass: Array | None, n: int, name: str) -> None:
+def check_mass(mass: Array | None, n: int, name: str) -> None:
+    """Static check of `factorise`'s `mass`: `None`, `(n,)` or `(n, n)`."""
     if mass is not None and mass.shape not in ((n,), (n, n)):
         raise ValueError(
             f"{name}.factorise: `mass` must be None, a vector ({n},) or a matrix "
@@ -231,7 +220,7 @@ def _check_mass(mass: Array | None, n: int, name: str) -> None:
         )
 
 
-def _probe_failed(
+def probe_failed(
     jvp: FlatFn, product: Callable[[Array], tuple[Array, Array]], n: int, dtype
 ) -> Array:
     """Whether the Jacobian (by one JVP) and its compressed representation (by
@@ -242,557 +231,6 @@ def _probe_failed(
     assumed, scale = product(v)
     tol = jnp.sqrt(jnp.finfo(dtype).eps)
     return jnp.any(jnp.abs(exact - assumed) > tol * (scale + jnp.abs(exact)))
-
-
-class BandedLinearSolver(AbstractLinearSolver):
-    """Banded Jacobians: `lower` sub-diagonals and `upper` super-diagonals.
-
-    The Jacobian costs `lower + upper + 1` Jacobian-vector products (columns `c` with
-    the same `c mod (lower + upper + 1)` share one: no row has two of them in its
-    band), is stored as bands (`O(n·bw)` memory), and `M - γh J` is factorised by
-    band Gaussian elimination with partial pivoting (`O(n·bw²)` work). For 1-D
-    discretised PDEs and chains of reactions, and for any field whose unknowns can be
-    ordered so that each couples only to near neighbours.
-
-    **Arguments:**
-
-    - `lower`, `upper`: the numbers of sub- and super-diagonals of `∂f/∂y` (of the
-      ravelled state).
-    - `check`: each `linearise` also compares one more Jacobian-vector product,
-      with a random vector, against the banded product, and raises an error (at run
-      time, also under `jit`) if the Jacobian has entries outside the bands.
-
-    A mass matrix may be `None`, a vector, or a dense matrix with no entries outside
-    the bands (checked at run time). An exactly singular `M - γh J` gives a NaN
-    solution (a stiff solver rejects the step); no error is raised.
-    """
-
-    lower: int = eqx.field(static=True)
-    upper: int = eqx.field(static=True)
-    check: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        for name in ("lower", "upper"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(
-                    f"BandedLinearSolver: `{name}` must be an int >= 0, got {value!r}"
-                )
-
-    def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Array]:
-        _check_point(fn, x, "BandedLinearSolver")
-        n = x.shape[0]
-        lower, width = self.lower, self.lower + self.upper + 1
-        colours = min(width, n)
-        seeds = jnp.arange(n)[None, :] % width == jnp.arange(colours)[:, None]
-        value, jvp = jax.linearize(fn, x)
-        compressed = jax.vmap(jvp)(seeds.astype(x.dtype))  # (colours, n)
-        col = jnp.arange(n)[:, None] - lower + jnp.arange(width)[None, :]
-        inside = (col >= 0) & (col < n)
-        rows = jnp.broadcast_to(jnp.arange(n)[:, None], col.shape)
-        bands = jnp.where(
-            inside, compressed[jnp.where(inside, col, 0) % width, rows], 0
-        )
-        if self.check:
-            failed = _probe_failed(
-                jvp,
-                lambda v: (
-                    band_matvec(bands, lower, v),
-                    band_matvec(jnp.abs(bands), lower, v),
-                ),
-                n,
-                x.dtype,
-            )
-            bands = error_if(
-                bands,
-                failed,
-                0,
-                [
-                    f"BandedLinearSolver(lower={self.lower}, upper={self.upper}): "
-                    "the Jacobian has entries outside these bands; pass the right "
-                    "bandwidths (or use SparseLinearSolver / DenseLinearSolver)"
-                ],
-            )
-        return value, bands
-
-    def factorise(
-        self, jac: Array, gamma_h: Array, mass: Array | None
-    ) -> BandLU | BlockedBandLU:
-        n = jac.shape[0]
-        _check_mass(mass, n, "BandedLinearSolver")
-        matrix = -jnp.asarray(gamma_h, jac.dtype) * jac
-        if mass is None:
-            matrix = matrix.at[:, self.lower].add(1)
-        elif mass.ndim == 1:
-            matrix = matrix.at[:, self.lower].add(mass.astype(jac.dtype))
-        else:
-            banded = dense_to_bands(mass.astype(jac.dtype), self.lower, self.upper)
-            offset = jnp.arange(n)[None, :] - jnp.arange(n)[:, None]
-            outside_band = (offset > self.upper) | (-offset > self.lower)
-            outside = jnp.any(jnp.where(outside_band, mass, 0) != 0)
-            banded = error_if(
-                banded,
-                outside,
-                0,
-                [
-                    f"BandedLinearSolver(lower={self.lower}, upper={self.upper}): "
-                    "the mass matrix has entries outside the bands"
-                ],
-            )
-            matrix = matrix + banded
-        return band_lu(matrix, self.lower)
-
-    def solve(self, factor: BandLU | BlockedBandLU, rhs: Array, fn: FlatFn) -> Array:
-        del fn
-        return band_lu_solve(factor, rhs).astype(rhs.dtype)
-
-
-def _blocks_lu_solve(lu: Array, permutation: Array, rhs: Array) -> Array:
-    """Solve with many small LU factors at once, `(nb, b, b)` packed as
-    `lax.linalg.lu` returns them (with its `permutation`, `(nb, b)`), for
-    right-hand sides `(nb, b)`: forward and back substitution column by column,
-    each step one vectorised operation over all the blocks (`b <= _BLOCK_MAX`). On
-    XLA:CPU about 8× faster than a batched `lu_solve` (3,334 blocks of 3: 0.10 ms
-    against 0.79 ms), which runs a triangular solve per block."""
-    b = lu.shape[-1]
-    rows = jnp.arange(b)
-    x = jnp.take_along_axis(rhs, permutation, axis=1)
-    for k in range(b - 1):  # L, unit diagonal
-        x = x - jnp.where(rows > k, lu[:, :, k] * x[:, k : k + 1], 0)
-    for k in reversed(range(b)):  # U
-        xk = x[:, k] / lu[:, k, k]
-        x = x.at[:, k].set(xk)
-        if k:
-            x = x - jnp.where(rows < k, lu[:, :, k] * xk[:, None], 0)
-    return x
-
-
-# SparseLinearSolver: connected components up to this size are factorised as dense
-# blocks (batched LU); above this many unknowns a pattern is never factorised densely.
-_BLOCK_MAX = 32
-_DENSE_MAX = 4096
-
-
-class _HostArrays:
-    """Named numpy int32 arrays, read-only, hashed and compared by value (so that a
-    solver holding them may be a static argument and its indices constants)."""
-
-    def __init__(self, **arrays: np.ndarray):
-        self._arrays = {}
-        for name, array in arrays.items():
-            array = np.array(array, np.int32)
-            array.flags.writeable = False
-            self._arrays[name] = array
-        self._hash = hash(
-            tuple((k, a.shape, a.tobytes()) for k, a in self._arrays.items())
-        )
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._arrays[name]
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _HostArrays) and (
-            self is other
-            or (
-                self._hash == other._hash
-                and self._arrays.keys() == other._arrays.keys()
-                and all(
-                    np.array_equal(a, other._arrays[k]) for k, a in self._arrays.items()
-                )
-            )
-        )
-
-
-class SparseLinearSolver(AbstractLinearSolver):
-    """Jacobians with a known sparsity pattern.
-
-    At construction (on the host, with numpy) the columns are coloured so that no row
-    has two nonzeros of one colour: the Jacobian then costs one Jacobian-vector
-    product per colour (3 for a tridiagonal pattern, 5 for a 2-D 5-point stencil,
-    the block size for independent blocks), stored as its nonzeros only. The
-    factorisation of `M - γh J` follows the pattern's shape:
-
-    - independent blocks of at most 32 unknowns (the pattern's connected
-      components, e.g. many copies of a small reaction network): a batched dense LU
-      of the blocks;
-    - otherwise, reordered by reverse Cuthill–McKee to a small bandwidth: the band LU
-      of [`BandedLinearSolver`][solverkit.BandedLinearSolver] when the bandwidth is
-      at most half of `n` (or `n > 4096`);
-    - otherwise a dense LU, for up to 4096 unknowns (above, a `ValueError`: use
-      [`KrylovLinearSolver`][solverkit.KrylovLinearSolver]).
-
-    **Arguments:**
-
-    - `pattern`: the nonzeros of `∂f/∂y` (of the ravelled state): a boolean `(n, n)`
-      array-like, or a scipy.sparse matrix (its stored entries). The diagonal is
-      always added.
-    - `check`: each `linearise` also compares one more Jacobian-vector product, with
-      a random vector, against the sparse product, and raises an error (at run time,
-      also under `jit`) if the Jacobian has entries outside the pattern.
-
-    A mass matrix may be `None`, a vector, or a dense matrix with no entries outside
-    the pattern (checked at run time). An exactly singular `M - γh J` gives a NaN
-    solution (a stiff solver rejects the step); no error is raised.
-    """
-
-    n: int = eqx.field(static=True)
-    n_colours: int = eqx.field(static=True)
-    kind: str = eqx.field(static=True)  # "blocks", "banded" or "dense"
-    lower: int = eqx.field(static=True)  # banded: the bandwidths after reordering
-    block: int = eqx.field(static=True)  # blocks: the block size
-    size: int = eqx.field(static=True)  # length of the (padded, reordered) vector
-    check: bool = eqx.field(static=True)
-    # Host index arrays (static: the solver is hashable, its indices constants):
-    # the nonzeros (with the diagonal), sorted by row; the colour of each column;
-    # the index of each (i, i) among the nonzeros; the flat index of each nonzero in
-    # the factorised matrix; the diagonal of the padding (blocks); the index of each
-    # unknown in the (padded, reordered) vector, and its inverse (`spread`).
-    _indices: _HostArrays = eqx.field(static=True)
-
-    @property
-    def rows(self) -> np.ndarray:
-        return self._indices["rows"]
-
-    @property
-    def cols(self) -> np.ndarray:
-        return self._indices["cols"]
-
-    @property
-    def colour(self) -> np.ndarray:
-        return self._indices["colour"]
-
-    def __init__(self, pattern, check: bool = True):
-        n, rows, cols = coordinates(pattern)
-        self.n, self.check = n, check
-        colour = colour_columns(n, rows, cols)
-        self.n_colours = int(colour.max()) + 1
-        self.lower, self.block = 0, 0
-        label = components(n, rows, cols)
-        sizes = np.bincount(label)
-        pads = np.zeros(0, np.int64)
-        if len(sizes) > 1 and sizes.max() <= _BLOCK_MAX:
-            self.kind, b = "blocks", int(sizes.max())
-            order = np.argsort(label, kind="stable")
-            local = np.empty(n, np.int64)
-            local[order] = np.arange(n) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-            places = label * b + local
-            slots = label[rows] * b * b + local[rows] * b + local[cols]
-            self.block, self.size = b, len(sizes) * b
-            unused = np.setdiff1d(np.arange(self.size), places)
-            pads = (unused // b) * b * b + (unused % b) * (b + 1)
-        else:
-            order = reverse_cuthill_mckee(n, rows, cols)
-            places = np.empty(n, np.int64)
-            places[order] = np.arange(n)
-            lower, upper = bandwidths(rows, cols, places)
-            width = lower + upper + 1
-            if 2 * width <= n or n > _DENSE_MAX:
-                if 2 * width > n:
-                    raise ValueError(
-                        f"SparseLinearSolver: {n} unknowns whose pattern has "
-                        f"bandwidth {width} even after reordering: too large for a "
-                        "direct solve; use KrylovLinearSolver"
-                    )
-                self.kind, self.lower = "banded", lower
-                slots = places[rows] * width + (places[cols] - places[rows] + lower)
-            else:
-                self.kind, places = "dense", np.arange(n)
-                slots = rows.astype(np.int64) * n + cols
-            self.size, self.block = n, width
-        # The inverse of `places`: the unknown at each place, `n` (a zero) where
-        # none. Solves move the right-hand side in by this gather, not by a scatter
-        # to `places`, so that JAX can transpose them (reverse mode through a
-        # tangent solve: BDF's implicit derivative, a Krylov preconditioner).
-        spread = np.full(self.size, n, np.int64)
-        spread[places] = np.arange(n)
-        self._indices = _HostArrays(
-            rows=rows,
-            cols=cols,
-            colour=colour,
-            diagonal=np.flatnonzero(rows == cols),
-            slots=slots,
-            pads=pads,
-            places=places,
-            spread=spread,
-        )
-
-    def _product(self, values: Array, v: Array) -> Array:
-        return jax.ops.segment_sum(
-            values * v[self.cols], self.rows, self.n, indices_are_sorted=True
-        )
-
-    def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Array]:
-        _check_point(fn, x, "SparseLinearSolver")
-        if x.shape[0] != self.n:
-            raise ValueError(
-                f"SparseLinearSolver.linearise: `x` must have shape ({self.n},) (the "
-                f"pattern's), got {x.shape}. (With BacksolveAdjoint, the backward "
-                "solve's state is larger: pass `BacksolveAdjoint(solver=...)` a "
-                "solver with another linear solver, or use "
-                "RecursiveCheckpointAdjoint.)"
-            )
-        seeds = self.colour[None, :] == np.arange(self.n_colours)[:, None]
-        value, jvp = jax.linearize(fn, x)
-        compressed = jax.vmap(jvp)(jnp.asarray(seeds, x.dtype))
-        values = compressed[self.colour[self.cols], self.rows]
-        if self.check:
-            failed = _probe_failed(
-                jvp,
-                lambda v: (self._product(values, v), self._product(jnp.abs(values), v)),
-                self.n,
-                x.dtype,
-            )
-            values = error_if(
-                values,
-                failed,
-                0,
-                [
-                    "SparseLinearSolver: the Jacobian has entries outside the "
-                    "sparsity pattern; pass a pattern holding every nonzero (or "
-                    "use DenseLinearSolver)"
-                ],
-            )
-        return value, values
-
-    def factorise(self, jac: Array, gamma_h: Array, mass: Array | None):
-        _check_mass(mass, self.n, "SparseLinearSolver")
-        values = -jnp.asarray(gamma_h, jac.dtype) * jac
-        if mass is None:
-            values = values.at[self._indices["diagonal"]].add(1)
-        elif mass.ndim == 1:
-            values = values.at[self._indices["diagonal"]].add(mass.astype(jac.dtype))
-        else:
-            inside = mass[self.rows, self.cols].astype(jac.dtype)
-            outside = jnp.any(mass.at[self.rows, self.cols].set(0) != 0)
-            inside = error_if(
-                inside,
-                outside,
-                0,
-                ["SparseLinearSolver: the mass matrix has entries outside the pattern"],
-            )
-            values = values + inside
-        if self.kind == "banded":
-            buffer = (
-                jnp.zeros(self.n * self.block, jac.dtype)
-                .at[self._indices["slots"]]
-                .add(values)
-            )
-            return band_lu(buffer.reshape(self.n, self.block), self.lower)
-        if self.kind == "blocks":
-            b = self.block
-            buffer = (
-                jnp.zeros(self.size * b, jac.dtype)
-                .at[self._indices["slots"]]
-                .add(values)
-            )
-            matrix = buffer.at[self._indices["pads"]].set(1).reshape(-1, b, b)
-        else:
-            buffer = (
-                jnp.zeros(self.n * self.n, jac.dtype)
-                .at[self._indices["slots"]]
-                .add(values)
-            )
-            matrix = buffer.reshape(self.n, self.n)
-        lu, pivots, permutation = jax.lax.linalg.lu(matrix)
-        return lu, permutation if self.kind == "blocks" else pivots
-
-    def _spread(self, rhs: Array, dtype) -> Array:
-        """`rhs` moved to the (padded, reordered) places of the factorised matrix,
-        zeros elsewhere: one gather (transposable, unlike a scatter of `set`)."""
-        padded = jnp.concatenate([rhs.astype(dtype), jnp.zeros(1, dtype)])
-        return padded[self._indices["spread"]]
-
-    def solve(self, factor, rhs: Array, fn: FlatFn) -> Array:
-        del fn
-        if self.kind == "banded":
-            b = self._spread(rhs, factor.dtype)
-            return band_lu_solve(factor, b)[self._indices["places"]].astype(rhs.dtype)
-        lu, pivots = factor
-        b = self._spread(rhs, lu.dtype)
-        if self.kind == "blocks":
-            x = _blocks_lu_solve(lu, pivots, b.reshape(-1, self.block)).reshape(-1)
-        else:
-            x = jsl.lu_solve((lu, pivots), b)
-        singular = jnp.any(jnp.diagonal(lu, axis1=-2, axis2=-1) == 0)
-        return jnp.where(singular, jnp.nan, x[self._indices["places"]]).astype(
-            rhs.dtype
-        )
-
-
-class _KrylovFactor(eqx.Module):
-    point: Array
-    gamma_h: Array
-    mass: Array | None
-    preconditioner: Any
-
-
-class KrylovLinearSolver(AbstractLinearSolver):
-    """Matrix-free Newton–Krylov: no Jacobian is formed; each product with
-    `M - γh J` is one Jacobian-vector product of the field at the linearisation
-    point, inside lineax's GMRES or BiCGStab.
-
-    For large systems whose Jacobian is too wide to factorise (2-D and 3-D PDEs),
-    ideally with a preconditioner. Derivatives of a solve (with respect to the
-    right-hand side, the point and whatever the field closes over) are implicit,
-    exact up to the tolerances (lineax's; for `solve_tangent`, the same iteration
-    with the transposed operator), and never taken through the preconditioner.
-
-    **Arguments:**
-
-    - `method`: `"gmres"` (the robust default) or `"bicgstab"` (less memory, may
-      break down).
-    - `rtol`, `atol`: lineax's stopping rule, `|r| <= atol + rtol |b|` in the max
-      norm.
-    - `max_steps`: the most iterations.
-    - `restart`: GMRES's restart length.
-    - `preconditioner`: `None`; another linear solver (a
-      [`BandedLinearSolver`][solverkit.BandedLinearSolver] or
-      [`SparseLinearSolver`][solverkit.SparseLinearSolver] of an approximate
-      pattern, with `check=False`), linearised and factorised along with this one and
-      applied as `(M - γh J̃)^{-1}`; or a callable `p(v, point, gamma_h)` returning
-      an approximation of `(M - γh J(point))^{-1} v`, linear in `v`. Like the
-      vector field, the callable may close over anything (a differentiated or
-      vmapped value): `diffeqsolve` closure-converts it on entry (for
-      `BacksolveAdjoint`, pass the backward solve a solver of its own).
-
-    A solve that does not converge within `max_steps` (or breaks down) returns NaN,
-    so that a stiff solver rejects the step; no error is raised.
-    """
-
-    method: str = eqx.field(static=True, default="gmres")
-    rtol: float = eqx.field(static=True, default=1e-7)
-    atol: float = eqx.field(static=True, default=1e-10)
-    max_steps: int = eqx.field(static=True, default=256)
-    restart: int = eqx.field(static=True, default=20)
-    preconditioner: AbstractLinearSolver | Callable | None = None
-
-    def __check_init__(self):
-        if self.method not in ("gmres", "bicgstab"):
-            raise ValueError(
-                "KrylovLinearSolver: `method` must be 'gmres' or 'bicgstab', got "
-                f"{self.method!r}"
-            )
-        p = self.preconditioner
-        if not (p is None or isinstance(p, AbstractLinearSolver) or callable(p)):
-            raise ValueError(
-                "KrylovLinearSolver: `preconditioner` must be None, a linear solver "
-                f"or a callable; got {type(self.preconditioner).__name__}"
-            )
-
-    def closure_converted(self, x: jax.ShapeDtypeStruct) -> "KrylovLinearSolver":
-        p = self.preconditioner
-        if isinstance(p, AbstractLinearSolver):
-            return dataclasses.replace(self, preconditioner=p.closure_converted(x))
-        if p is None or isinstance(p, Closure):
-            return self
-        gamma_h = jax.ShapeDtypeStruct((), x.dtype)
-        closed = closure_convert(p, x, x, gamma_h)
-        out = closed.out_struct
-        if not (
-            isinstance(out, jax.ShapeDtypeStruct)
-            and out.shape == x.shape
-            and jnp.issubdtype(out.dtype, jnp.inexact)
-        ):
-            raise ValueError(
-                "KrylovLinearSolver: `preconditioner(v, point, gamma_h)` must return "
-                f"an array of the shape of `v`, {x.shape}, of floating dtype; got "
-                f"{out}"
-            )
-        return dataclasses.replace(self, preconditioner=closed)
-
-    def linearise(self, fn: FlatFn, x: Array) -> tuple[Array, Any]:
-        _check_point(fn, x, "KrylovLinearSolver")
-        if isinstance(self.preconditioner, AbstractLinearSolver):
-            value, jac = self.preconditioner.linearise(fn, x)
-            return value, (x, jac)
-        return fn(x), (x, None)
-
-    def factorise(self, jac: Any, gamma_h: Array, mass: Array | None):
-        point, approximate = jac
-        _check_mass(mass, point.shape[0], "KrylovLinearSolver")
-        gamma_h = jnp.asarray(gamma_h, point.dtype)
-        factor = None
-        if isinstance(self.preconditioner, AbstractLinearSolver):
-            factor = self.preconditioner.factorise(approximate, gamma_h, mass)
-        return _KrylovFactor(point, gamma_h, mass, factor)
-
-    def solve(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
-        b = rhs.astype(factor.point.dtype)
-        matvec = self._matvec(factor, fn)
-        x = self._iterate(matvec, self._preconditioner(factor, fn, b), b)
-        return x.astype(rhs.dtype)
-
-    def solve_tangent(self, factor: _KrylovFactor, rhs: Array, fn: FlatFn) -> Array:
-        # The iteration (and its NaN on failure) as a black box, declared linear in
-        # `rhs`: transposed by the same iteration with `(M - γh J)^T` and the
-        # transposed preconditioner, differentiated only through the operator.
-        b = rhs.astype(factor.point.dtype)
-        precondition = self._preconditioner(factor, fn, b)
-        transposed = None if precondition is None else precondition.transpose()
-        x = lax.custom_linear_solve(
-            self._matvec(factor, fn),
-            b,
-            lambda mv, v: self._iterate(mv, precondition, v),
-            lambda vm, v: self._iterate(vm, transposed, v),
-        )
-        return x.astype(rhs.dtype)
-
-    def _matvec(self, factor: _KrylovFactor, fn: FlatFn) -> FlatFn:
-        """`v -> (M - γh J) v`, `J` at the factor's point."""
-        point, gamma_h, mass = factor.point, factor.gamma_h, factor.mass
-        _, jvp = jax.linearize(fn, point)
-        return lambda v: mass_matvec(mass, v) - gamma_h * jvp(v)
-
-    def _preconditioner(self, factor: _KrylovFactor, fn: FlatFn, b: Array):
-        """The preconditioner as a lineax operator, or `None`. It changes how fast
-        the iteration converges, not where to: no derivatives through it (lineax
-        takes none through `options`; neither does `custom_linear_solve` through
-        its solves)."""
-        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
-        if isinstance(self.preconditioner, AbstractLinearSolver):
-            inner, pfactor = self.preconditioner, factor.preconditioner
-            apply = lambda v: inner.solve(pfactor, v, fn)  # noqa: E731
-        elif self.preconditioner is not None:
-            p, point, gamma_h = self.preconditioner, factor.point, factor.gamma_h
-            apply = lambda v: p(v, point, gamma_h)  # noqa: E731
-        else:
-            return None
-        return nograd(lx.FunctionLinearOperator(apply, structure))
-
-    def _iterate(self, matvec: FlatFn, preconditioner, b: Array) -> Array:
-        """lineax's GMRES or BiCGStab; NaN where it fails.
-
-        BiCGStab breaks down on `b = 0` (a state at equilibrium, a zero cotangent).
-        There it solves for `x + u` (`u` all ones), whose right-hand side `b + A u`
-        is not zero, and subtracts `u`: a function linear in `b`, so its derivatives
-        are those of `A^{-1} b`; the value is then set to the exact 0 without
-        touching them."""
-        if self.method == "gmres":
-            return self._lineax(matvec, preconditioner, b)
-        zero = lax.stop_gradient(jnp.all(b == 0))
-        u = jnp.where(zero, 1, 0).astype(b.dtype) * jnp.ones_like(b)
-        shift = lax.cond(zero, matvec, jnp.zeros_like, u)
-        x = self._lineax(matvec, preconditioner, b + shift) - u
-        return x - lax.stop_gradient(jnp.where(zero, x, 0))
-
-    def _lineax(self, matvec: FlatFn, preconditioner, b: Array) -> Array:
-        structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
-        operator = lx.FunctionLinearOperator(matvec, structure)
-        options = {}
-        if preconditioner is not None:
-            options["preconditioner"] = preconditioner
-        if self.method == "gmres":
-            method = lx.GMRES(
-                self.rtol, self.atol, max_steps=self.max_steps, restart=self.restart
-            )
-        else:
-            method = lx.BiCGStab(self.rtol, self.atol, max_steps=self.max_steps)
-        solution = lx.linear_solve(operator, b, method, options=options, throw=False)
-        converged = solution.result == lx.RESULTS.successful
-        return jnp.where(converged, solution.value, jnp.nan)
 
 
 def _is_linear_solver(x) -> bool:
@@ -822,11 +260,10 @@ def convert_linear_solvers(solver: PyTree, y0: PyTree) -> PyTree:
 
 def has_converted_callable(solver: PyTree) -> bool:
     """Whether a linear solver in `solver` holds a user function converted (by
-    `convert_linear_solvers`) for one state shape: a `KrylovLinearSolver`'s callable
-    preconditioner."""
-    for s in jax.tree_util.tree_leaves(solver, is_leaf=_is_linear_solver):
-        if isinstance(s, KrylovLinearSolver):
-            p = s.preconditioner
-            if isinstance(p, Closure) or has_converted_callable(p):
-                return True
-    return False
+    `convert_linear_solvers`) for one state shape (a `KrylovLinearSolver`'s
+    callable preconditioner)."""
+    return any(
+        s.holds_converted_callable()
+        for s in jax.tree_util.tree_leaves(solver, is_leaf=_is_linear_solver)
+        if _is_linear_solver(s)
+    )

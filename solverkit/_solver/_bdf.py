@@ -51,11 +51,11 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
 from .._controller._norm import rms_norm
+from .._linear._krylov import KrylovLinearSolver
 from .._linear._linear_solver import (
     AbstractLinearSolver,
     algebraic_residual,
     DenseLinearSolver,
-    KrylovLinearSolver,
 )
 from .._select import where
 from .._solution import RESULTS
