@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import ShapedArray
+from jax.core import ShapedArray, Tracer
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -104,7 +104,7 @@ def eager(tree) -> bool:
     if os.environ.get("EQX_ON_ERROR", "raise") != "raise" or not _at_top_level():
         return False
     leaves = jax.tree_util.tree_leaves(tree)
-    return not any(isinstance(x, jax.core.Tracer) for x in leaves)
+    return not any(isinstance(x, Tracer) for x in leaves)
 
 
 def raise_failed(result, ok_codes, messages) -> None:
