@@ -64,19 +64,29 @@ def test_scalar_zero_term_in_a_multiterm_as_diffrax():
 
 
 def test_nested_clip_controllers_take_python_float_times():
+    """Called by hand with Python-float times, nested clip controllers take diffrax's
+    steps to the ulp: a step ends one ulp before a jump, the next starts one after."""
+    y0 = jnp.array([1.0])
+    ends = {}
+    for lib in (diffrax, sk):
+        term = lib.ODETerm(lambda t, y, args: -y)
+        inner = lib.ClipStepSizeController(
+            lib.PIDController(rtol=1e-6, atol=1e-6), step_ts=jnp.array([0.5])
+        )
+        clip = lib.ClipStepSizeController(inner, jump_ts=jnp.array([0.25]))
+        tnext, state = clip.init(term, 0.0, 1.0, y0, 0.4, None, term.vf, 5)
+        keep, t0, t1, made_jump, _, _ = clip.adapt_step_size(
+            0.0, tnext, y0, y0 * 0.8, None, y0 * 0.0, 5, state
+        )
+        ends[lib] = (float(tnext), bool(keep), float(t0), float(t1), bool(made_jump))
+    assert ends[sk] == ends[diffrax]
+    assert np.float32(ends[sk][0]) == np.nextafter(np.float32(0.25), np.float32(0))
+    assert ends[sk][3] <= 0.5  # clipped to the inner step time
     term = sk.ODETerm(lambda t, y, args: -y)
     inner = sk.ClipStepSizeController(
         sk.PIDController(rtol=1e-6, atol=1e-6), step_ts=jnp.array([0.5])
     )
     clip = sk.ClipStepSizeController(inner, jump_ts=jnp.array([0.25]))
-    y0 = jnp.array([1.0])
-    tnext, state = clip.init(term, 0.0, 1.0, y0, 0.4, None, term.vf, 5)
-    assert float(tnext) == 0.25  # clipped to the jump
-    keep, t0, t1, made_jump, _, _ = clip.adapt_step_size(
-        0.0, 0.25, y0, y0 * 0.8, None, y0 * 0.0, 5, state
-    )
-    assert bool(keep) and float(t0) == 0.25 and bool(made_jump)
-    assert float(t1) <= 0.5  # clipped to the inner step time
     sol = sk.diffeqsolve(
         term, sk.Tsit5(), 0.0, 1.0, 0.1, y0, stepsize_controller=clip, max_steps=64
     )
