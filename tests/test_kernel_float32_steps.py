@@ -60,6 +60,7 @@ def test_rejected_step_near_t1_float32():
     assert abs(steps_k.sum() - steps_r.sum()) <= 0.01 * steps_r.sum()
 
 
+@pytest.mark.slow  # ~40 s (interpret mode); the float32 case above keeps the rule quick
 def test_rejected_step_near_t1_same_steps_float64(x64):
     # The same problem at t0 = 2^40, where float64 times are 2.4e-4 apart and the
     # window is ~2.4e-2: the retries fall into it (48 of 128 solves spun before).
