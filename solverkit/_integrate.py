@@ -22,6 +22,7 @@ from ._saveat import SaveAt
 from ._select import where
 from ._setup import (
     as_state,
+    bind_controller,
     check_arguments,
     Keep,
     legacy_event,
@@ -116,10 +117,7 @@ def diffeqsolve(
     event = legacy_event(event, discrete_terminating_event)
     resume = resume_states(solver_state, controller_state, made_jump)
     times = solve_times(t0, t1, dt0)
-    # No terms here to pass: the built-in solvers' error orders don't use them.
-    error_order = solver.error_order(None)  # pyright: ignore[reportArgumentType]
-    stepsize_controller.check(error_order, times.known_t0, times.known_t1, dt0)
-    solver = solver.bind_controller_tols(stepsize_controller.tolerances())
+    solver = bind_controller(solver, stepsize_controller, times, dt0)
     y0 = as_state(y0)
     problem = make_problem(
         terms, solver, times, y0, args, saveat, stepsize_controller, event,

@@ -85,6 +85,15 @@ def solve_times(
     return times
 
 
+def bind_controller(solver, controller, times: Times, dt0):
+    """`solver`, given `controller`'s tolerances (for its Newton iterations), once
+    `controller` is checked against the solver's error order and the times."""
+    # No terms here to pass: the built-in solvers' error orders don't use them.
+    error_order = solver.error_order(None)
+    controller.check(error_order, times.known_t0, times.known_t1, dt0)
+    return solver.bind_controller_tols(controller.tolerances())
+
+
 def as_state(y0: Y):
     def leaf(y: Y):
         y = jnp.asarray(y)

@@ -38,7 +38,14 @@ from .._problem import Problem
 from .._progress import AbstractProgressMeter, NoProgressMeter
 from .._saveat import SaveAt
 from .._select import where
-from .._setup import as_state, check_arguments, Keep, make_problem, solve_times
+from .._setup import (
+    as_state,
+    bind_controller,
+    check_arguments,
+    Keep,
+    make_problem,
+    solve_times,
+)
 from .._solution import EventRecord, Result, RESULTS, Solution
 from .._solver import AbstractSolver
 from .._term import AbstractTerm
@@ -327,10 +334,7 @@ def ensemble_solve(
     t0, t1, saveat, per_trajectory = split_times(t0, t1, saveat, batch)
     _check_one_grid(stepsize_controller, per_trajectory)
     times = solve_times(t0, t1, dt0)
-    # No terms here to pass: the built-in solvers' error orders don't use them.
-    error_order = solver.error_order(None)  # pyright: ignore[reportArgumentType]
-    stepsize_controller.check(error_order, times.known_t0, times.known_t1, dt0)
-    solver = solver.bind_controller_tols(stepsize_controller.tolerances())
+    solver = bind_controller(solver, stepsize_controller, times, dt0)
     y0 = as_state(y0)
     first = lambda tree: jtu.tree_map(  # noqa: E731
         lambda x: x[0] if eqx.is_array(x) else x, tree
