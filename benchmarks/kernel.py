@@ -3,7 +3,7 @@ loop (`kernel=False`) and diffrax (`jax.vmap(diffrax.diffeqsolve)`).
 
 `python -m benchmarks.kernel --out DIR [--dtype float32] [--sizes 4096,65536]
 [--methods kernel,kernel@32,vmap,diffrax] [--repeats 3] [--grad] [--cases
-lorenz,lorenz_grad,lotka_volterra_grad] [--smoke]`
+lorenz,lorenz_grad,lotka_volterra_grad] [--t1 T] [--throw] [--smoke]`
 
 Cases (one process, whatever device JAX sees; each case's errors are caught and
 written down, the rest go on):
@@ -24,7 +24,9 @@ Per case, size and method: the first call (trace, compile, run), the median run
 time, the steps (max and mean over trajectories), microseconds per step (run time /
 max steps: one step of the whole ensemble) and the fraction of the chip's
 element-wise peak (FLOPs per step counted from the jaxpr, over a measured peak of
-fused multiply-adds). Writes `kernel.json` and `kernel.md` under `--out`.
+fused multiply-adds). Writes `kernel.json` and `kernel.md` under `--out`. Every
+solve runs with `throw=False` (all methods alike); `--throw` times them with the
+run-time error check instead.
 
 `--smoke` compiles the kernel on the device, solves one small ensemble and compares
 it with the lane loop, then an event (Dopri5) and a gradient, printing which stage
@@ -74,6 +76,11 @@ def _rows_of(method: str) -> int | None:
 # The end of the Lorenz solves (`--t1`): 1 as in DiffEqGPU's benchmark (about 34
 # steps); longer horizons show the cost of a step rather than of a solve.
 _T1 = [1.0]
+# `throw` of every solve (`--throw`): False by default, for every method alike. A jitted
+# solve with `throw=True` carries a run-time error check, a host callback that costs
+# about 2 ms a call on a TPU (benchmarks/results/tpu-v5-lite/kernel_profile), which
+# would hide the solvers' own times at small N.
+_THROW = [False]
 
 
 def _lorenz_solver(method: str, dtype):
@@ -87,7 +94,7 @@ def _lorenz_solver(method: str, dtype):
             return diffrax.diffeqsolve(
                 diffrax.ODETerm(_lorenz_field(sigma, beta)), diffrax.Tsit5(), 0.0,
                 t1, None, y0, rho, stepsize_controller=diffrax.PIDController(**ctrl),
-                max_steps=16384,
+                max_steps=16384, throw=_THROW[0],
             )  # fmt: skip
 
         return jax.jit(jax.vmap(one))
@@ -97,7 +104,7 @@ def _lorenz_solver(method: str, dtype):
         return sk.ensemble_solve(
             sk.ODETerm(_lorenz_field(sigma, beta)), sk.Tsit5(), 0.0, t1, None, y0,
             rho, stepsize_controller=sk.PIDController(**ctrl), kernel=kernel,
-            max_steps=16384,
+            max_steps=16384, throw=_THROW[0],
         )  # fmt: skip
 
     return jax.jit(solve)
@@ -123,6 +130,7 @@ def _lv_loss(method: str, dtype):
                     diffrax.ODETerm(_lv_field), diffrax.Tsit5(), 0.0, 5.0, None, y,
                     q, saveat=diffrax.SaveAt(ts=ts),
                     stepsize_controller=diffrax.PIDController(**ctrl),
+                    throw=_THROW[0],
                 ).ys  # fmt: skip
 
             ys = jax.vmap(one)(y0, p)
@@ -130,7 +138,7 @@ def _lv_loss(method: str, dtype):
             ys = sk.ensemble_solve(
                 sk.ODETerm(_lv_field), sk.Tsit5(), 0.0, 5.0, None, y0, p,
                 saveat=sk.SaveAt(ts=ts), stepsize_controller=sk.PIDController(**ctrl),
-                kernel=method.startswith("kernel"),
+                kernel=method.startswith("kernel"), throw=_THROW[0],
             ).ys  # fmt: skip
         return jnp.sum((ys - data) ** 2)
 
@@ -167,15 +175,20 @@ def _flops_per_step(n: int = 3) -> int:
 
 
 def _peak_flops(dtype) -> float:
-    """Measured element-wise peak: chains of multiply-adds on a large array."""
-    x = jnp.ones((4096, 1024), dtype)
+    """Measured element-wise peak: one fusion of 256 dependent multiply-adds per
+    element of an 8 MB array (read once, written once: compute-bound, not bound by
+    memory as a loop over the array in memory would be)."""
+    x = jnp.ones((2048, 1024), dtype)
+    depth = 256
 
     @jax.jit
     def chain(x):
-        return jax.lax.fori_loop(0, 64, lambda i, x: x * 0.999 + 0.001, x)
+        for _ in range(depth):  # unrolled: XLA fuses the chain into one kernel
+            x = x * 0.999 + 0.001
+        return x
 
-    _, _, t = _time(chain, (x,), 3)
-    return 2 * 64 * x.size / t
+    _, _, t = _time(chain, (x,), 5)
+    return 2 * depth * x.size / t
 
 
 def _case(name, method, n, dtype, repeats, grad):
@@ -296,10 +309,14 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=None, help="comma-separated case names")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
+        "--throw", action="store_true", help="solves with throw=True (see _THROW)"
+    )
+    parser.add_argument(
         "--t1", type=float, default=1.0, help="end of the Lorenz solves"
     )
     ns = parser.parse_args(argv)
     _T1[0] = ns.t1
+    _THROW[0] = ns.throw
     if ns.smoke:
         return _smoke()
     if ns.dtype == "float64":
