@@ -241,11 +241,12 @@ def metadata(
 
 def failure_status(error: BaseException, library: str) -> str:
     """`"oom"` when the device ran out of memory (for every library alike), else
-    `"error"` for solverkit and `"unsupported"` for a peer."""
+    `"error"` for solverkit (either way of running it) and `"unsupported"` for a
+    peer."""
     text = f"{type(error).__name__} {error}"
     if any(m in text for m in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")):
         return "oom"
-    return "error" if library == "solverkit" else "unsupported"
+    return "error" if library.startswith("solverkit") else "unsupported"
 
 
 def run_task(
