@@ -348,8 +348,11 @@ def run_case(
     args: argparse.Namespace,
     records: list[Record],
     progress: Callable[[str], None],
+    done: Callable[[], None] = lambda: None,
 ) -> None:
-    """Run every planned task of `case`, appending a `Record` for each."""
+    """Run every planned task of `case`, appending a `Record` for each and calling
+    `done()` after each (to write the rows so far: a run cut by a time limit keeps
+    them)."""
     seconds = args.deadline.get(case.name, args.deadline.get(None, math.inf))
     deadline = time.monotonic() + seconds
     too_slow: dict[tuple[str, str], int] = {}  # (variant, library) -> size past budget
@@ -382,6 +385,7 @@ def run_case(
             ) * record.repeats
             if spent > args.budget:
                 too_slow[task.variant, task.library] = min(size, slow or size)
+        done()
 
 
 def _kept_records(out: pathlib.Path, args: argparse.Namespace) -> list[Record]:
@@ -433,8 +437,9 @@ def main(argv: list[str] | None = None) -> list[Record]:
             args,
             records,
             bar.set_postfix_str,
+            lambda: report.write_tables(out, meta, records, descriptions),
         )
-        text = report.write_all(out, meta, records, descriptions)  # partial results
+        text = report.write_all(out, meta, records, descriptions)  # and the plots
     bar.close()
     print(text)
     print(f"wrote {out}/results.json, results.md and plots", file=sys.stderr)

@@ -281,6 +281,25 @@ def _bars(path: pathlib.Path, case: str, records: list[Record]) -> None:
     plt.close(fig)
 
 
+def write_tables(
+    out: pathlib.Path,
+    meta: dict[str, Any],
+    records: list[Record],
+    cases: dict[str, str],
+) -> str:
+    """Write `results.json` and `results.md` into `out`.
+
+    **Returns:**
+
+    The Markdown text.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", meta, records)
+    text = markdown(meta, records, cases)
+    (out / "results.md").write_text(text)
+    return text
+
+
 def write_all(
     out: pathlib.Path,
     meta: dict[str, Any],
@@ -293,10 +312,7 @@ def write_all(
 
     The Markdown text.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", meta, records)
-    text = markdown(meta, records, cases)
-    (out / "results.md").write_text(text)
+    text = write_tables(out, meta, records, cases)
     for case in dict.fromkeys(r.case for r in records):
         plot(out / f"{case}.png", case, records)
     return text
