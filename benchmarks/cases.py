@@ -422,29 +422,33 @@ def lotka_volterra_tasks(
                 task = Task(f"grad-{short}", label, "float32", grad, "grad", throw)
                 tasks.append(task)
     if "gradsolve" in libs:
-        gs = libs["gradsolve"]
-        problem = _gradsolve_problem(lambda t, y, p: _lv_field(y, p), 2, LV_T1)
-        tasks += [
-            Task(
-                "forward",
-                "gradsolve",
-                "float64",
-                lambda: _gradsolve_forward(gs, problem, y0, params, LV_TOL),
-                "y",
-            ),
-            Task(
-                "grad-record-replay",
-                "gradsolve",
-                "float64",
-                lambda: _gradsolve_grad(
-                    gs, problem, y0, params, LV_TOL, lambda y: jnp.sum(y**2)
-                ),
-                "grad",
-            ),
-        ]
+        tasks += _lv_gradsolve_tasks(libs["gradsolve"], params, y0)
     variants = [("forward", "float32", "y")]
     variants += [(f"grad-{a}", "float32", "grad") for a in ADJOINTS]
     return tasks + _torchdiffeq_tasks(libs, variants)
+
+
+def _lv_gradsolve_tasks(gs: Any, params: np.ndarray, y0: np.ndarray) -> list[Task]:
+    """gradsolve's adaptive forward solve and record-and-replay gradient."""
+    problem = _gradsolve_problem(lambda t, y, p: _lv_field(y, p), 2, LV_T1)
+    return [
+        Task(
+            "forward",
+            "gradsolve",
+            "float64",
+            lambda: _gradsolve_forward(gs, problem, y0, params, LV_TOL),
+            "y",
+        ),
+        Task(
+            "grad-record-replay",
+            "gradsolve",
+            "float64",
+            lambda: _gradsolve_grad(
+                gs, problem, y0, params, LV_TOL, lambda y: jnp.sum(y**2)
+            ),
+            "grad",
+        ),
+    ]
 
 
 def lotka_volterra_reference(n: int) -> Reference:
