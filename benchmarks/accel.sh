@@ -44,12 +44,13 @@
 # ENSEMBLE_ARGS, STIFF_ARGS, EVENTS_ARGS replace those modules' flags; extra
 # arguments go to every `python -m benchmarks` step (sizes: LORENZ_SIZES,
 # LORENZ_BIG, LV_SIZE, NODE_SIZES, not --sizes). Try it on a CPU with tiny sizes
-# (about 10 minutes on 2 shared cores):
+# (the 540 s budget; on 2 loaded cores the step limits cut rows, which are kept):
 #
 #   ALLOW_CPU=1 DTYPE=float32 KERNEL_ARGS="--sizes 256 --repeats 1 --methods vmap" \
-#       ENSEMBLE_ARGS="--sizes 256 --repeats 1" STIFF_ARGS="--quick" \
-#       EVENTS_ARGS="--quick" LORENZ_SIZES=16,64 LORENZ_BIG=256 LV_SIZE=16 \
-#       NODE_SIZES=16 bash benchmarks/accel.sh --repeats 1 \
+#       ENSEMBLE_ARGS="--sizes 256 --repeats 1" EVENTS_ARGS="--quick" \
+#       STIFF_ARGS="--plan rodas5p-vmap:16:1e-5 --repeats 1" \
+#       LORENZ_SIZES=16,64 LORENZ_BIG=256 LV_SIZE=16 NODE_SIZES=16 \
+#       bash benchmarks/accel.sh --repeats 1 \
 #       --peers solverkit,solverkit-ensemble,diffrax --out /tmp/accel-try
 set -uo pipefail
 cd "$(dirname "$0")/.."
