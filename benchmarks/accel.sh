@@ -23,7 +23,7 @@
 #   6. benchmarks.stiff_ensemble, 7. benchmarks.events (N = 1024),
 #   8. the neural ODE, N = 256 and 4096 (gradients).
 #
-# Steps 1-3 and 8 run solverkit twice, as `jax.vmap(diffeqsolve)` (`solverkit`) and
+# Steps 1-3 run solverkit twice, as `jax.vmap(diffeqsolve)` (`solverkit`) and
 # through its ensemble API, `ensemble_solve(kernel=None)` (`solverkit-ensemble`: the
 # whole-solve kernel where it supports the solve, the lane loop elsewhere; its rows
 # name the path), beside diffrax (`jax.vmap(diffeqsolve)`) and gradsolve, each row
