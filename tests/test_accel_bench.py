@@ -195,3 +195,17 @@ def test_ensemble_peer_matches_the_reference(kernel, monkeypatch):
         assert record.max_abs_error < bound, (task.variant, record.max_abs_error)
         path = "kernel" if kernel else "lane loop"
         assert record.note.startswith(f"path: {path}"), record.note
+
+
+def test_rows_are_written_as_they_finish():
+    # A step cut by its time limit keeps the rows it finished: `done` follows each.
+    args = suite.parse_args(["--cases", "stiff", "--dtype", "float32", "--sizes", "4"])
+    records: list[Record] = []
+    seen: list[int] = []
+    case = CASES["stiff"]
+    case = type(case)(**{**case.__dict__, "reference": lambda n: None})
+    suite.run_case(
+        case, [4], {"solverkit": None}, args, records, lambda _: None,
+        lambda: seen.append(len(records)),
+    )  # fmt: skip
+    assert seen == list(range(1, len(records) + 1))
