@@ -320,16 +320,17 @@ def plan(
     case: Case, sizes: list[int], libs: dict[str, Any], args: argparse.Namespace
 ) -> list[tuple[int, Task]]:
     """The (size, task) pairs to run, in order: sizes spread (see `spread`), and at
-    each size the libraries of one variant one after the other."""
+    each size the libraries of one variant one after the other (in the tables'
+    order)."""
     out = []
     for size in spread(sizes):
         tasks = case.tasks(size, libs, args.dtype, args.throw)
         variants = list(dict.fromkeys(t.variant for t in tasks))
         if args.variants is not None:  # the order asked for
             variants = [v for v in args.variants if v in variants]
-        for task in sorted(
+        for task in sorted(  # solverkit's rows first: the cheaper first calls
             (t for t in tasks if t.variant in variants),
-            key=lambda t: variants.index(t.variant),
+            key=lambda t: (variants.index(t.variant), report.library_rank(t.library)),
         ):
             if args.quick and args.variants is None and case.quick_variants:
                 if task.variant not in case.quick_variants:

@@ -88,18 +88,21 @@ suite() {
         || { echo "accel.sh: step exited with $?" >&2; rc=1; }
 }
 
-# Step limits (PLANNED DEADLINE) from the chip's costs (results/tpu-v5-lite/accel):
-# at N = 4096 about 45 s of first calls for the three peers and the new one's
-# ~15 s; at 65,536 diffrax's fixed-step gradient alone ~40 s (15.7 s a run), last.
-# The first step writes afresh, the others --append. The adaptive variants (the
-# kernel's) first; the Lorenz gradients up to 2^20 (the fixed-step checkpointed
-# gradient's memory: see docs/benchmarks.md).
+# Step limits (PLANNED DEADLINE) from the chip's costs (results/tpu-v5-lite/accel,
+# first call + runs): at N = 4096 about 45 s for solverkit, diffrax and gradsolve
+# and an estimated 15 s for solverkit-ensemble; at 65,536 about as much, plus
+# diffrax's fixed-step gradient alone ~40 s (15.7 s a run), the last row; at 2^20
+# diffrax's adaptive forward 16 s and its adaptive gradient an estimated 25 s. So
+# the variants the kernel serves (adaptive) go first, each variant's solverkit
+# rows before diffrax's, and a deadline leaves out the last rows (recorded as
+# skipped; a row cut by the limit itself is lost). The first step writes afresh,
+# the others --append; the 2^20 fixed-step gradient (its memory: see
+# docs/benchmarks.md) comes last.
 LORENZ_VARIANTS=adaptive-forward,adaptive-grad,fixed-forward,fixed-grad
-suite 150 110 --cases lorenz --sizes "${LORENZ_SIZES:-4096,65536}" \
+suite 140 100 --cases lorenz --sizes "${LORENZ_SIZES:-4096,65536}" \
     --variants "$LORENZ_VARIANTS" "$@"
-suite 70 50 --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
-    --variants adaptive-forward,fixed-forward,adaptive-grad,fixed-grad \
-    --grad-max-size 1048576 --append "$@"
+suite 80 50 --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
+    --variants "$LORENZ_VARIANTS" --grad-max-size 1048576 --append "$@"
 suite 70 50 --cases lotka_volterra --sizes "${LV_SIZE:-4096}" --append "$@"
 
 # The kernel against solverkit's lane loop (kernel=False), with steps and time per

@@ -32,7 +32,7 @@ LIBRARY_ORDER = (
 RATIO_LIBRARIES = ("solverkit", "solverkit-ensemble")
 
 
-def _library_rank(library: str) -> int:
+def library_rank(library: str) -> int:
     order = LIBRARY_ORDER
     return order.index(library) if library in order else len(order)
 
@@ -182,7 +182,7 @@ def markdown(meta: dict[str, Any], records: list[Record], cases: dict[str, str])
             list(cases).index(records[i].case) if records[i].case in cases else 99,
             records[i].variant,
             records[i].size,
-            _library_rank(records[i].library),
+            library_rank(records[i].library),
         ),
     )
     current = None
@@ -197,7 +197,7 @@ def markdown(meta: dict[str, Any], records: list[Record], cases: dict[str, str])
 
 def _color(library: str) -> str:
     """The same colour for a library in every panel and plot."""
-    return f"C{_library_rank(library)}"
+    return f"C{library_rank(library)}"
 
 
 def plot(path: pathlib.Path, case: str, records: list[Record]) -> None:
@@ -218,7 +218,7 @@ def plot(path: pathlib.Path, case: str, records: list[Record]) -> None:
     rows = math.ceil(len(variants) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
     for ax, variant in zip(axes.flat, variants):
-        for library in sorted(series[variant], key=_library_rank):
+        for library in sorted(series[variant], key=library_rank):
             pts = sorted(series[variant][library], key=lambda r: r.size)
             y = [r.run_median_s for r in pts]
             err = [
@@ -251,7 +251,7 @@ def plot(path: pathlib.Path, case: str, records: list[Record]) -> None:
 def _bars(path: pathlib.Path, case: str, records: list[Record]) -> None:
     """Run time per variant (log scale), a bar per library, min-max as error bars."""
     variants = sorted({r.variant for r in records})
-    libraries = sorted({r.library for r in records}, key=_library_rank)
+    libraries = sorted({r.library for r in records}, key=library_rank)
     width = 0.8 / len(libraries)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(variants)), 4))
     for j, library in enumerate(libraries):
