@@ -545,16 +545,19 @@ def _lorenz_ensemble_tasks(
     adaptive gradient's `max_steps` sweep)."""
     tasks = []
     for mode, dtype in dtypes.items():
-        x = (jnp.asarray(rho, dtype),)
+        # The arrays are made when a job is (in its precision), as for the others.
 
-        def forward(mode=mode, x=x):
+        def forward(mode=mode, dtype=dtype):
             solve = _lorenz_ensemble(sk, mode, tol, throw)
+            x = (jnp.asarray(rho, dtype),)
             return Job(solve, x, explain=ensemble_peer.explain(False))
 
-        def grad(mode=mode, x=x):
+        def grad(mode=mode, dtype=dtype):
             solve = _lorenz_ensemble(sk, mode, tol, throw)
-            fn = _sum_of_squares_grad(solve)
-            return Job(fn, x, explain=ensemble_peer.explain(True))
+            x = (jnp.asarray(rho, dtype),)
+            return Job(
+                _sum_of_squares_grad(solve), x, explain=ensemble_peer.explain(True)
+            )
 
         name = "solverkit-ensemble"
         tasks.append(Task(f"{mode}-forward", name, dtype, forward, "y", throw))

@@ -209,3 +209,21 @@ def test_rows_are_written_as_they_finish():
         lambda: seen.append(len(records)),
     )  # fmt: skip
     assert seen == list(range(1, len(records) + 1))
+
+
+def test_jobs_are_made_in_their_own_precision():
+    # A task's arrays are made when its job is, in the task's precision (a float64
+    # row must not be computed from float32 inputs made at planning time).
+    import jax
+
+    from benchmarks.cases import load_peers
+    from benchmarks.harness import precision
+
+    libs, _ = load_peers(["solverkit", "solverkit-ensemble", "diffrax"])
+    tasks = CASES["lorenz"].tasks(4, libs, None, True)
+    assert {t.dtype for t in tasks} == {"float32", "float64"}
+    for task in tasks:
+        with precision(task.dtype):
+            job = task.make()
+        dtypes = {str(x.dtype) for x in jax.tree_util.tree_leaves(job.args)}
+        assert dtypes == {task.dtype}, (task.variant, task.library, dtypes)
