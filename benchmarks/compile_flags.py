@@ -10,6 +10,19 @@ cleared in between and the persistent cache off. Reported:
 the median CPU seconds of the process during one compile (all threads; a loaded
 machine stretches wall time far more than CPU time). Settings are compared by ratio
 to the default, measured in turns on the same machine.
+
+Measured on the shared 2-core machine under a load of ~17 (`--repeats 2`; CPU s of
+one compile, ratio to the default; the settings ran one after another, so their
+ratios carry the load's drift too):
+
+| setting | Tsit5 fwd | grad | vmap grad | BDF grad |
+|---|---|---|---|---|
+| default | 0.70 | 2.75 | 3.60 | 9.00 |
+| disable_most_optimizations | 0.58 (0.83) | 2.12 (0.77) | 2.41 (0.67) | 6.57 (0.73) |
+| xla_flags_o0 | 0.46 (0.66) | 1.79 (0.65) | 2.16 (0.60) | 5.82 (0.65) |
+
+The suite takes the JAX setting: it is read at each compile (a test can opt out) and
+is part of the persistent cache's key; XLA_FLAGS hold for the whole process.
 """
 
 import argparse
