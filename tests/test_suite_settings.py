@@ -1,6 +1,6 @@
 """The test suite's own machinery (conftest.py, helpers.py): compile counting stays
 right with the persistent compilation cache on; the `quick_cases` marker; the
-per-test profile (`SOLVERKIT_TEST_PROFILE`)."""
+per-test profile (`SOLVERKIT_TEST_PROFILE`); the session's compile settings."""
 
 import os
 import pathlib
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import count_compiles
+from jax._src import compiler
 
 from benchmarks import suite_profile as profile
 
@@ -73,3 +74,21 @@ def test_profile_records_every_test(tmp_path: pathlib.Path):
     # At least the test's program twice: compiled, then read back after clearing.
     assert rows[0]["compiles"] >= 2 and rows[0]["cpu_s"] > 0
     assert "| quick (not slow) | 1 |" in profile.report(rows, top=1)
+
+
+def _optimization_level() -> int:
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    return options.executable_build_options.debug_options.xla_backend_optimization_level
+
+
+def test_session_compiles_with_most_optimizations_off():
+    # conftest's `_quick_compiles`, unless SOLVERKIT_TEST_OPTIMIZE=1; subprocesses
+    # inherit it through the environment.
+    if os.environ.get("SOLVERKIT_TEST_OPTIMIZE", "") not in ("", "0"):
+        pytest.skip("SOLVERKIT_TEST_OPTIMIZE is set")
+    assert _optimization_level() == 0
+    assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+
+
+def test_optimized_compiles_fixture(optimized_compiles):
+    assert _optimization_level() > 0
