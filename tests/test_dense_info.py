@@ -262,3 +262,29 @@ def test_implicit_loop_dense_output_unchanged_by_public_form():
     interp = solver.interpolation_cls(t0=_T0, t1=_T1, **info)
     for t in np.linspace(_T0, _T1, 5):
         _close(sol.evaluate(t), interp.evaluate(t), 2.0)
+
+
+# --- Rosenbrock and BDF (solverkit's own: not in diffrax 0.7.2) ----------------------
+
+
+@pytest.mark.parametrize("name", ["Rosenbrock23", "Ros3P", "Rodas4", "Rodas5P", "BDF"])
+def test_own_solvers_interpolation_cls_from_step(name):
+    # `interpolation_cls(t0=, t1=, **dense_info)` works on `step`'s output (a dict;
+    # a NamedTuple before, which `**` rejects) and gives the loop's dense output.
+    y0 = _y0()
+    solver = getattr(sk, name)(
+        **(dict(rtol=1e-10, atol=1e-10) if name == "BDF" else {})
+    )
+    term = sk.ODETerm(_stiff_field())
+    state = solver.init(term, _T0, _T1, y0, None)
+    y1, _, info, _, _ = solver.step(term, _T0, _T1, y0, None, state, False)
+    assert isinstance(info, dict)
+    interp = solver.interpolation_cls(t0=_T0, t1=_T1, **info)  # Python-float times
+    sol = sk.diffeqsolve(
+        term, solver, _T0, _T1, _T1 - _T0, y0, saveat=sk.SaveAt(dense=True)
+    )
+    _close(interp.evaluate(_T0), y0, 2.0)
+    _close(interp.evaluate(_T1), y1, 2.0)
+    for t in np.linspace(_T0, _T1, 5):
+        _close(interp.evaluate(t), solver.interpolate(info, _T0, _T1, t), 2.0)
+        _close(interp.evaluate(t), sol.evaluate(t), 2.0)
