@@ -37,6 +37,7 @@ and count as failures. diffrax's tests import optax (test_adjoint) and scipy
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -279,7 +280,7 @@ def _session(work, names: list, args, env, out: pathlib.Path) -> str:
         proc.wait(timeout=args.timeout)
         tail = ""
     except subprocess.TimeoutExpired:
-        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+        for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
             try:
                 os.killpg(proc.pid, sig)
                 proc.wait(timeout=grace)
@@ -315,6 +316,8 @@ def _parse(argv):
         args.tests is None or not (args.tests / "helpers.py").exists()
     ):
         parser.error(f"tests={args.tests}: expected diffrax's test/ folder")
+    if args.workers and importlib.util.find_spec("xdist") is None:
+        parser.error(f"-n {args.workers} needs pytest-xdist (and execnet) installed")
     return args
 
 
