@@ -71,6 +71,7 @@ ODE_FILES = (
 NOT_ODE = (
     "test_integrate.py::test_sde_strong_order",
     "test_adjoint.py::test_sde_against",
+    "test_adjoint.py::test_forward_mode_runge_kutta",  # a ControlTerm, Brownian path
     "test_solver.py::test_adaptive_dt0_milstein",
     "test_adaptive_stepsize_controller.py::test_revisit_steps",  # a ControlTerm
 )
