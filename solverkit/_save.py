@@ -31,6 +31,9 @@ from ._tree import tree_add
 
 # How `write` writes the rows at `SaveAt(ts=...)` (see there).
 TsRows = Literal["loop", "masked", "skip"]
+# Up to this many save times, a step finds its rows by comparing with each of them
+# (one element-wise kernel); past it, by bisection (log2 of them gathers).
+_COMPARE_ALL_MAX = 64
 
 
 def _save_value(problem: Problem, save: Save, tau: RealScalarLike, y: Y):
@@ -159,9 +162,14 @@ def _interpolated(problem: Problem, save: Save, out: StepOut, tau: RealScalarLik
 
 def _rows(ts, t0: RealScalarLike, t1: RealScalarLike, accepted):
     """`(lo, hi)`: the rows `lo <= i < hi` of the (sorted) save times `ts` in
-    `t0 < ts[i] <= t1`, none where the step was rejected."""
-    lo = jnp.searchsorted(ts, t0, side="right").astype(jnp.int32)
-    hi = jnp.searchsorted(ts, t1, side="right").astype(jnp.int32)
+    `t0 < ts[i] <= t1`, none where the step was rejected.
+
+    Found without a loop: by comparing with every time for a few of them, else by
+    an unrolled bisection (`searchsorted`'s default is a `while_loop`, two more
+    loops in every step, forwards and backwards)."""
+    method = "compare_all" if ts.shape[0] <= _COMPARE_ALL_MAX else "scan_unrolled"
+    lo = jnp.searchsorted(ts, t0, side="right", method=method).astype(jnp.int32)
+    hi = jnp.searchsorted(ts, t1, side="right", method=method).astype(jnp.int32)
     return lo, where(accepted, hi, lo)
 
 
