@@ -328,7 +328,8 @@ def body(
     if active is not True:
         out = out._replace(accepted=out.accepted & active)
         new = tree_where(active, new, carry)
-    return new, _save.write(problem, new, out, bufs, differentiable)
+    ts_rows = "masked" if differentiable else "loop"
+    return new, _save.write(problem, new, out, bufs, ts_rows)
 
 
 class Progress(NamedTuple):
