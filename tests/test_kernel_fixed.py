@@ -98,6 +98,36 @@ def test_max_steps_and_nonfinite_result(x64):
     np.testing.assert_allclose(kern.ys, ref.ys, rtol=0, atol=1e-13)
 
 
+@pytest.mark.slow
+def test_event_float64(x64):
+    """A terminal event with fixed steps: the lane loop's steps, event times and
+    saves to round-off, and the analytic time of a fall."""
+    height = 10.0 + jnp.linspace(0.0, 5.0, N)
+    y0 = jnp.stack([height, jnp.zeros(N)], axis=1)
+    scale = jnp.linspace(0.5, 2.0, N)
+    gravity = jnp.asarray(9.81)
+
+    def solve(kernel):
+        return sk.ensemble_solve(
+            sk.ODETerm(lambda t, y, a: jnp.stack([y[1], -gravity * a])), sk.Tsit5(),
+            0.0, 10.0, 0.1, y0, scale, saveat=sk.SaveAt(ts=jnp.linspace(0, 10, 6),
+            t1=True), stepsize_controller=sk.ConstantStepSize(),
+            event=sk.Event(lambda t, y, a, **kw: y[0]), kernel=kernel,
+        )  # fmt: skip
+
+    kern, ref = solve(True), solve(False)
+    # The same steps and crossing search: round-off (times <= 10, heights <= 15).
+    np.testing.assert_allclose(kern.t1, ref.t1, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(kern.ts, ref.ts, rtol=0, atol=1e-12)  # inf where inf
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=0, atol=1e-11)
+    np.testing.assert_array_equal(kern.stats["num_steps"], ref.stats["num_steps"])
+    np.testing.assert_array_equal(kern.event_mask, ref.event_mask)
+    # A quadratic fall, which Tsit5 integrates exactly: the analytic time, to the
+    # crossing search's accuracy (test_kernel.py's bound).
+    exact = jnp.sqrt(2 * height / (9.81 * scale))
+    np.testing.assert_allclose(kern.t1, exact, rtol=1e-6)
+
+
 def _loss(y0, rho, sigma, kernel):
     k = jnp.arange(y0.shape[0], dtype=jnp.int32) % 3  # a vmapped integer index
     sol = sk.ensemble_solve(
