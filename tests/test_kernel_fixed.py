@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernel import _lorenz, _problem
+from test_kernel import _inner_jaxprs, _lorenz, _problem, _splat_selects
 
 import solverkit as sk
 from solverkit._errors import UnsupportedError
@@ -200,3 +200,36 @@ def test_unsupported_controllers_and_missing_dt0():
                 term, sk.Tsit5(), 0.0, T1, None, y0, args, kernel=kernel,
                 stepsize_controller=sk.ConstantStepSize(),
             )  # fmt: skip
+
+
+def test_lowers_for_tpu_with_real_tiles(monkeypatch):
+    """The fixed-step kernel lowers for a TPU (Mosaic's lowering rules, on the CPU)
+    and, as test_kernel checks for the PID kernel, no select in it takes a splat
+    (the TPU's compiler rejects those)."""
+    y0, args = _problem(jnp.float32, N)
+
+    def solve(y0, args):
+        return sk.ensemble_solve(
+            sk.ODETerm(_lorenz(jnp.asarray(10.0), 8 / 3)), sk.Tsit5(), 0.0, T1, DT0,
+            y0, args, saveat=_saveat(jnp.float32), kernel=True, throw=False,
+            stepsize_controller=sk.ConstantStepSize(),
+        )  # fmt: skip
+
+    # (Lowered first: `make_jaxpr` below would cache the interpreted trace.)
+    monkeypatch.setattr(_kernel_solve, "DEFAULT_INTERPRET", False)
+    lowered = jax.jit(solve).trace(y0, args).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+    kernels, found = [], []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                kernels.append(eqn.params["jaxpr"])
+            for inner in _inner_jaxprs(eqn):
+                walk(inner)
+
+    walk(jax.make_jaxpr(solve)(y0, args).jaxpr)
+    assert kernels
+    for k in kernels:
+        _splat_selects(k, found)
+    assert not found, "\n".join(str(e) for e in found[:5])
