@@ -1,9 +1,9 @@
 """The `solverkit-ensemble` peer: a case's ensemble through solverkit's ensemble API,
 `solverkit.ensemble_solve(..., kernel=None)`, which takes the whole-solve Pallas
 kernel where it supports the solve (on a TPU: an explicit FSAL Runge-Kutta method
-with a `PIDController`, no per-trajectory times, `SaveAt(t1=True)` or `ts`) and the
-lane loop otherwise (`ConstantStepSize`, or any solve off a TPU: on an accelerator
-its default is the lockstep loop, on a CPU lane refill).
+with a `PIDController` or `ConstantStepSize`, no per-trajectory times, `SaveAt(t1=True)`
+or `ts`) and the lane loop otherwise (any solve off a TPU: on an accelerator its
+default is the lockstep loop, on a CPU lane refill).
 
 Each trajectory's parameters go through `args` (a leading batch axis on every array
 leaf), as `ensemble_solve` takes them; its gradient with respect to them is that of
