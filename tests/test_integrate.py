@@ -6,6 +6,7 @@ import functools
 
 import diffrax
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -509,6 +510,48 @@ def test_new_function_does_recompile_and_is_right():
     b = solve(lambda t, y, args: y)
     np.testing.assert_allclose(a, np.exp(-1.0), rtol=1e-6)
     np.testing.assert_allclose(b, np.exp(1.0), rtol=1e-6)
+
+
+def _solve_jits(fn, *args) -> int:
+    """How many `jit`s of diffeqsolve's own the program of `jax.jit(fn)` holds."""
+
+    def count(jaxpr) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += eqn.primitive.name in ("jit", "pjit") and eqn.params[
+                "name"
+            ].startswith("_solve")
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                n += count(sub)
+        return n
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_traced_once_inside_jit_under_transformations():
+    # Inside a jit, under vmap or grad, the solve is traced directly rather than as a
+    # jit of its own that each transformation then traces again; under a plain jit it
+    # stays one (repeated solves share its trace). The numbers are the same.
+    power = jnp.asarray(1, jnp.int32)  # closed-over values of two dtypes
+
+    def final(k, y0):
+        field = lambda t, y, args: -k * y**power  # noqa: E731
+        return sk.diffeqsolve(
+            sk.ODETerm(field), sk.Tsit5(), 0.0, 1.0, 0.1, y0,
+            stepsize_controller=_decay_controller, max_steps=256,
+        ).ys[-1, 0]  # fmt: skip
+
+    k, y0 = jnp.array([0.5, 2.0]), jnp.array([[1.0], [3.0]])
+    batched = jax.vmap(final)
+    loss = jax.grad(lambda k, y0: batched(k, y0).sum())
+    assert _solve_jits(batched, k, y0) == 0
+    assert _solve_jits(loss, k, y0) == 0
+    assert _solve_jits(final, k[0], y0[0]) == 1
+    exact = np.asarray(y0[:, 0]) * np.exp(-np.asarray(k))
+    # PID at rtol = atol = 1e-8 on a smooth decay: the final state to ~1e-7.
+    np.testing.assert_allclose(jax.jit(batched)(k, y0), exact, rtol=1e-7)
+    np.testing.assert_allclose(jax.jit(loss)(k, y0), -exact, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(batched)(k, y0), batched(k, y0), rtol=1e-12)
 
 
 @pytest.mark.parametrize("solver_cls", solver_params(RK_SOLVERS))
