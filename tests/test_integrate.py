@@ -554,6 +554,40 @@ def test_traced_once_inside_jit_under_transformations():
     np.testing.assert_allclose(jax.jit(batched)(k, y0), batched(k, y0), rtol=1e-12)
 
 
+@pytest.mark.parametrize("controller", [sk.ConstantStepSize(), _decay_controller])
+def test_vmap_settles_the_loop_carry_in_one_pass(monkeypatch, controller):
+    # Under vmap JAX batches a while loop's body until the batched parts of the carry
+    # stop changing, each pass a trace of the whole body. The loop's initial carry is
+    # batched wherever the body would batch it (with fixed steps too: the state, the
+    # solver's state and the result code), so one pass settles it.
+    batching = pytest.importorskip("jax._src.interpreters.batching")
+    loops = pytest.importorskip("jax._src.lax.control_flow.loops")
+    passes, batch_jaxpr = [], batching.batch_jaxpr
+
+    def counted(jaxpr, axis_data, batched, instantiate):
+        out = batch_jaxpr(jaxpr, axis_data, batched, instantiate)
+        if isinstance(instantiate, list) and len(jaxpr.jaxpr.eqns) > 50:
+            passes.append(list(instantiate) == list(out[1]))
+        return out
+
+    monkeypatch.setattr(loops.batching, "batch_jaxpr", counted)
+    scale = jnp.array([0.5, 2.0])
+    count = jnp.asarray(2, jnp.int32)  # closed-over values of two dtypes
+
+    def final(k):
+        field = lambda t, y, args: -k * y * (count // 2)  # noqa: E731
+        return sk.diffeqsolve(
+            sk.ODETerm(field), sk.Tsit5(), 0.0, 1.0, 1e-2, jnp.array([1.0, 3.0]),
+            stepsize_controller=controller, max_steps=256,
+        ).ys[-1]  # fmt: skip
+
+    out = jax.jit(jax.vmap(final))(scale)
+    assert passes == [True]  # the loop body's one pass found nothing to batch anew
+    exact = np.array([1.0, 3.0]) * np.exp(-np.asarray(scale))[:, None]
+    # Tsit5 with dt = 1e-2 (error ~ dt^5 = 1e-10) or PID at 1e-8: well inside 1e-7.
+    np.testing.assert_allclose(out, exact, rtol=1e-7)
+
+
 @pytest.mark.parametrize("solver_cls", solver_params(RK_SOLVERS))
 def test_stages_in_a_loop_match_unrolled(solver_cls):
     # `scan_kind` (set by BacksolveAdjoint on its backward solver) runs the stages in
