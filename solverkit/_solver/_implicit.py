@@ -378,8 +378,8 @@ def _arguments_doc(stages: str) -> str:
         Jacobian after 50 steps, or at once after a convergence failure; a
         rejected step keeps them). Off by
         default: on small dense problems it is slower (Kvaerno5 on ROBER, 73
-        steps, CPU: 1.7x single, 2.8x with 16 lanes vmapped, where all lanes make
-        a new one when one lane needs it; `python -m benchmarks.jacobian_reuse
+        steps, CPU: 1.7x single, about 2x with 16 lanes vmapped, where all lanes
+        make a new one when one lane needs it; `python -m benchmarks.jacobian_reuse
         --time`). Gradients are exact either way (each stage's derivative uses
         the Jacobian at its root).
     """
