@@ -2,6 +2,7 @@
 right with the persistent compilation cache on; the `quick_cases` marker; the
 per-test profile (`SOLVERKIT_TEST_PROFILE`); the session's compile settings."""
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -92,3 +93,47 @@ def test_session_compiles_with_most_optimizations_off():
 
 def test_optimized_compiles_fixture(optimized_compiles):
     assert _optimization_level() > 0
+
+
+def _import_time_calls(tree: ast.Module) -> list[ast.Call]:
+    """The calls a module makes when it is imported: in its and its classes'
+    statements, decorators and default arguments (not in function or lambda
+    bodies)."""
+    calls, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            stack.extend(args.defaults + [d for d in args.kw_defaults if d])
+            stack.extend(getattr(node, "decorator_list", []))
+            continue
+        if isinstance(node, ast.Call):
+            calls.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return calls
+
+
+def _dtype_given(call: ast.Call) -> bool:
+    """Whether a `jnp` call names its dtype (`dtype=`, a `jnp.`/`np.` dtype among its
+    arguments, or is one: `jnp.float32(1.0)`)."""
+    names = [ast.unparse(a) for a in call.args] + [ast.unparse(call.func)]
+    dtypes = ("float", "int", "uint", "complex", "bool")
+    return any(k.arg == "dtype" for k in call.keywords) or any(
+        n.split(".")[-1].startswith(dtypes) and n.startswith(("jnp.", "np."))
+        for n in names
+    )
+
+
+def test_float64_files_build_no_jnp_arrays_at_import():
+    # A file that runs under the `x64` fixture is imported before x64 is on: a
+    # `jnp` array it makes at import, without a dtype, is silently float32 (as
+    # test_linear_solver_grad's parameters once were). Such constants are NumPy.
+    wrong = []
+    for path in sorted((_ROOT / "tests").glob("test_*.py")):
+        text = path.read_text()
+        if 'pytestmark = pytest.mark.usefixtures("x64")' not in text:
+            continue
+        for call in _import_time_calls(ast.parse(text)):
+            if ast.unparse(call.func).startswith("jnp.") and not _dtype_given(call):
+                wrong.append(f"{path.name}:{call.lineno}: {ast.unparse(call)}")
+    assert not wrong, "\n".join(wrong)

@@ -42,11 +42,11 @@ def _arguments_doc(stages: str) -> str:
         CVODE's rules (refactorise after a 30% change in `γh` or 20 steps; a new
         Jacobian after 50 steps, or at once after a convergence failure; a
         rejected step keeps them). Off by
-        default: on small dense problems it is slower (Kvaerno5 on ROBER: 1.6x
-        single, 2x vmapped, where a Jacobian and an inverse are ~27% of a step;
-        measured when its decisions computed both branches under `vmap`, where
-        now all lanes make a new one when one lane needs it). Gradients are
-        exact either way (each stage's derivative uses the Jacobian at its root).
+        default: on small dense problems it is slower (Kvaerno5 on ROBER, 73
+        steps, CPU: 1.7x single, about 2x with 16 lanes vmapped, where all lanes
+        make a new one when one lane needs it; `python -m benchmarks.jacobian_reuse
+        --time`). Gradients are exact either way (each stage's derivative uses
+        the Jacobian at its root).
     """
 
 
