@@ -198,6 +198,7 @@ def _close_steps(name, a, b, scale):
 
 
 @pytest.mark.parametrize("name", _ESDIRK + _IMEX)
+@pytest.mark.quick_cases("Kvaerno5", "KenCarp4")  # the others: full suite
 def test_implicit_dense_info_is_diffraxs(name):
     y0 = _y0()
     _, (y1, _, ours, _, result) = _implicit_step(sk, name, y0)
@@ -231,6 +232,7 @@ def test_implicit_interpolation_cls_is_diffraxs(name):
 
 
 @pytest.mark.parametrize("name", ["Kvaerno5", "KenCarp4"])
+@pytest.mark.quick_cases("KenCarp4")  # the IMEX pair form; Kvaerno5 in the full suite
 def test_implicit_dense_info_under_jit_vmap_grad(name):
     # As for the explicit solvers: a batch of initial states, the interpolant at
     # mid-step and its gradient with respect to the initial state, against diffrax.
@@ -268,6 +270,7 @@ def test_implicit_loop_dense_output_unchanged_by_public_form():
 
 
 @pytest.mark.parametrize("name", ["Rosenbrock23", "Ros3P", "Rodas4", "Rodas5P", "BDF"])
+@pytest.mark.quick_cases("Rodas5P", "BDF")  # one Rosenbrock and BDF
 def test_own_solvers_interpolation_cls_from_step(name):
     # `interpolation_cls(t0=, t1=, **dense_info)` works on `step`'s output (a dict;
     # a NamedTuple before, which `**` rejects) and gives the loop's dense output.
