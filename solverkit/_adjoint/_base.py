@@ -14,7 +14,6 @@ The checkpointed adjoint is in `_checkpoint.py`, the backsolve adjoint in
 import abc
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable
 
 import equinox as eqx
@@ -218,21 +217,8 @@ def custom_vjp(
             out = _match_varying(out, axes)
         return _first_order(out, adjoint)
 
-    solve.defvjp(solve_fwd, solve_bwd, **_GENERIC_BATCHING)
+    solve.defvjp(solve_fwd, solve_bwd)
     return solve(dynamic, *ops)
-
-
-# JAX >= 0.12 refuses, under `vmap`, a `custom_vjp` with an output shared across the
-# batch (unbatched: e.g. a fixed step grid, when only a closed-over value is vmapped)
-# that gets a cotangent while its backward pass gives a batched cotangent to an
-# unbatched input. `generic_batching` gives that output's cotangent to the first
-# example before summing, which is right for these rules (they are linear in the
-# cotangents). Older JAX sums the batched cotangent itself and has no such option.
-_GENERIC_BATCHING = (
-    {"generic_batching": True}
-    if "generic_batching" in inspect.signature(jax.custom_vjp.defvjp).parameters
-    else {}
-)
 
 
 class AbstractAdjoint(eqx.Module):
