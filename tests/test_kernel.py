@@ -348,6 +348,11 @@ def test_selects_on_real_tiles(x64, wheres):
             event=sk.Event(cond), kernel=True,
         )  # fmt: skip
 
+    assert_kernel_selects_on_real_tiles(jax.make_jaxpr(solve)(y0, a).jaxpr)
+
+
+def assert_kernel_selects_on_real_tiles(jaxpr):
+    """`jaxpr` holds a Pallas kernel, and no `select_n` in it has a splat operand."""
     kernels, found = [], []
 
     def walk(jaxpr):
@@ -357,7 +362,7 @@ def test_selects_on_real_tiles(x64, wheres):
             for inner in _inner_jaxprs(eqn):
                 walk(inner)
 
-    walk(jax.make_jaxpr(solve)(y0, a).jaxpr)
+    walk(jaxpr)
     assert kernels
     for k in kernels:
         _splat_selects(k, found)

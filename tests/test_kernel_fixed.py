@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernel import _inner_jaxprs, _lorenz, _problem, _splat_selects
+from test_kernel import _lorenz, _problem, assert_kernel_selects_on_real_tiles
 
 import solverkit as sk
 from solverkit._errors import UnsupportedError
@@ -235,17 +235,4 @@ def test_lowers_for_tpu_with_real_tiles(monkeypatch):
     monkeypatch.setattr(_kernel_solve, "DEFAULT_INTERPRET", False)
     lowered = jax.jit(solve).trace(y0, args).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
-    kernels, found = [], []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                kernels.append(eqn.params["jaxpr"])
-            for inner in _inner_jaxprs(eqn):
-                walk(inner)
-
-    walk(jax.make_jaxpr(solve)(y0, args).jaxpr)
-    assert kernels
-    for k in kernels:
-        _splat_selects(k, found)
-    assert not found, "\n".join(str(e) for e in found[:5])
+    assert_kernel_selects_on_real_tiles(jax.make_jaxpr(solve)(y0, args).jaxpr)
