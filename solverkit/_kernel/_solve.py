@@ -34,11 +34,16 @@ _EVENT = int(RESULTS.event_occurred.code)
 # Rows of 128 trajectories per block, when not told (None: `default_rows(N)`).
 DEFAULT_ROWS: int | None = None
 # A block has 8 rows per this many trajectories, in powers of two (8 to 64 rows).
-# One TensorCore runs the grid's blocks in sequence, so larger blocks amortise each
-# iteration's fixed cost: measured on a TPU v5e (Heun, Lorenz), 65,536 trajectories
-# took 14.0 ms in blocks of 8 rows, 5.0 ms in blocks of 32; 2^20 took 46 ms in
-# blocks of 64.
-_TRAJECTORIES_PER_8_ROWS = 16384
+# One TensorCore runs the grid's blocks in sequence, and a block's step is a chain
+# of dependent operations whose latency more tiles hide, so larger blocks amortise
+# each iteration's fixed cost: measured on a TPU v5e (Lorenz, Tsit5, float32,
+# benchmarks/results/tpu-v5-lite/stop44_rows), 1000 fixed steps of 4096
+# trajectories took 1.70 / 1.49 / 1.37 ms in blocks of 8 / 16 / 32 rows, of 16,384
+# 3.91 / 2.97 / 2.53 / 2.31 ms in blocks of 8 / 16 / 32 / 64; adaptive to t = 10,
+# 4096: 1.07 / 0.94 / 0.89 ms, 16,384: 1.52 / 1.40 / 1.27 / 1.21 ms; to t = 1
+# (34 steps: the call's fixed cost) within the runs' 10% noise at every size (stop
+# 42: 65,536 took 14.0 ms in blocks of 8 rows, 5.0 ms in 32; 2^20 46 ms in 64).
+_TRAJECTORIES_PER_8_ROWS = 1024
 _MAX_ROWS = 64
 # Run the kernel in Pallas' interpreter, when not told (None: except on a TPU;
 # False on a CPU lowers the kernel for a TPU: `.lower(lowering_platforms=("tpu",))`).
@@ -53,7 +58,7 @@ BACKWARD = "tangent"
 
 def default_rows(batch: int) -> int:
     """Rows per block for `batch` trajectories: 8 times the largest power of two
-    at most `batch / 16,384`, between 8 and 64."""
+    at most `batch / 1024`, between 8 and 64 (one block up to 8192 trajectories)."""
     factor = max(1, batch // _TRAJECTORIES_PER_8_ROWS)
     power = 1 << (factor.bit_length() - 1)
     return min(8 * power, _MAX_ROWS)
