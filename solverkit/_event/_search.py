@@ -44,11 +44,13 @@ class _Bracket(NamedTuple):
     near: Array  # whether `x` is within the tolerance of the crossing
     kept: Array  # int32: which end the last fallback step kept (0: a, 1: b)
     count: Array
+    unit: Array  # an ulp of the step's times (of its larger end)
 
 
 def _ulps(s: _Bracket, n: int) -> Array:
-    """About `n` ulps of the time (at least `n`, at most `2n`)."""
-    return n * jnp.finfo(s.b.dtype).eps * jnp.maximum(jnp.abs(s.a), jnp.abs(s.b))
+    """About `n` ulps of the step's times (at least `n`, at most `2n`): of its
+    larger end, also where the crossing is near zero (at `t0 = 0`, say)."""
+    return n * s.unit
 
 
 def _narrowed(s: _Bracket) -> Array:
@@ -126,7 +128,8 @@ def _search(g, a, b, fa, fb, done) -> Array:
     secant = (a * fb - b * fa) / (fb - fa)
     x = where(jnp.isfinite(secant) & (secant > a) & (secant < b), secant, (a + b) / 2)
     zero = jnp.zeros_like(a, dtype=jnp.int32)
-    s = _Bracket(a, b, fa, fb, x, done, zero - 1, zero)
+    unit = jnp.finfo(b.dtype).eps * jnp.maximum(jnp.abs(a), jnp.abs(b))
+    s = _Bracket(a, b, fa, fb, x, done, zero - 1, zero, unit)
     loose = jnp.sqrt(_ulps(s, 1) * (b - a))
 
     def newton(s):
