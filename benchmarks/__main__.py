@@ -39,6 +39,14 @@ def _deadlines(text: str) -> dict[str | None, float]:
     return out
 
 
+def _bool(text: str) -> bool:
+    """`"true"` / `"false"` (any case) -> bool, for `--throw`."""
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value == "true"
+
+
 def spread(sizes: list[int]) -> list[int]:
     """Sizes in the order they run: the smallest, the largest, then the middle ones
     by bisection, so that a --deadline leaves a coarser sweep, not a truncated one."""
@@ -79,8 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variants",
         type=_csv,
         default=None,
-        help="comma list of variants to run, e.g. forward,grad-backsolve "
-        "(default: all; see README)",
+        help="comma list of variants to run, in this order at each size, e.g. "
+        "forward,grad-backsolve (default: all, in the case's order; see README)",
     )
     parser.add_argument(
         "--peers",
@@ -100,6 +108,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="timed runs after the first call (default 5, 3 with --quick)",
+    )
+    parser.add_argument(
+        "--repeat-budget",
+        type=float,
+        default=None,
+        help="seconds: no further timed run of a row starts once its timed runs "
+        "have taken this long (at least one always runs; default 10, 2 with --quick)",
+    )
+    parser.add_argument(
+        "--throw",
+        type=_bool,
+        default=True,
+        metavar="{true,false}",
+        help="`throw` of every solverkit and diffrax solve alike (default true, both "
+        "libraries' default; gradsolve has no such setting). A jitted solve with "
+        "throw=True carries a run-time error check, a host callback (about 2 ms a "
+        "call on a TPU); false measures the solvers without it",
     )
     parser.add_argument(
         "--budget",
@@ -135,8 +160,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--append",
         action="store_true",
-        help="keep the rows of other cases already in --out's results.json (to run "
-        "cases in separate processes into one folder)",
+        help="keep the rows already in --out's results.json that this run does not "
+        "measure (other cases, sizes or variants: to run parts of the suite in "
+        "separate processes into one folder)",
     )
     args = parser.parse_args(argv)
     if not args.cases:
@@ -147,6 +173,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{flag}: unknown case(s) {unknown}; known: {list(CASES)}")
     if args.repeats is None:
         args.repeats = 3 if args.quick else 5
+    if args.repeat_budget is None:
+        args.repeat_budget = 2.0 if args.quick else 10.0
     if args.peers is None:
         args.peers = ["solverkit", "diffrax"] if args.quick else list(PEERS)
     return args
@@ -206,17 +234,19 @@ def metadata(
         "command": "python -m benchmarks " + shlex.join(argv),
         "profile": profile,
         "repeats": args.repeats,
+        "throw": args.throw,
         "missing_peers": missing,
     }
 
 
 def failure_status(error: BaseException, library: str) -> str:
     """`"oom"` when the device ran out of memory (for every library alike), else
-    `"error"` for solverkit and `"unsupported"` for a peer."""
+    `"error"` for solverkit (either way of running it) and `"unsupported"` for a
+    peer."""
     text = f"{type(error).__name__} {error}"
     if any(m in text for m in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")):
         return "oom"
-    return "error" if library == "solverkit" else "unsupported"
+    return "error" if library.startswith("solverkit") else "unsupported"
 
 
 def run_task(
@@ -290,14 +320,18 @@ def plan(
     case: Case, sizes: list[int], libs: dict[str, Any], args: argparse.Namespace
 ) -> list[tuple[int, Task]]:
     """The (size, task) pairs to run, in order: sizes spread (see `spread`), and at
-    each size the libraries of one variant one after the other."""
+    each size the libraries of one variant one after the other (in the tables'
+    order)."""
     out = []
     for size in spread(sizes):
-        tasks = case.tasks(size, libs, args.dtype)
+        tasks = case.tasks(size, libs, args.dtype, args.throw)
         variants = list(dict.fromkeys(t.variant for t in tasks))
-        for task in sorted(tasks, key=lambda t: variants.index(t.variant)):
-            if args.variants is not None and task.variant not in args.variants:
-                continue
+        if args.variants is not None:  # the order asked for
+            variants = [v for v in args.variants if v in variants]
+        for task in sorted(  # solverkit's rows first: the cheaper first calls
+            (t for t in tasks if t.variant in variants),
+            key=lambda t: (variants.index(t.variant), report.library_rank(t.library)),
+        ):
             if args.quick and args.variants is None and case.quick_variants:
                 if task.variant not in case.quick_variants:
                     continue
@@ -315,11 +349,13 @@ def run_case(
     args: argparse.Namespace,
     records: list[Record],
     progress: Callable[[str], None],
+    done: Callable[[], None] = lambda: None,
 ) -> None:
-    """Run every planned task of `case`, appending a `Record` for each."""
+    """Run every planned task of `case`, appending a `Record` for each and calling
+    `done()` after each (to write the rows so far: a run cut by a time limit keeps
+    them)."""
     seconds = args.deadline.get(case.name, args.deadline.get(None, math.inf))
     deadline = time.monotonic() + seconds
-    repeat_budget = 2.0 if args.quick else 10.0
     too_slow: dict[tuple[str, str], int] = {}  # (variant, library) -> size past budget
     todo = plan(case, sizes, libs, args)
     progress(f"{case.name}: references")
@@ -327,6 +363,7 @@ def run_case(
     for size, task in todo:
         progress(f"{case.name} N={size} {task.variant} {task.library}")
         record = Record(case.name, task.variant, size, task.library, task.dtype)
+        record.throw = task.throw
         records.append(record)
         slow = too_slow.get((task.variant, task.library))
         too_big = args.grad_max_size is not None and size > args.grad_max_size
@@ -343,25 +380,37 @@ def run_case(
             record.status = "skipped"
             record.note = f"N={slow} took over --budget {args.budget:g} s"
         else:
-            run_task(task, record, references[size], args.repeats, repeat_budget)
+            run_task(task, record, references[size], args.repeats, args.repeat_budget)
             spent = (record.first_call_s or 0) + (
                 record.run_median_s or 0
             ) * record.repeats
             if spent > args.budget:
                 too_slow[task.variant, task.library] = min(size, slow or size)
+        done()
 
 
 def _kept_records(out: pathlib.Path, args: argparse.Namespace) -> list[Record]:
-    """The rows of cases other than `args.cases` in `out/results.json`, if any."""
+    """The rows in `out/results.json` that this run does not replace, if any: those
+    of other cases, and with `--sizes` (`--variants`) those of a case's other sizes
+    (variants); without `--sizes` a case's rows are all replaced."""
     try:
         rows = json.loads((out / "results.json").read_text())["results"]
     except (OSError, ValueError, KeyError):
         return []
     fields = {f.name for f in dataclasses.fields(Record)}
+
+    def measured(row: dict) -> bool:
+        if row.get("case") not in args.cases:
+            return False
+        size_ok = args.sizes is None or row.get("size") in args.sizes
+        return size_ok and (
+            args.variants is None or row.get("variant") in args.variants
+        )
+
     return [
         Record(**{k: v for k, v in row.items() if k in fields})
         for row in rows
-        if row.get("case") not in args.cases
+        if not measured(row)
     ]
 
 
@@ -389,8 +438,9 @@ def main(argv: list[str] | None = None) -> list[Record]:
             args,
             records,
             bar.set_postfix_str,
+            lambda: report.write_tables(out, meta, records, descriptions),
         )
-        text = report.write_all(out, meta, records, descriptions)  # partial results
+        text = report.write_all(out, meta, records, descriptions)  # and the plots
     bar.close()
     print(text)
     print(f"wrote {out}/results.json, results.md and plots", file=sys.stderr)

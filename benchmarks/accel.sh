@@ -14,23 +14,44 @@
 # records a peer's failure as a row: status `oom` or `error`/`unsupported`, with
 # the message); results are written as rows finish. The steps:
 #
-#   1. Lorenz (DiffEqGPU's ensemble): N = 4096, 65,536, 2^20; fixed-step and
-#      adaptive (float32: PID rtol = atol = 1e-5), forward and gradient;
-#   2. Lotka-Volterra, N = 4096: forward and the gradient with each adjoint;
-#   3. benchmarks.kernel (the whole-solve Pallas kernel against the vmap path and
-#      diffrax; skipped if absent), 4. benchmarks.ensemble (lane refill),
-#   5. benchmarks.stiff_ensemble, 6. benchmarks.events (N = 4096),
-#   7. the neural ODE, N = 256 and 4096 (gradients).
+#   1. Lorenz (DiffEqGPU's ensemble) at N = 4096 and 65,536, 2. the same at 2^20:
+#      adaptive (float32: PID rtol = atol = 1e-5) and fixed-step, forward and
+#      gradient;
+#   3. Lotka-Volterra, N = 4096: forward and the gradient with each adjoint;
+#   4. benchmarks.kernel (the whole-solve Pallas kernel against solverkit's lane
+#      loop; skipped if absent), 5. benchmarks.ensemble (lane refill),
+#   6. benchmarks.stiff_ensemble, 7. benchmarks.events (N = 1024),
+#   8. the neural ODE, N = 256 and 4096 (gradients).
+#
+# Steps 1-3 run solverkit twice, as `jax.vmap(diffeqsolve)` (`solverkit`) and
+# through its ensemble API, `ensemble_solve(kernel=None)` (`solverkit-ensemble`: the
+# whole-solve kernel where it supports the solve, the lane loop elsewhere; its rows
+# name the path), beside diffrax (`jax.vmap(diffeqsolve)`) and gradsolve, each row
+# with its ratio to diffrax's.
+#
+# Every solverkit and diffrax solve runs with `--throw false`, both libraries alike:
+# a jitted solve with throw=True carries a run-time error check, a host callback
+# that costs about 2 ms a call on a TPU whichever library it is (kernel_profile: a
+# jitted `y0 * 2` 0.58 ms, with a never-firing check 2.50 ms), which would hide the
+# solvers' own times at N = 4096. The table measures the solvers; a failed
+# trajectory shows in its error column. (An eager solverkit call, outside jit, has
+# no callback at all: it checks on the host.) Pass `--throw true` to time the
+# check too.
 #
 # ACCEL_SECONDS (default 540) is the whole run's budget: each step's limit is cut
-# to what is left. KERNEL_ARGS, KERNEL_BIG_ARGS, ENSEMBLE_ARGS, STIFF_ARGS, EVENTS_ARGS replace those modules'
-# flags; extra arguments go to every `python -m benchmarks` step. Try it on a CPU
-# with tiny sizes (a few minutes on 2 shared cores):
+# to what is left. A run that takes over 1 s is timed once (`--repeat-budget 1`:
+# on the chip such runs repeated to within 0.3%), shorter ones twice. KERNEL_ARGS,
+# ENSEMBLE_ARGS, STIFF_ARGS, EVENTS_ARGS replace those modules' flags; extra
+# arguments go to every `python -m benchmarks` step (sizes: LORENZ_SIZES,
+# LORENZ_BIG, LV_SIZE, NODE_SIZES, not --sizes). Try it on a CPU with tiny sizes
+# (the 540 s budget; on 2 loaded cores the step limits cut rows, which are kept):
 #
-#   ALLOW_CPU=1 DTYPE=float32 ENSEMBLE_ARGS="--sizes 256 --repeats 1" \
-#       STIFF_ARGS="--quick" EVENTS_ARGS="--quick" \
-#       bash benchmarks/accel.sh --sizes 16 --repeats 1 --peers solverkit,diffrax \
-#       --out /tmp/accel-try
+#   ALLOW_CPU=1 DTYPE=float32 KERNEL_ARGS="--sizes 256 --repeats 1 --methods vmap" \
+#       ENSEMBLE_ARGS="--sizes 256 --repeats 1" EVENTS_ARGS="--quick" \
+#       STIFF_ARGS="--plan rodas5p-vmap:16:1e-5 --repeats 1" \
+#       LORENZ_SIZES=16,64 LORENZ_BIG=256 LV_SIZE=16 NODE_SIZES=16 \
+#       bash benchmarks/accel.sh --repeats 1 \
+#       --peers solverkit,solverkit-ensemble,diffrax --out /tmp/accel-try
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -62,36 +83,50 @@ suite() {
     shift 2
     echo "accel.sh: benchmarks $* (deadline ${deadline} s, limit ${seconds} s)" >&2
     timeout --signal=INT --kill-after=20 "$seconds" "$PYTHON" -m benchmarks \
-        --deadline "$deadline" --budget 40 --repeats 2 ${dtype_flag[@]+"${dtype_flag[@]}"} "$@" \
+        --deadline "$deadline" --budget 40 --repeats 2 --repeat-budget 1 \
+        --throw false ${dtype_flag[@]+"${dtype_flag[@]}"} "$@" \
         || { echo "accel.sh: step exited with $?" >&2; rc=1; }
 }
 
-# Gradients up to 2^20 (the fixed-step checkpointed gradient's memory: see
-# docs/benchmarks.md); the first step writes afresh, the others --append.
-suite 175 150 --cases lorenz --sizes 4096,65536,1048576 \
-    --variants fixed-forward,fixed-grad,adaptive-forward,adaptive-grad \
-    --grad-max-size 1048576 "$@"
-suite 70 50 --cases lotka_volterra --sizes 4096 --append "$@"
+# Step limits (PLANNED DEADLINE) from the chip's costs (results/tpu-v5-lite/accel,
+# first call + runs): at N = 4096 about 45 s for solverkit, diffrax and gradsolve
+# and an estimated 15 s for solverkit-ensemble; at 65,536 about as much, plus
+# diffrax's fixed-step gradient alone ~40 s (15.7 s a run), the last row; at 2^20
+# diffrax's adaptive forward 16 s and its adaptive gradient an estimated 25 s. So
+# the variants the kernel serves (adaptive) go first, each variant's solverkit
+# rows before diffrax's, and a deadline leaves out the last rows (recorded as
+# skipped; a row cut by the limit itself is lost). The first step writes afresh,
+# the others --append; the 2^20 fixed-step gradient (its memory: see
+# docs/benchmarks.md) comes last.
+LORENZ_VARIANTS=adaptive-forward,adaptive-grad,fixed-forward,fixed-grad
+suite 140 100 --cases lorenz --sizes "${LORENZ_SIZES:-4096,65536}" \
+    --variants "$LORENZ_VARIANTS" "$@"
+suite 80 50 --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
+    --variants "$LORENZ_VARIANTS" --grad-max-size 1048576 --append "$@"
+suite 70 50 --cases lotka_volterra --sizes "${LV_SIZE:-4096}" --append "$@"
 
+# The kernel against solverkit's lane loop (kernel=False), with steps and time per
+# step; its rows beside diffrax (and at 2^20) are steps 1-2's solverkit-ensemble.
 # shellcheck disable=SC2086  # the flags are meant to split
-bench_module "$(limit 50)" kernel ${KERNEL_ARGS:---sizes 4096,65536 \
-    --methods kernel,vmap,diffrax --cases lorenz --repeats 2} \
-    ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/kernel" || rc=1
-# 2^20 without diffrax (its 2^20 row is in step 1's table).
-# shellcheck disable=SC2086
-bench_module "$(limit 30)" kernel ${KERNEL_BIG_ARGS:---sizes 1048576 \
+bench_module "$(limit 30)" kernel ${KERNEL_ARGS:---sizes 4096,65536 \
     --methods kernel,vmap --cases lorenz --repeats 2} \
-    ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/kernel-2p20" || rc=1
+    ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/kernel" || rc=1
 # shellcheck disable=SC2086
 bench_module "$(limit 40)" ensemble ${ENSEMBLE_ARGS:---sizes 16384 --repeats 2} \
     ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/ensemble.md" || rc=1
+# Van der Pol, N = 16,384, each solver at the tolerance where it matched or beat
+# diffrax's error on the chip (results/tpu-v5-lite/stiff_ensemble_fix: Rodas5P 1e-6,
+# Kvaerno5 1e-7; BDF at 1e-5 here, since at 1e-7 it did not finish in 40 s), then
+# diffrax's Kvaerno5 at 1e-3 (it did not finish in 40 s either: its row says so).
 # shellcheck disable=SC2086
-bench_module "$(limit 90)" stiff_ensemble ${STIFF_ARGS:---sizes 16384 --repeats 2 --case-timeout 30} \
-    ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/stiff_ensemble.md" || rc=1
+bench_module "$(limit 90)" stiff_ensemble ${STIFF_ARGS:---plan \
+    rodas5p-vmap:16384:1e-6,kvaerno5-vmap:16384:1e-7,bdf-vmap:16384:1e-5,diffrax-kvaerno5:16384:1e-3,rodas5p-ensemble:16384:1e-6 \
+    --repeats 2 --case-timeout 22} \
+    ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/stiff_ensemble" | tee "$out/stiff_ensemble.md" || rc=1
 # shellcheck disable=SC2086
 bench_module "$(limit 50)" events ${EVENTS_ARGS:---size 1024 --repeats 2} \
     ${dtype_flag[@]+"${dtype_flag[@]}"} --json "$out/events.json" || rc=1
 # The neural ODE last: the other steps are the accelerator issues' measurements.
-suite 40 30 --cases neural_ode --sizes 256,4096 --append "$@"
+suite 40 30 --cases neural_ode --sizes "${NODE_SIZES:-256,4096}" --append "$@"
 echo "accel.sh: done in ${SECONDS} s; results in $out" >&2
 exit "$rc"

@@ -8,6 +8,10 @@ as solverkit does, to show where diffrax refuses. gradsolve runs its own
 record-and-replay engines. References are diffrax solves in float64 at
 rtol = atol = 1e-10 (of the forward sensitivity equations where the parameters are
 few), on at most `REFERENCE_ROWS` trajectories of the ensemble.
+
+The `solverkit-ensemble` peer runs the ensemble cases (Lorenz, Lotka-Volterra)
+through `solverkit.ensemble_solve` instead of `jax.vmap(solverkit.diffeqsolve)`
+(`ensemble_peer`). Every solverkit and diffrax solve takes the suite's `throw`.
 """
 
 import dataclasses
@@ -27,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from . import ensemble_peer
 from .harness import compiled_memory, Job, precision, Record
 from .stiff_problems import PROBLEMS as STIFF_PROBLEMS, StiffProblem
 
 
-PEERS = ("solverkit", "diffrax", "gradsolve", "torchdiffeq")
+PEERS = ("solverkit", "solverkit-ensemble", "diffrax", "gradsolve", "torchdiffeq")
 # variant name suffix -> adjoint class name
 ADJOINTS = {
     "checkpoint": "RecursiveCheckpointAdjoint",
@@ -76,8 +81,8 @@ def load_peers(names: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
                     else:
                         os.environ["GRADSOLVE_X64"] = before
                 jax.config.update("jax_enable_x64", False)
-            else:
-                module = importlib.import_module(name)
+            else:  # solverkit-ensemble: solverkit's ensemble API
+                module = importlib.import_module(name.removesuffix("-ensemble"))
             available[name] = module
         except Exception as e:  # noqa: BLE001 - any import failure means "skip it"
             missing[name] = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -88,13 +93,15 @@ def load_peers(names: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
 class Task:
     """One library on one variant of a case: `make()` builds the `Job` (it may raise,
     which records the library as unsupported); `compare` names the reference entry
-    (`"y"` final states, `"grad"` the gradient) its result is checked against."""
+    (`"y"` final states, `"grad"` the gradient) its result is checked against;
+    `throw` the `throw` of its solves (`None`: the library has no such setting)."""
 
     variant: str
     library: str
     dtype: str
     make: Callable[[], Job]
     compare: str
+    throw: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +122,10 @@ class Case:
     name: str
     description: str
     sizes: dict[str, list[int]]  # profile ("quick", "cpu", "gpu") -> sizes
-    # (size, libraries, dtype) -> tasks; dtype None: the case's own precisions,
-    # "float32": solverkit's and diffrax's float64 variants in float32 (accelerators)
-    tasks: Callable[[int, dict[str, Any], str | None], list[Task]]
+    # (size, libraries, dtype, throw) -> tasks; dtype None: the case's own
+    # precisions, "float32": solverkit's and diffrax's float64 variants in float32
+    # (accelerators); throw: every solverkit and diffrax solve's `throw`
+    tasks: Callable[[int, dict[str, Any], str | None, bool], list[Task]]
     reference: Callable[[int], Reference]
     quick_variants: tuple[str, ...] | None = None
 
@@ -313,7 +321,7 @@ def _lv_data(n: int) -> tuple[np.ndarray, np.ndarray]:
     return params, y0
 
 
-def _lv_solve(lib: Any, closed: bool, adjoint: Any) -> Callable:
+def _lv_solve(lib: Any, closed: bool, adjoint: Any, throw: bool = True) -> Callable:
     """`(params[n, 4], y0[n, 2]) -> (final states, steps)`, vmapped over trajectories.
 
     With `closed=True` the vector field closes over the parameters (solverkit's way);
@@ -325,6 +333,7 @@ def _lv_solve(lib: Any, closed: bool, adjoint: Any) -> Callable:
         dt0=LV_DT0,
         stepsize_controller=controller,
         adjoint=adjoint,
+        throw=throw,
     )
 
     def one(p, y0):
@@ -355,60 +364,91 @@ def _sum_of_squares_grad(solve: Callable) -> Callable:
     return grad
 
 
+def _lv_ensemble(sk: Any, adjoint: Any, throw: bool) -> Callable:
+    """`_lv_solve`'s problem through `ensemble_solve`: the parameters in `args`."""
+    controller = sk.PIDController(rtol=LV_TOL, atol=LV_TOL)
+
+    def solve(p, y0):
+        field = lambda t, y, q: _lv_field(y, q)  # noqa: E731
+        return ensemble_peer.final(
+            sk, field, y0, p, t1=LV_T1, dt0=LV_DT0, controller=controller,
+            throw=throw, adjoint=adjoint,
+        )  # fmt: skip
+
+    return solve
+
+
 def lotka_volterra_tasks(
-    n: int, libs: dict[str, Any], dtype: str | None = None
+    n: int, libs: dict[str, Any], dtype: str | None = None, throw: bool = True
 ) -> list[Task]:
     """Forward solve, and the gradient with each adjoint, of the vmapped ensemble
-    (float32 whatever `dtype` says; gradsolve's engines are float64)."""
+    (float32 whatever `dtype` says; gradsolve's engines are float64), and of the
+    same through `ensemble_solve` (`solverkit-ensemble`)."""
     del dtype
     params, y0 = _lv_data(n)
     data = (jnp.asarray(params, jnp.float32), jnp.asarray(y0, jnp.float32))
-    styles = {"solverkit": True, "diffrax": False}  # library -> closes over params?
+    # library -> closes over params?
+    styles = {"solverkit": True, "solverkit-ensemble": False, "diffrax": False}
     tasks = []
     for library, closed in styles.items():
         if library not in libs:
             continue
         lib = libs[library]
+        ensemble = library == "solverkit-ensemble"
 
-        def forward(lib=lib, closed=closed):
-            return Job(_lv_solve(lib, closed, lib.RecursiveCheckpointAdjoint()), data)
+        def forward(lib=lib, closed=closed, ensemble=ensemble):
+            adjoint = lib.RecursiveCheckpointAdjoint()
+            if ensemble:
+                solve = _lv_ensemble(lib, adjoint, throw)
+                return Job(solve, data, explain=ensemble_peer.explain(False))
+            return Job(_lv_solve(lib, closed, adjoint, throw), data)
 
-        tasks.append(Task("forward", library, "float32", forward, "y"))
+        tasks.append(Task("forward", library, "float32", forward, "y", throw))
         for short, adjoint in ADJOINTS.items():
             libraries = [library]
             if library == "diffrax" and short == "backsolve":
                 libraries.append("diffrax-closure")
             for label in libraries:
 
-                def grad(lib=lib, adjoint=adjoint, closed=label != "diffrax"):
-                    solve = _lv_solve(lib, closed, getattr(lib, adjoint)())
+                def grad(lib=lib, adjoint=adjoint, label=label):
+                    if label == "solverkit-ensemble":
+                        solve = _lv_ensemble(lib, getattr(lib, adjoint)(), throw)
+                        why = ensemble_peer.explain(True)
+                        return Job(_sum_of_squares_grad(solve), data, explain=why)
+                    closed = label != "diffrax"
+                    solve = _lv_solve(lib, closed, getattr(lib, adjoint)(), throw)
                     return Job(_sum_of_squares_grad(solve), data)
 
-                tasks.append(Task(f"grad-{short}", label, "float32", grad, "grad"))
+                task = Task(f"grad-{short}", label, "float32", grad, "grad", throw)
+                tasks.append(task)
     if "gradsolve" in libs:
-        gs = libs["gradsolve"]
-        problem = _gradsolve_problem(lambda t, y, p: _lv_field(y, p), 2, LV_T1)
-        tasks += [
-            Task(
-                "forward",
-                "gradsolve",
-                "float64",
-                lambda: _gradsolve_forward(gs, problem, y0, params, LV_TOL),
-                "y",
-            ),
-            Task(
-                "grad-record-replay",
-                "gradsolve",
-                "float64",
-                lambda: _gradsolve_grad(
-                    gs, problem, y0, params, LV_TOL, lambda y: jnp.sum(y**2)
-                ),
-                "grad",
-            ),
-        ]
+        tasks += _lv_gradsolve_tasks(libs["gradsolve"], params, y0)
     variants = [("forward", "float32", "y")]
     variants += [(f"grad-{a}", "float32", "grad") for a in ADJOINTS]
     return tasks + _torchdiffeq_tasks(libs, variants)
+
+
+def _lv_gradsolve_tasks(gs: Any, params: np.ndarray, y0: np.ndarray) -> list[Task]:
+    """gradsolve's adaptive forward solve and record-and-replay gradient."""
+    problem = _gradsolve_problem(lambda t, y, p: _lv_field(y, p), 2, LV_T1)
+    return [
+        Task(
+            "forward",
+            "gradsolve",
+            "float64",
+            lambda: _gradsolve_forward(gs, problem, y0, params, LV_TOL),
+            "y",
+        ),
+        Task(
+            "grad-record-replay",
+            "gradsolve",
+            "float64",
+            lambda: _gradsolve_grad(
+                gs, problem, y0, params, LV_TOL, lambda y: jnp.sum(y**2)
+            ),
+            "grad",
+        ),
+    ]
 
 
 def lotka_volterra_reference(n: int) -> Reference:
@@ -444,19 +484,29 @@ LORENZ_GRAD_SWEEP = {
 LORENZ_UNBOUNDED_CHECKPOINTS = 64
 
 
+def _lorenz_controller(lib: Any, mode: str, tol: float) -> Any:
+    if mode == "fixed":
+        return lib.ConstantStepSize()
+    return lib.PIDController(rtol=tol, atol=tol)
+
+
 def _lorenz_solve(
-    lib: Any, closed: bool, mode: str, max_steps=4096, dt0=LORENZ_DT, tol=LORENZ_TOL
+    lib: Any,
+    closed: bool,
+    mode: str,
+    max_steps=4096,
+    dt0=LORENZ_DT,
+    tol=LORENZ_TOL,
+    throw: bool = True,
 ) -> Callable:
     """`rho[n] -> (final states[n, 3], steps)`, vmapped; `mode` is "fixed" (dt 1e-3)
     or "adaptive" (PID, rtol = atol = `tol`)."""
-    if mode == "fixed":
-        controller = lib.ConstantStepSize()
-    else:
-        controller = lib.PIDController(rtol=tol, atol=tol)
+    controller = _lorenz_controller(lib, mode, tol)
     common = dict(
         solver=lib.Tsit5(), t1=LORENZ_T1, dt0=dt0, stepsize_controller=controller
     )
     common["max_steps"] = max_steps
+    common["throw"] = throw
     if max_steps is None:
         checkpoints = LORENZ_UNBOUNDED_CHECKPOINTS
         common["adjoint"] = lib.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
@@ -472,7 +522,52 @@ def _lorenz_solve(
     return jax.vmap(one)
 
 
-def lorenz_tasks(n: int, libs: dict[str, Any], dtype: str | None = None) -> list[Task]:
+def _lorenz_ensemble(sk: Any, mode: str, tol: float, throw: bool) -> Callable:
+    """`_lorenz_solve`'s problem (`max_steps=4096`, dt0 1e-3) through
+    `ensemble_solve`: rho in `args`."""
+    controller = _lorenz_controller(sk, mode, tol)
+
+    def solve(rho):
+        y0 = jnp.broadcast_to(jnp.array([1.0, 0.0, 0.0], rho.dtype), (len(rho), 3))
+        field = lambda t, y, r: _lorenz_field(y, r)  # noqa: E731
+        return ensemble_peer.final(
+            sk, field, y0, rho, t1=LORENZ_T1, dt0=LORENZ_DT, controller=controller,
+            throw=throw,
+        )  # fmt: skip
+
+    return solve
+
+
+def _lorenz_ensemble_tasks(
+    sk: Any, rho: np.ndarray, dtypes: dict[str, str], tol: float, throw: bool
+) -> list[Task]:
+    """`solverkit-ensemble`: each mode's forward solve and gradient (not the
+    adaptive gradient's `max_steps` sweep)."""
+    tasks = []
+    for mode, dtype in dtypes.items():
+        # The arrays are made when a job is (in its precision), as for the others.
+
+        def forward(mode=mode, dtype=dtype):
+            solve = _lorenz_ensemble(sk, mode, tol, throw)
+            x = (jnp.asarray(rho, dtype),)
+            return Job(solve, x, explain=ensemble_peer.explain(False))
+
+        def grad(mode=mode, dtype=dtype):
+            solve = _lorenz_ensemble(sk, mode, tol, throw)
+            x = (jnp.asarray(rho, dtype),)
+            return Job(
+                _sum_of_squares_grad(solve), x, explain=ensemble_peer.explain(True)
+            )
+
+        name = "solverkit-ensemble"
+        tasks.append(Task(f"{mode}-forward", name, dtype, forward, "y", throw))
+        tasks.append(Task(f"{mode}-grad", name, dtype, grad, "grad", throw))
+    return tasks
+
+
+def lorenz_tasks(
+    n: int, libs: dict[str, Any], dtype: str | None = None, throw: bool = True
+) -> list[Task]:
     """Fixed-step (float32) and adaptive (float64; with `dtype="float32"` float32 at
     rtol = atol = `LORENZ_TOL_32`) forward solves and gradients."""
     rho = np.linspace(0.0, 21.0, n)
@@ -487,21 +582,24 @@ def lorenz_tasks(n: int, libs: dict[str, Any], dtype: str | None = None) -> list
             lib = libs[library]
 
             def forward(lib=lib, closed=closed, mode=mode, dtype=dtype):
-                solve = _lorenz_solve(lib, closed, mode, tol=tol)
+                solve = _lorenz_solve(lib, closed, mode, tol=tol, throw=throw)
                 return Job(solve, (jnp.asarray(rho, dtype),))
 
             sweep = LORENZ_GRAD_SWEEP if mode == "adaptive" else {"": (4096, LORENZ_DT)}
-            tasks.append(Task(f"{mode}-forward", library, dtype, forward, "y"))
+            tasks.append(Task(f"{mode}-forward", library, dtype, forward, "y", throw))
             for suffix, (max_steps, dt0) in sweep.items():
 
                 def grad(
                     lib=lib, closed=closed, mode=mode, dtype=dtype, m=max_steps, d=dt0
                 ):
-                    solve = _lorenz_solve(lib, closed, mode, m, d, tol)
+                    solve = _lorenz_solve(lib, closed, mode, m, d, tol, throw)
                     return Job(_sum_of_squares_grad(solve), (jnp.asarray(rho, dtype),))
 
                 variant = f"{mode}-grad{suffix}"
-                tasks.append(Task(variant, library, dtype, grad, "grad"))
+                tasks.append(Task(variant, library, dtype, grad, "grad", throw))
+    if "solverkit-ensemble" in libs:
+        sk = libs["solverkit-ensemble"]
+        tasks += _lorenz_ensemble_tasks(sk, rho, dtypes, tol, throw)
     if "gradsolve" in libs:
         tasks += _lorenz_gradsolve_tasks(libs["gradsolve"], rho)
     variants = [
@@ -638,7 +736,7 @@ def _node_loss(lib: Any, closed: bool, adjoint: Any, static: Any, tol=NODE_TOL, 
 
 
 def neural_ode_tasks(
-    n: int, libs: dict[str, Any], dtype: str | None = None
+    n: int, libs: dict[str, Any], dtype: str | None = None, throw: bool = True
 ) -> list[Task]:
     """Gradient of a regression loss with respect to the MLP, with each adjoint
     (float32 whatever `dtype` says; gradsolve's engine is float64)."""
@@ -659,10 +757,12 @@ def neural_ode_tasks(
             for label in labels:
 
                 def grad(lib=lib, adjoint=adjoint, closed=label != "diffrax"):
-                    loss = _node_loss(lib, closed, getattr(lib, adjoint)(), static)
+                    adj = getattr(lib, adjoint)()
+                    loss = _node_loss(lib, closed, adj, static, throw=throw)
                     return Job(jax.grad(loss, has_aux=True), data)
 
-                tasks.append(Task(f"grad-{short}", label, "float32", grad, "grad"))
+                task = Task(f"grad-{short}", label, "float32", grad, "grad", throw)
+                tasks.append(task)
     if "gradsolve" in libs:
         gs = libs["gradsolve"]
         tasks.append(_node_gradsolve_task(gs, params, static, y0, target))
@@ -740,7 +840,9 @@ def _stiff_scales(n: int) -> np.ndarray:
     return np.concatenate([[1.0], 2.0 ** np.linspace(-1.0, 1.0, max(n - 1, 1))])[:n]
 
 
-def _stiff_solve(lib: Any, solver: str, problem: StiffProblem) -> Callable:
+def _stiff_solve(
+    lib: Any, solver: str, problem: StiffProblem, throw: bool = True
+) -> Callable:
     def one(scale):
         return _final(
             lib,
@@ -752,12 +854,15 @@ def _stiff_solve(lib: Any, solver: str, problem: StiffProblem) -> Callable:
             dt0=1e-6,
             stepsize_controller=lib.PIDController(rtol=STIFF_RTOL, atol=STIFF_ATOL),
             max_steps=STIFF_MAX_STEPS,
+            throw=throw,
         )
 
     return jax.vmap(one)
 
 
-def stiff_tasks(n: int, libs: dict[str, Any], dtype: str | None = None) -> list[Task]:
+def stiff_tasks(
+    n: int, libs: dict[str, Any], dtype: str | None = None, throw: bool = True
+) -> list[Task]:
     """ROBER and HIRES ensembles (vector fields closing over their rate constants):
     solverkit's Rodas5P against diffrax's Kvaerno5; float64 only (atol = 1e-10), so
     `dtype="float32"` leaves them float64 and the suite skips them."""
@@ -770,9 +875,10 @@ def stiff_tasks(n: int, libs: dict[str, Any], dtype: str | None = None) -> list[
 
             def make(lib=libs[library], solver=solver, problem=problem):
                 scales = jnp.asarray(_stiff_scales(n), jnp.float64)
-                return Job(_stiff_solve(lib, solver, problem), (scales,))
+                return Job(_stiff_solve(lib, solver, problem, throw), (scales,))
 
-            tasks.append(Task(problem.name, library, "float64", make, problem.name))
+            name = problem.name
+            tasks.append(Task(name, library, "float64", make, name, throw))
     return tasks
 
 

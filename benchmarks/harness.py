@@ -27,12 +27,15 @@ class Job:
     - `after`: optionally called with the filled-in `Record` after timing, to add
         what only the job knows (e.g. the compiled memory of a host-side callable's
         JAX part, a note).
+    - `explain`: optionally, for a jitted job, called with the compiled executable:
+        returns a note for the row (e.g. which code path the program took).
     """
 
     fn: Callable[..., tuple[Any, Any]]
     args: tuple
     jit: bool = True
     after: Callable[["Record"], None] | None = None
+    explain: Callable[[Any], str] | None = None
 
 
 @dataclasses.dataclass
@@ -45,6 +48,8 @@ class Record:
     library: str
     dtype: str
     status: str = "ok"  # ok | unsupported | unavailable | skipped | error
+    # `throw` of the library's solves (None: the library has no such setting)
+    throw: bool | None = None
     note: str = ""
     first_call_s: float | None = None
     run_median_s: float | None = None
@@ -150,6 +155,8 @@ def measure(
 
     if compiled is not None:
         record.memory_bytes = compiled_memory(compiled)
+        if job.explain is not None:
+            record.note = job.explain(compiled)
     if steps is not None:
         record.steps = int(np.max(np.asarray(steps)))
     if job.after is not None:

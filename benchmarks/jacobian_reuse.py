@@ -7,11 +7,18 @@ Run as `python -m benchmarks.jacobian_reuse [--out DIR]`; compare before and aft
 change to the reuse rules. Counts come from a linear solver that wraps
 `DenseLinearSolver` and counts its calls on the host (every call the solve makes:
 a call inside a branch not taken is not counted).
+
+`--time`: instead, the run time of `Kvaerno5` on Robertson with `reuse_jacobian`
+over without it (plain `DenseLinearSolver`), one solve and `--lanes` vmapped ones,
+each pair timed alternately in one process (the fastest of `--repeats`: the
+solves take milliseconds, so a loaded machine's noise is one-sided): the figures
+of `reuse_jacobian`'s docstring.
 """
 
 import argparse
 import json
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +59,7 @@ class CountingLinearSolver(sk.AbstractLinearSolver):
 def _rober(t, y, args):
     k1, k2, k3 = 0.04, 3e7, 1e4
     a, b, c = y
-    return jnp.stack(
-        [-k1 * a + k3 * b * c, k1 * a - k2 * b**2 - k3 * b * c, k2 * b**2]
-    )
+    return jnp.stack([-k1 * a + k3 * b * c, k1 * a - k2 * b**2 - k3 * b * c, k2 * b**2])
 
 
 def _vdp(t, y, args):
@@ -122,14 +127,74 @@ def run() -> list[dict]:
     return rows
 
 
+def _kvaerno5_solve(reuse: bool, lanes: int):
+    """A jitted Kvaerno5 solve of Robertson (`lanes` of them vmapped over `k1`, or
+    one for `lanes == 0`)."""
+    _, y0, t1, rtol, atol = PROBLEMS["robertson"]
+
+    def field(t, y, k1):
+        a, b, c = y
+        fast = k1 * a - 3e7 * b**2 - 1e4 * b * c
+        return jnp.stack([-k1 * a + 1e4 * b * c, fast, 3e7 * b**2])
+
+    def solve(k1):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(field),
+            sk.Kvaerno5(reuse_jacobian=reuse),
+            0.0,
+            t1,
+            None,
+            jnp.asarray(y0),
+            args=k1,
+            stepsize_controller=sk.PIDController(rtol=rtol, atol=atol),
+            max_steps=200_000,
+        )
+        return sol.ys, sol.stats["num_steps"]
+
+    k1 = jnp.linspace(0.03, 0.05, lanes) if lanes else jnp.asarray(0.04)
+    run = jax.jit(jax.vmap(solve) if lanes else solve)
+    return lambda: jax.block_until_ready(run(k1))
+
+
+def timing(lanes: int, repeats: int) -> list[dict]:
+    """Run time with `reuse_jacobian` over without, single and vmapped."""
+    rows = []
+    for n in (0, lanes):
+        calls = {reuse: _kvaerno5_solve(reuse, n) for reuse in (False, True)}
+        seconds = {reuse: [] for reuse in calls}
+        for call in calls.values():
+            call()  # compile
+        for _ in range(repeats):
+            for reuse, call in calls.items():
+                start = time.perf_counter()
+                call()
+                seconds[reuse].append(time.perf_counter() - start)
+        ratio = min(seconds[True]) / min(seconds[False])
+        steps = {r: int(np.max(call()[1])) for r, call in calls.items()}
+        rows.append(
+            dict(
+                lanes=n,
+                reuse_over_fresh=ratio,
+                steps=steps[False],
+                steps_reuse=steps[True],
+            )
+        )
+        print(json.dumps(rows[-1]))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=None)
-    rows = run()
-    if parser.parse_args().out is not None:
-        out = parser.parse_args().out
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "jacobian_reuse.json").write_text(json.dumps(rows, indent=1))
+    parser.add_argument("--time", action="store_true", help="time reuse_jacobian")
+    parser.add_argument("--lanes", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args()
+    rows = timing(args.lanes, args.repeats) if args.time else run()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = "jacobian_reuse_time" if args.time else "jacobian_reuse"
+        (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,14 +3,16 @@ loop (`kernel=False`) and diffrax (`jax.vmap(diffrax.diffeqsolve)`).
 
 `python -m benchmarks.kernel --out DIR [--dtype float32] [--sizes 4096,65536]
 [--methods kernel,kernel@32,vmap,diffrax] [--repeats 3] [--grad] [--cases
-lorenz,lorenz_grad,lotka_volterra_grad] [--t1 T] [--throw] [--smoke]`
+lorenz,lorenz_grad,lotka_volterra_grad] [--t1 T] [--controller pid|constant]
+[--dt0 DT] [--throw] [--smoke]`
 
 Cases (one process, whatever device JAX sees; each case's errors are caught and
 written down, the rest go on):
 
 - `lorenz`: the Lorenz system, rho = linspace(0, 21, N) per trajectory, sigma and
   beta closed over, y0 = (1, 0, 0), t in [0, 1], Tsit5, PIDController(rtol = atol =
-  1e-5), SaveAt(t1=True).
+  1e-5), SaveAt(t1=True); with `--controller constant`, ConstantStepSize with
+  `dt0 = --dt0` (default 1e-3: 1000 steps, the suite's fixed-step Lorenz rows).
 - `lorenz_grad` (with `--grad`): the gradient of `sum(y(1)^2)` with respect to
   `y0` and rho.
 - `lotka_volterra_grad` (with `--grad`): the gradient of a fit, `sum((ys - data)^2)` at
@@ -81,20 +83,31 @@ _T1 = [1.0]
 # about 2 ms a call on a TPU (benchmarks/results/tpu-v5-lite/kernel_profile), which
 # would hide the solvers' own times at small N.
 _THROW = [False]
+# The Lorenz solves' controller (`--controller`): "pid" (rtol = atol = 1e-5, dt0
+# chosen) or "constant" (ConstantStepSize, dt0 = `_DT0`, `--dt0`).
+_CONTROLLER = ["pid"]
+_DT0 = [1e-3]
+
+
+def _lorenz_control(lib) -> dict:
+    """`dt0` and `stepsize_controller` of the Lorenz solves, for `lib` (solverkit
+    or diffrax)."""
+    if _CONTROLLER[0] == "constant":
+        return dict(dt0=_DT0[0], stepsize_controller=lib.ConstantStepSize())
+    return dict(dt0=None, stepsize_controller=lib.PIDController(rtol=1e-5, atol=1e-5))
 
 
 def _lorenz_solver(method: str, dtype):
     t1 = _T1[0]
     sigma, beta = jnp.asarray(10.0, dtype), jnp.asarray(8 / 3, dtype)
-    ctrl = dict(rtol=1e-5, atol=1e-5)
     if method == "diffrax":
         import diffrax
 
         def one(y0, rho):
             return diffrax.diffeqsolve(
                 diffrax.ODETerm(_lorenz_field(sigma, beta)), diffrax.Tsit5(), 0.0,
-                t1, None, y0, rho, stepsize_controller=diffrax.PIDController(**ctrl),
-                max_steps=16384, throw=_THROW[0],
+                t1, y0=y0, args=rho, max_steps=16384, throw=_THROW[0],
+                **_lorenz_control(diffrax),
             )  # fmt: skip
 
         return jax.jit(jax.vmap(one))
@@ -102,9 +115,9 @@ def _lorenz_solver(method: str, dtype):
 
     def solve(y0, rho):
         return sk.ensemble_solve(
-            sk.ODETerm(_lorenz_field(sigma, beta)), sk.Tsit5(), 0.0, t1, None, y0,
-            rho, stepsize_controller=sk.PIDController(**ctrl), kernel=kernel,
-            max_steps=16384, throw=_THROW[0],
+            sk.ODETerm(_lorenz_field(sigma, beta)), sk.Tsit5(), 0.0, t1, y0=y0,
+            args=rho, kernel=kernel, max_steps=16384, throw=_THROW[0],
+            **_lorenz_control(sk),
         )  # fmt: skip
 
     return jax.jit(solve)
@@ -175,9 +188,18 @@ def _flops_per_step(n: int = 3) -> int:
 
 
 def _peak_flops(dtype) -> float:
-    """Measured element-wise peak: one fusion of 256 dependent multiply-adds per
-    element of an 8 MB array (read once, written once: compute-bound, not bound by
-    memory as a loop over the array in memory would be)."""
+    """Measured element-wise peak, in FLOP/s.
+
+    On a TPU: a Pallas kernel whose blocks (64 rows of 128 lanes, in on-chip memory
+    as the solver kernel's state is) go through 1024 multiply-adds each, many
+    independent vector registers per operation (as the solver kernel's lanes).
+    Elsewhere: one XLA fusion of 256 unrolled multiply-adds per element. The first
+    version of this measured a loop through memory (a bound of bandwidth, not of
+    arithmetic), and an unrolled XLA fusion on the TPU reached only half of what the
+    solver kernel did (a chain of dependent operations per element).
+    """
+    if jax.default_backend() == "tpu":
+        return _pallas_peak(dtype)
     x = jnp.ones((2048, 1024), dtype)
     depth = 256
 
@@ -188,6 +210,28 @@ def _peak_flops(dtype) -> float:
         return x
 
     _, _, t = _time(chain, (x,), 5)
+    return 2 * depth * x.size / t
+
+
+def _pallas_peak(dtype, rows: int = 64, blocks: int = 512, depth: int = 1024) -> float:
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, o_ref):
+        def fma(i, x):
+            return x * 0.999 + 0.001
+
+        o_ref[...] = jax.lax.fori_loop(0, depth, fma, x_ref[...], unroll=8)
+
+    spec = pl.BlockSpec((rows, 128), lambda i: (i, 0))
+    call = pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct((rows * blocks, 128), dtype),
+        grid=(blocks,),
+        in_specs=[spec],
+        out_specs=spec,
+    )
+    x = jnp.ones((rows * blocks, 128), dtype)
+    _, _, t = _time(jax.jit(call), (x,), 5)
     return 2 * depth * x.size / t
 
 
@@ -314,8 +358,14 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--t1", type=float, default=1.0, help="end of the Lorenz solves"
     )
+    parser.add_argument(
+        "--controller", default="pid", choices=["pid", "constant"],
+        help="the Lorenz solves' controller (constant: ConstantStepSize, --dt0)",
+    )  # fmt: skip
+    parser.add_argument("--dt0", type=float, default=1e-3, help="with constant")
     ns = parser.parse_args(argv)
     _T1[0] = ns.t1
+    _CONTROLLER[0], _DT0[0] = ns.controller, ns.dt0
     _THROW[0] = ns.throw
     if ns.smoke:
         return _smoke()
@@ -339,6 +389,7 @@ def main(argv=None) -> int:
             ref = None
             for method in methods:
                 row = dict(case=name, n=n, method=method, dtype=ns.dtype)
+                row["controller"] = ns.controller
                 rows_ = _rows_of(method)
                 _solve.DEFAULT_ROWS = rows_ if rows_ is not None else default_rows
                 try:
@@ -362,6 +413,9 @@ def main(argv=None) -> int:
     if ns.out is not None:
         ns.out.mkdir(parents=True, exist_ok=True)
         meta = dict(device=str(jax.devices()[0]), flops_per_step=flops, peak=peak)
+        meta.update(controller=ns.controller, t1=ns.t1)
+        if ns.controller == "constant":
+            meta["dt0"] = ns.dt0
         (ns.out / "kernel.json").write_text(json.dumps(dict(meta=meta, rows=table)))
         keys = ["case", "n", "method", "first_s", "run_s", "max_steps",
                 "us_per_step", "peak_fraction", "max_diff_vs_vmap",

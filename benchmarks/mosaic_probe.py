@@ -146,6 +146,10 @@ def _while_mixed(x, s, z):
     return t + n.astype(jnp.float32)
 
 
+def _nextafter(x, s, z):  # Mosaic's own lowering (bitcasts, splat selects)
+    return jnp.nextafter(x, jnp.full_like(x, jnp.inf)) - x
+
+
 PATTERNS = [
     ("where(vec mask, const, vec) [unanchored: the failing form]", _where_const),
     ("where(vec mask, vec, vec)", _where_vec),
@@ -163,6 +167,7 @@ PATTERNS = [
     ("sign / isinf / clip", _sign_isinf),
     ("float -> int casts", _casts),
     ("while_loop carrying int32 and f32 tiles", _while_mixed),
+    ("nextafter [refused by _scalarize.check until this passes]", _nextafter),
     (
         "store to a ref at a dynamic row (fori_loop)",
         (_dynamic_store, _dynamic_store_ref),

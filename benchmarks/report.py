@@ -19,10 +19,20 @@ except ImportError:
     plt = None
 
 
-LIBRARY_ORDER = ("solverkit", "diffrax", "diffrax-closure", "gradsolve", "torchdiffeq")
+LIBRARY_ORDER = (
+    "solverkit",
+    "solverkit-ensemble",
+    "diffrax",
+    "diffrax-closure",
+    "gradsolve",
+    "torchdiffeq",
+)
+# The rows that get ratios against diffrax's row: solverkit's two ways to run an
+# ensemble (`jax.vmap(diffeqsolve)` and `ensemble_solve`).
+RATIO_LIBRARIES = ("solverkit", "solverkit-ensemble")
 
 
-def _library_rank(library: str) -> int:
+def library_rank(library: str) -> int:
     order = LIBRARY_ORDER
     return order.index(library) if library in order else len(order)
 
@@ -36,18 +46,19 @@ def ratios(records: list[Record]) -> dict[int, tuple[float | None, float | None]
 
     **Returns:**
 
-    For each solverkit row (by its index in `records`) whose diffrax row on the same
-    case, variant and size ran: `(run ratio, first-call ratio)`.
+    For each row of a library in `RATIO_LIBRARIES` (by its index in `records`) whose
+    diffrax row on the same case, variant, size and `throw` ran: `(run ratio,
+    first-call ratio)`.
     """
     diffrax = {
-        (r.case, r.variant, r.size): r
+        (r.case, r.variant, r.size, r.throw): r
         for r in records
         if r.library == "diffrax" and r.status == "ok"
     }
     out = {}
     for i, r in enumerate(records):
-        peer = diffrax.get((r.case, r.variant, r.size))
-        if r.library != "solverkit" or r.status != "ok" or peer is None:
+        peer = diffrax.get((r.case, r.variant, r.size, r.throw))
+        if r.library not in RATIO_LIBRARIES or r.status != "ok" or peer is None:
             continue
         run = r.run_median_s / peer.run_median_s if peer.run_median_s else None
         first = r.first_call_s / peer.first_call_s if peer.first_call_s else None
@@ -82,6 +93,53 @@ def _bytes(x: int | None) -> str:
     return "" if x is None else f"{x / 2**20:.3g}"
 
 
+def _throw_line(records: list[Record]) -> tuple[str, bool]:
+    """The header's line on `throw`, and whether rows differ in it (then each row's
+    note says its own)."""
+    settings = {r.throw for r in records if r.throw is not None}
+    if len(settings) != 1:
+        return "", len(settings) > 1
+    (throw,) = settings
+    why = (
+        "with the run-time error check of a jitted solve (a host callback)"
+        if throw
+        else "without the run-time error check (a host callback, about 2 ms a "
+        "call on a TPU); a failed trajectory would show in the max abs error column"
+    )
+    return f"Every solverkit and diffrax solve ran with `throw={throw}`: {why}.", False
+
+
+def _row(r: Record, ratio: tuple[float | None, float | None], mixed: bool) -> str:
+    """One table row."""
+    run, first = ratio
+    note = r.note
+    if mixed and r.throw is not None:
+        note = f"throw={r.throw}" + (f"; {note}" if note else "")
+    timing = ""
+    if r.status == "ok":
+        timing = (
+            f"{_seconds(r.run_median_s)} [{_seconds(r.run_min_s)}, "
+            f"{_seconds(r.run_max_s)}]"
+        )
+    else:
+        note = f"**{r.status}**: {note}".replace("|", "\\|")
+    cells = [
+        r.variant,
+        str(r.size),
+        r.library,
+        r.dtype,
+        _seconds(r.first_call_s),
+        timing,
+        _bytes(r.memory_bytes),
+        "" if r.steps is None else str(r.steps),
+        _num(r.max_abs_error, "%.2g"),
+        _num(run, "%.2f"),
+        _num(first, "%.2f"),
+        note,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
 def markdown(meta: dict[str, Any], records: list[Record], cases: dict[str, str]) -> str:
     """Markdown: a header naming the device and versions, then one table per case.
 
@@ -105,6 +163,9 @@ def markdown(meta: dict[str, Any], records: list[Record], cases: dict[str, str])
         + f"; {meta['date']}.",
         "",
     ]
+    throw_line, mixed = _throw_line(records)
+    if throw_line:
+        lines += [throw_line, ""]
     for name, why in meta.get("missing_peers", {}).items():
         lines.append(f"- {name} skipped: {why}")
     if meta.get("missing_peers"):
@@ -121,7 +182,7 @@ def markdown(meta: dict[str, Any], records: list[Record], cases: dict[str, str])
             list(cases).index(records[i].case) if records[i].case in cases else 99,
             records[i].variant,
             records[i].size,
-            _library_rank(records[i].library),
+            library_rank(records[i].library),
         ),
     )
     current = None
@@ -130,42 +191,13 @@ def markdown(meta: dict[str, Any], records: list[Record], cases: dict[str, str])
         if r.case != current:
             current = r.case
             lines += ["", f"## {r.case}", "", cases.get(r.case, ""), "", header, rule]
-        run, first = rat.get(i, (None, None))
-        if r.status == "ok":
-            timing = (
-                f"{_seconds(r.run_median_s)} [{_seconds(r.run_min_s)}, "
-                f"{_seconds(r.run_max_s)}]"
-            )
-            note = r.note
-        else:
-            timing = ""
-            note = f"**{r.status}**: {r.note}".replace("|", "\\|")
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r.variant,
-                    str(r.size),
-                    r.library,
-                    r.dtype,
-                    _seconds(r.first_call_s),
-                    timing,
-                    _bytes(r.memory_bytes),
-                    "" if r.steps is None else str(r.steps),
-                    _num(r.max_abs_error, "%.2g"),
-                    _num(run, "%.2f"),
-                    _num(first, "%.2f"),
-                    note,
-                ]
-            )
-            + " |"
-        )
+        lines.append(_row(r, rat.get(i, (None, None)), mixed))
     return "\n".join(lines) + "\n"
 
 
 def _color(library: str) -> str:
     """The same colour for a library in every panel and plot."""
-    return f"C{_library_rank(library)}"
+    return f"C{library_rank(library)}"
 
 
 def plot(path: pathlib.Path, case: str, records: list[Record]) -> None:
@@ -186,7 +218,7 @@ def plot(path: pathlib.Path, case: str, records: list[Record]) -> None:
     rows = math.ceil(len(variants) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
     for ax, variant in zip(axes.flat, variants):
-        for library in sorted(series[variant], key=_library_rank):
+        for library in sorted(series[variant], key=library_rank):
             pts = sorted(series[variant][library], key=lambda r: r.size)
             y = [r.run_median_s for r in pts]
             err = [
@@ -219,7 +251,7 @@ def plot(path: pathlib.Path, case: str, records: list[Record]) -> None:
 def _bars(path: pathlib.Path, case: str, records: list[Record]) -> None:
     """Run time per variant (log scale), a bar per library, min-max as error bars."""
     variants = sorted({r.variant for r in records})
-    libraries = sorted({r.library for r in records}, key=_library_rank)
+    libraries = sorted({r.library for r in records}, key=library_rank)
     width = 0.8 / len(libraries)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(variants)), 4))
     for j, library in enumerate(libraries):
@@ -249,6 +281,25 @@ def _bars(path: pathlib.Path, case: str, records: list[Record]) -> None:
     plt.close(fig)
 
 
+def write_tables(
+    out: pathlib.Path,
+    meta: dict[str, Any],
+    records: list[Record],
+    cases: dict[str, str],
+) -> str:
+    """Write `results.json` and `results.md` into `out`.
+
+    **Returns:**
+
+    The Markdown text.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", meta, records)
+    text = markdown(meta, records, cases)
+    (out / "results.md").write_text(text)
+    return text
+
+
 def write_all(
     out: pathlib.Path,
     meta: dict[str, Any],
@@ -261,10 +312,7 @@ def write_all(
 
     The Markdown text.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", meta, records)
-    text = markdown(meta, records, cases)
-    (out / "results.md").write_text(text)
+    text = write_tables(out, meta, records, cases)
     for case in dict.fromkeys(r.case for r in records):
         plot(out / f"{case}.png", case, records)
     return text

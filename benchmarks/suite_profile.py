@@ -14,7 +14,8 @@ test by test, from one run's records.
 `compiles` counts XLA backend compilations, a persistent-cache read included
 (`cache_hits` says how many were reads); `compile_s` is their seconds, `trace_s`
 and `lower_s` the tracing to a jaxpr and lowering to StableHLO: wall-clock seconds,
-which a loaded machine stretches. `cpu_s` is the process's CPU time (all threads).
+which a loaded machine stretches. `cpu_s` is the process's CPU time (all threads), with
+that of the subprocesses a test waited for (examples, benchmark smoke tests).
 """
 
 import argparse

@@ -48,9 +48,10 @@ def batch_like(sources, tree):
     """`tree`, unchanged in value, but batched under `vmap` wherever `sources` is.
 
     With adaptive steps every part of a loop's carry depends on the state, so the loop
-    body batches all of it. Batching it from the start lets `vmap` of the loop settle
-    which parts are batched in one pass over the body instead of several, which
-    shortens tracing (most of all for the nested loops of the backward passes).
+    body batches all of it (with fixed steps, the state and what follows from it).
+    Batching it from the start lets `vmap` of the loop settle which parts are batched
+    in one pass over the body instead of several, which shortens tracing (most of all
+    for the nested loops of the backward passes).
     """
     leaves = [
         x
@@ -99,6 +100,11 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     )
     if adaptive(problem):
         carry = batch_like(problem, carry)
+    else:  # fixed steps: times and counters stay unbatched; the state and what
+        # follows from it are batched from the start, as the body would batch them
+        sources = (problem.terms, y0, args)
+        y, state, result = batch_like(sources, (y0, solver_state, carry.result))
+        carry = carry._replace(y=y, solver_state=state, result=result)
     return carry, _save.init_buffers(saves_from, solver_state)
 
 
@@ -328,7 +334,8 @@ def body(
     if active is not True:
         out = out._replace(accepted=out.accepted & active)
         new = tree_where(active, new, carry)
-    return new, _save.write(problem, new, out, bufs, differentiable)
+    ts_rows = "masked" if differentiable else "loop"
+    return new, _save.write(problem, new, out, bufs, ts_rows)
 
 
 class Progress(NamedTuple):

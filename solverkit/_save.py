@@ -2,6 +2,10 @@
 (`write`), and the rows of each `SubSaveAt` assembled after the loop (`finish_save`),
 laid out as diffrax lays them out."""
 
+from collections.abc import Callable
+from typing import Literal
+
+import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
@@ -22,6 +26,14 @@ from ._problem import (
 )
 from ._select import where
 from ._time import flip
+from ._tree import tree_add
+
+
+# How `write` writes the rows at `SaveAt(ts=...)` (see there).
+TsRows = Literal["loop", "masked", "skip"]
+# Up to this many save times, a step finds its rows by comparing with each of them
+# (one element-wise kernel); past it, by bisection (log2 of them gathers).
+_COMPARE_ALL_MAX = 64
 
 
 def _save_value(problem: Problem, save: Save, tau: RealScalarLike, y: Y):
@@ -77,16 +89,18 @@ def write(
     carry: Carry,
     out: StepOut,
     bufs: Buffers,
-    differentiable: bool = False,
+    ts_rows: TsRows = "loop",
 ) -> Buffers:
     """Write what an accepted step saves into the buffers; each row is written once.
 
-    Save times inside the step are written one row at a time by a short loop; with
-    `differentiable=True` (for reverse-mode autodiff of one step) every row is
-    computed and masked instead, which costs `len(ts)` interpolations.
+    `ts_rows` says how the rows at `SaveAt(ts=...)` inside the step are written:
+    `"loop"`, one at a time by a short loop; `"masked"` (for reverse-mode autodiff
+    through the step), every row computed and masked, which costs `len(ts)`
+    interpolations; `"skip"`, not at all (a backward pass that pulls their
+    cotangents back itself, with `pull_back_ts`).
     """
     saves = tuple(
-        _write_save(problem, save, carry, out, buf, differentiable)
+        _write_save(problem, save, carry, out, buf, ts_rows)
         for save, buf in zip(problem.saves, bufs.saves)
     )
     dense_ts, dense_info, dense_ends = bufs.dense_ts, bufs.dense_info, bufs.dense_ends
@@ -116,18 +130,14 @@ def _write_save(
     carry: Carry,
     out: StepOut,
     buf: SaveBuffer,
-    differentiable: bool,
+    ts_rows: TsRows,
 ) -> SaveBuffer:
     accepted, t0, t1 = out.accepted, out.t0, out.t1
     ts_ys, steps_ts, steps_ys = buf
-    if save.ts is not None:
+    if save.ts is not None and ts_rows != "skip":
         ts = save.ts
-
-        def at(tau: RealScalarLike):
-            y = problem.solver.interpolate(out.dense_info, t0, out.info_end, tau)
-            return _save_value(problem, save, tau, y)
-
-        if differentiable:
+        at = lambda tau: _interpolated(problem, save, out, tau)  # noqa: E731
+        if ts_rows == "masked":
             rows = accepted & (ts > t0) & (ts <= t1)
             values = jax.vmap(at)(ts)
             ts_ys = jtu.tree_map(lambda v, b: _mask_rows(rows, v, b), values, ts_ys)
@@ -144,12 +154,29 @@ def _write_save(
     return SaveBuffer(ts_ys, steps_ts, steps_ys)
 
 
+def _interpolated(problem: Problem, save: Save, out: StepOut, tau: RealScalarLike):
+    """The value `save` saves at `tau`, from the dense output of the step `out`."""
+    y = problem.solver.interpolate(out.dense_info, out.t0, out.info_end, tau)
+    return _save_value(problem, save, tau, y)
+
+
+def _rows(ts, t0: RealScalarLike, t1: RealScalarLike, accepted):
+    """`(lo, hi)`: the rows `lo <= i < hi` of the (sorted) save times `ts` in
+    `t0 < ts[i] <= t1`, none where the step was rejected.
+
+    Found without a loop: by comparing with every time for a few of them, else by
+    an unrolled bisection (`searchsorted`'s default is a `while_loop`, two more
+    loops in every step, forwards and backwards)."""
+    method = "compare_all" if ts.shape[0] <= _COMPARE_ALL_MAX else "scan_unrolled"
+    lo = jnp.searchsorted(ts, t0, side="right", method=method).astype(jnp.int32)
+    hi = jnp.searchsorted(ts, t1, side="right", method=method).astype(jnp.int32)
+    return lo, where(accepted, hi, lo)
+
+
 def _write_rows(ts, t0: RealScalarLike, t1: RealScalarLike, accepted, at, buf):
     """Write `at(ts[i])` into row `i` for every `t0 < ts[i] <= t1`."""
     last = ts.shape[0] - 1
-    lo = jnp.searchsorted(ts, t0, side="right").astype(jnp.int32)
-    hi = jnp.searchsorted(ts, t1, side="right").astype(jnp.int32)
-    hi = where(accepted, hi, lo)
+    lo, hi = _rows(ts, t0, t1, accepted)
 
     def body(state, active):
         i, buf = state
@@ -160,6 +187,80 @@ def _write_rows(ts, t0: RealScalarLike, t1: RealScalarLike, accepted, at, buf):
 
     _, buf = while_loop(lambda s: s[0] < hi, body, (lo, buf))
     return buf
+
+
+def pull_back_ts(
+    problem_of: Callable[[PyTree], Problem],
+    p_diff: PyTree,
+    out: StepOut,
+    ct_saves: tuple[SaveBuffer, ...],
+) -> tuple[PyTree, PyTree]:
+    """Pull the cotangents of the rows at `SaveAt(ts=...)` that the step `out` writes
+    back to the problem and the step, one row at a time.
+
+    The loop runs as many times as the step has rows (under `vmap`, the most of any
+    batch element: mostly 0 or 1), where differentiating `write(..., "masked")`
+    would interpolate at every one of the `len(ts)` times in every step (Lotka-
+    Volterra, 10 times, N=256: 7x the backward pass of `SaveAt(t1=True)`).
+
+    **Arguments:**
+
+    - `problem_of`: the `Problem` from its differentiated arrays.
+    - `p_diff`: those arrays.
+    - `out`: the step.
+    - `ct_saves`: the cotangents of each save's buffers (their floating leaves, the
+        others `None`).
+
+    **Returns:**
+
+    `(ct_p, ct_out)`: the cotangents of `p_diff` and of the floating leaves of `out`.
+    """
+    out_diff, out_rest = eqx.partition(out, eqx.is_inexact_array)
+    problem = problem_of(p_diff)
+    ct_p = jtu.tree_map(jnp.zeros_like, p_diff)
+    ct_out = jtu.tree_map(jnp.zeros_like, out_diff)
+    for index, (save, ct_buf) in enumerate(zip(problem.saves, ct_saves)):
+        if save.ts is None or not jtu.tree_leaves(ct_buf.ts_ys):
+            continue
+        ts, last = save.ts, save.ts.shape[0] - 1
+        lo, hi = _rows(ts, out.t0, out.t1, out.accepted)
+
+        def value(p, o, tau, index=index):
+            problem = problem_of(p)
+            v = _interpolated(
+                problem, problem.saves[index], eqx.combine(o, out_rest), tau
+            )
+            return eqx.filter(v, eqx.is_inexact_array)
+
+        def body(state, active, ts_ys=ct_buf.ts_ys):
+            i, ct_p, ct_out, ct_ts = state
+            row = jnp.minimum(i, last)
+            ct_row = jtu.tree_map(
+                lambda c: lax.dynamic_index_in_dim(c, row, keepdims=False), ts_ys
+            )
+            _, vjp = jax.vjp(value, p_diff, out_diff, ts[row])
+            masked = lambda tree: jtu.tree_map(lambda c: where(active, c, 0), tree)  # noqa: E731
+            dp, do, dtau = masked(vjp(ct_row))
+            ct_ts = ct_ts.at[row].add(dtau)
+            state = (
+                i + active.astype(jnp.int32),
+                tree_add(ct_p, dp),
+                tree_add(ct_out, do),
+                ct_ts,
+            )
+            return state
+
+        state = (lo, ct_p, ct_out, jnp.zeros_like(ts))
+        _, ct_p, ct_out, ct_ts = while_loop(lambda s: s[0] < hi, body, state)
+        if _ts_of(p_diff, index) is not None:
+            ct_p = eqx.tree_at(
+                lambda p: _ts_of(p, index), ct_p, _ts_of(ct_p, index) + ct_ts
+            )
+    return ct_p, ct_out
+
+
+def _ts_of(p: PyTree, index: int):
+    return p.saves[index].ts
 
 
 def set_row(buf, row, pred, value):

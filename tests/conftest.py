@@ -58,12 +58,46 @@ def _persistent_compilation_cache() -> None:
 _persistent_compilation_cache()
 
 
+def _quick_compiles() -> None:
+    """XLA compiles the suite's programs with most optimizations off
+    (`jax_disable_most_optimizations`: backend optimization level 0, no expensive
+    LLVM passes): about a fifth less compile time each, and compiling is most of
+    the suite's time. Set in the environment too, so that the examples and
+    benchmarks the tests run in subprocesses compile the same way.
+    `SOLVERKIT_TEST_OPTIMIZE=1` compiles as users' programs do (XLA's defaults);
+    a test that needs the optimized compile takes the `optimized_compiles` fixture.
+    """
+    if os.environ.get("SOLVERKIT_TEST_OPTIMIZE", "") not in ("", "0"):
+        return
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    jax.config.update("jax_disable_most_optimizations", True)
+
+
+_quick_compiles()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """`SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time
     (tests/_profile_plugin.py; summary: `python -m benchmarks.suite_profile DIR`)."""
     where = os.environ.get("SOLVERKIT_TEST_PROFILE")
     if where:
         config.pluginmanager.register(Profile(pathlib.Path(where)), "solverkit-profile")
+
+
+@pytest.fixture
+def optimized_compiles():
+    """The test's programs compile with XLA's default optimizations, as users'
+    programs do (the session turns most of them off: `_quick_compiles`). JAX's
+    in-memory caches are emptied on the way in and out, so no executable compiled
+    the other way is reused."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+        jax.clear_caches()
 
 
 @pytest.fixture

@@ -507,6 +507,10 @@ def test_grad_brusselator_matrix_free():
     assert jnp.allclose(g, _fd("bruss", x), rtol=1e-5)
 
 
+# The full suite only: a vmapped BDF gradient is a ~14 CPU-second compile, and the
+# quick loop has one (test_controller_norms, over a closed-over float rate); the int
+# index vmapped through a closure is in test_vmap_jit_closures.
+@pytest.mark.slow
 def test_grad_vmapped_index():
     """Gradient with respect to a closed-over float, vmapped over a closed-over int
     index."""
@@ -660,10 +664,13 @@ def test_forward_mode_and_y0():
         sol = _solve(_rober(0.04), sk.BDF(), 10.0, y0, 1e-8, 1e-11, adjoint=adjoint)
         return sol.ys[-1, 0] + 1e4 * sol.ys[-1, 1]
 
+    # Jitted (each a few compiles instead of one per eager operation); the two
+    # evaluations of the finite difference share one.
     y0 = jnp.array([1.0, 0.0, 0.0])
-    rev = jax.grad(loss)(y0, sk.RecursiveCheckpointAdjoint())
-    fwd = jax.jacfwd(loss)(y0, sk.ForwardMode())
+    rev = jax.jit(jax.grad(loss), static_argnums=1)(y0, sk.RecursiveCheckpointAdjoint())
+    fwd = jax.jit(jax.jacfwd(loss), static_argnums=1)(y0, sk.ForwardMode())
     assert jnp.allclose(rev, fwd, rtol=1e-6, atol=1e-8), (rev, fwd)
     e = jnp.eye(3)[0] * 1e-6
-    fd0 = (loss(y0 + e, sk.ForwardMode()) - loss(y0 - e, sk.ForwardMode())) / 2e-6
+    value = jax.jit(loss, static_argnums=1)
+    fd0 = (value(y0 + e, sk.ForwardMode()) - value(y0 - e, sk.ForwardMode())) / 2e-6
     assert jnp.allclose(rev[0], fd0, rtol=1e-4), (rev[0], fd0)

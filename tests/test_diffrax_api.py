@@ -295,6 +295,30 @@ def test_empty_state_with_pid():
 
 
 @pytest.mark.parametrize(
+    "solver",
+    [
+        sk.ImplicitEuler(root_finder=sk.VeryChord(rtol=1e-3, atol=1e-6)),
+        sk.Kvaerno3(),
+        sk.KenCarp3(),
+        sk.Rodas5P(),
+        sk.BDF(),
+    ],
+    ids=lambda s: type(s).__name__,
+)
+@pytest.mark.quick_cases("ImplicitEuler", "Rodas5P")
+def test_empty_state_with_implicit_solvers(solver):
+    # diffrax's test_integrate::test_basic draws states with zero-length axes: the
+    # Jacobian is then (0, 0), and the small-matrix inverse indexed its [0, 0] entry.
+    # KenCarp3 takes (explicit, implicit) terms.
+    neg = sk.ODETerm(lambda t, y, args: jax.tree.map(jnp.negative, y))
+    terms = sk.MultiTerm(neg, neg) if isinstance(solver, sk.KenCarp3) else neg
+    y0 = {"a": jnp.zeros((2, 0)), "b": jnp.zeros((0,))}
+    sol = sk.diffeqsolve(terms, solver, 0, 1, 0.01, y0, stepsize_controller=_PID)
+    assert sol.result == sk.RESULTS.successful
+    assert sol.ys["a"].shape == (1, 2, 0) and sol.ys["b"].shape == (1, 0)
+
+
+@pytest.mark.parametrize(
     "controller",
     [
         lambda lib: lib.ConstantStepSize(),

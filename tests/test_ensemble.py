@@ -368,10 +368,10 @@ def test_unsupported_options_raise(kw, match):
 @pytest.mark.parametrize(
     "y0, args, lanes, match",
     [
-        (jnp.ones((4, 3)), dict(rho=jnp.ones(5), sigma=1.0), None, "same leading"),
-        (jnp.ones((4, 3)), dict(rho=jnp.ones(()), sigma=1.0), None, "scalar"),
-        (jnp.ones((4, 3)), dict(rho=jnp.ones(4), sigma=1.0), 0, "positive"),
-        (jnp.ones((0, 3)), dict(rho=jnp.ones(0), sigma=1.0), None, "at least one"),
+        (np.ones((4, 3)), dict(rho=np.ones(5), sigma=1.0), None, "same leading"),
+        (np.ones((4, 3)), dict(rho=np.ones(()), sigma=1.0), None, "scalar"),
+        (np.ones((4, 3)), dict(rho=np.ones(4), sigma=1.0), 0, "positive"),
+        (np.ones((0, 3)), dict(rho=np.ones(0), sigma=1.0), None, "at least one"),
     ],
 )
 def test_bad_batches_raise(y0, args, lanes, match):
@@ -616,14 +616,14 @@ FEATURES = {
         stepsize_controller=PID,
     ),
     "timed_event": dict(
-        event=sk.TimedEvent(jnp.array([0.25, 0.5]), amount=np.array([1.0, 0, 0])),
+        event=sk.TimedEvent(np.array([0.25, 0.5]), amount=np.array([1.0, 0, 0])),
         saveat=sk.SaveAt(ts=TS),
         stepsize_controller=PID,
     ),
     "both_events": dict(
         event=(
             sk.Event(_x_falls, direction=False, effect=_halve, max_events=8),
-            sk.TimedEvent(jnp.array([0.3]), amount=np.array([2.0, 0, 0])),
+            sk.TimedEvent(np.array([0.3]), amount=np.array([2.0, 0, 0])),
         ),
         stepsize_controller=PID,
     ),

@@ -6,6 +6,7 @@ import functools
 
 import diffrax
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -509,6 +510,84 @@ def test_new_function_does_recompile_and_is_right():
     b = solve(lambda t, y, args: y)
     np.testing.assert_allclose(a, np.exp(-1.0), rtol=1e-6)
     np.testing.assert_allclose(b, np.exp(1.0), rtol=1e-6)
+
+
+def _solve_jits(fn, *args) -> int:
+    """How many `jit`s of diffeqsolve's own the program of `jax.jit(fn)` holds."""
+
+    def count(jaxpr) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += eqn.primitive.name in ("jit", "pjit") and eqn.params[
+                "name"
+            ].startswith("_solve")
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                n += count(sub)
+        return n
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_traced_once_inside_jit_under_transformations():
+    # Inside a jit, under vmap or grad, the solve is traced directly rather than as a
+    # jit of its own that each transformation then traces again; under a plain jit it
+    # stays one (repeated solves share its trace). The numbers are the same.
+    power = jnp.asarray(1, jnp.int32)  # closed-over values of two dtypes
+
+    def final(k, y0):
+        field = lambda t, y, args: -k * y**power  # noqa: E731
+        return sk.diffeqsolve(
+            sk.ODETerm(field), sk.Tsit5(), 0.0, 1.0, 0.1, y0,
+            stepsize_controller=_decay_controller, max_steps=256,
+        ).ys[-1, 0]  # fmt: skip
+
+    k, y0 = jnp.array([0.5, 2.0]), jnp.array([[1.0], [3.0]])
+    batched = jax.vmap(final)
+    loss = jax.grad(lambda k, y0: batched(k, y0).sum())
+    assert _solve_jits(batched, k, y0) == 0
+    assert _solve_jits(loss, k, y0) == 0
+    assert _solve_jits(final, k[0], y0[0]) == 1
+    exact = np.asarray(y0[:, 0]) * np.exp(-np.asarray(k))
+    # PID at rtol = atol = 1e-8 on a smooth decay: the final state to ~1e-7.
+    np.testing.assert_allclose(jax.jit(batched)(k, y0), exact, rtol=1e-7)
+    np.testing.assert_allclose(jax.jit(loss)(k, y0), -exact, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(batched)(k, y0), batched(k, y0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("controller", [sk.ConstantStepSize(), _decay_controller])
+def test_vmap_settles_the_loop_carry_in_one_pass(monkeypatch, controller):
+    # Under vmap JAX batches a while loop's body until the batched parts of the carry
+    # stop changing, each pass a trace of the whole body. The loop's initial carry is
+    # batched wherever the body would batch it (with fixed steps too: the state, the
+    # solver's state and the result code), so one pass settles it.
+    batching = pytest.importorskip("jax._src.interpreters.batching")
+    loops = pytest.importorskip("jax._src.lax.control_flow.loops")
+    passes, batch_jaxpr = [], batching.batch_jaxpr
+
+    def counted(jaxpr, axis_data, batched, instantiate):
+        out = batch_jaxpr(jaxpr, axis_data, batched, instantiate)
+        if isinstance(instantiate, list) and len(jaxpr.jaxpr.eqns) > 50:
+            passes.append(list(instantiate) == list(out[1]))
+        return out
+
+    monkeypatch.setattr(loops.batching, "batch_jaxpr", counted)
+    scale = jnp.array([0.5, 2.0])
+    count = jnp.asarray(2, jnp.int32)  # closed-over values of two dtypes
+
+    def final(k):
+        field = lambda t, y, args: -k * y * (count // 2)  # noqa: E731
+        return sk.diffeqsolve(
+            sk.ODETerm(field), sk.Tsit5(), 0.0, 1.0, 1e-2, jnp.array([1.0, 3.0]),
+            stepsize_controller=controller, max_steps=256,
+        ).ys[-1]  # fmt: skip
+
+    out = jax.jit(jax.vmap(final))(scale)
+    if not passes:
+        pytest.skip("this JAX batches a while loop without `batching.batch_jaxpr`")
+    assert passes == [True]  # the loop body's one pass found nothing to batch anew
+    exact = np.array([1.0, 3.0]) * np.exp(-np.asarray(scale))[:, None]
+    # Tsit5 with dt = 1e-2 (error ~ dt^5 = 1e-10) or PID at 1e-8: well inside 1e-7.
+    np.testing.assert_allclose(out, exact, rtol=1e-7)
 
 
 @pytest.mark.parametrize("solver_cls", solver_params(RK_SOLVERS))

@@ -157,6 +157,23 @@ def test_unsupported_raises_or_falls_back():
     assert sol.ys.shape == (128, 1, 3)
 
 
+def test_nextafter_goes_to_the_lane_loop(monkeypatch):
+    # Mosaic lowers `nextafter` to selects of splat constants, which it does not
+    # compile: the support check refuses it (interpret mode would run it).
+    y0, args = _problem(jnp.float32, 128)
+    kw = dict(stepsize_controller=sk.PIDController(rtol=1e-4, atol=1e-4))
+    up = jnp.asarray(jnp.inf, jnp.float32)
+    term = sk.ODETerm(lambda t, y, args: jnp.nextafter(-y * args[0], up))
+    solve = lambda kernel: sk.ensemble_solve(  # noqa: E731
+        term, sk.Tsit5(), 0.0, 0.1, None, y0, args, kernel=kernel, **kw
+    )
+    with pytest.raises(UnsupportedError, match="primitive `nextafter`"):
+        solve(True)
+    # kernel=None on a TPU: the lane loop, bit for bit.
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    np.testing.assert_array_equal(solve(None).ys, solve(False).ys)
+
+
 def _fall(gravity):
     """Free fall with `gravity` closed over, per-trajectory drag-free scale `a`."""
     return lambda t, y, a: jnp.stack([y[1], -gravity * a])
@@ -331,6 +348,11 @@ def test_selects_on_real_tiles(x64, wheres):
             event=sk.Event(cond), kernel=True,
         )  # fmt: skip
 
+    assert_kernel_selects_on_real_tiles(jax.make_jaxpr(solve)(y0, a).jaxpr)
+
+
+def assert_kernel_selects_on_real_tiles(jaxpr):
+    """`jaxpr` holds a Pallas kernel, and no `select_n` in it has a splat operand."""
     kernels, found = [], []
 
     def walk(jaxpr):
@@ -340,7 +362,7 @@ def test_selects_on_real_tiles(x64, wheres):
             for inner in _inner_jaxprs(eqn):
                 walk(inner)
 
-    walk(jax.make_jaxpr(solve)(y0, a).jaxpr)
+    walk(jaxpr)
     assert kernels
     for k in kernels:
         _splat_selects(k, found)

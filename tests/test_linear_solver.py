@@ -330,6 +330,10 @@ _EXACT = {
 }
 
 
+# Quick loop: each solve, each preconditioner and each right-hand side once.
+@pytest.mark.quick_cases(
+    "solve-banded-zero", "solve_tangent-dense-one-hot", "solve-none-one-hot"
+)
 @pytest.mark.parametrize("rhs_kind", ["zero", "one-hot"])
 @pytest.mark.parametrize("preconditioner", sorted(_EXACT))
 @pytest.mark.parametrize("which", ["solve", "solve_tangent"])

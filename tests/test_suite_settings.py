@@ -1,7 +1,8 @@
 """The test suite's own machinery (conftest.py, helpers.py): compile counting stays
 right with the persistent compilation cache on; the `quick_cases` marker; the
-per-test profile (`SOLVERKIT_TEST_PROFILE`)."""
+per-test profile (`SOLVERKIT_TEST_PROFILE`); the session's compile settings."""
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import count_compiles
+from jax._src import compiler
 
 from benchmarks import suite_profile as profile
 
@@ -73,3 +75,65 @@ def test_profile_records_every_test(tmp_path: pathlib.Path):
     # At least the test's program twice: compiled, then read back after clearing.
     assert rows[0]["compiles"] >= 2 and rows[0]["cpu_s"] > 0
     assert "| quick (not slow) | 1 |" in profile.report(rows, top=1)
+
+
+def _optimization_level() -> int:
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    return options.executable_build_options.debug_options.xla_backend_optimization_level
+
+
+def test_session_compiles_with_most_optimizations_off():
+    # conftest's `_quick_compiles`, unless SOLVERKIT_TEST_OPTIMIZE=1; subprocesses
+    # inherit it through the environment.
+    if os.environ.get("SOLVERKIT_TEST_OPTIMIZE", "") not in ("", "0"):
+        pytest.skip("SOLVERKIT_TEST_OPTIMIZE is set")
+    assert _optimization_level() == 0
+    assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+
+
+def test_optimized_compiles_fixture(optimized_compiles):
+    assert _optimization_level() > 0
+
+
+def _import_time_calls(tree: ast.Module) -> list[ast.Call]:
+    """The calls a module makes when it is imported: in its and its classes'
+    statements, decorators and default arguments (not in function or lambda
+    bodies)."""
+    calls, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            stack.extend(args.defaults + [d for d in args.kw_defaults if d])
+            stack.extend(getattr(node, "decorator_list", []))
+            continue
+        if isinstance(node, ast.Call):
+            calls.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return calls
+
+
+def _dtype_given(call: ast.Call) -> bool:
+    """Whether a `jnp` call names its dtype (`dtype=`, a `jnp.`/`np.` dtype among its
+    arguments, or is one: `jnp.float32(1.0)`)."""
+    names = [ast.unparse(a) for a in call.args] + [ast.unparse(call.func)]
+    dtypes = ("float", "int", "uint", "complex", "bool")
+    return any(k.arg == "dtype" for k in call.keywords) or any(
+        n.split(".")[-1].startswith(dtypes) and n.startswith(("jnp.", "np."))
+        for n in names
+    )
+
+
+def test_float64_files_build_no_jnp_arrays_at_import():
+    # A file that runs under the `x64` fixture is imported before x64 is on: a
+    # `jnp` array it makes at import, without a dtype, is silently float32 (as
+    # test_linear_solver_grad's parameters once were). Such constants are NumPy.
+    wrong = []
+    for path in sorted((_ROOT / "tests").glob("test_*.py")):
+        text = path.read_text()
+        if 'pytestmark = pytest.mark.usefixtures("x64")' not in text:
+            continue
+        for call in _import_time_calls(ast.parse(text)):
+            if ast.unparse(call.func).startswith("jnp.") and not _dtype_given(call):
+                wrong.append(f"{path.name}:{call.lineno}: {ast.unparse(call)}")
+    assert not wrong, "\n".join(wrong)

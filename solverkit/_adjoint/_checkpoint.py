@@ -15,13 +15,13 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .. import _loop
+from .. import _loop, _save
 from .._closure._unvmap import unvmap_max
 from .._errors import UnsupportedError
 from .._loop import Outputs
 from .._problem import Buffers, Carry, Problem
 from .._select import where
-from .._tree import tree_where
+from .._tree import tree_add, tree_where
 from . import _schedule
 from ._base import (
     AbstractAdjoint,
@@ -177,20 +177,31 @@ class _Reverse(NamedTuple):
 
 def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next):
     """Pull the cotangent of the carry after one step back through that step
-    (writing its saves), to the problem's parameters and the carry before it."""
+    (and its saves), to the problem's parameters and the carry before it.
+
+    The rows at `SaveAt(ts=...)` are pulled back by `_save.pull_back_ts`, only those
+    the step wrote; the step's other saves (at steps, dense output, events) are
+    differentiated with it."""
     c_diff, c_rest = eqx.partition(carry, rev.diff_mask)
+    problem_of = lambda p: eqx.combine(p, rev.p_rest, rev.static)  # noqa: E731
+    rows = any(save.ts is not None for save in problem_of(p_diff).saves)
 
     def f(p_diff, c_diff):
-        problem = eqx.combine(p_diff, rev.p_rest, rev.static)
-        new, new_bufs = _loop.body(
-            problem, (eqx.combine(c_diff, c_rest), rev.bufs), differentiable=True
-        )
-        return eqx.filter(new, rev.diff_mask), eqx.filter(
-            new_bufs, eqx.is_inexact_array
-        )
+        problem = problem_of(p_diff)
+        new, out = _loop.step(problem, eqx.combine(c_diff, c_rest))
+        new_bufs = _save.write(problem, new, out, rev.bufs, ts_rows="skip")
+        out_diff, out_rest = eqx.partition(out, eqx.is_inexact_array)
+        new_diff = eqx.filter(new, rev.diff_mask)
+        bufs_diff = eqx.filter(new_bufs, eqx.is_inexact_array)
+        return (new_diff, bufs_diff, out_diff if rows else None), out_rest
 
-    _, pullback = jax.vjp(f, p_diff, c_diff)
-    return pullback((ct_next, rev.ct_bufs))
+    (_, _, out_diff), pullback, out_rest = jax.vjp(f, p_diff, c_diff, has_aux=True)
+    if not rows:
+        return pullback((ct_next, rev.ct_bufs, None))
+    out = eqx.combine(out_diff, out_rest)
+    dp_rows, ct_out = _save.pull_back_ts(problem_of, p_diff, out, rev.ct_bufs.saves)
+    dp, dc = pullback((ct_next, rev.ct_bufs, ct_out))
+    return tree_add(dp, dp_rows), dc
 
 
 def _source(rev: _Reverse, bounds: _schedule.Chunk, mids: Stack | None):

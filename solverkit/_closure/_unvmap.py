@@ -93,6 +93,25 @@ def _at_top_level() -> bool:
         return False
 
 
+def transformed_in_jit() -> bool:
+    """Whether a transformation (`vmap`, `grad`, ...) is tracing now inside a `jit` (or
+    `scan`, `make_jaxpr`, ...) that stages the program (False where JAX cannot say).
+
+    There a `jit` of our own would be traced to a jaxpr and then traced again by each
+    transformation (batched, linearised, transposed), where calling its function
+    directly traces it once through all of them.
+    """
+    try:
+        from jax._src import core
+        from jax._src.interpreters import partial_eval as pe
+
+        return bool(core.unsafe_am_i_under_a_jit()) and not isinstance(
+            core.trace_ctx.trace, pe.DynamicJaxprTrace
+        )
+    except Exception:  # a JAX without these: as if not
+        return False
+
+
 def eager(tree) -> bool:
     """Whether a call on `tree` runs eagerly: outside every `jit`/`vmap`/`grad` trace,
     with no tracer among its leaves, and with equinox's errors set to raise.

@@ -83,6 +83,13 @@ def _advancing(t0: Array, t1: Array, keep, next_t0: Array, next_t1: Array, resul
     return _after(next_t0, next_t1), result
 
 
+def _power(x: Array, c: RealScalarLike) -> Array | int:
+    """`x ** c`, skipped (1) where `c` is known now to be zero; a traced `c` (an
+    `error_order` or coefficient under `jit`) is always applied (`x ** 0 == 1`)."""
+    known = concrete(c)
+    return 1 if known is not None and np.all(known == 0) else x**c
+
+
 class PIDState(NamedTuple):
     prev: Array  # inverse scaled error of the last accepted step
     prev_prev: Array  # ... and of the one before
@@ -176,8 +183,10 @@ class PIDController(AbstractAdaptiveStepSizeController):
     def tolerances(self) -> Tolerances:
         # An I-controller (no proportional or derivative part) tells a solver how it
         # sizes steps, so that one choosing its own (`BDF`) can reproduce it.
+        # Coefficients traced under `jit` are not known to be zero: no I-controller.
         i_control = None
-        if self.pcoeff == 0 and self.dcoeff == 0:
+        pcoeff, dcoeff = concrete(self.pcoeff), concrete(self.dcoeff)
+        if pcoeff is not None and dcoeff is not None and pcoeff == 0 and dcoeff == 0:
             i_control = IControl(self.safety, self.icoeff, self.error_order)
         return Tolerances(self.rtol, self.atol, self.norm, i_control)
 
@@ -269,11 +278,8 @@ class PIDController(AbstractAdaptiveStepSizeController):
         c1 = (self.icoeff + self.pcoeff + self.dcoeff) / order
         c2 = -(self.pcoeff + 2 * self.dcoeff) / order
         c3 = self.dcoeff / order
-        factor = self.safety * inv**c1
-        if c2 != 0:
-            factor = factor * prev**c2
-        if c3 != 0:
-            factor = factor * prev_prev**c3
+        factor = self.safety * _power(inv, c1) * _power(prev, c2)
+        factor = factor * _power(prev_prev, c3)
         factor = jnp.clip(
             factor,
             where(keep, 1, self.factormin),

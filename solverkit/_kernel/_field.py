@@ -12,6 +12,7 @@ import numpy as np
 
 from .._closure._convert import Closure
 from .._controller._adaptive import PIDController
+from .._controller._base import ConstantStepSize
 from .._controller._norm import rms_norm
 from .._problem import Problem
 from .._progress import NoProgressMeter
@@ -31,13 +32,16 @@ def _float(name: str, value) -> float:
         ) from None
 
 
-def pid_of(problem: Problem) -> Pid:
-    """The controller's settings, or `KernelUnsupported`."""
+def pid_of(problem: Problem) -> Pid | None:
+    """The `PIDController`'s settings, `None` for `ConstantStepSize`, or
+    `KernelUnsupported`."""
     c = problem.controller
+    if type(c) is ConstantStepSize:
+        return None
     if type(c) is not PIDController:
         raise KernelUnsupported(
             f"the step-size controller {type(c).__name__} (the kernel supports "
-            "PIDController)"
+            "PIDController and ConstantStepSize)"
         )
     if c.norm is not rms_norm or c.step_ts is not None or c.jump_ts is not None:
         raise KernelUnsupported(

@@ -42,7 +42,7 @@ class Spec(NamedTuple):
     """What the kernel is compiled for (static)."""
 
     tableau: ButcherTableau
-    pid: Pid
+    pid: Pid | None  # None: `ConstantStepSize` (every step accepted, no estimate)
     n: int  # state components per trajectory
     field: Callable  # (t, y tiles, arg tiles, const elements) -> dy/dt tiles
     num_args: tuple[int, ...]  # components of each per-trajectory argument
@@ -102,7 +102,13 @@ def _code(code: int, like):
 
 
 def _going(spec: Spec, s: _State, t1):
-    return (s.t < t1) & (s.steps < spec.max_steps) & (s.result == _SUCCESS)
+    """Whether a lane steps on. With fixed steps and no event a failure (a
+    non-finite state) does not stop it: it runs to `t1`, as the `vmap` path's loop
+    does (`_loop.cond`)."""
+    going = (s.t < t1) & (s.steps < spec.max_steps)
+    if spec.pid is None and spec.cond is None:
+        return going
+    return going & (s.result == _SUCCESS)
 
 
 def _init(spec: Spec, field, primal, cond, t0, t1, dt0, y0):
@@ -110,10 +116,14 @@ def _init(spec: Spec, field, primal, cond, t0, t1, dt0, y0):
     if spec.has_dt0:
         dt = _tile.anchor(jnp.broadcast_to(dt0, y0[0].shape).astype(t0.dtype))
     else:
+        assert spec.pid is not None  # (`ConstantStepSize.check` asks for `dt0`)
         p = spec.own
         dt = _step.initial_step(spec.pid, primal, t0, y0[:p], f0[:p])
-    dt = _step.clip_dt0(spec.pid, dt)
-    tnext = jnp.minimum(jnp.maximum(t0 + dt, _step.next_float(t0)), t1)
+    if spec.pid is None:  # `ConstantStepSize.init`: the first step is `dt0`
+        tnext = jnp.minimum(t0 + dt, t1)
+    else:
+        dt = _step.clip_dt0(spec.pid, dt)
+        tnext = jnp.minimum(jnp.maximum(t0 + dt, _step.next_float(t0)), t1)
     # Carried tiles start as real tiles (not splats): see `_tile`.
     zero = _tile.anchor(jnp.zeros(y0[0].shape, jnp.int32))
     one = _tile.anchor(jnp.ones(y0[0].shape, t0.dtype))
@@ -189,20 +199,43 @@ def _landing(t0, h, t1, land, d: _step.Decision):
     return where(d.next_t1 >= land, where(d.keep, t1, retry), d.next_t1)
 
 
-def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _State:
-    going = _going(spec, s, t1)
-    t_end = jnp.minimum(s.tnext, t1)
-    h = t_end - s.t
-    y1, error, ks = _step.rk_step(spec.tableau, field, s.t, h, s.y, s.f)
-    p = spec.own  # the controller and the check read the state, not its tangents
+class _Control(NamedTuple):
+    """The controller's verdict on a step: accepted (`None`: always), the next
+    step's end, the PID history and `dt_min_reached` (`None`: fixed steps)."""
+
+    keep: Any
+    next_t1: jax.Array
+    history: Any
+    too_small: Any
+
+
+def _control(spec: Spec, s: _State, t_end, h, y1, error, t1, land, fixed) -> _Control:
+    if spec.pid is None:  # `ConstantStepSize`, then `_loop._landing` (accepted)
+        nxt = _step.fixed_next(s.steps, t_end, fixed)
+        return _Control(None, where(nxt >= land, t1, nxt), None, None)
+    p = spec.own  # the controller reads the state, not its tangents
     history = (s.prev, s.prev_prev, s.at_dtmin)
     d = _step.adapt(spec.pid, s.t, t_end, s.y[:p], y1[:p], error[:p], history)
     next_t1 = _landing(s.t, h, t1, land, d)
+    return _Control(d.keep, next_t1, (d.prev, d.prev_prev, d.at_dtmin), d.too_small)
+
+
+def _body(
+    spec: Spec, field, cond, t1, land, fixed, ts_ref, out_ref, s: _State
+) -> _State:
+    going = _going(spec, s, t1)
+    t_end = jnp.minimum(s.tnext, t1)
+    h = t_end - s.t
+    estimate = spec.pid is not None
+    y1, error, ks = _step.rk_step(spec.tableau, field, s.t, h, s.y, s.f, estimate)
+    c = _control(spec, s, t_end, h, y1, error, t1, land, fixed)
+    p = spec.own  # the check reads the state, not its tangents
     finite = functools.reduce(lambda a, b: a & b, [_step.finite(v) for v in y1[:p]])
-    keep = going & d.keep
+    keep = going if c.keep is None else going & c.keep
     ok = _code(_SUCCESS, s.result)
-    result = where(d.too_small, _code(_DT_MIN, ok), ok)
-    result = where(d.keep & ~finite, _code(_NONFINITE, ok), result)
+    result = ok if c.too_small is None else where(c.too_small, _code(_DT_MIN, ok), ok)
+    bad = ~finite if c.keep is None else c.keep & ~finite
+    result = where(bad, _code(_NONFINITE, ok), result)
     result = where(going & (s.result == _SUCCESS), result, s.result)
     g, last = s.g, s.last
     if cond is not None:
@@ -212,17 +245,23 @@ def _body(spec: Spec, field, cond, t1, land, ts_ref, out_ref, s: _State) -> _Sta
     if spec.num_ts:
         kbase = _save(spec, ts_ref, out_ref, s, t_end, going, keep, s.y, ks, h)
     pick = lambda new, old: where(going, new, old)  # noqa: E731
+    history = (s.prev, s.prev_prev, s.at_dtmin)
+    if c.history is not None:
+        history = tuple(pick(new, old) for new, old in zip(c.history, history))
+    rejected = s.rejected
+    if c.keep is not None:
+        rejected = rejected + (going & ~c.keep).astype(jnp.int32)
     return _State(
         t=where(keep, t_end, s.t),
-        tnext=pick(next_t1, s.tnext),
+        tnext=pick(c.next_t1, s.tnext),
         y=[where(keep, a, b) for a, b in zip(y1, s.y)],
         f=[where(keep, a, b) for a, b in zip(ks[-1], s.f)],
-        prev=pick(d.prev, s.prev),
-        prev_prev=pick(d.prev_prev, s.prev_prev),
-        at_dtmin=pick(d.at_dtmin, s.at_dtmin),
+        prev=history[0],
+        prev_prev=history[1],
+        at_dtmin=history[2],
         steps=s.steps + going.astype(jnp.int32),
         accepted=s.accepted + keep.astype(jnp.int32),
-        rejected=s.rejected + (going & ~d.keep).astype(jnp.int32),
+        rejected=rejected,
         result=result,
         kbase=kbase,
         iterations=s.iterations + 1,
@@ -243,6 +282,10 @@ def _kernel_body(spec: Spec, *refs):
     arg_refs, const_refs = rest[:nargs], rest[nargs : nargs + nconsts]
     y_ref, ys_ref, t_ref, count_ref = rest[nargs + nconsts :]
     t0, t1, dt0, land = times_ref[0], times_ref[1], times_ref[2], times_ref[3]
+    fixed = None
+    if spec.pid is None:
+        n, n_or_1, span = times_ref[4], times_ref[5], times_ref[6]
+        fixed = _step.FixedTimes(t0, t1, span, n, n_or_1, dt0)
     args = [[r[i] for i in range(m)] for r, m in zip(arg_refs, spec.num_args)]
     consts = [_read_const(r, shape) for r, shape in zip(const_refs, spec.const_shapes)]
     own = spec.field_consts if spec.cond is not None else len(consts)
@@ -268,7 +311,7 @@ def _kernel_body(spec: Spec, *refs):
     state = _init(spec, field, primal, cond, t_tile, t1, dt0, y0)
     state = lax.while_loop(
         lambda s: jnp.any(_going(spec, s, t1)),
-        lambda s: _body(spec, field, cond, t1, land, ts_ref, ys_ref, s),
+        lambda s: _body(spec, field, cond, t1, land, fixed, ts_ref, ys_ref, s),
         state,
     )
     t_end, y_end = state.t, state.y
@@ -294,8 +337,10 @@ def solve_blocks(spec: Spec, times, ts, y0, args, consts, interpret: bool):
     **Arguments:**
 
     - `spec`: the static description (`Spec`).
-    - `times`: `(4,)` array of `t0, t1, dt0` and the landing time: a step ending
-        at or past it ends at `t1` (time dtype).
+    - `times`: `(7,)` array (time dtype) of `t0, t1, dt0`, the landing time (a step
+        ending at or past it ends at `t1`), and for `ConstantStepSize` the steps
+        `n` in `[t0, t1]` (`-1` if infinite), `max(n, 1)` and `t1 - t0`
+        (`_step.FixedTimes`; zeros otherwise).
     - `ts`: `(T,)` save times (`(1,)` of anything if none).
     - `y0`: `(n, R, 128)` initial states; `args`: per-trajectory arguments, each
         `(m, R, 128)`; `consts`: shared values, each flattened to 1-D.

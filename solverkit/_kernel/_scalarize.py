@@ -35,10 +35,18 @@ class KernelUnsupported(Exception):
 _ELEMENTWISE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp copy
     copy_p convert_element_type cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor
-    ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter
-    not or pow reduce_precision rem round rsqrt select_n sign sin sinh sqrt square
+    ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg not or
+    pow reduce_precision rem round rsqrt select_n sign sin sinh sqrt square
     sub tan tanh xor""".split()
 )
+# Element-wise primitives that Mosaic's own lowering turns into a form it fails to
+# compile: not in the kernel (the vmap path solves such fields). `nextafter` (JAX
+# 0.10) becomes selects mixing splat constants with real vectors, the form `_tile`
+# works around; `benchmarks/mosaic_probe.py` has the pattern, to re-check on a TPU.
+_NOT_ON_TPU = {
+    "nextafter": "Mosaic lowers it to selects that mix splat constants with real "
+    "vectors, which it fails to compile",
+}
 # Primitives whose parameters hold an inner jaxpr, evaluated in place.
 _CALLS = {
     "pjit": "jaxpr",
@@ -67,6 +75,11 @@ def check(jaxpr: jex.Jaxpr) -> None:
         name = eqn.primitive.name
         if name in _CALLS:
             check(_inner(eqn.params, _CALLS[name])[0])
+        elif name in _NOT_ON_TPU:
+            raise KernelUnsupported(
+                f"the vector field uses the primitive `{name}`, which the kernel does "
+                f"not evaluate: {_NOT_ON_TPU[name]}"
+            )
         elif name == "dot_general" and eqn.params["dimension_numbers"][1] != ((), ()):
             raise KernelUnsupported(
                 "the vector field uses `dot_general` with batch dimensions, which the "

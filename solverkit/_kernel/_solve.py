@@ -168,7 +168,10 @@ def lane_inputs(
     t1 = problem.t1
     spacing = jnp.finfo(tdtype).eps * jnp.maximum(1, jnp.abs(t1))
     land = t1 - _pallas.LANDING_ULPS * spacing
-    times = jnp.stack([problem.t0, t1, jnp.asarray(dt0, tdtype), land])
+    pid = _field.pid_of(problem)
+    times = jnp.stack(
+        [problem.t0, t1, jnp.asarray(dt0, tdtype), land, *_grid(problem, pid)]
+    )
     y_lanes = jnp.concatenate([_to_lanes(x, batch, rows) for x in leaves])
     n = y_lanes.shape[0]
     starts = [_tangent.initial(d, j, y_lanes[0]) for d in directions for j in range(n)]
@@ -176,7 +179,7 @@ def lane_inputs(
     arg_lanes = [_to_lanes(a, batch, rows) for a in jtu.tree_leaves(args_dynamic)]
     spec = _pallas.Spec(
         tableau=problem.solver.tableau,  # pyright: ignore[reportAttributeAccessIssue]
-        pid=_field.pid_of(problem),
+        pid=pid,
         n=y_lanes.shape[0],
         field=field,
         num_args=tuple(a.shape[0] for a in arg_lanes),
@@ -190,6 +193,22 @@ def lane_inputs(
         primal=n,
     )
     return spec, times, ts, y_lanes, arg_lanes, consts
+
+
+def _grid(problem: Problem, pid) -> list:
+    """`ConstantStepSize`'s steps `n` in `[t0, t1]`, `max(n, 1)` and `t1 - t0`
+    (`_step.FixedTimes`), computed by the controller itself (`init`: the same `n`
+    as the `vmap` path); zeros for a `PIDController` (`pid`)."""
+    t0, t1 = problem.t0, problem.t1
+    if pid is not None:
+        return [jnp.zeros((), t0.dtype)] * 3
+    terms, args = problem.terms, problem.args
+    func = lambda t, y, a: problem.solver.func(terms, t, y, a)  # noqa: E731
+    _, state = problem.controller.init(
+        terms, t0, t1, problem.y0, problem.dt0, args, func, problem.error_order
+    )
+    n = state.n.astype(t0.dtype)
+    return [n, jnp.maximum(state.n, 1).astype(t0.dtype), t1 - t0]
 
 
 @eqx.filter_jit

@@ -1,8 +1,9 @@
-"""One adaptive step of every lane of a block, on `(rows, 128)` tiles: the explicit
-Runge–Kutta step of a tableau, the PID controller's decision, the first-step
-heuristic and the dense output. The arithmetic is that of the `vmap` path
-(`_solver/_runge_kutta.py`, `_controller/_adaptive.py`), element by element, in the same
-order, so the two take the same steps up to round-off.
+"""One step of every lane of a block, on `(rows, 128)` tiles: the explicit
+Runge–Kutta step of a tableau, the PID controller's decision (or `ConstantStepSize`'s
+next step end), the first-step heuristic and the dense output. The arithmetic is that
+of the `vmap` path (`_solver/_runge_kutta.py`, `_controller/_adaptive.py`,
+`_controller/_base.py`), element by element, in the same order, so the two take the
+same steps up to round-off.
 """
 
 from collections.abc import Callable
@@ -51,14 +52,19 @@ def _combine(y: Tiles | None, h, pairs) -> Tiles:
     return out
 
 
-def rk_step(tab: ButcherTableau, field: Field, t0, h, y: Tiles, f0: Tiles):
+def rk_step(
+    tab: ButcherTableau, field: Field, t0, h, y: Tiles, f0: Tiles, estimate=True
+):
     """The step from `t0` of size `h` (tiles): `(y1, y_error, ks)`, `ks[-1]` being
-    the field at the end (the tableau is FSAL)."""
+    the field at the end (the tableau is FSAL); `y_error` is `None` without
+    `estimate` (fixed steps need none)."""
     ks = [f0]
     yi = y
     for i in range(1, len(tab.c)):
         yi = _combine(y, h, zip(tab.a[i, :i], ks))
         ks.append(field(t0 + float(tab.c[i]) * h, yi))
+    if not estimate:
+        return yi, None, ks
     assert tab.b_err is not None
     error = _combine(None, h, zip(tab.b_err, ks))
     return yi, error, ks
@@ -211,3 +217,30 @@ def adapt(pid: Pid, t0, t1, y0: Tiles, y1: Tiles, error: Tiles, state) -> Decisi
         at_dtmin,
         too_small,
     )
+
+
+def fixed_next(steps, t_end, times: "FixedTimes"):
+    """`ConstantStepSize.adapt_step_size`'s next step end, lane-wise, after a lane's
+    step number `steps + 1` (`steps` counted before it, an int32 tile) that ended at
+    `t_end`: `t0 + (t1 - t0) k / n` with `k = steps + 2` (the steps done once the
+    next is taken), `t1` from `k = n` on, and `t_end + dt0` for an infinite `t1`
+    (`n = -1`). `k` and `n` are compared as floats: exact below 2^24 steps in
+    float32."""
+    done = (steps + 2).astype(t_end.dtype)
+    fraction = done / times.n_or_1
+    nxt = where(done >= times.n, times.t1, times.t0 + times.span * fraction)
+    return where(times.n >= 0, nxt, t_end + times.dt0)
+
+
+class FixedTimes(NamedTuple):
+    """`ConstantStepSize`'s grid, as scalars (`ConstantState`, each computed
+    outside the kernel as the controller computes it): the interval `[t0, t1]`, its
+    length `span = t1 - t0`, the steps `n` in it (a float; `-1` for an infinite
+    `t1`), `max(n, 1)`, and `dt0`."""
+
+    t0: Array
+    t1: Array
+    span: Array
+    n: Array
+    n_or_1: Array
+    dt0: Array

@@ -36,7 +36,7 @@ def _mul(matrix, vector):
     TF32 for a large batched product); for small matrices, as element-wise
     products and sums (exact float32 on every device)."""
     n = matrix.shape[-1]
-    if n <= SMALL_MAX:
+    if 0 < n <= SMALL_MAX:
         entries = [vector[..., j] for j in range(n)]
         rows = [
             sum((matrix[..., i, j] * entries[j] for j in range(1, n)),
@@ -80,6 +80,8 @@ def small_inverse(matrix: Array) -> Array:
     The inverse, `(..., n, n)`, of `matrix`'s dtype.
     """
     n = matrix.shape[-1]
+    if n == 0:  # an empty state (a leaf with a zero-length axis): nothing to invert
+        return matrix
     zero, one = jnp.zeros_like(matrix[..., 0, 0]), jnp.ones_like(matrix[..., 0, 0])
     # Row i: the entries of columns k... of the matrix (columns before k are e_i
     # once eliminated, and dropped), then the n columns of the inverse being built.

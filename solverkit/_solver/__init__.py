@@ -6,6 +6,8 @@ from ._bdf import BDF as BDF
 from ._implicit import (
     AbstractImplicitRK as AbstractImplicitRK,
     AbstractImplicitRK as AbstractImplicitSolver,  # noqa: F401
+)
+from ._implicit_solvers import (
     ImplicitEuler as ImplicitEuler,
     KenCarp3 as KenCarp3,
     KenCarp4 as KenCarp4,

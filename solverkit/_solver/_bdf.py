@@ -40,7 +40,7 @@ mode see the derivative of the discrete scheme, whatever Jacobian the solve reus
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -51,6 +51,7 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
 from .._controller._norm import rms_norm
+from .._custom_types import RealScalarLike
 from .._linear._krylov import KrylovLinearSolver
 from .._linear._linear_solver import (
     AbstractLinearSolver,
@@ -75,6 +76,7 @@ from ._bdf_formulas import (
     to_mass,
     update,
 )
+from ._local_interpolation import AbstractLocalInterpolation
 from ._reuse import Cache
 
 
@@ -105,6 +107,41 @@ class BDFDense(NamedTuple):
     y1: PyTree
     D: Array  # (max_order, n): the differences D[1..max_order] after the step
     order: Array
+
+
+class BDFInterpolation(AbstractLocalInterpolation):
+    """BDF's dense output from its `step`'s `dense_info`: the interpolating
+    polynomial of order `order` through the step's end and the `order` points before
+    it, `h` apart (solverkit's; diffrax 0.7.2 has no BDF solver).
+
+    **Arguments:**
+
+    - `t0`, `t1`: the step.
+    - `y1`: the solution at its end.
+    - `D`: `(max_order, n)` the differences after the step, on the ravelled state.
+    - `order`: the order of the step.
+    """
+
+    y1: PyTree
+    D: Array
+    order: Array
+
+    def at(self, t: RealScalarLike) -> PyTree:
+        t0, t1 = jnp.asarray(self.t0), jnp.asarray(self.t1)
+        return _bdf_at(self.y1, self.D, self.order, t0, t1, t)
+
+
+def _bdf_at(y1: PyTree, D: Array, order: Array, t0: Array, t1: Array, t) -> PyTree:
+    flat1, unravel = ravel_pytree(y1)
+    dtype = flat1.dtype
+    h = jnp.asarray(t1 - t0)
+    x = ((t - t1) / where(h == 0, 1, h)).astype(dtype)
+    K = D.shape[0]
+    j = np.arange(K)
+    # Π_{i<j'} (x + i)/(i + 1) for j' = j + 1 = 1..K.
+    weights = jnp.cumprod((x + j) / (j + 1))
+    weights = jnp.where(j + 1 <= order, weights, 0).astype(dtype)
+    return unravel(flat1 + jnp.matmul(weights, D, precision="highest"))
 
 
 class BDF(AbstractAdaptiveSolver):
@@ -153,6 +190,7 @@ class BDF(AbstractAdaptiveSolver):
 
     linear_solver: AbstractLinearSolver = DenseLinearSolver()
     mass_matrix: Array | None = eqx.field(default=None, converter=to_mass)
+    interpolation_cls: ClassVar[Any] = BDFInterpolation
     max_order: int = eqx.field(default=5, static=True)
     ndf: bool = eqx.field(default=True, static=True)
     newton_max_steps: int = eqx.field(default=4, static=True)
@@ -370,6 +408,17 @@ class BDF(AbstractAdaptiveSolver):
         return y_error, result
 
     def step(self, terms, t0, t1, y0, args, solver_state: BDFState, made_jump=False):
+        """One step; `dense_info` is `dict(y1=, D=, order=)`, as
+        `interpolation_cls(t0=, t1=, **dense_info)` takes it."""
+        y1, error, dense, state, result = self.loop_step(
+            terms, t0, t1, y0, args, solver_state, made_jump
+        )
+        return y1, error, dense._asdict(), state, result
+
+    def loop_step(
+        self, terms, t0, t1, y0, args, solver_state: BDFState, made_jump=False
+    ):
+        """`step` as the loop takes it, `dense_info` a `BDFDense`."""
         del made_jump
         state = solver_state
         rtol, atol = self._tols()
@@ -431,14 +480,7 @@ class BDF(AbstractAdaptiveSolver):
         dense = BDFDense(y1=unravel(y1), D=D_new[1 : self.max_order + 1], order=k)
         return unravel(y1), unravel(y_error), dense, new_state, result
 
-    def interpolate(self, dense_info: BDFDense, t0: Array, t1: Array, t) -> PyTree:
-        flat1, unravel = ravel_pytree(dense_info.y1)
-        dtype = flat1.dtype
-        h = jnp.asarray(t1 - t0)
-        x = ((t - t1) / where(h == 0, 1, h)).astype(dtype)
-        K = dense_info.D.shape[0]
-        j = np.arange(K)
-        # Π_{i<j'} (x + i)/(i + 1) for j' = j + 1 = 1..K.
-        weights = jnp.cumprod((x + j) / (j + 1))
-        weights = jnp.where(j + 1 <= dense_info.order, weights, 0).astype(dtype)
-        return unravel(flat1 + jnp.matmul(weights, dense_info.D, precision="highest"))
+    def interpolate(self, dense_info, t0: Array, t1: Array, t) -> PyTree:
+        """The dense output at `t`, from `step`'s or `loop_step`'s `dense_info`."""
+        info = dense_info if isinstance(dense_info, dict) else dense_info._asdict()
+        return _bdf_at(info["y1"], info["D"], info["order"], t0, t1, t)

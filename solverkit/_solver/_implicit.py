@@ -25,22 +25,12 @@ from .._linear._linalg import invert
 from .._linear._linear_solver import AbstractLinearSolver, DenseLinearSolver
 from .._select import where
 from .._solution import RESULTS
-from .._term import AbstractTerm, MultiTerm
 from .._tolerances import Tolerances
 from .._tree import nograd, tree_add, tree_where
 from . import _reuse as reuse
 from ._base import AbstractAdaptiveSolver, axpy
-from ._implicit_tableau import (
-    IMPLICIT_EULER,
-    ImplicitTableau,
-    KENCARP3,
-    KENCARP4,
-    KENCARP5,
-    KVAERNO3,
-    KVAERNO4,
-    KVAERNO5,
-    SIL3,
-)
+from ._implicit_dense import public_dense_info
+from ._implicit_tableau import ImplicitTableau
 from ._local_interpolation import (
     LocalLinearInterpolation,
     ThirdOrderHermitePolynomialInterpolation,
@@ -82,7 +72,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
     """An ESDIRK (or IMEX additive) Runge--Kutta method read from its `tableau`."""
 
     tableau: AbstractClassVar[ImplicitTableau]
-    interpolation_cls: ClassVar[Any] = ThirdOrderHermitePolynomialInterpolation
+    interpolation_cls: ClassVar[Any] = ThirdOrderHermitePolynomialInterpolation.from_k
     root_finder: Any = with_stepsize_controller_tols(VeryChord)()
     root_find_max_steps: int = 10
     linear_solver: AbstractLinearSolver = DenseLinearSolver()
@@ -179,19 +169,40 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         return out
 
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+        """One step, with diffrax's `dense_info`: `dict(y0=, y1=)` for ImplicitEuler,
+        else `dict(y0=, y1=, k=)`, `k` the stage increments `h k_i` stacked on a
+        leading axis of each leaf (`(stages, *y.shape)`), a pair `(k_explicit,
+        k_implicit)` for an IMEX method, as `interpolation_cls(t0=, t1=,
+        **dense_info)` takes them."""
         del made_jump
+        return self._step(terms, t0, t1, y0, args, solver_state, True)
+
+    def loop_step(self, terms, t0, t1, y0, args, solver_state, made_jump=False):
+        """`step` as the loop takes it: `dense_info` is `y0, y1, f0, f1`, the slopes
+        at both ends for a cubic Hermite (`f1` consistent with `y1`, see
+        `_consistent_slope`), or `y0, y1` for ImplicitEuler."""
+        del made_jump
+        return self._step(terms, t0, t1, y0, args, solver_state, False)
+
+    def interpolate(self, dense_info, t0, t1, t) -> PyTree:
+        """The dense output at `t`, from `step`'s or `loop_step`'s `dense_info`."""
+        if "f0" in dense_info:
+            cls = ThirdOrderHermitePolynomialInterpolation
+            return cls(t0=t0, t1=t1, **dense_info).evaluate(t)
+        return super().interpolate(dense_info, t0, t1, t)
+
+    def _step(self, terms, t0, t1, y0, args, state: ImplicitState, public: bool):
         ex, im = self._terms(terms)
         t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         h = t1 - t0
-        state: ImplicitState = solver_state
         if self._reuses():
-            return self._step_reusing(terms, t0, t1, y0, args, state)
+            return self._step_reusing(terms, t0, t1, y0, args, state, public)
         inv = None
         if self._uses_chord():
             assert state.jac is not None  # `_start` took it for the chord
             inv = self._factorise(lax.stop_gradient(state.jac), h)
-        k_im, k_ex, z, status, eta = self._stages(ex, im, t0, t1, y0, args, state, inv)
-        return self._finish(terms, t1, y0, h, args, z, k_im, k_ex, status, eta)
+        out = self._stages(ex, im, t0, t1, y0, args, state, inv)
+        return self._finish(terms, t1, y0, h, args, out, public)
 
     def _stages(self, ex, im, t0, t1, y0, args, state: ImplicitState, inv):
         """Every stage of the step: `(k_im, k_ex, z, status, eta)`."""
@@ -210,7 +221,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         body = functools.partial(self._stage, ex, im, t0, t1, h, y0, args, inv)
         return lax.fori_loop(1, tab.num_stages, body, carry)
 
-    def _step_reusing(self, terms, t0, t1, y0, args, state: ImplicitState):
+    def _step_reusing(self, terms, t0, t1, y0, args, state: ImplicitState, public):
         """A step with the Jacobian and factorisations kept across steps by CVODE's
         rules (`_reuse.py`; see `reuse_jacobian`): a retry after a convergence
         failure takes a new Jacobian at `(t0, y0)`. Every decision is on values
@@ -234,10 +245,7 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
         cache, out, _ = reuse.retry(
             cache, refactored, failed, hs, new_jac, self._factorise, attempt, out
         )
-        k_im, k_ex, z, status, eta = out
-        return self._finish(
-            terms, t1, y0, h, args, z, k_im, k_ex, status, eta, reuse.advance(cache)
-        )
+        return self._finish(terms, t1, y0, h, args, out, public, reuse.advance(cache))
 
     def _stage(self, ex, im, t0, t1, h, y0, args, inv, i, carry):
         """Stage `i` of a step: solve for its value, store its slopes."""
@@ -279,8 +287,11 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             k_ex = jtu.tree_map(lambda ks, x: ks.at[i].set(x), k_ex, f)
         return k_im, k_ex, z, status, eta
 
-    def _finish(self, terms, t1, y0, h, args, z, k_im, k_ex, status, eta, cache=None):
+    def _finish(self, terms, t1, y0, h, args, stages, public: bool, cache=None):
+        """The step's outputs from its stages, `dense_info` in `step`'s form if
+        `public`, else in `loop_step`'s."""
         tab = self.tableau
+        k_im, k_ex, z, status, eta = stages
         last = tab.num_stages - 1
         pick = lambda ks, j: jtu.tree_map(lambda x: x[j], ks)  # noqa: E731
         if tab.stiffly_accurate:
@@ -303,6 +314,8 @@ class AbstractImplicitRK(AbstractAdaptiveSolver):
             f1 = tree_add(new_state.f_explicit, f1)
         if self.interpolation_cls is LocalLinearInterpolation:
             dense_info = dict(y0=y0, y1=y1)
+        elif public:
+            dense_info = public_dense_info(y0, y1, h, k_im, k_ex)
         else:
             dense_info = dict(y0=y0, y1=y1, f0=f0, f1=f1)
         return y1, y_error, dense_info, new_state, status
@@ -358,142 +371,3 @@ def _inverse_index(tab: ImplicitTableau) -> np.ndarray:
     """For each stage, which of the step's inverses it uses."""
     diag = tab.a_im.diagonal()
     return np.array([tab.diagonals.index(float(g)) if g else 0 for g in diag])
-
-
-def _arguments_doc(stages: str) -> str:
-    """The **Arguments:** section shared by the implicit Runge-Kutta solvers;
-    `stages` is "stage" or "stages"."""
-    return f"""
-
-    **Arguments:**
-
-    - `root_finder`: solves the implicit {stages}. By default a `VeryChord` with the
-        step-size controller's tolerances; any optimistix root finder is accepted.
-    - `root_find_max_steps`: iterations before the step is rejected (and retried
-        with a smaller step by an adaptive controller).
-    - `linear_solver`: solves of the chord iteration with `I - γhJ`, a
-        `solverkit.AbstractLinearSolver` (default: `DenseLinearSolver()`).
-    - `reuse_jacobian`: keep the Jacobian and the factorisations across steps by
-        CVODE's rules (refactorise after a 30% change in `γh` or 20 steps; a new
-        Jacobian after 50 steps, or at once after a convergence failure; a
-        rejected step keeps them). Off by
-        default: on small dense problems it is slower (Kvaerno5 on ROBER: 1.6x
-        single, 2x vmapped, where a Jacobian and an inverse are ~27% of a step;
-        measured when its decisions computed both branches under `vmap`, where
-        now all lanes make a new one when one lane needs it). Gradients are
-        exact either way (each stage's derivative uses the Jacobian at its root).
-    """
-
-
-class ImplicitEuler(AbstractImplicitRK):
-    __doc__ = (
-        "Implicit Euler: first order, L-stable, with an error estimate from the "
-        "trapezoidal rule; linear dense output." + _arguments_doc("stage")
-    )
-
-    tableau: ClassVar[ImplicitTableau] = IMPLICIT_EULER
-    interpolation_cls: ClassVar[Any] = LocalLinearInterpolation
-
-    def error_order(self, terms) -> float | None:
-        return 2
-
-
-_KVAERNO_DOC = """
-
-    ??? cite "Reference"
-
-        Kværnø, A. (2004). Singly diagonally implicit Runge-Kutta methods with an
-        explicit first stage. BIT Numerical Mathematics, 44(3), 489-502.
-""" + _arguments_doc("stages")
-
-
-class Kvaerno3(AbstractImplicitRK):
-    __doc__ = (
-        "Kværnø's 3(2) method: L-stable, stiffly accurate ESDIRK with 4 stages; "
-        "cubic Hermite dense output." + _KVAERNO_DOC
-    )
-    tableau: ClassVar[ImplicitTableau] = KVAERNO3
-
-
-class Kvaerno4(AbstractImplicitRK):
-    __doc__ = (
-        "Kværnø's 4(3) method: L-stable, stiffly accurate ESDIRK with 5 stages; "
-        "cubic Hermite dense output." + _KVAERNO_DOC
-    )
-    tableau: ClassVar[ImplicitTableau] = KVAERNO4
-
-
-class Kvaerno5(AbstractImplicitRK):
-    __doc__ = (
-        "Kværnø's 5(4) method: L-stable, stiffly accurate ESDIRK with 7 stages; "
-        "cubic Hermite dense output. A good default for stiff problems at tight "
-        "tolerances." + _KVAERNO_DOC
-    )
-    tableau: ClassVar[ImplicitTableau] = KVAERNO5
-
-
-_IMEX_DOC = """
-
-    Call with `terms=MultiTerm(ODETerm(explicit_field), ODETerm(implicit_field))`:
-    the first term is treated explicitly, the second (stiff) one implicitly."""
-_IMEX_DOC += _arguments_doc("stages")
-
-_KENCARP_CITE = """
-
-    ??? cite "Reference"
-
-        Kennedy, C. A., & Carpenter, M. H. (2003). Additive Runge-Kutta schemes for
-        convection-diffusion-reaction equations. Applied Numerical Mathematics,
-        44(1-2), 139-181.
-    """
-
-
-class AbstractIMEX(AbstractImplicitRK):
-    """An additive (IMEX) Runge--Kutta method: `MultiTerm(explicit, implicit)`."""
-
-    # diffrax's value, `MultiTerm[tuple[AbstractTerm, AbstractTerm]]`, so that code
-    # which builds the terms a solver asks for builds a `MultiTerm` here too.
-    term_structure: ClassVar = MultiTerm[tuple[AbstractTerm, AbstractTerm]]
-
-
-class KenCarp3(AbstractIMEX):
-    __doc__ = (
-        "Kennedy & Carpenter's ARK3(2)4L[2]SA: third-order IMEX pair, L-stable "
-        "stiffly accurate ESDIRK implicit part, 4 stages; cubic Hermite dense output."
-        + _IMEX_DOC
-        + _KENCARP_CITE
-    )
-    tableau: ClassVar[ImplicitTableau] = KENCARP3
-
-
-class KenCarp4(AbstractIMEX):
-    __doc__ = (
-        "Kennedy & Carpenter's ARK4(3)6L[2]SA: fourth-order IMEX pair, 6 stages; "
-        "cubic Hermite dense output." + _IMEX_DOC + _KENCARP_CITE
-    )
-    tableau: ClassVar[ImplicitTableau] = KENCARP4
-
-
-class KenCarp5(AbstractIMEX):
-    __doc__ = (
-        "Kennedy & Carpenter's ARK5(4)8L[2]SA: fifth-order IMEX pair, 8 stages; "
-        "cubic Hermite dense output." + _IMEX_DOC + _KENCARP_CITE
-    )
-    tableau: ClassVar[ImplicitTableau] = KENCARP5
-
-
-class Sil3(AbstractIMEX):
-    __doc__ = (
-        "Whitaker & Kar's IMEX method: second order (as an additive pair), 4 stages, "
-        "with a first-order embedded error estimate; three matrix inversions per step "
-        "(its diagonal is not constant); cubic Hermite dense output."
-        + _IMEX_DOC
-        + """
-
-    ??? cite "Reference"
-
-        Whitaker, J. S., & Kar, S. K. (2013). Implicit-explicit Runge-Kutta methods
-        for fast-slow wave problems. Monthly Weather Review, 141(10), 3426-3434.
-    """
-    )
-    tableau: ClassVar[ImplicitTableau] = SIL3

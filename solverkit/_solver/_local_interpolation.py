@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
@@ -25,6 +26,19 @@ def step_fraction(t0: Array, t1: Array, t: RealScalarLike) -> Array:
     empty = t0 == t1
     # A NumPy `t` defers to JAX (`__array_priority__`), which NumPy's stubs don't say.
     return where(empty, 0, t - t0) / where(empty, 1, t1 - t0)  # pyright: ignore
+
+
+def dense_weights(dense: np.ndarray | None, theta, dtype) -> Array:
+    """Each stage's weight in a Runge-Kutta dense output at `theta`: the polynomials
+    `sum_j dense[i, j] theta^(j+1)` of the `(stages, degree)` table `dense`, by
+    Horner's rule (multiplications only, no float `power`)."""
+    assert dense is not None
+    th = jnp.asarray(theta, dtype=dtype)
+    column = lambda j: jnp.asarray(np.asarray(dense)[:, j], dtype=dtype)
+    weights = column(-1)
+    for j in range(dense.shape[1] - 2, -1, -1):
+        weights = column(j) + th * weights
+    return th * weights
 
 
 def _leafwise(fn, *trees):

@@ -27,6 +27,7 @@ from jax.flatten_util import ravel_pytree
 from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
+from .._custom_types import RealScalarLike
 from .._linear._linalg import time_derivative
 from .._linear._linear_solver import (
     AbstractLinearSolver,
@@ -37,6 +38,7 @@ from .._linear._linear_solver import (
 from .._select import where
 from .._solution import RESULTS
 from ._base import AbstractAdaptiveSolver, axpy, successful
+from ._local_interpolation import AbstractLocalInterpolation
 from ._rosenbrock_tableau import (
     RODAS4,
     RODAS5P,
@@ -100,6 +102,36 @@ def _check_mass(mass: Any, name: str, singular_ok: bool) -> Array | None:
     return mass
 
 
+class RosenbrockInterpolation(AbstractLocalInterpolation):
+    """A Rosenbrock solver's dense output from its `step`'s `dense_info`:
+    `y(t0 + θh) = y0 + Σ_p θ^(p+1) coeffs[p]` (solverkit's; diffrax 0.7.2 has no
+    Rosenbrock solver).
+
+    **Arguments:**
+
+    - `t0`, `t1`: the step.
+    - `y0`: the solution at its start.
+    - `coeffs`: `(p, n)` coefficients on the ravelled state.
+    """
+
+    y0: PyTree
+    coeffs: Array
+
+    def at(self, t: RealScalarLike) -> PyTree:
+        t0, t1 = jnp.asarray(self.t0), jnp.asarray(self.t1)
+        return _rosenbrock_at(self.y0, self.coeffs, t0, t1, t)
+
+
+def _rosenbrock_at(y0: PyTree, coeffs: Array, t0: Array, t1: Array, t) -> PyTree:
+    h = t1 - t0
+    theta = (t - t0) / where(h == 0, 1, h)
+    flat0, unravel = ravel_pytree(y0)
+    powers = np.arange(1, coeffs.shape[0] + 1)
+    weights = jnp.asarray(theta, coeffs.real.dtype) ** powers
+    weights = weights.astype(coeffs.dtype)
+    return unravel(flat0 + jnp.matmul(weights, coeffs, precision=Precision.HIGHEST))
+
+
 class AbstractRosenbrock(AbstractAdaptiveSolver):
     """A Rosenbrock method defined by its `tableau` (see `_rosenbrock_tableau.py`).
 
@@ -108,6 +140,7 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
     """
 
     tableau: AbstractClassVar[RosenbrockTableau]
+    interpolation_cls: ClassVar[Any] = RosenbrockInterpolation
     # Whether a singular mass matrix (an index-1 DAE) is allowed: for the stiffly
     # accurate methods (`y1` is the last stage's value), Hairer & Wanner II, §VI.4.
     singular_mass: ClassVar[bool] = False
@@ -204,7 +237,19 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
     def step(
         self, terms, t0: Array, t1: Array, y0, args, solver_state, made_jump=False
     ):
+        """One step; `dense_info` is `dict(y0=, coeffs=)`, as
+        `interpolation_cls(t0=, t1=, **dense_info)` takes it."""
+        y1, error, dense, state, result = self.loop_step(
+            terms, t0, t1, y0, args, solver_state, made_jump
+        )
+        return y1, error, dense._asdict(), state, result
+
+    def loop_step(
+        self, terms, t0: Array, t1: Array, y0, args, solver_state, made_jump=False
+    ):
+        """`step` as the loop takes it, `dense_info` a `RosenbrockDense`."""
         del made_jump
+        t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         tab = self.tableau
         flat0, unravel = ravel_pytree(y0)
         dtype = flat0.dtype
@@ -233,17 +278,10 @@ class AbstractRosenbrock(AbstractAdaptiveSolver):
         state, result = self._mass_result(mass, jac, factor, solver_state, f0, flat0)
         return unravel(y1), unravel(error), dense, state, result
 
-    def interpolate(
-        self, dense_info: RosenbrockDense, t0: Array, t1: Array, t
-    ) -> PyTree:
-        h = t1 - t0
-        theta = (t - t0) / where(h == 0, 1, h)
-        flat0, unravel = ravel_pytree(dense_info.y0)
-        coeffs = dense_info.coeffs
-        powers = np.arange(1, coeffs.shape[0] + 1)
-        weights = jnp.asarray(theta, coeffs.real.dtype) ** powers
-        weights = weights.astype(coeffs.dtype)
-        return unravel(flat0 + jnp.matmul(weights, coeffs, precision=Precision.HIGHEST))
+    def interpolate(self, dense_info, t0: Array, t1: Array, t) -> PyTree:
+        """The dense output at `t`, from `step`'s or `loop_step`'s `dense_info`."""
+        info = dense_info if isinstance(dense_info, dict) else dense_info._asdict()
+        return _rosenbrock_at(info["y0"], info["coeffs"], t0, t1, t)
 
 
 def _all_finite(tree) -> Array:

@@ -15,6 +15,7 @@ from .._term import AbstractTerm
 from ._base import AbstractAdaptiveSolver, AbstractSolver, axpy, successful
 from ._local_interpolation import (
     AbstractLocalInterpolation,
+    dense_weights,
     LocalLinearInterpolation,
     step_fraction,
     ThirdOrderHermitePolynomialInterpolation,
@@ -174,7 +175,7 @@ class AbstractRungeKutta(AbstractSolver):
             theta = step_fraction(jnp.asarray(t0), jnp.asarray(t1), t)
 
             def leaf(y0: Y, *fs):
-                w = _weights(self.tableau, theta, y0.dtype)
+                w = dense_weights(self.tableau.dense, theta, y0.dtype)
                 acc = sum(w[i] * f for i, f in enumerate(fs))
                 return y0 + h.astype(y0.dtype) * acc
 
@@ -186,20 +187,6 @@ class AbstractRungeKutta(AbstractSolver):
                 self.tableau, type(self).__name__
             )
         return cls(t0=t0, t1=t1, **dense_info).evaluate(t)
-
-
-def _weights(tableau: ButcherTableau, theta, dtype) -> Array:
-    """Each stage's weight in the dense output at `theta`, the polynomials
-    `sum_j dense[i, j] theta^(j+1)`, by Horner's rule (multiplications only, no float
-    `power`)."""
-    dense = tableau.dense
-    assert dense is not None
-    th = jnp.asarray(theta, dtype=dtype)
-    column = lambda j: jnp.asarray(np.asarray(dense)[:, j], dtype=dtype)
-    weights = column(-1)
-    for j in range(dense.shape[1] - 2, -1, -1):
-        weights = column(j) + th * weights
-    return th * weights
 
 
 class AbstractTableauInterpolation(AbstractLocalInterpolation):
@@ -226,7 +213,7 @@ class AbstractTableauInterpolation(AbstractLocalInterpolation):
 
         def leaf(y0, k):
             y0, k = jnp.asarray(y0), jnp.asarray(k)
-            w = _weights(self.tableau, theta, k.dtype)
+            w = dense_weights(self.tableau.dense, theta, k.dtype)
             return y0 + jnp.tensordot(w, k, axes=1, precision=Precision.HIGHEST)
 
         return jtu.tree_map(leaf, self.y0, self.k)
