@@ -27,8 +27,9 @@ from .._custom_types import RealScalarLike
 from .._problem import Problem
 from .._select import where
 from .._time import flip
-from .._tree import nograd
-from ._detect import real_conds
+from .._reduce import or_all
+from .._tree import nograd, tree_where
+from ._detect import eval_conds, real_conds
 
 
 # A bound on the iterations of each phase of the search.
@@ -206,6 +207,50 @@ def _at_crossing_jvp(primals, tangents, *, i: int):
     _, dg = jax.jvp(lambda d: g(root, d), (diff,), (t_rest,))
     slope = lax.stop_gradient(where(slope == 0, 1, slope))
     return root, -(dg / slope).astype(root.dtype)
+
+
+# The nudges of `settle`, in ulps of the step's times.
+_NUDGES = (1, 2, 4, 8)
+
+
+def settle(problem: Problem, t0, t1, info, fired, starts, y1, t) -> tuple[Array, PyTree]:
+    """The occurrence's time and state: `t`, a located crossing, and the state there
+    on the step's dense output, where a condition that `fired` has crossed at that
+    state as computed here; else `t` moved on a few ulps at a time towards `t1` until
+    one has (at `t1` the step's end state `y1`, where all that fired have crossed).
+    The search saw the crossing at `t`, but the same interpolation compiled
+    elsewhere may round to the near side by an ulp: the state recorded, and that
+    the solve goes on from, must have crossed (#37 A1). The nudges keep `t`'s
+    derivative.
+
+    **Arguments:** the step `[t0, t1]`, its dense information `info`, the conditions
+    that `fired`, their values `starts` at `t0` (as the loop holds them), the step's
+    end state `y1`, and `t`.
+
+    **Returns:** the time and the state there."""
+    reals = real_conds(problem)
+    unit = jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t0), jnp.abs(t1))
+
+    def crossed(y, tau):
+        values = jtu.tree_leaves(eval_conds(problem, tau, y))
+        hits = [
+            f & (jnp.sign(v) != jnp.sign(v0))
+            for real, f, v, v0 in zip(
+                reals, jtu.tree_leaves(fired), values, jtu.tree_leaves(starts)
+            )
+            if real
+        ]
+        return or_all(hits) if hits else jnp.ones_like(t1, dtype=bool)
+
+    y = problem.solver.interpolate(info, t0, t1, t)
+    ok = crossed(y, t)
+    for n in _NUDGES:
+        tau = jnp.minimum(t + lax.stop_gradient(n * unit), t1)
+        y_tau = problem.solver.interpolate(info, t0, t1, tau)
+        t, y = where(ok, t, tau), tree_where(ok, y, y_tau)
+        ok = ok | crossed(y_tau, tau)
+    t_end = jnp.minimum(t, t1) + lax.stop_gradient(t1 - jnp.minimum(t, t1))
+    return where(ok, t, t_end), tree_where(ok, y, y1)
 
 
 def _on_step(step: tuple, i: int, tau: RealScalarLike):
