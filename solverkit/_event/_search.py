@@ -25,9 +25,9 @@ from .._closure._convert import Closure
 from .._closure._unvmap import unvmap_any
 from .._custom_types import RealScalarLike
 from .._problem import Problem
+from .._reduce import or_all
 from .._select import where
 from .._time import flip
-from .._reduce import or_all
 from .._tree import nograd, tree_where
 from ._detect import eval_conds, real_conds
 
@@ -213,7 +213,9 @@ def _at_crossing_jvp(primals, tangents, *, i: int):
 _NUDGES = (1, 2, 4, 8)
 
 
-def settle(problem: Problem, t0, t1, info, fired, starts, y1, t) -> tuple[Array, PyTree]:
+def settle(
+    problem: Problem, t0, t1, info, fired, starts, y1, t
+) -> tuple[Array, PyTree]:
     """The occurrence's time and state: `t`, a located crossing, and the state there
     on the step's dense output, where a condition that `fired` has crossed at that
     state as computed here; else `t` moved on a few ulps at a time towards `t1` until
