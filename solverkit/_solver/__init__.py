@@ -1,8 +1,10 @@
 from ._base import (
     AbstractAdaptiveSolver as AbstractAdaptiveSolver,
     AbstractSolver as AbstractSolver,
+    AbstractWrappedSolver as AbstractWrappedSolver,
 )
 from ._bdf import BDF as BDF
+from ._half import HalfSolver as HalfSolver
 from ._implicit import (
     AbstractImplicitRK as AbstractImplicitRK,
     AbstractImplicitRK as AbstractImplicitSolver,  # noqa: F401
@@ -42,3 +44,4 @@ from ._runge_kutta import (
     Ralston as Ralston,
     Tsit5 as Tsit5,
 )
+from ._semi_implicit_euler import SemiImplicitEuler as SemiImplicitEuler
