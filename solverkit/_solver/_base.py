@@ -208,3 +208,12 @@ class AbstractWrappedSolver(AbstractSolver):
     (diffrax's): `isinstance(wrapper, C)` holds when `wrapper.solver` is a `C`."""
 
     solver: eqx.AbstractVar[AbstractSolver]
+
+
+class AbstractImplicitSolver(AbstractAdaptiveSolver):
+    """Base class of the implicit solvers (diffrax's): each has a `root_finder` for
+    its implicit stages and `root_find_max_steps`. The built-in ESDIRK and IMEX
+    solvers are subclasses; so may a user's solver be, declaring both fields."""
+
+    root_finder: eqx.AbstractVar[Any]
+    root_find_max_steps: eqx.AbstractVar[int]
