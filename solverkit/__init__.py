@@ -79,6 +79,7 @@ from ._solver import (
     AbstractWrappedSolver as AbstractWrappedSolver,
     BDF as BDF,
     Bosh3 as Bosh3,
+    ButcherTableau as ButcherTableau,
     CalculateJacobian as CalculateJacobian,
     Dopri5 as Dopri5,
     Dopri8 as Dopri8,

@@ -208,3 +208,112 @@ def test_abstract_implicit_solver_subclass():
     sol = sk.diffeqsolve(sk.ODETerm(lambda t, y, a: -y), solver, 0.0, 1.0, 0.01, 1.0)
     # Implicit Euler's global error at t = 1: ~h/2 t e^-t.
     np.testing.assert_allclose(sol.ys, np.exp(-1.0), rtol=0.01)  # pyright: ignore
+
+
+def _heun_tableau(lib):
+    # Heun's method in diffrax's form; the error weights b - b_hat for the
+    # embedded Euler (b_hat = (1, 0)).
+    return lib.ButcherTableau(
+        c=np.array([1.0]),
+        b_sol=np.array([0.5, 0.5]),
+        b_error=np.array([-0.5, 0.5]),
+        a_lower=(np.array([1.0]),),
+    )
+
+
+def _trapezoid_tableau(lib):
+    # The trapezoidal rule as a two-stage ESDIRK (explicit first stage, diagonal
+    # 1/2), the error against implicit Euler's weights (0, 1).
+    return lib.ButcherTableau(
+        c=np.array([1.0]),
+        b_sol=np.array([0.5, 0.5]),
+        b_error=np.array([0.5, -0.5]),
+        a_lower=(np.array([0.5]),),
+        a_diagonal=np.array([0.0, 0.5]),
+        a_predictor=(np.array([1.0]),),
+    )
+
+
+def _user_rk(lib, tableau, order, root_finder=None):
+    annotations: dict = dict(tableau=ClassVar)
+    namespace = dict(
+        tableau=tableau,
+        interpolation_cls=staticmethod(
+            lambda *, k, **kwargs: lib.LocalLinearInterpolation(**kwargs)
+        ),
+        order=lambda self, terms: order,
+        calculate_jacobian=lib.CalculateJacobian.never,
+        __annotations__=annotations,
+    )
+    if root_finder is not None:
+        annotations.update(root_finder=object, root_find_max_steps=int)
+        namespace.update(
+            root_finder=root_finder,
+            root_find_max_steps=10,
+            calculate_jacobian=lib.CalculateJacobian.second_stage,
+        )
+    return type("UserRK", (lib.AbstractRungeKutta,), namespace)()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_diffrax_form_explicit_tableau(adaptive):
+    # Heun in diffrax's form is Heun: the same steps, values to round-off, and the
+    # same as diffrax running the same class.
+    def controller(lib):
+        return (
+            lib.PIDController(rtol=1e-5, atol=1e-8)
+            if adaptive
+            else lib.ConstantStepSize()
+        )
+
+    k1, index = jnp.array(0.3), jnp.array(1, jnp.int32)
+    term = lambda lib: lib.ODETerm(
+        lambda t, y, a: -(k1 + K2[index].astype(y.dtype)) * y
+    )
+    ours = _solve(sk, _user_rk(sk, _heun_tableau(sk), 2), term(sk), controller(sk))
+    ref = _solve(sk, sk.Heun(), term(sk), controller(sk))
+    theirs = _solve(
+        diffrax, _user_rk(diffrax, _heun_tableau(diffrax), 2), term(diffrax),
+        controller(diffrax),
+    )  # fmt: skip
+    assert int(ours.stats["num_steps"]) == int(ref.stats["num_steps"])
+    assert int(ours.stats["num_steps"]) == int(theirs.stats["num_steps"])
+    np.testing.assert_allclose(ours.ys, theirs.ys, rtol=1e-12)
+    rows = slice(None) if not adaptive else np.array([0, -1])  # steps' ends
+    np.testing.assert_allclose(ours.ys[rows], ref.ys[rows], rtol=1e-12)  # pyright: ignore
+
+
+def test_diffrax_form_esdirk_tableau():
+    # The trapezoidal rule as an ESDIRK, fixed steps on a stiff decay: second order
+    # (error x1/4 when h halves, 3.5 to 4.5 allowed), A-stable (no blow-up at
+    # k h = 50), and as diffrax's same class (stage solves to 1e-12).
+    k = jnp.array(10.0)
+    chord = lambda lib: lib.VeryChord(rtol=1e-12, atol=1e-12)
+    term = lambda lib: lib.ODETerm(lambda t, y, a: -k * y)
+
+    def final(lib, dt):
+        sol = lib.diffeqsolve(
+            term(lib), _user_rk(lib, _trapezoid_tableau(lib), 2, chord(lib)),
+            0.0, 1.0, dt, jnp.array([1.0]),
+        )  # fmt: skip
+        return sol.ys[-1, 0]  # pyright: ignore
+
+    errors = [abs(float(final(sk, dt)) - np.exp(-10.0)) for dt in (0.02, 0.01)]
+    assert 3.5 < errors[0] / errors[1] < 4.5
+    np.testing.assert_allclose(final(sk, 0.02), final(diffrax, 0.02), rtol=1e-10)
+    assert abs(float(final(sk, 5.0))) <= 1.0  # (1 - 25) / (1 + 25) per step
+
+
+def test_diffrax_form_tableau_errors():
+    with pytest.raises(ValueError, match="sum to c"):
+        sk.ButcherTableau(
+            c=np.array([0.5]), b_sol=np.array([0.5, 0.5]),
+            b_error=np.array([-0.5, 0.5]), a_lower=(np.array([1.0]),),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="shape"):
+        sk.ButcherTableau(
+            c=np.array([1.0]), b_sol=np.array([0.5, 0.5]),
+            b_error=np.array([-0.5, 0.5]), a_lower=(np.array([1.0, 0.0]),),
+        )  # fmt: skip
+    # In a MultiButcherTableau, with solverkit's own tableaux.
+    sk.MultiButcherTableau(_heun_tableau(sk), sk.Heun.tableau)

@@ -19,6 +19,7 @@ from ._implicit_solvers import (
 )
 from ._leapfrog_midpoint import LeapfrogMidpoint as LeapfrogMidpoint
 from ._multi_tableau import (
+    ButcherTableau as ButcherTableau,
     CalculateJacobian as CalculateJacobian,
     MultiButcherTableau as MultiButcherTableau,
 )

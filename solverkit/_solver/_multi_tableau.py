@@ -27,7 +27,7 @@ from .._custom_types import Args, Y
 from .._solution import Result, RESULTS
 from ._base import axpy, successful
 from ._implicit_tableau import ImplicitTableau
-from ._tableau import ButcherTableau
+from ._tableau import ButcherTableau as SolverkitTableau
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,8 @@ def rows_of(tableau: Any) -> Rows:
     """A solverkit tableau (`ButcherTableau`, or an `ImplicitTableau` of an ESDIRK
     method) in the common form."""
     if isinstance(tableau, ButcherTableau):
+        return tableau.rows
+    if isinstance(tableau, SolverkitTableau):
         zeros = np.zeros_like(tableau.c)
         return Rows(tableau.c, tableau.a, zeros, tableau.b, tableau.b_err, tableau.fsal)
     if isinstance(tableau, ImplicitTableau) and tableau.a_ex is None:
@@ -65,6 +67,88 @@ def rows_of(tableau: Any) -> Rows:
         f"{type(tableau).__name__}"
         + (" of an IMEX pair" if tableau is not None else "")
     )
+
+
+def _vector(x: Any, name: str, size: int) -> np.ndarray:
+    arr = np.asarray(x, dtype=np.float64)
+    if arr.shape != (size,) or not np.all(np.isfinite(arr)):
+        raise ValueError(
+            f"ButcherTableau.{name} must be a finite array of shape ({size},), got "
+            f"shape {arr.shape}."
+        )
+    return arr
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ButcherTableau:
+    """A Runge-Kutta tableau in diffrax's form, for a user's explicit or diagonally
+    implicit (DIRK, SDIRK, ESDIRK) method: a subclass of `AbstractRungeKutta` with
+    `tableau = ButcherTableau(...)` and its own `order` and `interpolation_cls`
+    (which receives `k`, the stacked stage increments); with a diagonal, fields
+    `root_finder` and `root_find_max_steps`. The built-in solvers keep their
+    tableaux in solverkit's own form (`Tsit5.tableau`); both forms go into a
+    `MultiButcherTableau`.
+
+    **Arguments** (diffrax's), for `s` stages:
+
+    - `c`: `(s - 1,)` nodes of stages 1 ... s-1 (stage 0 is at `c1`).
+    - `b_sol`: `(s,)` weights of the solution.
+    - `b_error`: `(s,)` weights of the error estimate itself (not of an embedded
+        solution), summing to 0.
+    - `a_lower`: the rows 1 ... s-1 of the strictly lower part, row `i` of
+        shape `(i,)`.
+    - `a_diagonal`: `(s,)` diagonal, or `None` for an explicit method.
+    - `a_predictor`: accepted, as diffrax's (the stage solves here start from the
+        explicit part of the stage).
+    - `c1`: the node of stage 0 (0).
+
+    **Raises:**
+
+    `ValueError` naming the first inconsistency (shapes, row sums `c`, `b_sol`
+    summing to 1, `b_error` to 0).
+    """
+
+    c: Any
+    b_sol: Any
+    b_error: Any
+    a_lower: tuple
+    a_diagonal: Any = None
+    a_predictor: Any = None
+    c1: float = 0.0
+
+    def __post_init__(self) -> None:
+        s = len(self.a_lower) + 1
+        c = np.concatenate([[float(self.c1)], _vector(self.c, "c", s - 1)])
+        a = np.zeros((s, s))
+        for i, row in enumerate(self.a_lower, start=1):
+            a[i, :i] = _vector(row, f"a_lower[{i - 1}]", i)
+        d = np.zeros(s)
+        if self.a_diagonal is not None:
+            d = _vector(self.a_diagonal, "a_diagonal", s)
+        b = _vector(self.b_sol, "b_sol", s)
+        b_err = _vector(self.b_error, "b_error", s)
+        tol = 1e-10  # the printed digits of a published tableau
+        if np.max(np.abs(a.sum(axis=1) + d - c)) > tol:
+            raise ValueError(
+                "ButcherTableau: rows of a (and the diagonal) must sum to c."
+            )
+        if abs(b.sum() - 1) > tol or abs(b_err.sum()) > tol:
+            raise ValueError("ButcherTableau: b_sol must sum to 1 and b_error to 0.")
+        # First same as last: the last stage is at (t1, y1), explicitly.
+        fsal = bool(
+            np.array_equal(a[-1, :-1], b[:-1]) and b[-1] == d[-1] == 0 and d[0] == 0
+        )
+        object.__setattr__(self, "rows", Rows(c, a, d, b, b_err, fsal))
+
+    rows: Rows = dataclasses.field(init=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return self.rows.c.shape[0]
+
+    @property
+    def implicit(self) -> bool:
+        return self.a_diagonal is not None
 
 
 class MultiButcherTableau(eqx.Module):

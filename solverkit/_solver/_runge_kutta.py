@@ -20,7 +20,12 @@ from ._local_interpolation import (
     step_fraction,
     ThirdOrderHermitePolynomialInterpolation,
 )
-from ._multi_tableau import general_step, MultiButcherTableau, rows_of
+from ._multi_tableau import (
+    ButcherTableau as DiffraxTableau,
+    general_step,
+    MultiButcherTableau,
+    rows_of,
+)
 from ._tableau import (
     BOSH3,
     ButcherTableau,
@@ -60,13 +65,15 @@ class AbstractRungeKutta(AbstractSolver):
     scan_kind: str | None = eqx.field(default=None, static=True)
 
     def __init_subclass__(cls, **kwargs):
-        # A user's subclass on a `MultiButcherTableau` (diffrax's): it takes a
-        # `MultiTerm` of as many terms, each stepped through its own `vf`/`prod`.
+        # A user's subclass on a tableau in diffrax's form: each term is stepped
+        # through its own `vf`/`prod`; a `MultiButcherTableau` takes a `MultiTerm`
+        # of as many terms.
         super().__init_subclass__(**kwargs)
         tableau = cls.__dict__.get("tableau")
-        if isinstance(tableau, MultiButcherTableau):
+        if isinstance(tableau, _DIFFRAX_FORMS):
             cls.steps_user_terms = True
-            if "term_structure" not in cls.__dict__:
+            multi = isinstance(tableau, MultiButcherTableau)
+            if multi and "term_structure" not in cls.__dict__:
                 parts = (AbstractTerm,) * len(tableau.tableaus)
                 cls.term_structure = MultiTermStructure(parts)
 
@@ -77,12 +84,12 @@ class AbstractRungeKutta(AbstractSolver):
             )
 
     def order(self, terms: AbstractTerm) -> int | None:
-        if isinstance(self.tableau, MultiButcherTableau):
+        if isinstance(self.tableau, _DIFFRAX_FORMS):
             return None  # a subclass says (diffrax's default)
         return self.tableau.order
 
     def error_order(self, terms: AbstractTerm) -> float | None:
-        if isinstance(self.tableau, MultiButcherTableau):
+        if isinstance(self.tableau, _DIFFRAX_FORMS):
             return self.order(terms)  # diffrax's default
         if self.tableau.embedded_order is None:
             return None
@@ -118,7 +125,7 @@ class AbstractRungeKutta(AbstractSolver):
         `interpolation_cls(t0=, t1=, **dense_info)` takes them."""
         del made_jump
         if (
-            isinstance(self.tableau, MultiButcherTableau)
+            isinstance(self.tableau, _DIFFRAX_FORMS)
             or isinstance(terms, MultiTerm)
             or solver_state is None
             or terms.is_vf_expensive(t0, t1, y0, args)
@@ -164,7 +171,7 @@ class AbstractRungeKutta(AbstractSolver):
         state = None if f1 is None else (tuple(f1) if multi else f1[0])
         if multi:
             dense_info = dict(y0=y0, y1=y1, k=tuple(stacked))
-        elif tableau.order == 1:
+        elif getattr(tableau, "order", None) == 1:  # a built-in first-order one
             dense_info = dict(y0=y0, y1=y1)
         else:
             dense_info = dict(y0=y0, y1=y1, k=stacked[0])
@@ -301,6 +308,9 @@ def _interpolation_for(tableau: ButcherTableau, name: str):
 
 
 _SCAN_KINDS = (None, "lax", "checkpointed", "bounded")
+# Tableaux of a user's subclass written for diffrax: stepped through each term's
+# `vf` and `prod` (`_multi_tableau.py`), on the user-solver path.
+_DIFFRAX_FORMS = (MultiButcherTableau, DiffraxTableau)
 
 
 class AbstractERK(AbstractRungeKutta, AbstractAdaptiveSolver):
