@@ -46,7 +46,10 @@ def _stages_in_a_loop(solver: AbstractSolver, state) -> AbstractSolver:
     """The backward solver, with its stages in a loop (`scan_kind="lax"`) for a small
     augmented `state`, unless the user chose its `scan_kind`."""
     # By type: a wrapper (`HalfSolver`) passes `isinstance` for what it wraps.
-    if not issubclass(type(solver), AbstractRungeKutta) or solver.scan_kind is not None:
+    if not issubclass(type(solver), AbstractRungeKutta):
+        return solver
+    assert isinstance(solver, AbstractRungeKutta)
+    if solver.scan_kind is not None:
         return solver
     if sum(x.size for x in jtu.tree_leaves(state)) > _LOOP_STAGES_MAX_SIZE:
         return solver
