@@ -83,7 +83,7 @@ import solverkit as _sk
 from solverkit import *  # noqa: F401,F403
 
 for _name in dir(_sk):
-    if not _name.startswith("__"):
+    if not _name.startswith("_"):  # the private submodules are the shim's own
         globals()[_name] = getattr(_sk, _name)
 
 from . import _custom_types, _integrate, _misc, _solver, _term, _typing  # noqa: E402
@@ -151,8 +151,11 @@ def AdjointTerm(*args, **kwargs):
     raise NotImplementedError("solverkit has no diffrax._term.AdjointTerm")
 """,
     "_solver/__init__.py": "from . import dopri5  # noqa: F401\n",
-    "_solver/dopri5.py": """def _Dopri5Interpolation(*args, **kwargs):
-    raise NotImplementedError("solverkit has no diffrax's private _Dopri5Interpolation")
+    "_solver/dopri5.py": """import solverkit
+
+# diffrax's private name for Dopri5's dense output (`interpolation_cls`), which its
+# tests build from `k`, Dopri5's stacked stage increments, as solverkit's takes them.
+_Dopri5Interpolation = solverkit.Dopri5.interpolation_cls
 """,
     "_step_size_controller/__init__.py": "from . import clip  # noqa: F401\n",
     "_step_size_controller/clip.py": """def _find_idx_with_hint(*args, **kwargs):

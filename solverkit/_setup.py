@@ -23,7 +23,14 @@ from ._problem import Events, Problem, Resume, Save
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
 from ._solver import AbstractSolver
-from ._term import AbstractTerm, ClosureTerm, MultiTerm, rate_function
+from ._term import (
+    AbstractTerm,
+    check_term_structure,
+    ClosureTerm,
+    MultiTerm,
+    MultiTermStructure,
+    rate_function,
+)
 from ._time import flip
 from ._user_solver import convert as convert_user_solver, is_user_solver
 
@@ -99,7 +106,9 @@ def as_state(y0: Y):
         y = jnp.asarray(y)
         if not jnp.issubdtype(y.dtype, jnp.inexact):
             y = y.astype(jnp.result_type(float))
-        return y
+        # Strongly typed (as diffrax's): with a weak state, a closed-over float32
+        # value would pull the vector field's arithmetic down to float32.
+        return jnp.asarray(y, dtype=y.dtype) if y.weak_type else y
 
     y0 = jtu.tree_map(leaf, y0)
     if any(jnp.iscomplexobj(y) for y in jtu.tree_leaves(y0)):
@@ -180,13 +189,19 @@ def _convert_terms(terms, solver: AbstractSolver, times: Times, y0: Y, args: Arg
     them for a solver whose `term_structure` is a tuple (an IMEX solver); any other
     solver integrates the sum of a `MultiTerm`'s terms. A user's own solver gets
     the user's terms themselves, its functions converted with them inside
-    (`_user_solver.py`)."""
-    if not isinstance(terms, AbstractTerm):
+    (`_user_solver.py`); its terms may be a pytree of terms (a plain tuple for
+    `SemiImplicitEuler`), checked against its `term_structure`."""
+    structure, name = solver.term_structure, type(solver).__name__
+    user = is_user_solver(solver)
+    if isinstance(structure, (tuple, list, dict)):  # a built-in one: IMEX
+        multi = structure if user else MultiTermStructure(structure)
+        check_term_structure(terms, multi, name)
+    elif not isinstance(terms, AbstractTerm):
         raise TypeError(
             "`terms` must be a term, e.g. ODETerm(vector_field) or MultiTerm(...), "
             f"got {type(terms).__name__}."
         )
-    if is_user_solver(solver):
+    if user:
         return convert_user_solver(
             solver,
             terms,
@@ -197,21 +212,8 @@ def _convert_terms(terms, solver: AbstractSolver, times: Times, y0: Y, args: Arg
             y0,
             args,
         )
-    structure = solver.term_structure
-    if not isinstance(structure, tuple):
+    if not isinstance(terms, MultiTerm) or not isinstance(structure, tuple):
         return solver, _closure_term(terms, times, y0, args)
-    name = type(solver).__name__
-    if not isinstance(terms, MultiTerm) or len(terms.terms) != len(structure):
-        got = (
-            f"MultiTerm of {len(terms.terms)} terms"
-            if isinstance(terms, MultiTerm)
-            else type(terms).__name__
-        )
-        raise ValueError(  # diffrax's first words (its `TermAndSolverIncompatible`)
-            f"Terms are not compatible with solver! {name} takes `MultiTerm` of "
-            f"{len(structure)} terms (for an IMEX solver: MultiTerm(explicit_term, "
-            f"implicit_term)), got {got}."
-        )
     return solver, MultiTerm(*[_closure_term(t, times, y0, args) for t in terms.terms])
 
 

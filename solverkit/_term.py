@@ -112,7 +112,7 @@ class MultiTerm(AbstractTerm):
 
     def __class_getitem__(cls, item):
         args = typing.get_args(item)
-        return tuple(args) if args else cls
+        return MultiTermStructure(args) if args else cls
 
     def vf(self, t: RealScalarLike, y: PyTree, args: PyTree) -> tuple:
         return tuple(term.vf(t, y, args) for term in self.terms)
@@ -123,6 +123,53 @@ class MultiTerm(AbstractTerm):
     def prod(self, vf: tuple, control: tuple) -> PyTree:
         parts = [term.prod(v, c) for term, v, c in zip(self.terms, vf, control)]
         return jtu.tree_map(lambda *xs: sum(xs[1:], xs[0]), *parts)
+
+
+class MultiTermStructure(tuple):
+    """`MultiTerm[tuple[A, B]]`: the tuple `(A, B)`, marked as the structure of a
+    `MultiTerm` (a solver whose `term_structure` is a plain tuple takes a plain tuple
+    of terms, as diffrax's `SemiImplicitEuler`)."""
+
+
+def check_term_structure(terms, structure, name: str) -> None:
+    """Raise a `ValueError` (diffrax's first words, its `TermAndSolverIncompatible`)
+    unless `terms` has the structure of `structure`: a `MultiTerm` of as many terms
+    for `MultiTerm[tuple[...]]`, a tuple, list or dict of terms of that structure,
+    and a term for a term class."""
+
+    def fail(got: str):
+        raise ValueError(
+            f"Terms are not compatible with solver! {name} takes terms of the "
+            f"structure {structure!r} (for an IMEX solver: MultiTerm(explicit_term, "
+            f"implicit_term); for SemiImplicitEuler: a tuple (term_a, term_b)), got "
+            f"{got}."
+        )
+
+    def describe(x) -> str:
+        if isinstance(x, MultiTerm):
+            return f"MultiTerm of {len(x.terms)} terms"
+        if isinstance(x, (tuple, list)):
+            return f"a {type(x).__name__} of {len(x)}"
+        return type(x).__name__
+
+    def walk(x, s):
+        if isinstance(s, MultiTermStructure):
+            if not isinstance(x, MultiTerm) or len(x.terms) != len(s):
+                fail(describe(x))
+        elif isinstance(s, (tuple, list)):
+            if type(x) not in (tuple, list) or len(x) != len(s):
+                fail(describe(x))
+            for xi, si in zip(x, s):
+                walk(xi, si)
+        elif isinstance(s, dict):
+            if not isinstance(x, dict) or set(x) != set(s):
+                fail(describe(x))
+            for key in s:
+                walk(x[key], s[key])
+        elif not isinstance(x, AbstractTerm):
+            fail(describe(x))
+
+    walk(terms, structure)
 
 
 def rate_function(term: AbstractTerm) -> Callable[..., PyTree]:

@@ -24,6 +24,7 @@ from ._closure._convert import Closure, closure_convert
 from ._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from ._errors import UnsupportedError
 from ._solver import AbstractSolver
+from ._solver._base import AbstractWrappedSolver
 from ._term import AbstractTerm, ClosureTerm, MultiTerm
 from ._time import flip
 
@@ -33,7 +34,14 @@ _PROTOCOL = ("init", "step", "func")
 
 def is_user_solver(solver: AbstractSolver) -> bool:
     """Whether `solver` defines how it uses its terms itself (its `init`, `step` or
-    `func` is not solverkit's)."""
+    `func` is not solverkit's, or it asks for the user's terms, `steps_user_terms`),
+    or wraps such a solver (`HalfSolver`)."""
+    if solver.steps_user_terms:
+        return True
+    inner = getattr(solver, "solver", None)
+    wrapper = type.__instancecheck__(AbstractWrappedSolver, solver)
+    if wrapper and isinstance(inner, AbstractSolver) and is_user_solver(inner):
+        return True
     return any(
         not getattr(getattr(type(solver), name), "__module__", "").startswith(
             "solverkit."

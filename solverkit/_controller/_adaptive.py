@@ -96,7 +96,20 @@ class PIDState(NamedTuple):
     at_dtmin: Array  # whether the last step was clipped to `dtmin`
 
 
-class PIDController(AbstractAdaptiveStepSizeController):
+class _PIDMeta(type(eqx.Module)):
+    # diffrax's older spelling `PIDController(..., step_ts=, jump_ts=)` makes the
+    # `ClipStepSizeController` (as diffrax's metaclass does): `isinstance` says so.
+    def __call__(cls, *args, **kwargs):
+        pid = super().__call__(*args, **kwargs)
+        clip = pid._as_clip()
+        return pid if clip is None else clip
+
+
+# Given to `class` by keyword, so that pyright still sees a dataclass (as diffrax).
+_PID_META = dict(metaclass=_PIDMeta)
+
+
+class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
     """Adaptive steps from an embedded error estimate, by a PID controller on the
     logarithm of the error (an I-controller by default).
 
@@ -114,7 +127,7 @@ class PIDController(AbstractAdaptiveStepSizeController):
 
     - `step_ts`, `jump_ts`: diffrax's older spelling of
         `ClipStepSizeController(PIDController(...), step_ts, jump_ts)`, which is what
-        the solve uses.
+        the constructor then returns (as diffrax's does).
     """
 
     rtol: float

@@ -1,12 +1,12 @@
 from ._base import (
     AbstractAdaptiveSolver as AbstractAdaptiveSolver,
+    AbstractImplicitSolver as AbstractImplicitSolver,
     AbstractSolver as AbstractSolver,
+    AbstractWrappedSolver as AbstractWrappedSolver,
 )
 from ._bdf import BDF as BDF
-from ._implicit import (
-    AbstractImplicitRK as AbstractImplicitRK,
-    AbstractImplicitRK as AbstractImplicitSolver,  # noqa: F401
-)
+from ._half import HalfSolver as HalfSolver
+from ._implicit import AbstractImplicitRK as AbstractImplicitRK
 from ._implicit_solvers import (
     ImplicitEuler as ImplicitEuler,
     KenCarp3 as KenCarp3,
@@ -18,6 +18,11 @@ from ._implicit_solvers import (
     Sil3 as Sil3,
 )
 from ._leapfrog_midpoint import LeapfrogMidpoint as LeapfrogMidpoint
+from ._multi_tableau import (
+    ButcherTableau as ButcherTableau,
+    CalculateJacobian as CalculateJacobian,
+    MultiButcherTableau as MultiButcherTableau,
+)
 from ._reversible_heun import ReversibleHeun as ReversibleHeun
 from ._root_finder import (
     VeryChord as VeryChord,
@@ -42,3 +47,4 @@ from ._runge_kutta import (
     Ralston as Ralston,
     Tsit5 as Tsit5,
 )
+from ._semi_implicit_euler import SemiImplicitEuler as SemiImplicitEuler

@@ -56,14 +56,34 @@ def axpy(y: Y, h, terms, row=None) -> Y:
     return jtu.tree_map(leaf, y, *[k for _, k in terms])
 
 
-class AbstractSolver(eqx.Module):
+class _SolverMeta(type(eqx.Module)):
+    # diffrax's contract for wrappers (`AbstractWrappedSolver`): `isinstance(w, C)`
+    # holds for a wrapper `w` whose wrapped `w.solver` is a `C`, so that e.g.
+    # `HalfSolver(Euler())` counts as an `Euler`. The engine's own type tests go by
+    # `type(solver)` where the wrapper must not pass for what it wraps.
+    def __instancecheck__(cls, obj):
+        if type.__instancecheck__(cls, obj):
+            return True
+        inner = getattr(obj, "solver", None)
+        return (
+            type.__instancecheck__(AbstractWrappedSolver, obj)
+            and inner is not None
+            and isinstance(inner, cls)
+        )
+
+
+# Given to `class` by keyword, so that pyright still sees a dataclass (as diffrax).
+_META = dict(metaclass=_SolverMeta)
+
+
+class AbstractSolver(eqx.Module, **_META):
     """Base class of the solvers: diffrax's protocol, used by the built-in solvers and
     by a user's own subclass alike.
 
-    A subclass defines `order`, `step` and, unless it overrides `interpolate`,
-    `interpolation_cls`; `init`, `func`, `error_order` and `term_structure` have
-    defaults. A step never raises: it returns the new state, an error estimate, what
-    dense output needs, and a result code.
+    A subclass defines `step` and, unless it overrides `interpolate`,
+    `interpolation_cls`; `order` (default `None`, as diffrax's), `init`, `func`,
+    `error_order` and `term_structure` have defaults. A step never raises: it returns
+    the new state, an error estimate, what dense output needs, and a result code.
     """
 
     # The terms the solver takes: a term class, or a tuple of them for a `MultiTerm`
@@ -72,10 +92,17 @@ class AbstractSolver(eqx.Module):
     # Builds the dense output of one step as `interpolation_cls(t0=, t1=,
     # **dense_info)` (see `_local_interpolation.py`).
     interpolation_cls: ClassVar[Callable[..., Any] | None] = None
+    # Whether the solver is given the user's terms themselves (each in a `WrapTerm`)
+    # rather than each term's converted `dy/dt`: for terms that are not each a rate
+    # of the whole state (`SemiImplicitEuler`), or a step that needs each term's
+    # `vf` and `prod` (a multi-tableau Runge-Kutta method). A user's own solver always
+    # is (`_user_solver.is_user_solver`).
+    steps_user_terms: ClassVar[bool] = False
 
-    @abc.abstractmethod
-    def order(self, terms: AbstractTerm) -> int:
-        """Order of the solver for ODEs."""
+    def order(self, terms: AbstractTerm) -> int | None:
+        """Order of the solver for ODEs (`None`: not known, diffrax's default)."""
+        del terms
+        return None
 
     def error_order(self, terms: AbstractTerm) -> float | None:
         """Local order of the error estimate used by adaptive step sizes (diffrax's
@@ -174,3 +201,19 @@ successful = RESULTS.successful
 class AbstractAdaptiveSolver(AbstractSolver):
     """Base class of the solvers with an embedded error estimate, which can be used
     with an adaptive controller such as `PIDController`."""
+
+
+class AbstractWrappedSolver(AbstractSolver):
+    """A solver that wraps another, `solver`, transparently to `isinstance`
+    (diffrax's): `isinstance(wrapper, C)` holds when `wrapper.solver` is a `C`."""
+
+    solver: eqx.AbstractVar[AbstractSolver]
+
+
+class AbstractImplicitSolver(AbstractAdaptiveSolver):
+    """Base class of the implicit solvers (diffrax's): each has a `root_finder` for
+    its implicit stages and `root_find_max_steps`. The built-in ESDIRK and IMEX
+    solvers are subclasses; so may a user's solver be, declaring both fields."""
+
+    root_finder: eqx.AbstractVar[Any]
+    root_find_max_steps: eqx.AbstractVar[int]

@@ -28,7 +28,7 @@ from .._solution import RESULTS
 from .._tolerances import Tolerances
 from .._tree import nograd, tree_add, tree_where
 from . import _reuse as reuse
-from ._base import AbstractAdaptiveSolver, axpy
+from ._base import AbstractImplicitSolver, axpy
 from ._implicit_dense import public_dense_info
 from ._implicit_tableau import ImplicitTableau
 from ._local_interpolation import (
@@ -68,7 +68,7 @@ class ImplicitState(NamedTuple):
     cache: Cache | None = None
 
 
-class AbstractImplicitRK(AbstractAdaptiveSolver):
+class AbstractImplicitRK(AbstractImplicitSolver):
     """An ESDIRK (or IMEX additive) Runge--Kutta method read from its `tableau`."""
 
     tableau: AbstractClassVar[ImplicitTableau]

@@ -11,7 +11,7 @@ from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
-from .._term import AbstractTerm
+from .._term import AbstractTerm, MultiTerm, MultiTermStructure
 from ._base import AbstractAdaptiveSolver, AbstractSolver, axpy, successful
 from ._local_interpolation import (
     AbstractLocalInterpolation,
@@ -19,6 +19,12 @@ from ._local_interpolation import (
     LocalLinearInterpolation,
     step_fraction,
     ThirdOrderHermitePolynomialInterpolation,
+)
+from ._multi_tableau import (
+    ButcherTableau as DiffraxTableau,
+    general_step,
+    MultiButcherTableau,
+    rows_of,
 )
 from ._tableau import (
     BOSH3,
@@ -58,16 +64,33 @@ class AbstractRungeKutta(AbstractSolver):
     # adjoint systems.
     scan_kind: str | None = eqx.field(default=None, static=True)
 
+    def __init_subclass__(cls, **kwargs):
+        # A user's subclass on a tableau in diffrax's form: each term is stepped
+        # through its own `vf`/`prod`; a `MultiButcherTableau` takes a `MultiTerm`
+        # of as many terms.
+        super().__init_subclass__(**kwargs)
+        tableau = cls.__dict__.get("tableau")
+        if isinstance(tableau, _DIFFRAX_FORMS):
+            cls.steps_user_terms = True
+            multi = isinstance(tableau, MultiButcherTableau)
+            if multi and "term_structure" not in cls.__dict__:
+                parts = (AbstractTerm,) * len(tableau.tableaus)
+                cls.term_structure = MultiTermStructure(parts)
+
     def __check_init__(self):
         if self.scan_kind not in _SCAN_KINDS:
             raise ValueError(
                 f"`scan_kind` must be one of {_SCAN_KINDS}, got {self.scan_kind!r}."
             )
 
-    def order(self, terms: AbstractTerm) -> int:
+    def order(self, terms: AbstractTerm) -> int | None:
+        if isinstance(self.tableau, _DIFFRAX_FORMS):
+            return None  # a subclass says (diffrax's default)
         return self.tableau.order
 
     def error_order(self, terms: AbstractTerm) -> float | None:
+        if isinstance(self.tableau, _DIFFRAX_FORMS):
+            return self.order(terms)  # diffrax's default
         if self.tableau.embedded_order is None:
             return None
         return min(self.tableau.order, self.tableau.embedded_order) + 1
@@ -80,8 +103,10 @@ class AbstractRungeKutta(AbstractSolver):
         y0: Y,
         args: Args,
     ):
-        """The vector field at `(t0, y0)`: the first stage of the first step."""
-        del t1
+        """The vector field at `(t0, y0)`: the first stage of the first step (`None`
+        for terms whose `vf` is expensive: diffrax's rule, no first-same-as-last)."""
+        if terms.is_vf_expensive(t0, t1, y0, args):
+            return None
         return terms.vf(t0, y0, args)
 
     def step(
@@ -99,6 +124,13 @@ class AbstractRungeKutta(AbstractSolver):
         a leading axis of each leaf (shape `(stages, *y.shape)`), as
         `interpolation_cls(t0=, t1=, **dense_info)` takes them."""
         del made_jump
+        if (
+            isinstance(self.tableau, _DIFFRAX_FORMS)
+            or isinstance(terms, MultiTerm)
+            or solver_state is None
+            or terms.is_vf_expensive(t0, t1, y0, args)
+        ):
+            return self._general_step(terms, t0, t1, y0, args, solver_state)
         t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         y1, y_error, ks, f1, result = self._stages(
             terms, t0, t1, y0, args, solver_state
@@ -108,6 +140,42 @@ class AbstractRungeKutta(AbstractSolver):
         h = t1 - t0
         k = jtu.tree_map(lambda *f: jnp.stack(f) * h.astype(f[0].dtype), *ks)
         return y1, y_error, dict(y0=y0, y1=y1, k=k), f1, result
+
+    def _general_step(self, terms, t0, t1, y0: Y, args: Args, solver_state):
+        """`step` through each term's own `vf` and `prod` (`_multi_tableau.py`): for
+        a `MultiButcherTableau`, a `MultiTerm`, an expensive `vf` or no state."""
+        tableau = self.tableau
+        multi = isinstance(tableau, MultiButcherTableau)
+        if multi:
+            if not isinstance(terms, MultiTerm) or len(terms.terms) != len(
+                tableau.tableaus
+            ):
+                raise ValueError(
+                    f"{type(self).__name__} has {len(tableau.tableaus)} tableaus: it "
+                    f"takes a MultiTerm of as many terms, got {terms!r}."
+                )
+            tabs, parts = tableau.rows, terms.terms
+        else:
+            tabs, parts = (rows_of(tableau),), (terms,)
+        keep = solver_state is not None and not terms.is_vf_expensive(t0, t1, y0, args)
+        f0 = None
+        if keep and solver_state is not None:
+            f0 = list(solver_state) if multi else [solver_state]
+        root = None
+        if any(tab.implicit for tab in tabs):
+            root = (self.root_finder, self.root_find_max_steps)  # pyright: ignore
+        y1, y_error, ks, f1, result = general_step(
+            tabs, parts, t0, t1, y0, args, f0, root, keep
+        )
+        stacked = [jtu.tree_map(lambda *k: jnp.stack(k), *kj) for kj in ks]
+        state = None if f1 is None else (tuple(f1) if multi else f1[0])
+        if multi:
+            dense_info = dict(y0=y0, y1=y1, k=tuple(stacked))
+        elif getattr(tableau, "order", None) == 1:  # a built-in first-order one
+            dense_info = dict(y0=y0, y1=y1)
+        else:
+            dense_info = dict(y0=y0, y1=y1, k=stacked[0])
+        return y1, y_error, dense_info, state, result
 
     def loop_step(
         self,
@@ -240,6 +308,9 @@ def _interpolation_for(tableau: ButcherTableau, name: str):
 
 
 _SCAN_KINDS = (None, "lax", "checkpointed", "bounded")
+# Tableaux of a user's subclass written for diffrax: stepped through each term's
+# `vf` and `prod` (`_multi_tableau.py`), on the user-solver path.
+_DIFFRAX_FORMS = (MultiButcherTableau, DiffraxTableau)
 
 
 class AbstractERK(AbstractRungeKutta, AbstractAdaptiveSolver):
