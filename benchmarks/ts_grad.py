@@ -15,8 +15,9 @@ PIDController(rtol = atol = 1e-5), t in [0, 5], float32, the gradient of
 - `vmap`, `vmap_bts`: `jax.vmap(diffeqsolve)`, save times shared / per trajectory.
 - `ens_t1`, `vmap_t1`: the same with `SaveAt(t1=True)` (no save times), the floor.
 - `diffrax`: `jax.vmap(diffrax.diffeqsolve)`, shared save times.
-- `METHOD@index`: solverkit's methods with the rows at the save times read and
-  written by index, as before the one-hot selects (A/B in one process).
+- `METHOD@index`, `METHOD@onehot`: solverkit's methods with the rows at the save
+  times read and written by index (as before #38's fix; by default off a TPU), or by
+  one-hot selects (by default on a TPU): an A/B comparison in one process.
 
 The run times (wall clock, and the process's CPU time: all threads, less sensitive
 to a loaded machine) are the minimum over `--repeats` calls, the methods interleaved
@@ -170,27 +171,27 @@ def _micro(n: int, repeats: int) -> dict:
 
 
 @contextlib.contextmanager
-def _rows_by_index(on: bool):
-    """With `on`, the rows at `SaveAt(ts=...)` read, written and added to by index
-    (as before the one-hot selects: gathers and scatters with batched indices under
-    `vmap`), for an A/B comparison in one process."""
-    saved = _save._get, _save._put, _save._add
-    if on:
-        _save._get = lambda b, r: jax.lax.dynamic_index_in_dim(b, r, keepdims=False)
-        _save._put = _save.set_row
-        _save._add = lambda b, r, v: b.at[r].add(v)
+def _rows_by(variant: str):
+    """`variant` `"index"`: the rows at `SaveAt(ts=...)` read, written and added to by
+    index (gathers and scatters with batched indices under `vmap`); `"onehot"`: by
+    one-hot selects; `""`: as this backend does by default (one-hot on a TPU)."""
+    saved = _save.ONE_HOT_BACKENDS
+    if variant == "index":
+        _save.ONE_HOT_BACKENDS = ()
+    elif variant == "onehot":
+        _save.ONE_HOT_BACKENDS = (jax.default_backend(),)
     try:
         yield
     finally:
-        _save._get, _save._put, _save._add = saved
+        _save.ONE_HOT_BACKENDS = saved
 
 
 def _compiled(method: str, n: int, args, census: bool, row: dict):
-    """`method`'s gradient, traced (with `@index`: rows by index) and compiled
+    """`method`'s gradient, traced (`@index`, `@onehot`: rows so) and compiled
     ahead of time, so that later traces of other variants can't change it."""
     name, _, variant = method.partition("@")
-    jax.clear_caches()  # no trace of the other variant reused
-    with _rows_by_index(variant == "index"):
+    jax.clear_caches()  # no trace of another variant reused
+    with _rows_by(variant):
         grad = jax.grad(_loss(name, n))
         if census:
             jaxpr = jax.make_jaxpr(grad)(*args).jaxpr

@@ -32,9 +32,14 @@ from ._tree import tree_add
 # How `write` writes the rows at `SaveAt(ts=...)` (see there).
 TsRows = Literal["loop", "masked", "skip"]
 # Up to this many save times, a step finds its rows by comparing with each of them
-# (one element-wise kernel), and reads and writes a row as a one-hot select over
-# them (see `_get`); past it, by bisection (log2 of them gathers) and by index.
+# (one element-wise kernel), and on the backends of `ONE_HOT_BACKENDS` reads and
+# writes a row as a one-hot select over them (see `_get`); past it, by bisection
+# (log2 of them gathers) and by index.
 _COMPARE_ALL_MAX = 64
+# A TPU runs a scatter with batched indices as a serial loop over the batch; a CPU
+# (and a GPU) runs the indexed forms faster than a select over every row (CPU,
+# Lotka-Volterra gradient, 10 save times, N = 1024: 1.3x the time one-hot).
+ONE_HOT_BACKENDS = ("tpu",)
 
 
 def _save_value(problem: Problem, save: Save, tau: RealScalarLike, y: Y):
@@ -180,26 +185,34 @@ def _get(buf, row):
     Under `vmap` each batch element reads its own row. By index that is a gather
     with batched indices, and writing (`_put`) or adding (`_add`) a scatter: a
     serial loop over the batch on a TPU (Lotka-Volterra gradient, 10 save times:
-    time linear in N, 380 ms at N = 4096). Up to `_COMPARE_ALL_MAX` rows it is a
-    select against a one-hot mask of the rows instead, element-wise and exact.
+    time linear in N, 380 ms at N = 4096). There (`_one_hot`) it is a select
+    against a one-hot mask of the rows instead, element-wise and exact.
     """
-    if buf.shape[0] > _COMPARE_ALL_MAX:
+    if not _one_hot(buf):
         return lax.dynamic_index_in_dim(buf, row, keepdims=False)
     return jnp.sum(_mask_rows(_hot(buf, row), buf, 0), axis=0, dtype=buf.dtype)
 
 
 def _put(buf, row, pred, value):
     """`buf` with row `row` set to `value` where `pred` (see `_get`)."""
-    if buf.shape[0] > _COMPARE_ALL_MAX:
+    if not _one_hot(buf):
         return set_row(buf, row, pred, value)
     return _mask_rows(_hot(buf, row) & pred, jnp.broadcast_to(value, buf.shape), buf)
 
 
 def _add(buf, row, value):
     """`buf` with `value` added to row `row` (see `_get`)."""
-    if buf.shape[0] > _COMPARE_ALL_MAX:
+    if not _one_hot(buf):
         return buf.at[row].add(value)
     return buf + _mask_rows(_hot(buf, row), jnp.broadcast_to(value, buf.shape), 0)
+
+
+def _one_hot(buf) -> bool:
+    """Whether rows of `buf` are read and written by one-hot selects: on the
+    backends of `ONE_HOT_BACKENDS`, up to `_COMPARE_ALL_MAX` rows (a select costs
+    every row, in every step)."""
+    small = buf.shape[0] <= _COMPARE_ALL_MAX
+    return small and jax.default_backend() in ONE_HOT_BACKENDS
 
 
 def _hot(buf, row):

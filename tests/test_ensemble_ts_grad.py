@@ -2,17 +2,19 @@
 the rows at `SaveAt(ts=...)`, save times shared or one row per trajectory.
 
 The rows a step writes and pulls back differ per trajectory. Read and written by
-index under `vmap`, they were gathers and scatters with batched indices in every
+index under `vmap`, they are gathers and scatters with batched indices in every
 step forwards and backwards: a serial loop over the batch on a TPU (issue #38: the
 ensemble's Lotka-Volterra gradient with 10 save times took 380 ms at N = 4096 and
-grew linearly with N). Up to `_save._COMPARE_ALL_MAX` save times they are one-hot
-selects now: the structure test below checks that no loop gathers or scatters by a
-per-trajectory index, the others that the gradients (`y0`, `args`, a closed-over
-float, the save times) are those of `jax.vmap(diffeqsolve)` and of finite
-differences. The vector field closes over a float32 table, an int row of it chosen
-per trajectory through `args`, and a float64 parameter.
+grew linearly with N). On a TPU, up to `_save._COMPARE_ALL_MAX` save times, they
+are one-hot selects now. Both paths run here (`path`: the TPU's forced, and this
+backend's own): the structure test checks that the one-hot path's loops gather and
+scatter by no per-trajectory index, the others that the gradients (`y0`, `args`, a
+closed-over float, the save times) are those of `jax.vmap(diffeqsolve)` and of
+finite differences. The vector field closes over a float32 table, an int row of it
+chosen per trajectory through `args`, and a float64 parameter.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -83,8 +85,30 @@ def _inputs(ts):
     return jnp.asarray(0.8), jnp.asarray(K), jnp.asarray(Y0), jnp.asarray(ts)
 
 
+@contextlib.contextmanager
+def _rows_by(path: str):
+    """Rows at the save times by one-hot selects (`"one-hot"`, the TPU's path) or by
+    index (`"index"`), whatever this backend is; every trace inside (JAX's caches
+    emptied on the way in and out, so that no trace of the other path is reused)."""
+    saved = getattr(_save, "ONE_HOT_BACKENDS", ())
+    _save.ONE_HOT_BACKENDS = (jax.default_backend(),) if path == "one-hot" else ()
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _save.ONE_HOT_BACKENDS = saved
+        jax.clear_caches()
+
+
+@pytest.fixture(params=["one-hot", "index"])
+def path(request):
+    with _rows_by(request.param):
+        yield request.param
+
+
 @functools.cache
-def _grad(solve, lanes):
+def _grad(solve, lanes, path):
+    del path  # (a key of the cache: each path compiled on its own)
     loss = functools.partial(_loss, solve=solve, lanes=lanes)
     return jax.jit(jax.grad(loss, (0, 1, 2, 3)))
 
@@ -96,24 +120,38 @@ def _assert_close(got, want, rtol):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
 
 
-@pytest.mark.quick_cases("shared-chunked", "rows-lockstep")
+@pytest.mark.quick_cases("one-hot-shared-chunked", "one-hot-rows-lockstep")
 @pytest.mark.parametrize("lanes", [2, N], ids=["chunked", "lockstep"])
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
-def test_ensemble_equals_vmap(ts, lanes):
+def test_ensemble_equals_vmap(path, ts, lanes):
     # Each trajectory takes the same steps both ways (the lane loop is the vmapped
     # loop, refilled): float64 rounding over ~20 steps forward and back, ~1e-13 of
     # the gradient's scale; 1e-9 leaves a wide margin. With 2 lanes the forward pass
     # refills and the backward pass runs in chunks.
     inputs = _inputs(ts)
-    got = _grad(_ensemble, lanes)(*inputs)
-    want = _grad(_vmapped, None)(*inputs)
+    got = _grad(_ensemble, lanes, path)(*inputs)
+    want = _grad(_vmapped, None, path)(*inputs)
     _assert_close(got, want, rtol=1e-9)
     assert np.all(np.asarray(got[3]) != 0)  # every save time has its own derivative
 
 
-@pytest.mark.quick_cases("shared")
+@pytest.mark.slow
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
-def test_against_finite_differences(ts):
+def test_paths_equal(ts):
+    # The same operations but for how a row is read and written (exactly, both):
+    # equal to rounding (a sum of one row and zeros is exact; the rest is the
+    # order XLA fuses in).
+    inputs = _inputs(ts)
+    grads = []
+    for path in ("one-hot", "index"):
+        with _rows_by(path):
+            grads.append(_grad(_ensemble, 2, path)(*inputs))
+    _assert_close(*grads, rtol=1e-12)
+
+
+@pytest.mark.quick_cases("one-hot-shared")
+@pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
+def test_against_finite_differences(path, ts):
     # Central differences along 3 random directions of all inputs (theta, k, y0, ts)
     # at once, eps 1e-6, of a solve at rtol 1e-8: the quotient differs from the
     # discrete solution's derivative by the truncation (~eps^2), the rounding
@@ -122,7 +160,7 @@ def test_against_finite_differences(ts):
     inputs = _inputs(ts)
     flat, unravel = ravel_pytree(inputs)
     value = jax.jit(lambda x: _loss(*unravel(x), solve=_ensemble, lanes=2))
-    grad = ravel_pytree(_grad(_ensemble, 2)(*inputs))[0]
+    grad = ravel_pytree(_grad(_ensemble, 2, path)(*inputs))[0]
     eps = 1e-6
     for seed in range(3):
         v = jax.random.normal(jax.random.key(seed), flat.shape, flat.dtype)
@@ -163,30 +201,25 @@ def _per_trajectory_row_ops(jaxpr, batch: int, rows: int) -> list[str]:
 
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 @pytest.mark.parametrize("solve", [_ensemble, _vmapped], ids=["ensemble", "vmap"])
-def test_no_per_trajectory_gather_or_scatter_in_loops(solve, ts):
-    # Before: 3-6 gathers and 2-3 scatters by a per-trajectory row in the loops of
+def test_no_per_trajectory_gather_or_scatter_in_loops(path, solve, ts):
+    # By index: 2-6 gathers and 2-3 scatters by a per-trajectory row in the loops of
     # the gradient (reading and writing a saved row, adding the cotangent of a save
-    # time), each a serial loop over the batch on a TPU.
+    # time), each a serial loop over the batch on a TPU; one-hot: none.
     assert T <= _save._COMPARE_ALL_MAX
     loss = functools.partial(_loss, solve=solve, lanes=N)
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(*_inputs(ts)).jaxpr
-    assert _per_trajectory_row_ops(jaxpr, N, T) == []
-    # The walk does see such ops: a loop that reads a row of `T` per trajectory.
-    rows = jnp.asarray(INDEX)
-
-    def gathers(x):
-        return jax.lax.fori_loop(0, 3, lambda i, x: x + jnp.asarray(TS)[rows], x)
-
-    jaxpr = jax.make_jaxpr(gathers)(jnp.zeros(N)).jaxpr
-    assert _per_trajectory_row_ops(jaxpr, N, T) != []
+    found = _per_trajectory_row_ops(jaxpr, N, T)
+    assert (found == []) == (path == "one-hot"), found
 
 
 @pytest.mark.slow
 def test_many_save_times_by_index():
-    # Past `_COMPARE_ALL_MAX` save times, rows are read and written by index (a
-    # one-hot select would cost every row in every step): the same gradients.
+    # Past `_COMPARE_ALL_MAX` save times, rows are read and written by index on
+    # every backend (a one-hot select would cost every row in every step): the
+    # same gradients, and the same steps.
     many = np.linspace(0.05, 1.95, _save._COMPARE_ALL_MAX + 6)
     inputs = _inputs(many)
-    got = _grad(_ensemble, 2)(*inputs)
-    want = _grad(_vmapped, None)(*inputs)
+    with _rows_by("one-hot"):
+        got = _grad(_ensemble, 2, "one-hot")(*inputs)
+        want = _grad(_vmapped, None, "one-hot")(*inputs)
     _assert_close(got, want, rtol=1e-9)
