@@ -270,12 +270,13 @@ def main(argv=None) -> int:
         if ns.micro:
             rows.append(dict(n=n, **_micro(n, ns.repeats)))
             print(json.dumps(rows[-1]), flush=True)
+        if ns.out is not None:  # after each size: a run cut short keeps what it had
+            ns.out.mkdir(parents=True, exist_ok=True)
+            meta = dict(device=str(jax.devices()[0]), jax=jax.__version__)
+            data = json.dumps(dict(meta=meta, rows=rows))
+            (ns.out / "ts_grad.json").write_text(data)
+            (ns.out / "ts_grad.md").write_text(_table(rows))
     print(_table(rows))
-    if ns.out is not None:
-        ns.out.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=str(jax.devices()[0]), jax=jax.__version__)
-        (ns.out / "ts_grad.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
-        (ns.out / "ts_grad.md").write_text(_table(rows))
     return 0
 
 
