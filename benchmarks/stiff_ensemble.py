@@ -9,8 +9,17 @@ Problem: y'' = mu (1 - y^2) y' - y, y0 = (2, 0), t in [0, 200], mu = logspace(0,
 N) (relaxation oscillations, stiff for large mu), PIDController(rtol = atol = each
 of `--tols` for solverkit, of `--diffrax-tols` for diffrax; both 1e-5 by default),
 dt0 = 1e-3, max_steps 20,000 (`--max-steps`), in `--dtype` (float32 by default: the
-accelerator's type). `--plan` lists the runs one by one instead (`case:N:tol`, in
-that order), e.g. diffrax only at a size where it finishes.
+accelerator's type). `--plan` lists the runs one by one instead
+(`case:N:tol[:seconds]`, in that order, each with its own time limit if given), e.g.
+diffrax only at a size where it finishes; `--plan chip` is the chip's command
+(`CHIP_PLAN`, at most 4 minutes on a TPU v5e with `--budget 200`; `--sizes 16`
+caps its sizes for a CPU smoke run, each case limited by `--case-timeout`). An
+ensemble case may end in `/k`: `ensemble_solve` with `N // k` lanes (refilled),
+where the default on an accelerator is lockstep (`lanes, refill` in the table are
+its `stats`; `/ vmap` its run time over the same solver's vmapped one). A case
+that runs past its limit records how long its first call had run after compiling
+(a lower bound of its run time; for diffrax, `/ diffrax` is then an upper bound
+`< x`).
 
 Cases: `<solver>-vmap` (`jax.jit(jax.vmap(diffeqsolve))`) and `<solver>-ensemble`
 (`ensemble_solve`, default lanes) for solverkit's Rodas5P, Kvaerno5 and BDF, and
@@ -109,7 +118,9 @@ def _vdp(t, y, mu):
     return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
 
 
-def _solverkit(name: str, ensemble: bool, dtype, max_steps: int, tol: float):
+def _solverkit(
+    name: str, ensemble: bool, dtype, max_steps: int, tol: float, lanes=None
+):
     import jax
 
     import solverkit as sk
@@ -122,10 +133,11 @@ def _solverkit(name: str, ensemble: bool, dtype, max_steps: int, tol: float):
         def batch(y0, mu):
             sol = sk.ensemble_solve(
                 term, solver, t0, t1, dt0, y0, mu, stepsize_controller=ctrl,
-                max_steps=max_steps, throw=False,
+                max_steps=max_steps, throw=False, lanes=lanes,
             )  # fmt: skip
             ok = sol.result == sk.RESULTS.successful
-            return sol.ys[:, -1], sol.stats["num_steps"], ok
+            policy = (sol.stats["lanes"], sol.stats["refill"])
+            return sol.ys[:, -1], sol.stats["num_steps"], ok, policy
 
         return jax.jit(batch)
 
@@ -173,22 +185,31 @@ def child(
         fn = _diffrax(dtype, max_steps, tol)
     else:
         name, kind = case.split("-")
-        fn = _solverkit(name, kind == "ensemble", dtype, max_steps, tol)
+        kind, _, div = kind.partition("/")
+        lanes = n // int(div) if div else None
+        fn = _solverkit(name, kind == "ensemble", dtype, max_steps, tol, lanes)
     y0 = jnp.tile(jnp.asarray(Y0, dtype), (n, 1))
     mu = jnp.asarray(mus(n), dtype)
     start = time.perf_counter()
-    out = jax.block_until_ready(fn(y0, mu))
+    compiled = fn.lower(y0, mu).compile()
+    # Printed as it happens: a parent that times this child out knows how long the
+    # first call had run (a lower bound of the run time).
+    print(f"COMPILED {time.time():.3f}", flush=True)
+    out = jax.block_until_ready(compiled(y0, mu))
     first = time.perf_counter() - start
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
-        out = jax.block_until_ready(fn(y0, mu))
+        out = jax.block_until_ready(compiled(y0, mu))
         runs.append(time.perf_counter() - start)
         if sum(runs) > 20:
             break
-    ys, steps, ok = (np.asarray(x) for x in out)
+    policy = {}
+    if len(out) == 4:  # ensemble_solve's lanes and refill (0: lockstep)
+        policy = {"lanes": int(out[3][0]), "refill": int(out[3][1])}
+    ys, steps, ok = (np.asarray(x) for x in out[:3])
     failed = np.nonzero(~ok)[0]
-    return {
+    return policy | {
         "first_call_s": first,
         "run_s": statistics.median(runs) if runs else None,
         "repeats": len(runs),
@@ -206,7 +227,28 @@ def child(
 # --- the parent: every case in its own subprocess -----------------------------
 
 
-def run_case(case: str, n: int, tol: float, args, ref: np.ndarray) -> dict:
+def _timed_out(row: dict, exc: subprocess.TimeoutExpired, limit: float) -> dict:
+    """The row of a child that ran past `limit`: how long its first call had run
+    (from its `COMPILED` line), a lower bound of the run time."""
+    now = time.time()
+    out = exc.stdout or b""
+    text = out.decode() if isinstance(out, bytes) else out
+    stamps = [
+        float(x.split()[1]) for x in text.splitlines() if x.startswith("COMPILED ")
+    ]
+    row = row | {"status": f"timeout ({limit:g} s)"}
+    if stamps:
+        row["run_s_min"] = now - stamps[-1]
+        row["status"] += f", first call > {row['run_s_min']:.1f} s after compiling"
+    else:
+        row["status"] += ", still compiling"
+    return row
+
+
+def run_case(
+    case: str, n: int, tol: float, args, ref: np.ndarray, limit: float | None = None
+) -> dict:
+    limit = args.case_timeout if limit is None else limit
     cmd = [
         sys.executable, "-m", "benchmarks.stiff_ensemble", "--child", case,
         "--sizes", str(n), "--dtype", args.dtype, "--repeats", str(args.repeats),
@@ -215,11 +257,9 @@ def run_case(case: str, n: int, tol: float, args, ref: np.ndarray) -> dict:
     row = {"case": case, "size": n, "tol": tol, "dtype": args.dtype}
     start = time.perf_counter()
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=args.case_timeout
-        )
-    except subprocess.TimeoutExpired:
-        return row | {"status": f"timeout ({args.case_timeout:g} s)"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as exc:
+        return _timed_out(row, exc, limit)
     row["wall_s"] = time.perf_counter() - start
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -240,15 +280,24 @@ def run_case(case: str, n: int, tol: float, args, ref: np.ndarray) -> dict:
 def _table(rows: list[dict]) -> str:
     head = (
         "| case | N | tol | dtype | status | first call (s) | run (s) | / diffrax | "
-        "steps max | steps mean | error | error (median) | failed | failed mu |\n"
+        "/ vmap | lanes, refill | steps max | steps mean | error | error (median) "
+        "| failed | failed mu |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-        "| --- | --- |\n"
+        "| --- | --- | --- | --- |\n"
     )
     base = {}  # diffrax's run time per size: at `TOL` where it ran, else the first
+    bound = {}  # where it timed out: how long its first call had run, at least
     for r in rows:
         if r["case"] == "diffrax-kvaerno5" and r["status"] == "ok":
             if r["size"] not in base or r["tol"] == TOL:
                 base[r["size"]] = r.get("run_s")
+        elif r["case"] == "diffrax-kvaerno5" and r.get("run_s_min"):
+            bound[r["size"]] = max(bound.get(r["size"], 0), r["run_s_min"])
+    vmap = {  # each solver's vmap run time per size and tolerance
+        (r["case"].split("-")[0], r["size"], r["tol"]): r["run_s"]
+        for r in rows
+        if r["case"].endswith("-vmap") and r.get("run_s")
+    }
 
     def cell(r, key, fmt):
         v = r.get(key)
@@ -256,13 +305,21 @@ def _table(rows: list[dict]) -> str:
 
     body = ""
     for r in rows:
-        ratio = ""
+        ratio = per_vmap = policy = ""
         if r.get("run_s") and base.get(r["size"]):
             ratio = f"{r['run_s'] / base[r['size']]:.3f}"
+        elif r.get("run_s") and bound.get(r["size"]):
+            ratio = f"< {r['run_s'] / bound[r['size']]:.3f}"
+        own = vmap.get((r["case"].split("-")[0], r["size"], r["tol"]))
+        if "-ensemble" in r["case"] and r.get("run_s") and own:
+            per_vmap = f"{r['run_s'] / own:.3f}"
+        if "lanes" in r:
+            policy = f"{r['lanes']}, {r['refill']}"
         body += (
             f"| {r['case']} | {r['size']} | {r['tol']:g} | {r['dtype']} | "
             f"{r['status']} | "
             f"{cell(r, 'first_call_s', '.2f')} | {cell(r, 'run_s', '.4f')} | {ratio} | "
+            f"{per_vmap} | {policy} | "
             f"{cell(r, 'steps_max', 'd')} | {cell(r, 'steps_mean', '.0f')} | "
             f"{cell(r, 'error', '.2e')} | {cell(r, 'error_median', '.2e')} | "
             f"{cell(r, 'failed', 'd')} | "
@@ -285,7 +342,8 @@ def _equal_error(rows: list[dict]) -> str:
     for ref in (r for r in ok if r["case"] == "diffrax-kvaerno5"):
         n, err, med = ref["size"], ref["error"], ref["error_median"]
         bound = f"{err:.2e} / {med:.2e}"
-        for case in dict.fromkeys(r["case"] for r in ok if r["case"] in CASES[:-1]):
+        mine = (r["case"] for r in ok if r["case"] != "diffrax-kvaerno5")
+        for case in dict.fromkeys(mine):
             fit = [
                 r
                 for r in ok
@@ -316,28 +374,64 @@ def _equal_error(rows: list[dict]) -> str:
     )
 
 
-def _plan(p: argparse.ArgumentParser, args) -> list[tuple[str, int, float]]:
-    """The `(case, size, tol)` runs in order: `--plan`, else every size, case and
-    tolerance (`--diffrax-tols` for diffrax's case, `--tols` for the others)."""
+# The chip command's runs (`--plan chip`), most wanted first, with their own time
+# limits: BDF (which did not finish in 40 s before its steps were element-wise) at
+# both tolerances, Rodas5P and Kvaerno5 at the tolerances that matched diffrax's
+# error on the chip, diffrax's Kvaerno5 at N = 16,384 (a time limit: before, it did
+# not finish in 40 s at 1e-3; the row then says how long its first call had run)
+# and at N = 1024 (its error at 1e-3 and 1e-2: on the CPU, N = 32, float32, BDF's
+# largest error at 1e-7 was 3.1e-2 (float64: 2.1e-2) against diffrax's 8.1e-3 at
+# 1e-3, its median 5.4e-5 against 1.6e-4), then `ensemble_solve` by default
+# (lockstep on an accelerator: its stats say so) and with a quarter of the lanes
+# refilled.
+CHIP_PLAN = (
+    "bdf-vmap:16384:1e-5:40,bdf-vmap:16384:1e-7:30,rodas5p-vmap:16384:1e-6:25,"
+    "kvaerno5-vmap:16384:1e-7:25,diffrax-kvaerno5:16384:1e-3:30,"
+    "diffrax-kvaerno5:1024:1e-3:25,diffrax-kvaerno5:1024:1e-2:25,"
+    "bdf-ensemble:16384:1e-5:30,rodas5p-ensemble/4:16384:1e-6:25,"
+    "bdf-ensemble/4:16384:1e-5:30"
+)
+PLANS = {"chip": CHIP_PLAN}
+
+
+def _known(case: str) -> bool:
+    """A case of `CASES`, or an ensemble case with `/k` (`N // k` lanes)."""
+    base, _, div = case.partition("/")
+    if not div:
+        return case in CASES
+    return base in CASES and base.endswith("-ensemble") and div.isdigit()
+
+
+def _plan(p: argparse.ArgumentParser, args) -> list[tuple]:
+    """The `(case, size, tol, limit)` runs in order: `--plan` (`limit` its fourth
+    field or `None`: `--case-timeout`), else every size, case and tolerance
+    (`--diffrax-tols` for diffrax's case, `--tols` for the others)."""
     if args.plan:
         plan = []
-        for item in args.plan.split(","):
+        for item in PLANS.get(args.plan, args.plan).split(","):
             parts = item.split(":")
-            if len(parts) != 3:
-                p.error(f"--plan: expected case:size:tol, got {item!r}")
-            plan.append((parts[0], int(parts[1]), float(parts[2])))
+            if len(parts) not in (3, 4):
+                p.error(f"--plan: expected case:size:tol[:seconds], got {item!r}")
+            limit = float(parts[3]) if len(parts) == 4 else None
+            size = int(parts[1])
+            if args.plan in PLANS and args.sizes:  # smaller, `--case-timeout` each
+                size, limit = min(size, int(args.sizes)), None
+            plan.append((parts[0], size, float(parts[2]), limit))
     else:
         tols = [float(x) for x in args.tols.split(",")]
         theirs = [float(x) for x in args.diffrax_tols.split(",")]
         plan = [
-            (case, n, tol)
+            (case, n, tol, None)
             for n in [int(x) for x in (args.sizes or "256").split(",")]
             for case in args.cases.split(",")
             for tol in (theirs if case == "diffrax-kvaerno5" else tols)
         ]
-    unknown = sorted({case for case, _, _ in plan} - set(CASES))
+    unknown = sorted({x[0] for x in plan if not _known(x[0])})
     if unknown:
-        p.error(f"unknown cases {unknown}; choose from {CASES}")
+        p.error(
+            f"unknown cases {unknown}; choose from {CASES} (an ensemble case may "
+            "end in /k: N // k lanes)"
+        )
     return plan
 
 
@@ -353,7 +447,9 @@ def main(argv=None) -> None:
     p.add_argument("--tols", default=str(TOL), help="solverkit's rtol=atol, a list")
     p.add_argument("--diffrax-tols", default=str(TOL), help="diffrax's, a list")
     p.add_argument(
-        "--plan", default=None, help="case:size:tol,... (replaces the above)"
+        "--plan",
+        default=None,
+        help="case:size:tol[:seconds],... or 'chip' (replaces the above)",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -368,16 +464,20 @@ def main(argv=None) -> None:
     out = Path(args.out or f"benchmarks/results/stiff-ensemble-{args.dtype}")
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(sys.argv), "dtype": args.dtype, "t1": T1}
-    refs = {n: reference(n, out) for n in dict.fromkeys(n for _, n, _ in plan)}
+    refs = {n: reference(n, out) for n in dict.fromkeys(x[1] for x in plan)}
     rows: list[dict] = []
     start = time.perf_counter()
-    for case, n, tol in plan:
-        spent = time.perf_counter() - start
-        if args.budget is not None and spent > args.budget:
+    for case, n, tol, limit in plan:
+        left = (
+            None if args.budget is None else args.budget - (time.perf_counter() - start)
+        )
+        limit = args.case_timeout if limit is None else limit
+        if left is not None and left < 5:
             row = {"case": case, "size": n, "tol": tol, "dtype": args.dtype}
             row["status"] = f"skipped (budget {args.budget:g} s spent)"
         else:
-            row = run_case(case, n, tol, args, refs[n])
+            limit = limit if left is None else min(limit, left)
+            row = run_case(case, n, tol, args, refs[n], limit)
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out / "stiff_ensemble.json").write_text(

@@ -1,8 +1,8 @@
 """The formulas of `BDF` (`_bdf.py`), as functions of arrays: the NDF coefficients,
-the backward differences' rescaling and update, the choice of the next order and
-step size (Shampine & Reichelt 1997), the simplified Newton iteration, the
-derivative of its solution by the implicit function theorem, and the mass matrix's
-checks. The functions that take `solver` read only its fields."""
+the choice of the next order and step size (Shampine & Reichelt 1997), the
+simplified Newton iteration, the derivative of its solution by the implicit
+function theorem, and the mass matrix's checks (the difference array's algebra is
+in `_bdf_rows.py`). The functions that take `solver` read only its fields."""
 
 from collections.abc import Callable
 
@@ -15,6 +15,7 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array
 
 from .._linear._linear_solver import mass_matvec
+from ._bdf_rows import pick, row
 
 
 # The most Newton iterations' worth of step-size damping (Shampine & Reichelt's
@@ -37,39 +38,6 @@ def coefficients(max_order: int, ndf: bool):
     alpha = (1 - kappa) * gamma
     error = kappa * gamma + 1 / (np.arange(size) + 1)
     return gamma, alpha, error
-
-
-def rescale(D: Array, order: Array, r: Array, max_order: int) -> Array:
-    """The differences `D[0..order]` for a step `r` times the one they were made for
-    (Shampine & Reichelt 1997, section 2.3); the rows above `order` unchanged."""
-    size = max_order + 1
-    i = np.arange(size)[:, None]
-    j = np.arange(size)[None, :]
-    inside = (i <= order) & (j <= order)
-
-    def interp(rho):
-        # R[i, j] = Π_{m=1..i} (m - 1 - ρ j) / m, and R[0, j] = 1.
-        m = jnp.where(i == 0, 1.0, jnp.where(j == 0, 0.0, (i - 1 - rho * j) / i))
-        return jnp.where(inside, jnp.cumprod(m.astype(D.dtype), axis=0), 0)
-
-    ru = jnp.matmul(interp(r), interp(jnp.ones_like(r)), precision="highest")
-    ru = jnp.where(inside, ru, jnp.eye(size, dtype=D.dtype))
-    head = jnp.matmul(ru.T, D[:size], precision="highest")
-    return jnp.concatenate([head, D[size:]])
-
-
-def update(D: Array, d: Array, order: Array) -> Array:
-    """The differences after a step of order `k` with correction `d`: `D[k+2] = d -
-    D[k+1]`, `D[k+1] = d`, and `D[i] += D[i+1]` for `i = k, ..., 0`."""
-    rows = np.arange(D.shape[0])[:, None]
-    d = d[None, :]
-    below = jnp.where(rows <= order, D, 0)
-    # D_new[i] = Σ_{i<=j<=k} D[j] + d for i <= k.
-    tail = jnp.flip(jnp.cumsum(jnp.flip(below, 0), axis=0), 0) + d
-    prev = jnp.sum(jnp.where(rows == order + 1, D, 0), axis=0)
-    out = jnp.where(rows <= order, tail, D)
-    out = jnp.where(rows == order + 1, d, out)
-    return jnp.where(rows == order + 2, d - prev[None, :], out)
 
 
 def correction(static, d, t1, c, y_pred, psi, dynamic):
@@ -180,21 +148,12 @@ def order_errors(solver, D_new, d, k, size: Callable[[Array], Array]):
     `k + 1` (`inf` where that order does not exist), from `d` and the updated
     differences, `size` the norm of a scaled error."""
     K = solver.max_order
-    error_const = jnp.asarray(coefficients(K, solver.ndf)[2], d.dtype)
-    err = size(error_const[k] * d)
-    rows = np.arange(K + 3)[:, None]
-    pick = lambda i: jnp.sum(jnp.where(rows == i, D_new, 0), axis=0)
+    error_const = coefficients(K, solver.ndf)[2]
+    const = lambda i: pick(error_const, i, d.dtype)
+    err = size(const(k) * d)
     big = jnp.asarray(jnp.inf, err.dtype)
-    err_m = jnp.where(
-        k > 1,
-        size(error_const[k - 1] * pick(k)),
-        big,
-    )
-    err_p = jnp.where(
-        k < K,
-        size(error_const[jnp.minimum(k + 1, K + 1)] * pick(k + 2)),
-        big,
-    )
+    err_m = jnp.where(k > 1, size(const(k - 1) * row(D_new, k)), big)
+    err_p = jnp.where(k < K, size(const(k + 1) * row(D_new, k + 2)), big)
     return err_m, err, err_p
 
 
@@ -217,14 +176,17 @@ def next_order(solver, state, errors, r, h, t1, iters, converged):
         return jnp.where(e == 0, jnp.asarray(1e10, e.dtype), e ** (-1.0 / p))
 
     kf = k.astype(err.dtype)
-    factors = jnp.stack([grow(err_m, kf), grow(err, kf + 1), grow(err_p, kf + 2)])
-    choice = jnp.argmax(factors).astype(jnp.int32)
+    f_m, f, f_p = grow(err_m, kf), grow(err, kf + 1), grow(err_p, kf + 2)
+    # The first largest (as `argmax`), by comparisons: no stack of scalars.
+    first = (f_m >= f) & (f_m >= f_p)
+    choice = jnp.where(first, 0, jnp.where(f >= f_p, 1, 2)).astype(jnp.int32)
+    largest = jnp.maximum(jnp.maximum(f_m, f), f_p)
     m = solver.newton_max_steps
     damp = (2 * m + 1) / (2 * m + iters.astype(err.dtype))
     select = n_equal >= k + 1
     new_order = jnp.clip(jnp.where(select, k + choice - 1, k), 1, solver.max_order)
     hold = _HOLD_FACTOR / solver.safety
-    grow_factor = jnp.where(select, damp * jnp.max(factors), hold)
+    grow_factor = jnp.where(select, damp * largest, hold)
     accepted = converged & (err <= 1)
     target = jnp.where(accepted, grow_factor, damp * grow(err, kf + 1))
     target = jnp.where(converged, target, _NEWTON_FAIL_FACTOR / solver.safety)
