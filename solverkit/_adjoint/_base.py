@@ -168,6 +168,22 @@ def _match_varying(cotangents, axes):
     )
 
 
+def _as_arrays(tree):
+    """`tree` with each literal JAX hands a rule as an array. Differentiated inside
+    `jit`, a Python scalar reaches a `custom_vjp`'s rules as a typed literal (a
+    `float` subclass with a dtype, JAX >= 0.10), not an array: every leaf test here
+    (`eqx.is_inexact_array`) would take it for a static value, and its cotangent
+    would be zero (`BacksolveAdjoint`) or of the wrong type."""
+    return jtu.tree_map(
+        lambda x: (
+            jnp.asarray(x)
+            if hasattr(x, "dtype") and not isinstance(x, (jax.Array, np.ndarray))
+            else x
+        ),
+        tree,
+    )
+
+
 def custom_vjp(
     problem: Problem,
     primal: Callable,
@@ -195,9 +211,11 @@ def custom_vjp(
 
     @jax.custom_vjp
     def solve(dynamic, *operands):
+        dynamic, operands = _as_arrays((dynamic, operands))
         return primal(eqx.combine(dynamic, static), *operands)
 
     def solve_fwd(dynamic, *operands):
+        dynamic, operands = _as_arrays((dynamic, operands))
         out, residuals = fwd(eqx.combine(dynamic, static), *operands)
         return out, (dynamic, residuals)
 
