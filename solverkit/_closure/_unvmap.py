@@ -5,7 +5,8 @@ against its previous value on every iteration, including large save buffers writ
 row at a time, which costs a copy of each buffer per step. Our loops instead use an
 unbatched predicate (`unvmap_any` of the per-element one) and mask their own updates,
 so a buffer write stays a one-row write under `vmap`. `unvmap_max` serves error codes
-and progress fractions the same way, and `error_if` raises once for a whole batch.
+and progress fractions the same way, and `error_if` raises once for a whole batch. `batched_like` goes the other way: it
+batches a value wherever anything else is (the outputs of a `custom_vjp`).
 """
 
 import os
@@ -93,9 +94,7 @@ def batched_like(tree, like):
     refs = [x for x in jax.tree_util.tree_leaves(like) if eqx.is_array(x)]
     if not arrays:
         return tree
-    outs = batched_like_p.bind(
-        *(leaves[i] for i in arrays), *refs, count=len(arrays)
-    )
+    outs = batched_like_p.bind(*(leaves[i] for i in arrays), *refs, count=len(arrays))
     for i, x in zip(arrays, outs):
         leaves[i] = x
     return jax.tree_util.tree_unflatten(treedef, leaves)
