@@ -5,8 +5,9 @@ against its previous value on every iteration, including large save buffers writ
 row at a time, which costs a copy of each buffer per step. Our loops instead use an
 unbatched predicate (`unvmap_any` of the per-element one) and mask their own updates,
 so a buffer write stays a one-row write under `vmap`. `unvmap_max` serves error codes
-and progress fractions the same way, and `error_if` raises once for a whole batch. `batched_like` goes the other way: it
-batches a value wherever anything else is (the outputs of a `custom_vjp`).
+and progress fractions the same way, and `error_if` raises once for a whole batch.
+`batched_like` goes the other way: it batches a value wherever anything else is (the
+outputs of a `custom_vjp`).
 """
 
 import os
