@@ -7,7 +7,6 @@ backward pass, against `kernel=False` and a central difference.
 """
 
 import functools
-import inspect
 
 import equinox as eqx
 import jax
@@ -161,21 +160,6 @@ def _grads(backward, monkeypatch):
     return (y0, rho), got
 
 
-# JAX >= 0.12 refuses, under `vmap`, a custom_vjp with an unbatched output that gets a
-# cotangent next to a batched input cotangent: the reference here (`kernel=False`'s
-# gradient, its fixed step grid unbatched under the vmap over sigma) raises that
-# error there. `defvjp(generic_batching=True)` avoids it but hides the solve from
-# jaxpr walks (tests/test_kernel.py's select check): open, see the stop 43 note.
-_DEFVJP = inspect.signature(jax.custom_vjp.defvjp).parameters
-_NEW_VMAP_CHECK = "generic_batching" in _DEFVJP
-
-
-@pytest.mark.xfail(
-    _NEW_VMAP_CHECK,
-    reason="JAX >= 0.12: vmap of the kernel=False fixed-step gradient raises",
-    raises=ValueError,
-    strict=True,
-)
 def test_gradients_tangent_float64(x64, monkeypatch):
     """Forward sensitivities in the kernel (the default backward pass), under `jit`
     and `vmap`: `kernel=False`'s gradient and a central difference."""

@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import _loop
-from .._closure._unvmap import unvmap_any
+from .._closure._unvmap import batched_like, unvmap_any
 from .._closure._vma_eval import match_varying, union_of_axes, vary, varying_axes
 from .._errors import UnsupportedError
 from .._linear._linalg import lu_factorisation, value_and_jacobian
@@ -209,15 +209,19 @@ def custom_vjp(
     # varies over more is summed over them (see `_match_varying`).
     axes = jtu.tree_map(varying_axes, (dynamic, *ops))
 
+    # Every output is batched under a `vmap` that batches any input (`batched_like`):
+    # one shared by the batch would get one cotangent for the whole batch, which the
+    # batched backward pass would count once per element.
     @jax.custom_vjp
     def solve(dynamic, *operands):
         dynamic, operands = _as_arrays((dynamic, operands))
-        return primal(eqx.combine(dynamic, static), *operands)
+        out = primal(eqx.combine(dynamic, static), *operands)
+        return batched_like(out, (dynamic, operands))
 
     def solve_fwd(dynamic, *operands):
         dynamic, operands = _as_arrays((dynamic, operands))
         out, residuals = fwd(eqx.combine(dynamic, static), *operands)
-        return out, (dynamic, residuals)
+        return batched_like(out, (dynamic, operands)), (dynamic, residuals)
 
     @_standard_promotion
     def solve_bwd(residuals, cotangents):

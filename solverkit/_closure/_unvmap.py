@@ -6,6 +6,8 @@ row at a time, which costs a copy of each buffer per step. Our loops instead use
 unbatched predicate (`unvmap_any` of the per-element one) and mask their own updates,
 so a buffer write stays a one-row write under `vmap`. `unvmap_max` serves error codes
 and progress fractions the same way, and `error_if` raises once for a whole batch.
+`batched_like` goes the other way: it batches a value wherever anything else is (the
+outputs of a `custom_vjp`).
 """
 
 import os
@@ -39,6 +41,64 @@ def _primitive(name: str, reduce, out_dtype):
 
 unvmap_any_p = _primitive("solverkit_unvmap_any", jnp.any, jnp.bool_)
 unvmap_max_p = _primitive("solverkit_unvmap_max", jnp.max, None)
+
+
+def _batched_like_rule(args, dims, *, count: int):
+    """Every one of the first `count` operands batched (along axis 0 where it was
+    not) when any operand is."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    outs, out_dims = [], []
+    for x, d in zip(args[:count], dims[:count]):
+        if d is None:
+            x, d = jnp.broadcast_to(x, (size, *jnp.shape(x))), 0
+        outs.append(x)
+        out_dims.append(d)
+    return outs, out_dims
+
+
+# The identity on its first `count` operands, whose results are batched under `vmap`
+# wherever any operand (those and the rest, `like`) is. It lowers to nothing.
+batched_like_p = Primitive("solverkit_batched_like")
+batched_like_p.multiple_results = True
+batched_like_p.def_impl(lambda *args, count: list(args[:count]))
+batched_like_p.def_abstract_eval(lambda *avals, count: list(avals[:count]))
+mlir.register_lowering(batched_like_p, lambda ctx, *args, count: list(args[:count]))
+batching.primitive_batchers[batched_like_p] = _batched_like_rule
+# The identity on tangents: per batch element it is the identity.
+ad.primitive_jvps[batched_like_p] = lambda primals, tangents, *, count: (
+    batched_like_p.bind(*primals, count=count),
+    list(tangents[:count]),
+)
+
+
+def batched_like(tree, like):
+    """`tree`, each of its array leaves batched under every `vmap` that batches any
+    array leaf of `tree` or of `like` (broadcast: per batch element it is unchanged).
+
+    The outputs of a `custom_vjp` go through it: an output shared by the batch (say a
+    fixed step grid, under a `vmap` of a closed-over value only) gets one cotangent
+    for the whole batch, and the batched backward pass, run once per element, would
+    count it once per element (JAX >= 0.12 raises there, older JAX sums). Batched,
+    each element's output gets its own cotangent.
+
+    **Arguments:**
+
+    - `tree`: a pytree.
+    - `like`: a pytree whose array leaves decide where `tree` is batched.
+
+    **Returns:**
+
+    `tree`, unchanged in value.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
+    refs = [x for x in jax.tree_util.tree_leaves(like) if eqx.is_array(x)]
+    if not arrays:
+        return tree
+    outs = batched_like_p.bind(*(leaves[i] for i in arrays), *refs, count=len(arrays))
+    for i, x in zip(arrays, outs):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def unvmap_any(x) -> jax.Array:
