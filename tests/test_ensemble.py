@@ -156,6 +156,9 @@ def test_failed_trajectories_throw_false_and_true():
         jax.block_until_ready(ensemble(y0, args, throw=True, lanes=4, **kw).ys)
 
 
+# The full suite; the quick loop's ensemble events:
+# test_every_field_matches_vmap[both_events].
+@pytest.mark.slow
 def test_events_match_vmap():
     # A real-valued condition (located on the dense output) fires for some
     # trajectories only: x falls back to 1 / 2 after rising.
@@ -327,6 +330,8 @@ def test_gradient_with_events():
     assert_gradients_agree(got(1.0, args["rho"]), want(1.0, args["rho"]))
 
 
+# The full suite (errors that compile a solve first).
+@pytest.mark.slow
 def test_forward_mode_and_second_reverse_raise():
     y0, rho, scale, _ = grad_inputs()
 
@@ -445,6 +450,10 @@ def test_per_trajectory_times_match_vmap(t0, t1, ts):
     same(ensemble_times(t0, t1, y0, args["rho"], ts), want, tol=1e-10)
 
 
+# The full suite; the quick loop has per-trajectory times
+# (test_per_trajectory_times_match_vmap[all]) and events
+# (test_every_field_matches_vmap[both_events]).
+@pytest.mark.slow
 def test_per_trajectory_times_with_events():
     y0, args = inputs()
     event = sk.Event(lambda t, y, args, **kw: y[0] - 0.5, direction=False)
@@ -652,6 +661,8 @@ def _feature_reference(feature: str) -> sk.Solution:
 
 
 @pytest.mark.parametrize("feature", FEATURES)
+# Quick loop: saves at ts, and both kinds of event with their effects at once.
+@pytest.mark.quick_cases("ts", "both_events")
 def test_every_field_matches_vmap(feature):
     kw = FEATURES[feature]
     y0, args = inputs()
@@ -754,6 +765,8 @@ def _conds_in_loops(jaxpr, inside: bool = False) -> int:
     return found
 
 
+# The full suite; the quick loop refills lanes in test_refill_sizes_match_vmap.
+@pytest.mark.slow
 def test_refill_stays_a_branch_under_vmap():
     # Under an outer vmap the refill's predicate is unbatched, so it stays a
     # `cond` (a select would run the refill on every iteration).

@@ -61,6 +61,9 @@ def test_rejected_step_near_t1_is_not_retried_on_t1(solver):
     assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= bound)
 
 
+# The full suite; the quick loop's near-t1 rejection:
+# test_rejected_step_near_t1_is_not_retried_on_t1.
+@pytest.mark.slow
 def test_rejected_step_near_t1_gradient():
     # The retry changes only where steps end; the derivative of the solution in ω
     # is still that of the exact one, s·(cos, -sin)(ωs) with s = T1 - T0 = 1.

@@ -45,6 +45,9 @@ def _both(dtype):
     return [_solve(y0, args, sigma, kernel) for kernel in (True, False)]
 
 
+# The full suite; the quick loop's fixed-step kernel:
+# test_values_match_lane_loop_float32.
+@pytest.mark.slow
 def test_values_match_lane_loop_float64(x64):
     _check_values(jnp.dtype("float64"))
 
@@ -170,6 +173,9 @@ _DEFVJP = inspect.signature(jax.custom_vjp.defvjp).parameters
 _NEW_VMAP_CHECK = "generic_batching" in _DEFVJP
 
 
+# The full suite (16 CPU s); the quick loop's kernel gradient:
+# tests/test_kernel_tangent.py.
+@pytest.mark.slow
 @pytest.mark.xfail(
     _NEW_VMAP_CHECK,
     reason="JAX >= 0.12: vmap of the kernel=False fixed-step gradient raises",

@@ -6,7 +6,7 @@ The field is three independent stiff pairs, `u' = -20 p u + v`,
 `v' = w u - 2 v - v² [pair = k]`, closing over a differentiated float `p`, an int
 `k` and a float32 `w`; its Jacobian fits every structure tested (blocks of 2, a
 tridiagonal band, a full pattern). The loss is the sum of squares of two saved
-states; the parameters are `p` and the scale of `y0`. The quick tier keeps two of
+states; the parameters are `p` and the scale of `y0`. The quick tier keeps one of
 the combinations that once failed (a scatter that JAX could not transpose);
 `tests/test_linear_solver.py` checks every linear solver's transposed solve
 cheaply. BacksolveAdjoint is tested where the docs support it: with a backward
@@ -142,14 +142,12 @@ _LINEARS = (
     "gmres-sparse",
     "bicgstab-banded",
 )
-# Two of the combinations that once failed; each compiles four programs (about
-# 20 s on a quiet CPU, minutes on a loaded one), so the rest are slow. (BiCGStab's
-# NaN gradients, BDF and Rodas5P with "bicgstab-banded", are also caught quickly
-# by `tests/test_linear_solver.py`'s BiCGStab tests.)
-_QUICK = {
-    ("BDF", "sparse-blocks", "recursive"),
-    ("BDF", "gmres-sparse", "recursive"),
-}
+# One of the combinations that once failed (a scatter that JAX could not
+# transpose); each compiles four programs (about 10-20 CPU s), so the rest are slow.
+# The quick loop's Krylov gradient is in `tests/test_krylov_grad.py`; BiCGStab's NaN
+# gradients (BDF and Rodas5P with "bicgstab-banded") are also caught quickly by
+# `tests/test_linear_solver.py`'s BiCGStab tests.
+_QUICK = {("BDF", "sparse-blocks", "recursive")}
 
 
 # The slow tier: every linear solver under BDF (whose implicit derivative transposes
@@ -203,6 +201,8 @@ def test_gradient(stiff, linear, adjoint):
         np.testing.assert_allclose(got[i], fd, rtol=1e-5, atol=1e-8)
 
 
+# The full suite (an error message, 6 CPU s).
+@pytest.mark.slow
 def test_backsolve_with_a_fixed_pattern_says_what_to_do():
     """The backward state is larger than a sparse pattern: the error says so."""
     solver = sk.BDF(linear_solver=_linear_solver("sparse-blocks"))
