@@ -272,12 +272,13 @@ def test_dense_mass_matrix():
     assert jnp.allclose(sol.ys[-1], ode.ys[-1], rtol=1e-5, atol=1e-11)
 
 
+# The full suite; the quick loop's singular iteration matrix: tests/test_dae.py.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "linear_solver",
     [sk.DenseLinearSolver(), sk.SparseLinearSolver(np.tril(np.ones((3, 3), bool)))],
     ids=["dense", "sparse"],
 )
-@pytest.mark.quick_cases("dense")
 def test_singular_iteration_matrix(linear_solver):
     """`M = diag(1, 1, 0)` with the algebraic equation `0 = 0·y3`: `M - cJ` is
     singular for every step size. The solve ends with `RESULTS.singular` after one
@@ -595,6 +596,9 @@ class _Counting(AbstractLinearSolver):
         return sk.DenseLinearSolver().solve(factor, rhs, fn)
 
 
+# The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py and
+# test_rejected_steps_keep_their_jacobians.
+@pytest.mark.slow
 def test_jacobian_and_factor_reuse():
     """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
     counters in the state obey the limits."""

@@ -55,7 +55,7 @@ def _close(a, b, scale):
 
 
 @pytest.mark.parametrize("name", _ALL)
-@pytest.mark.quick_cases("Tsit5", "Dopri8")
+@pytest.mark.quick_cases("Tsit5")
 def test_dense_info_is_diffraxs(name):
     y0 = _y0()
     _, (y1, _, ours, _, _) = _step(sk, name, y0)
@@ -220,7 +220,7 @@ def test_implicit_dense_info_is_diffraxs(name):
 
 
 @pytest.mark.parametrize("name", _ESDIRK + _IMEX)
-@pytest.mark.quick_cases("Kvaerno5", "KenCarp4")
+@pytest.mark.quick_cases("KenCarp4")
 def test_implicit_interpolation_cls_is_diffraxs(name):
     y0 = _y0()
     solver, (_, _, info, _, _) = _implicit_step(sk, name, y0)
@@ -258,6 +258,9 @@ def test_implicit_dense_info_under_jit_vmap_grad(name):
     _close_steps(name, jax.jit(grad(sk))(scales), grad(diffrax)(scales), 4.0)
 
 
+# The full suite; the quick loop's implicit dense output:
+# test_implicit_dense_info_is_diffraxs.
+@pytest.mark.slow
 def test_implicit_loop_dense_output_unchanged_by_public_form():
     # Kvaerno5 is stiffly accurate: the loop's cubic Hermite (slopes at both ends)
     # and the public one (`from_k`: first and last stages) are the same polynomial.

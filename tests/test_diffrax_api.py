@@ -557,6 +557,8 @@ def test_local_linear_as_diffrax_builds_it(y0):
     np.testing.assert_array_equal(slope, 0.0)
 
 
+# The full suite; the quick loop's strict promotion: test_strict_dtype_promotion.
+@pytest.mark.slow
 def test_complex_cubic_interpolation_under_strict_promotion():
     with float64(), _strict():
         ts = jnp.linspace(0.0, 5.0, 8)

@@ -514,6 +514,9 @@ def test_per_trajectory_bad_times_raise(t0, t1, ts, match):
         ensemble_times(t0, t1, y0, args["rho"], ts)
 
 
+# The full suite (errors after a compile); the quick loop's errors:
+# test_unsupported_options_raise.
+@pytest.mark.slow
 def test_per_trajectory_unsupported_raise():
     y0, args = inputs()
     # A condition that reads the `t1` it is passed would see one for every trajectory.

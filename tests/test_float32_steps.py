@@ -41,6 +41,7 @@ def _oscillator(solver, omega, k, rtol):
 
 
 @pytest.mark.parametrize("solver", [sk.Tsit5(), sk.Rodas5P()], ids=["tsit5", "rodas5p"])
+@pytest.mark.quick_cases("tsit5")
 def test_rejected_step_near_t1_is_not_retried_on_t1(solver):
     # Steps of ~0.2/ω ≈ 1e-3 to 7e-3 for ω in [30, 300]: comparable to the window, so
     # some last steps are rejected into it. Before the fix 90 of 256 Tsit5 solves
