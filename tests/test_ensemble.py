@@ -727,7 +727,7 @@ def test_float32_agrees_to_the_tolerance():
 
 @pytest.mark.parametrize("lanes,refill", [(4, 1), (4, 3), (5, 5), (3, None)])
 @pytest.mark.parametrize("feature", ["continuing_event", "terminating_event"])
-@pytest.mark.quick_cases("continuing_event-4-1", "terminating_event-4-3")
+@pytest.mark.quick_cases("terminating_event-4-3")
 def test_refill_sizes_match_vmap(lanes, refill, feature):
     # Any refill size (1: one lane at a time; 3 of 4 lanes; all lanes), with events
     # located as a refilled lane is finished: every field as the vmapped solve's.

@@ -6,8 +6,7 @@ The field is three independent stiff pairs, `u' = -20 p u + v`,
 `v' = w u - 2 v - v² [pair = k]`, closing over a differentiated float `p`, an int
 `k` and a float32 `w`; its Jacobian fits every structure tested (blocks of 2, a
 tridiagonal band, a full pattern). The loss is the sum of squares of two saved
-states; the parameters are `p` and the scale of `y0`. The quick tier keeps one of
-the combinations that once failed (a scatter that JAX could not transpose);
+states; the parameters are `p` and the scale of `y0`. All in the full suite:
 `tests/test_linear_solver.py` checks every linear solver's transposed solve
 cheaply. BacksolveAdjoint is tested where the docs support it: with a backward
 solver of its own (the backward state is larger than a fixed pattern).
@@ -142,12 +141,12 @@ _LINEARS = (
     "gmres-sparse",
     "bicgstab-banded",
 )
-# One of the combinations that once failed (a scatter that JAX could not
-# transpose); each compiles four programs (about 10-20 CPU s), so the rest are slow.
-# The quick loop's Krylov gradient is in `tests/test_krylov_grad.py`; BiCGStab's NaN
-# gradients (BDF and Rodas5P with "bicgstab-banded") are also caught quickly by
-# `tests/test_linear_solver.py`'s BiCGStab tests.
-_QUICK = {("BDF", "sparse-blocks", "recursive")}
+# Each case compiles four programs (about 10-20 CPU s): the whole file is in the full
+# suite. The quick loop checks every linear solver's transposed solve and the sparse
+# solver's gradient (`tests/test_linear_solver.py`, BiCGStab's NaN gradients there
+# too), BDF's gradient through a Krylov solver (`tests/test_krylov_grad.py`) and
+# through the dense one (`tests/test_bdf.py`).
+_QUICK: set[tuple[str, str, str]] = set()
 
 
 # The slow tier: every linear solver under BDF (whose implicit derivative transposes
