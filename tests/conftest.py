@@ -58,11 +58,15 @@ def _persistent_compilation_cache() -> None:
 _persistent_compilation_cache()
 
 
-# XLA's CPU flags for quicker compiles, on top of `jax_disable_most_optimizations`:
-# the older loop emitters instead of the MLIR fusion emitters cut each test's CPU
-# time by 0.72x (the heaviest quick files: 94.7 -> 67.8 CPU s, the same 111 programs;
-# splitting codegen into one part and the legacy runtime did not help).
-_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+# XLA's CPU flags for quicker compiles, on top of `jax_disable_most_optimizations`.
+# Measured: `--xla_cpu_use_fusion_emitters=false` (the older loop emitters) cuts each
+# test's CPU time to 0.72x (the heaviest quick files: 94.7 -> 67.8 CPU s, the same 111
+# programs), but it changes float32 rounding in one program and not in another:
+# tests/test_kernel_float32_steps.py::test_steps_below_time_spacing then sees the
+# kernel and the lane loop take different step counts (it asserts them equal). Off
+# until that test compares to a tolerance; splitting codegen into one part and the
+# legacy runtime did not help (1.06x, 1.26x).
+_XLA_FLAGS: tuple[str, ...] = ()
 
 
 def _quick_compiles() -> None:
