@@ -59,8 +59,8 @@ def _by_file(rows: list[dict]) -> list[tuple[str, list[dict]]]:
 
 
 def report(rows: list[dict], top: int) -> str:
-    """Markdown: totals per tier, then the `top` files by CPU time (of the quick
-    loop, and of the whole run)."""
+    """Markdown: totals per tier, then the `top` files and the `top` tests by CPU
+    time (of the quick loop, and of the whole run)."""
     head = (
         "| | tests | compiles | cache reads | trace s | lower s | compile s | CPU s |\n"
         "|---|---|---|---|---|---|---|---|"
@@ -73,6 +73,10 @@ def report(rows: list[dict], top: int) -> str:
     for name, tier in (("quick loop", quick), ("whole run", rows)):
         lines += ["", f"## Top {top} files of the {name} by CPU time", head]
         lines += [_line(f, totals(r)) for f, r in _by_file(tier)[:top]]
+    for name, tier in (("quick loop", quick), ("whole run", rows)):
+        lines += ["", f"## Top {top} tests of the {name} by CPU time", head]
+        costliest = sorted(tier, key=lambda r: -r["cpu_s"])[:top]
+        lines += [_line(r["nodeid"], dict(r, tests=1)) for r in costliest]
     return "\n".join(lines) + "\n"
 
 

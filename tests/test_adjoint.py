@@ -619,6 +619,7 @@ def test_hessians_both_ways_against_finite_differences():
 @pytest.mark.parametrize(
     "adjoint", [RCA, sk.BacksolveAdjoint()], ids=["checkpoint", "backsolve"]
 )
+@pytest.mark.quick_cases("checkpoint")
 def test_reverse_over_reverse_says_what_to_use(adjoint):
     # Their backward passes are loops of data-dependent length: not differentiable in
     # reverse mode. The error names what is (not JAX's error about the loop).

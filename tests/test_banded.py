@@ -51,7 +51,9 @@ def _solver(lower):
 @pytest.mark.parametrize("n, lower, upper", _CASES)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 # Quick loop: every shape in float64; float32 once unblocked and once blocked.
-@pytest.mark.quick_cases(dict(dtype="float64"), "float32-7-1-1", "float32-100-40-40")
+# Quick loop: each dtype once, and a band wider than the blocks.
+# Quick loop: one case (float64: test_grad_matches_dense_and_finite_differences).
+@pytest.mark.quick_cases("float32-7-1-1")
 def test_matches_dense(n, lower, upper, dtype):
     with jax.enable_x64(dtype == "float64"):
         a = _matrix(n, lower, upper)
@@ -70,6 +72,7 @@ def test_matches_dense(n, lower, upper, dtype):
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("lower, upper", [(2, 1), (33, 33)])
+@pytest.mark.quick_cases("2-1")
 def test_vmap_over_matrices_and_rhs(lower, upper):
     n, k = 80, 3
     mats = np.stack([_matrix(n, lower, upper, seed=s) for s in range(k)])
@@ -112,6 +115,7 @@ def test_grad_matches_dense_and_finite_differences(lower, upper):
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("lower", [1, 33])
+@pytest.mark.quick_cases("1")
 def test_singular_gives_nan(lower):
     n = 70
     a = _matrix(n, lower, lower)

@@ -128,9 +128,8 @@ def _scipy_bdf(name):
     return out.y[:, -1], len(out.t) - 1
 
 
-@pytest.mark.parametrize(
-    "name", ["rober", pytest.param("hires", marks=pytest.mark.slow), "vdpol"]
-)
+@pytest.mark.parametrize("name", ["rober", "hires", "vdpol"])
+@pytest.mark.quick_cases("rober")
 def test_stiff_test_set(name):
     """Against the Test Set's references, with about SciPy's BDF's step count."""
     problem = {"rober": ROBER, "hires": HIRES, "vdpol": VDPOL}[name]
@@ -147,6 +146,7 @@ def test_stiff_test_set(name):
 
 
 @pytest.mark.parametrize("max_order", [1, 2])
+@pytest.mark.quick_cases(dict(max_order=2))
 def test_fixed_step_order(max_order):
     """With a constant step the error falls as `dt^max_order` (linear problem)."""
     a = jnp.array([[-1.0, 2.0], [-2.0, -1.0]])
@@ -163,6 +163,8 @@ def test_fixed_step_order(max_order):
     assert np.all(np.abs(slopes - max_order) < 0.2), slopes
 
 
+# The full suite; the quick loop solves with the default (NDF) form.
+@pytest.mark.slow
 def test_ndf_and_bdf_forms():
     """Both forms are accurate; `ndf=False` are the classical BDFs."""
     for ndf in (True, False):
@@ -197,6 +199,8 @@ def test_saveat_ts_and_dense():
         )
 
 
+# The full suite; the quick loop's events: tests/test_events.py.
+@pytest.mark.slow
 def test_event():
     """A zero crossing located through the dense output."""
     event = sk.Event(lambda t, y, args, **kw: y[0] - 0.5)
@@ -236,6 +240,8 @@ def _rober_dae_solve(y0):
     return _solve(_rober_dae(0.04), solver, 40.0, y0, 1e-8, 1e-12, throw=False)
 
 
+# The full suite; the quick loop solves DAEs in tests/test_dae.py.
+@pytest.mark.slow
 def test_mass_matrix_dae():
     """ROBER as an index-1 DAE (diagonal singular mass) agrees with the ODE."""
     sol = _rober_dae_solve(jnp.array([1.0, 0.0, 0.0]))
@@ -245,6 +251,8 @@ def test_mass_matrix_dae():
     assert jnp.allclose(jnp.sum(sol.ys[-1]), 1.0, atol=1e-12)
 
 
+# The full suite; the quick loop's inconsistent DAE initial values: tests/test_dae.py.
+@pytest.mark.slow
 def test_inconsistent_initial_values():
     sol = _rober_dae_solve(jnp.array([1.0, 0.0, 0.5]))
     assert sol.result == sk.RESULTS.inconsistent_initial_values
@@ -253,6 +261,8 @@ def test_inconsistent_initial_values():
         _solve(_rober_dae(0.04), solver, 1.0, jnp.array([1.0, 0, 0.5]), 1e-6, 1e-9)
 
 
+# The full suite; the quick loop's mass matrices: tests/test_dae.py.
+@pytest.mark.slow
 def test_dense_mass_matrix():
     """`M y' = M f` with a full invertible `M` has the solution of `y' = f`."""
     m = jnp.array([[2.0, 1.0, 0.0], [0.5, 3.0, 0.2], [0.0, 0.3, 1.0]])
@@ -262,6 +272,8 @@ def test_dense_mass_matrix():
     assert jnp.allclose(sol.ys[-1], ode.ys[-1], rtol=1e-5, atol=1e-11)
 
 
+# The full suite; the quick loop's singular iteration matrix: tests/test_dae.py.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "linear_solver",
     [sk.DenseLinearSolver(), sk.SparseLinearSolver(np.tril(np.ones((3, 3), bool)))],
@@ -356,8 +368,10 @@ def _norm_steps(rates, problem, norm, tol):
     return sols.ts, sols.ys, jax.vmap(jax.grad(loss))(rates)
 
 
+# The full suite: a vmapped BDF gradient is a ~15 CPU-second compile; the quick
+# loop differentiates BDF in test_grad_rober and vmaps it in test_vmap_jit_closures.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["two", "max"])
-@pytest.mark.quick_cases("two")  # the norm that saw √n times the error
 def test_controller_norms(name):
     """BDF hands its step-size factor to the controller through `y_error`, which the
     controller measures in its own norm: the steps must be BDF's own choice in that
@@ -408,6 +422,8 @@ def test_bad_input():
     assert jnp.allclose(sol.ys[-1], jnp.exp(-1.0), rtol=1e-3)
 
 
+# The full suite; the quick loop's ClipStepSizeController: tests/test_clip_diffrax.py.
+@pytest.mark.slow
 def test_clip_controller():
     controller = sk.ClipStepSizeController(
         sk.PIDController(rtol=1e-8, atol=1e-10), step_ts=jnp.array([0.5, 1.7])
@@ -476,10 +492,8 @@ ADJOINTS = [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 
 @pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
 @pytest.mark.parametrize("linear_solver", [sk.DenseLinearSolver(), MatrixFree()])
-# Quick loop: each linear solver and each adjoint once.
-@pytest.mark.quick_cases(
-    "linear_solver0-RecursiveCheckpointAdjoint", "linear_solver1-DirectAdjoint"
-)
+# Quick loop: one case; DirectAdjoint and the matrix-free solver in the full suite.
+@pytest.mark.quick_cases("linear_solver0-RecursiveCheckpointAdjoint")
 def test_grad_rober(adjoint, linear_solver):
     x = jnp.asarray(0.04)
     g = _grad("rober", sk.BDF(linear_solver=linear_solver), adjoint, x)
@@ -536,6 +550,8 @@ def test_grad_vmapped_index():
         assert jnp.allclose(gi, _central(f, 1.0, 1e-5), rtol=2e-5)
 
 
+# The full suite; the quick loop runs BacksolveAdjoint in tests/test_adjoint.py.
+@pytest.mark.slow
 def test_backsolve():
     """BacksolveAdjoint: matches the exact gradient; with a mass matrix it raises
     clearly."""
@@ -580,6 +596,9 @@ class _Counting(AbstractLinearSolver):
         return sk.DenseLinearSolver().solve(factor, rhs, fn)
 
 
+# The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py and
+# test_rejected_steps_keep_their_jacobians.
+@pytest.mark.slow
 def test_jacobian_and_factor_reuse():
     """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
     counters in the state obey the limits."""
@@ -603,6 +622,9 @@ def test_jacobian_and_factor_reuse():
     assert int(state.cache.jac_age) <= 50 and int(state.cache.factor_age) <= 20
 
 
+# The full suite; the quick loop keeps rejected steps' Jacobians in
+# test_rejected_steps_keep_their_jacobians.
+@pytest.mark.slow
 def test_revert_keeps_the_cache_of_a_rejected_step():
     """A rejected step reverts the differences, the step size and the order, and
     keeps the step's Jacobian and factor (as SciPy's BDF does)."""
@@ -653,6 +675,9 @@ def test_rejected_steps_keep_their_jacobians(monkeypatch):
         np.testing.assert_allclose(sol.ys[-1], VDPOL.reference, rtol=1e-3, atol=1e-6)
 
 
+# The full suite (a 17 CPU-second compile); ForwardMode's quick test is in
+# tests/test_diffrax_scripts.py.
+@pytest.mark.slow
 def test_forward_mode_and_y0():
     """Forward mode (`ForwardMode`, `jax.jacfwd`) agrees with finite differences;
     the gradient with respect to `y0` with the reverse one."""

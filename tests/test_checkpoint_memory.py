@@ -5,6 +5,7 @@ not in every checkpoint row."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import solverkit as sk
 from solverkit._adjoint import _checkpoint
@@ -63,6 +64,9 @@ def test_constant_step_invariants_detected():
     }
 
 
+# The full suite; the quick loop's fixed-step gradient:
+# test_fixed_step_gradient_matches_direct_adjoint.
+@pytest.mark.slow
 def test_fixed_step_gradient_memory_per_trajectory():
     # Rows: 129 checkpoint slots + 32 recomputation rows (the default layout for
     # max_steps=4096). A row holds what a Tsit5 step changes: t, tnext, y (3), the

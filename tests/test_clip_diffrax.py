@@ -63,6 +63,7 @@ def _walk(lib, controller, errors, jit):
 
 
 @pytest.mark.parametrize("case", list(_CASES))
+@pytest.mark.quick_cases("pid_step_ts")
 def test_step_ends_are_diffraxs_exactly(case):
     errors = [0.0, 0.0, 1e6, 0.0] + [0.0] * 8 + [1e6, 0.0, 0.0, 0.0]
     ref = _walk(diffrax, _CASES[case](diffrax), errors, jit=False)

@@ -250,6 +250,9 @@ def test_pid_factormax_and_safety():
     assert np.any(ratios > 1.9)
 
 
+# The full suite; the quick loop's PID coefficients:
+# test_pid_coefficients_match_diffrax.
+@pytest.mark.slow
 def test_pid_traced_error_order_and_coefficients():
     # diffrax skips a power only for a Python zero coefficient, so a traced
     # `error_order` or coefficient works under jit; the controller state layouts are

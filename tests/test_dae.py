@@ -204,6 +204,9 @@ def test_vmap_over_closed_over_int_index():
     np.testing.assert_allclose(out, exact, rtol=0, atol=1e-7)
 
 
+# The full suite (9 CPU s); the quick loop differentiates a DAE in
+# test_grad_wrt_mass_matrix_matches_fd.
+@pytest.mark.slow
 @pytest.mark.parametrize("form", quick_params(FORMS, quick=["diagonal"]))
 def test_grad_wrt_closed_over_float_matches_fd(form):
     def loss(scale):

@@ -55,6 +55,7 @@ def _close(a, b, scale):
 
 
 @pytest.mark.parametrize("name", _ALL)
+@pytest.mark.quick_cases("Tsit5")
 def test_dense_info_is_diffraxs(name):
     y0 = _y0()
     _, (y1, _, ours, _, _) = _step(sk, name, y0)
@@ -68,6 +69,7 @@ def test_dense_info_is_diffraxs(name):
 
 
 @pytest.mark.parametrize("name", _EXPLICIT)
+@pytest.mark.quick_cases("Dopri5")
 def test_interpolation_cls_is_diffraxs(name):
     y0 = _y0()
     solver, (_, _, info, _, _) = _step(sk, name, y0)
@@ -98,6 +100,7 @@ def test_dopri8_interpolation_is_fifth_order():
 
 
 @pytest.mark.parametrize("name", ["Heun", "Tsit5"])
+@pytest.mark.quick_cases("Tsit5")
 def test_dense_info_under_jit_vmap_grad(name):
     # A batch of initial states; the interpolant at mid-step and its gradient with
     # respect to the initial state, against diffrax's.
@@ -198,7 +201,8 @@ def _close_steps(name, a, b, scale):
 
 
 @pytest.mark.parametrize("name", _ESDIRK + _IMEX)
-@pytest.mark.quick_cases("Kvaerno5", "KenCarp4")  # the others: full suite
+# Quick loop: one IMEX solver (Kvaerno5 in the full suite).
+@pytest.mark.quick_cases("KenCarp4")
 def test_implicit_dense_info_is_diffraxs(name):
     y0 = _y0()
     _, (y1, _, ours, _, result) = _implicit_step(sk, name, y0)
@@ -216,6 +220,7 @@ def test_implicit_dense_info_is_diffraxs(name):
 
 
 @pytest.mark.parametrize("name", _ESDIRK + _IMEX)
+@pytest.mark.quick_cases("KenCarp4")
 def test_implicit_interpolation_cls_is_diffraxs(name):
     y0 = _y0()
     solver, (_, _, info, _, _) = _implicit_step(sk, name, y0)
@@ -231,8 +236,10 @@ def test_implicit_interpolation_cls_is_diffraxs(name):
     _close(ours.evaluate(_T0, _T1), increment, 2.0)
 
 
+# The full suite (11 CPU s); the quick loop's dense output under jit, vmap and grad:
+# test_dense_info_under_jit_vmap_grad[Tsit5].
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["Kvaerno5", "KenCarp4"])
-@pytest.mark.quick_cases("KenCarp4")  # the IMEX pair form; Kvaerno5 in the full suite
 def test_implicit_dense_info_under_jit_vmap_grad(name):
     # As for the explicit solvers: a batch of initial states, the interpolant at
     # mid-step and its gradient with respect to the initial state, against diffrax.
@@ -251,6 +258,9 @@ def test_implicit_dense_info_under_jit_vmap_grad(name):
     _close_steps(name, jax.jit(grad(sk))(scales), grad(diffrax)(scales), 4.0)
 
 
+# The full suite; the quick loop's implicit dense output:
+# test_implicit_dense_info_is_diffraxs.
+@pytest.mark.slow
 def test_implicit_loop_dense_output_unchanged_by_public_form():
     # Kvaerno5 is stiffly accurate: the loop's cubic Hermite (slopes at both ends)
     # and the public one (`from_k`: first and last stages) are the same polynomial.
@@ -270,7 +280,8 @@ def test_implicit_loop_dense_output_unchanged_by_public_form():
 
 
 @pytest.mark.parametrize("name", ["Rosenbrock23", "Ros3P", "Rodas4", "Rodas5P", "BDF"])
-@pytest.mark.quick_cases("Rodas5P", "BDF")  # one Rosenbrock and BDF
+# Quick loop: one Rosenbrock solver (BDF's dense output: tests/test_bdf.py).
+@pytest.mark.quick_cases("Rodas5P")
 def test_own_solvers_interpolation_cls_from_step(name):
     # `interpolation_cls(t0=, t1=, **dense_info)` works on `step`'s output (a dict;
     # a NamedTuple before, which `**` rejects) and gives the loop's dense output.

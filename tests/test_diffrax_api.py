@@ -411,6 +411,7 @@ def _pendulum(t, y, args):
 @pytest.mark.parametrize(
     "backwards", [False, pytest.param(True, marks=pytest.mark.slow)]
 )
+@pytest.mark.quick_cases("False-ReversibleHeun-True")
 def test_two_stage_state_solvers_match_diffrax(name, adaptive, backwards):
     t0, t1, dt0 = (3.0, 0.0, -0.01) if backwards else (0.0, 3.0, 0.01)
 
@@ -556,6 +557,8 @@ def test_local_linear_as_diffrax_builds_it(y0):
     np.testing.assert_array_equal(slope, 0.0)
 
 
+# The full suite; the quick loop's strict promotion: test_strict_dtype_promotion.
+@pytest.mark.slow
 def test_complex_cubic_interpolation_under_strict_promotion():
     with float64(), _strict():
         ts = jnp.linspace(0.0, 5.0, 8)
@@ -592,6 +595,8 @@ def test_clip_integer_step_ts_under_strict_promotion(backwards):
     assert 3 in np.asarray(sol.ts) and 4 in np.asarray(sol.ts)
 
 
+# The full suite; the quick loop's ClipStepSizeController: tests/test_clip_diffrax.py.
+@pytest.mark.slow
 def test_nested_clip_steps_as_diffrax():
     # diffrax's own test: the wrappers' step_ts and jump_ts all clip. diffrax's
     # controller returns a step ending one ulp before a jump and the next starting one
@@ -628,6 +633,8 @@ def _shifted(x, args):
     return jax.tree.map(lambda v: a * v + b + 0.1 * jnp.sin(v), x)
 
 
+# The full suite; the quick loop's optimistix root finders: tests/test_implicit.py.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "x0", [lambda: jnp.array(-2.0), lambda: (jnp.array([1.0, 0.5]), jnp.array(0.3))],
     ids=["0d", "tree"],

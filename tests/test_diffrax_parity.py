@@ -208,6 +208,7 @@ def test_stats_as_diffrax():
     [dict(dtmin=0.3), dict(dtmax=0.02), dict(dtmin=0.2, force_dtmin=False)],
     ids=str,
 )
+@pytest.mark.quick_cases("{'dtmax': 0.02}")
 def test_pid_clips_given_dt0_as_diffrax(options):
     """A given `dt0` is clipped to `[dtmin, dtmax]` (diffrax's `init` does so)."""
 

@@ -156,6 +156,9 @@ def test_failed_trajectories_throw_false_and_true():
         jax.block_until_ready(ensemble(y0, args, throw=True, lanes=4, **kw).ys)
 
 
+# The full suite; the quick loop's ensemble events:
+# test_every_field_matches_vmap[both_events].
+@pytest.mark.slow
 def test_events_match_vmap():
     # A real-valued condition (located on the dense output) fires for some
     # trajectories only: x falls back to 1 / 2 after rising.
@@ -327,6 +330,8 @@ def test_gradient_with_events():
     assert_gradients_agree(got(1.0, args["rho"]), want(1.0, args["rho"]))
 
 
+# The full suite (errors that compile a solve first).
+@pytest.mark.slow
 def test_forward_mode_and_second_reverse_raise():
     y0, rho, scale, _ = grad_inputs()
 
@@ -445,6 +450,10 @@ def test_per_trajectory_times_match_vmap(t0, t1, ts):
     same(ensemble_times(t0, t1, y0, args["rho"], ts), want, tol=1e-10)
 
 
+# The full suite; the quick loop has per-trajectory times
+# (test_per_trajectory_times_match_vmap[all]) and events
+# (test_every_field_matches_vmap[both_events]).
+@pytest.mark.slow
 def test_per_trajectory_times_with_events():
     y0, args = inputs()
     event = sk.Event(lambda t, y, args, **kw: y[0] - 0.5, direction=False)
@@ -505,6 +514,9 @@ def test_per_trajectory_bad_times_raise(t0, t1, ts, match):
         ensemble_times(t0, t1, y0, args["rho"], ts)
 
 
+# The full suite (errors after a compile); the quick loop's errors:
+# test_unsupported_options_raise.
+@pytest.mark.slow
 def test_per_trajectory_unsupported_raise():
     y0, args = inputs()
     # A condition that reads the `t1` it is passed would see one for every trajectory.
@@ -652,6 +664,8 @@ def _feature_reference(feature: str) -> sk.Solution:
 
 
 @pytest.mark.parametrize("feature", FEATURES)
+# Quick loop: saves at ts, and both kinds of event with their effects at once.
+@pytest.mark.quick_cases("ts", "both_events")
 def test_every_field_matches_vmap(feature):
     kw = FEATURES[feature]
     y0, args = inputs()
@@ -713,7 +727,7 @@ def test_float32_agrees_to_the_tolerance():
 
 @pytest.mark.parametrize("lanes,refill", [(4, 1), (4, 3), (5, 5), (3, None)])
 @pytest.mark.parametrize("feature", ["continuing_event", "terminating_event"])
-@pytest.mark.quick_cases("continuing_event-4-1", "terminating_event-4-3")
+@pytest.mark.quick_cases("terminating_event-4-3")
 def test_refill_sizes_match_vmap(lanes, refill, feature):
     # Any refill size (1: one lane at a time; 3 of 4 lanes; all lanes), with events
     # located as a refilled lane is finished: every field as the vmapped solve's.
@@ -754,6 +768,8 @@ def _conds_in_loops(jaxpr, inside: bool = False) -> int:
     return found
 
 
+# The full suite; the quick loop refills lanes in test_refill_sizes_match_vmap.
+@pytest.mark.slow
 def test_refill_stays_a_branch_under_vmap():
     # Under an outer vmap the refill's predicate is unbatched, so it stays a
     # `cond` (a select would run the refill on every iteration).

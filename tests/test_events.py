@@ -427,6 +427,7 @@ def _ball_to(e, h0, t1, tol, dtype=jnp.float64, max_events=1000):
 
 @pytest.mark.parametrize("tol", [1e-8, 1e-10])
 @pytest.mark.usefixtures("x64")
+@pytest.mark.quick_cases("1e-08")
 def test_bounces_accumulate_never_fall_through_the_floor(tol):
     """After any occurrence the state never crosses the condition unseen: however
     far past the accumulation point `t1` lies, the solve stops there with
@@ -514,6 +515,8 @@ def _arctan_event(k, y0, root_finder):
     )
 
 
+# The full suite; the quick loop's optimistix root finder: tests/test_implicit.py.
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_optimistix_root_finder_that_diverges_falls_back_to_the_bracket():
     """A user's Newton that diverges (its result a failure) used to give the clipped
@@ -576,6 +579,9 @@ def _ball_singular_effect(e):
     return sol.events.ts[2]
 
 
+# The full suite (12 CPU s); the quick loop differentiates events in
+# test_accumulation_time_gradient.
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_effect_singular_away_from_events_gives_finite_gradients():
     """An effect is evaluated only where an occurrence applies it (and, under vmap,

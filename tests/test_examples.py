@@ -2,8 +2,12 @@
 
 Each example runs with `--quick` and must write its PNG; every ```python block of the
 narrative docs pages (`docs/*.md`) must run. They spend most of their time compiling,
-which is mostly single-threaded, so every selected job is started at once in its own
-process, and each test waits for its own.
+which is mostly single-threaded, so every selected group of jobs is started at once
+in its own process, and each test waits for its own job. Examples that set the same
+global JAX state share a process (one start-up of Python, JAX and matplotlib instead
+of one each; each example still runs as `__main__` in a fresh namespace, with its own
+output directory and log); those that set process-wide state of their own (host
+devices, processes) run alone.
 """
 
 import os
@@ -19,22 +23,24 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = [
-    "quickstart",
-    "fit_lotka_volterra",
-    "neural_ode",
-    "ensemble",
-    "forced_system",
-    "multi_process",  # launches two JAX processes (jax.distributed, gloo on CPU)
-    "heat_pde",
-    "stiff_chemistry",
-    "dae",
-    "steady_state",
-    "bouncing_ball",
-    "spiking_neurons",
-    "pharmacokinetics",
-    "brusselator",
+# The examples, in groups that share a process: those that turn on float64 at import,
+# those that stay in float32, and the two that configure the process themselves.
+GROUPS = [
+    [
+        "heat_pde",
+        "stiff_chemistry",
+        "dae",
+        "steady_state",
+        "bouncing_ball",
+        "spiking_neurons",
+        "pharmacokinetics",
+        "brusselator",
+    ],
+    ["quickstart", "fit_lotka_volterra", "neural_ode", "forced_system"],
+    ["ensemble"],  # sets XLA_FLAGS (8 host devices) before JAX starts
+    ["multi_process"],  # launches two JAX processes (jax.distributed, gloo on CPU)
 ]
+EXAMPLES = [job for group in GROUPS for job in group]
 DOCS = "docs"
 TIMEOUT = 600  # seconds per job; each takes well under a minute on an idle machine
 
@@ -49,61 +55,116 @@ for path in sys.argv[1:]:
         exec(compile(code, f"{path} (python block {i})", "exec"), {"__name__": "m"})
 """
 
+# Runs each example given as `script out` argument pairs as `__main__` with `--quick
+# --out out`, in `out`, its output in `out/output.log` and its exit code in
+# `out/exit_code`; a failing example does not stop the next.
+RUN_EXAMPLES = """
+import contextlib, os, pathlib, runpy, sys, traceback
+import matplotlib.pyplot as plt
+for script, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    os.chdir(out)
+    with open("output.log", "w") as log:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            sys.argv = [script, "--quick", "--out", out]
+            try:
+                runpy.run_path(script, run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+    pathlib.Path("exit_code").write_text(str(code))
+    plt.close("all")
+"""
 
-def _command(job: str, out: pathlib.Path) -> list[str]:
-    if job == DOCS:
-        pages = sorted(str(p) for p in (ROOT / "docs").glob("*.md"))
-        return [sys.executable, "-c", RUN_DOC_BLOCKS, *pages]
-    script = ROOT / "examples" / f"{job}.py"
-    return [sys.executable, str(script), "--quick", "--out", str(out)]
 
+class _Group:
+    """One process that runs `jobs` (`{job: output directory}`) one after another."""
 
-class _Job:
-    def __init__(self, job: str, out: pathlib.Path):
-        self.out = out
-        self.log = out / "output.log"
+    def __init__(self, jobs: dict[str, pathlib.Path], log: pathlib.Path):
+        self.jobs, self.log = jobs, log
         env = dict(os.environ, MPLBACKEND="Agg")
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in [str(ROOT), env.get("PYTHONPATH")] if p
         )
-        with open(self.log, "wb") as log:
+        (job, out), *others = jobs.items()
+        if job == DOCS:
+            pages = sorted(str(p) for p in (ROOT / "docs").glob("*.md"))
+            command = [sys.executable, "-c", RUN_DOC_BLOCKS, *pages]
+        elif not others:  # alone: as a user runs it
+            script = ROOT / "examples" / f"{job}.py"
+            command = [sys.executable, str(script), "--quick", "--out", str(out)]
+        else:
+            pairs = [
+                str(a)
+                for job, out in jobs.items()
+                for a in (ROOT / "examples" / f"{job}.py", out)
+            ]
+            command = [sys.executable, "-c", RUN_EXAMPLES, *pairs]
+        with open(log, "wb") as f:
             self.process = subprocess.Popen(
-                _command(job, out),
+                command,
                 cwd=out,
                 env=env,
-                stdout=log,
+                stdout=f,
                 stderr=subprocess.STDOUT,
             )
 
-    def wait(self) -> tuple[int | None, str]:
-        """The exit code (`None` after a timeout) and the end of the output."""
+    def wait(self) -> int | None:
+        """The process's exit code, `None` after a timeout of `TIMEOUT` a job."""
         try:
-            code = self.process.wait(timeout=TIMEOUT)
+            return self.process.wait(timeout=TIMEOUT * len(self.jobs))
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-            code = None
-        return code, self.log.read_text(errors="replace")[-4000:]
+            return None
+
+
+class _Job:
+    def __init__(self, job: str, out: pathlib.Path, group: _Group):
+        self.job, self.out, self.group = job, out, group
+
+    def wait(self) -> tuple[int | None, str]:
+        """The job's exit code (`None` after a timeout) and the end of its output
+        (with the end of its process's, where the example's own shows no error)."""
+        code = self.group.wait()
+        if len(self.group.jobs) == 1:  # the process's own output and exit code
+            return code, self.group.log.read_text(errors="replace")[-4000:]
+        status = self.out / "exit_code"
+        own = self.out / "output.log"
+        text = own.read_text(errors="replace")[-4000:] if own.exists() else ""
+        if status.exists():
+            return int(status.read_text()), text
+        process = self.group.log.read_text(errors="replace")[-4000:]
+        return (code if code else 1) if code is not None else None, text + process
 
 
 @pytest.fixture(scope="module")
 def jobs(request, tmp_path_factory):
-    """Start every selected job at once; yield `{job: _Job}`."""
+    """Start every selected group of jobs at once; yield `{job: _Job}`."""
     selected = {
         item.callspec.params["job"]
         for item in request.session.items
         if getattr(item, "callspec", None) and "job" in item.callspec.params
     }
-    started = {
-        job: _Job(job, tmp_path_factory.mktemp(job))
-        for job in [*EXAMPLES, DOCS]
-        if job in selected
-    }
+    started, groups = {}, []
+    for group in [*GROUPS, [DOCS]]:
+        outs = {job: tmp_path_factory.mktemp(job) for job in group if job in selected}
+        if not outs:
+            continue
+        log = (
+            next(iter(outs.values()))
+            if len(outs) == 1
+            else tmp_path_factory.mktemp("group")
+        )
+        groups.append(_Group(outs, log / "output.log"))
+        started |= {job: _Job(job, out, groups[-1]) for job, out in outs.items()}
     yield started
-    for job in started.values():
-        if job.process.poll() is None:
-            job.process.kill()
-            job.process.wait()
+    for group in groups:
+        if group.process.poll() is None:
+            group.process.kill()
+            group.process.wait()
 
 
 @pytest.mark.parametrize("job", EXAMPLES)

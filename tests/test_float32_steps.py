@@ -41,6 +41,7 @@ def _oscillator(solver, omega, k, rtol):
 
 
 @pytest.mark.parametrize("solver", [sk.Tsit5(), sk.Rodas5P()], ids=["tsit5", "rodas5p"])
+@pytest.mark.quick_cases("tsit5")
 def test_rejected_step_near_t1_is_not_retried_on_t1(solver):
     # Steps of ~0.2/ω ≈ 1e-3 to 7e-3 for ω in [30, 300]: comparable to the window, so
     # some last steps are rejected into it. Before the fix 90 of 256 Tsit5 solves
@@ -61,6 +62,9 @@ def test_rejected_step_near_t1_is_not_retried_on_t1(solver):
     assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= bound)
 
 
+# The full suite; the quick loop's near-t1 rejection:
+# test_rejected_step_near_t1_is_not_retried_on_t1.
+@pytest.mark.slow
 def test_rejected_step_near_t1_gradient():
     # The retry changes only where steps end; the derivative of the solution in ω
     # is still that of the exact one, s·(cos, -sin)(ωs) with s = T1 - T0 = 1.

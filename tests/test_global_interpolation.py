@@ -132,6 +132,7 @@ def test_linear_and_rectilinear_against_diffrax():
     ],
     ids=["missing", "fill-end", "start", "both"],
 )  # fmt: skip
+@pytest.mark.quick_cases("both")
 def test_linear_interpolation_fills_as_diffrax(ys, options):
     # diffrax's `linear_interpolation` (missing data filled by the line between the
     # observations either side), as a pytree, jitted, and vmapped over data sets.

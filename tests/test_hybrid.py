@@ -161,6 +161,9 @@ def test_integrate_and_fire_closures_vmap_grad():
         np.testing.assert_allclose(grads, -2 * TAU / (2.0 - 0.2), rtol=1e-7)
 
 
+# The full suite; the quick loop's event-time gradient:
+# test_gradient_through_impact_times_and_effects.
+@pytest.mark.slow
 def test_gradient_of_later_spike_times_under_an_adaptive_controller():
     """d(k-th spike time)/d(reset) = -k tau / (I - reset), for k up to 9 (the third,
     above, was right to 2e-10 when the eighth was off by 0.8 and the tenth by 5e3:
@@ -182,6 +185,8 @@ def test_terminal_count_stops_at_that_occurrence_before_its_effect():
         np.testing.assert_allclose(sol.ys[-1], 1.0, atol=1e-9)  # not reset
 
 
+# The full suite; the quick loop's max_events: tests/test_events.py.
+@pytest.mark.slow
 def test_more_events_than_recorded_is_a_result_not_a_hang():
     with float64():
         sol = _neuron(2.0, 0.2, jnp.array([1.0]), 0, max_events=2)
@@ -233,6 +238,9 @@ def test_bad_events_are_errors():
         )
 
 
+# The full suite (15 CPU s); the quick loop's spike-time gradient:
+# test_gradient_of_later_spike_times_under_an_adaptive_controller.
+@pytest.mark.slow
 def test_spike_time_gradient_after_many_spikes():
     """Regression: the derivative of a located occurrence's time reached every later
     step through the controller's step size, multiplied by each step's factor, and
@@ -319,6 +327,8 @@ def test_zeno_point_is_a_result_not_a_fall_through_the_floor():
             )
 
 
+# The full suite; the quick loop's backward-in-time events: tests/test_hybrid_scipy.py.
+@pytest.mark.slow
 def test_occurrence_at_t0_and_backwards_in_time():
     """A condition at zero at `t0` moving in the event's direction fires there (as
     in SciPy); moving the other way it does not. Backwards in time, the impacts

@@ -88,6 +88,7 @@ def _duffing_jnp(t, y):
     [(None, 0), (True, 1), (False, -1)],
     ids=["any", "up", "down"],
 )
+@pytest.mark.quick_cases("any")
 def test_non_terminal_crossings_match_scipy(direction, scipy_direction):
     """`Event(cond, direction=..., terminal=False)` records every crossing, as
     SciPy's non-terminal event with `direction = 0, +1, -1` does; the solve runs
@@ -117,6 +118,7 @@ def test_non_terminal_crossings_match_scipy(direction, scipy_direction):
 
 
 @pytest.mark.parametrize("direction, scipy_direction", [(True, 1), (False, -1)])
+@pytest.mark.quick_cases("True-1")
 def test_backward_in_time_directions_match_scipy(direction, scipy_direction):
     """Solving from 0 back to -10: a direction is that of the change of sign in the
     order of integration, as in SciPy."""
@@ -185,6 +187,7 @@ def test_two_conditions_record_the_union_in_time_order():
 
 
 @pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.quick_cases("4")
 def test_terminal_count_matches_scipy(k):
     """`terminal=k` stops at the k-th occurrence, as SciPy's `event.terminal = k`
     (an int count, SciPy >= 1.12): same stop time, same state there."""
@@ -246,6 +249,9 @@ def _scipy_bounces(t1):
         y = np.array([0.0, -E * y[1]])
 
 
+# The full suite; the quick loop's bouncing ball against SciPy:
+# test_bouncing_ball_terminal_count_stops_before_the_effect.
+@pytest.mark.slow
 def test_bouncing_ball_with_drag_against_scipy_restart_loop():
     with float64():
         event = sk.Event(

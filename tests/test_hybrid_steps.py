@@ -78,6 +78,7 @@ def _restart_loop(current: float, reset: float, controller):
 
 
 @pytest.mark.parametrize("constant", [True, False], ids=["constant", "pid"])
+@pytest.mark.quick_cases("pid")
 def test_no_extra_step_per_occurrence(x64, constant):
     """As many steps as the restart loop: there was one more per occurrence (a
     found crossing undid its step, and a step landing on it followed)."""
@@ -100,6 +101,9 @@ def test_no_extra_step_per_occurrence(x64, constant):
         assert rejected == 0
 
 
+# The full suite; the quick loop's step count at occurrences:
+# test_no_extra_step_per_occurrence.
+@pytest.mark.slow
 def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
     """`SaveAt(ts=...)` rows, step rows and the dense output, under `jit(vmap)` over
     the input current and the reset (closed over by the effect), against the exact

@@ -383,6 +383,7 @@ def _terms_as_asked(library, solver):
 
 
 @pytest.mark.parametrize("name", ["KenCarp3", "Kvaerno3"])
+@pytest.mark.quick_cases("KenCarp3")
 def test_term_structure_as_diffrax(name):
     # Code that builds terms from `term_structure` (as diffrax's tests do) builds
     # the same terms for solverkit, and the solves agree with diffrax's.
@@ -528,6 +529,8 @@ def _rober(t, y, args):
     )
 
 
+# The full suite; the quick loop's optimistix root finder: test_optimistix_root_finder.
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_optimistix_root_finder_tolerances_in_derivative_units():
     # A user's optimistix root finder solves the stage equation for the stage's slope,

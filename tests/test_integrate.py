@@ -640,6 +640,7 @@ def test_small_reductions_match_numpy():
         ("Rodas5P", "RecursiveCheckpointAdjoint"),  # dense output coefficients
     ],
 )
+@pytest.mark.quick_cases("Tsit5-BacksolveAdjoint")
 def test_float32_products_use_full_precision(solver, adjoint):
     """Every matrix product the engine makes in float32 asks for full precision: at
     default precision a GPU runs a large batched product in TF32 (10-bit mantissa),

@@ -241,6 +241,8 @@ def test_vmap_of_grad_float64(x64):
         np.testing.assert_allclose(got, want, rtol=1e-10)
 
 
+# The full suite; the quick loop's kernel values: test_values_float64.
+@pytest.mark.slow
 def test_t1_only_pytree_state_dt0():
     """`SaveAt(t1=True)` (the default), a pytree state, a given `dt0`, float32."""
     n = 128
@@ -369,6 +371,8 @@ def assert_kernel_selects_on_real_tiles(jaxpr):
     assert not found, "\n".join(str(e) for e in found[:5])
 
 
+# The full suite; the quick loop's kernel events: test_event_float64.
+@pytest.mark.slow
 def test_wheres_in_field_and_event_float64(x64):
     """`jnp.where`s with constants in the field and in the event's condition (the
     kernel's anchored selects and their tangents, in the event search): the lane

@@ -44,6 +44,9 @@ def _both(dtype):
     return [_solve(y0, args, sigma, kernel) for kernel in (True, False)]
 
 
+# The full suite; the quick loop's fixed-step kernel:
+# test_values_match_lane_loop_float32.
+@pytest.mark.slow
 def test_values_match_lane_loop_float64(x64):
     _check_values(jnp.dtype("float64"))
 
@@ -160,6 +163,9 @@ def _grads(backward, monkeypatch):
     return (y0, rho), got
 
 
+# The full suite (16 CPU s); the quick loop's kernel gradient:
+# tests/test_kernel_tangent.py.
+@pytest.mark.slow
 def test_gradients_tangent_float64(x64, monkeypatch):
     """Forward sensitivities in the kernel (the default backward pass), under `jit`
     and `vmap`: `kernel=False`'s gradient and a central difference."""

@@ -87,6 +87,9 @@ def _decay(kernel, lam):
     )  # fmt: skip
 
 
+# The full suite; the quick loop's float32 step edge:
+# test_rejected_step_near_t1_float32.
+@pytest.mark.slow
 def test_steps_below_time_spacing():
     # λ <= 0.1: the first step (dt0 = 1e-3 < 0.125) advances one spacing and grows
     # (it was zero-length, accepted with zero error, until max_steps). λ >= 5 wants

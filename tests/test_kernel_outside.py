@@ -95,6 +95,7 @@ def test_error_check_takes_a_scalar():
 
 
 @pytest.mark.parametrize("saveat", ["t1", "t0_ts_t1"])
+@pytest.mark.quick_cases("t1")
 def test_throw_same_values_and_raises(saveat):
     """`throw=True` returns `throw=False`'s values bit for bit (signed zeros too)
     and raises, under `jit`, when a trajectory reaches `max_steps`; vmapped over
@@ -145,6 +146,8 @@ def _eager_solve(kernel: bool, max_steps: int, throw: bool = True):
     )  # fmt: skip
 
 
+# The full suite; the quick loop's run-time checks: test_throw_same_values_and_raises.
+@pytest.mark.slow
 def test_eager_checks_on_the_host(monkeypatch):
     """Called eagerly, `ensemble_solve` compiles no error check (no host callback)
     and raises from the host what the check would, for the kernel and the vmap

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from test_kernel import _inner_jaxprs, _splat_selects
 
 import solverkit as sk
@@ -63,6 +64,9 @@ def _problem(y0, args, sigma, beta):
     return captured["problem"], captured["y0"], captured["args"]
 
 
+# The full suite (12 CPU s); the quick loop's kernel tangents:
+# test_tangent_backward_matches_loop_float64.
+@pytest.mark.slow
 def test_tangents_match_vmap_jacobian_float64(x64):
     y0 = (
         jnp.tile(jnp.asarray([1.0, 0.0, 0.0]), (N, 1))
@@ -167,6 +171,9 @@ def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * scale)
 
 
+# The full suite (15 CPU s); the quick loop's kernel gradient:
+# test_tangent_backward_matches_loop_float64.
+@pytest.mark.slow
 def test_tangent_backward_vmap_float32(monkeypatch):
     """float32, `jax.vmap` of the gradient over a closed-over float, against the
     loop's backward pass; float32's steps may differ by a step or two where an error

@@ -137,6 +137,8 @@ def test_banded_preconditioner():
     np.testing.assert_allclose(_grads("bdf-banded"), _grads("bdf-dense"), rtol=1e-9)
 
 
+# The full suite; the quick loop's Krylov gradient: test_bdf_krylov_gradient.
+@pytest.mark.slow
 def test_forward_solve_of_a_field_with_a_while_loop():
     """A forward solve traces no transposition: a field JAX can't transpose (a
     `while_loop` on the state) still solves."""
@@ -183,6 +185,9 @@ def test_other_adjoints():
         jax.grad(_loss)(0.5, 1, "bdf-pre", back)
 
 
+# The full suite; the quick loop's preconditioner (closing over traced values):
+# test_bdf_krylov_gradient.
+@pytest.mark.slow
 def test_preconditioner_closing_over_constants():
     """A preconditioner closing over nothing traced: the unpreconditioned solution,
     and a second solve with a new `y0` compiles nothing."""
@@ -226,6 +231,8 @@ def test_preconditioner_bad_output():
         )
 
 
+# The full suite; the quick loop's Krylov gradient: test_bdf_krylov_gradient.
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["BDF", "Rodas5P"])
 def test_start_at_equilibrium(method):
     """`y0` at the field's equilibrium: the first Newton (BDF) or stage (Rodas5P)

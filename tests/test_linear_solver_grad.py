@@ -6,8 +6,7 @@ The field is three independent stiff pairs, `u' = -20 p u + v`,
 `v' = w u - 2 v - v² [pair = k]`, closing over a differentiated float `p`, an int
 `k` and a float32 `w`; its Jacobian fits every structure tested (blocks of 2, a
 tridiagonal band, a full pattern). The loss is the sum of squares of two saved
-states; the parameters are `p` and the scale of `y0`. The quick tier keeps two of
-the combinations that once failed (a scatter that JAX could not transpose);
+states; the parameters are `p` and the scale of `y0`. All in the full suite:
 `tests/test_linear_solver.py` checks every linear solver's transposed solve
 cheaply. BacksolveAdjoint is tested where the docs support it: with a backward
 solver of its own (the backward state is larger than a fixed pattern).
@@ -142,29 +141,32 @@ _LINEARS = (
     "gmres-sparse",
     "bicgstab-banded",
 )
-# Two of the combinations that once failed; each compiles four programs (about
-# 20 s on a quiet CPU, minutes on a loaded one), so the rest are slow. (BiCGStab's
-# NaN gradients, BDF and Rodas5P with "bicgstab-banded", are also caught quickly
-# by `tests/test_linear_solver.py`'s BiCGStab tests.)
-_QUICK = {
-    ("BDF", "sparse-blocks", "recursive"),
-    ("BDF", "gmres-sparse", "recursive"),
-}
+# Each case compiles four programs (about 10-20 CPU s): the whole file is in the full
+# suite. The quick loop checks every linear solver's transposed solve and the sparse
+# solver's gradient (`tests/test_linear_solver.py`, BiCGStab's NaN gradients there
+# too), BDF's gradient through a Krylov solver (`tests/test_krylov_grad.py`) and
+# through the dense one (`tests/test_bdf.py`).
+_QUICK: set[tuple[str, str, str]] = set()
 
 
 # The slow tier: every linear solver under BDF (whose implicit derivative transposes
 # the solve), the Rosenbrock and ESDIRK steps with the structured solvers, and each
 # other adjoint once; about 20 s a case on a quiet CPU. `SOLVERKIT_FULL_MATRIX=1` runs
 # every stiff solver x linear solver x adjoint instead (about 150 cases).
+#
+# Left to `SOLVERKIT_FULL_MATRIX=1`, as checked by another case: BDF with "gmres" and
+# Rodas5P with "gmres-sparse" (tests/test_krylov_grad.py: BDF's and Rodas5P's GMRES
+# gradients against the dense solver's, with and without a preconditioner; and
+# Rodas5P-gmres-direct here), and BDF-sparse-banded-recursive (BDF-sparse-banded-direct
+# here: the same transposed solves under the other checkpointing).
 _SLOW = {
     *(("BDF", linear, "recursive") for linear in _LINEARS),
     ("Rodas5P", "sparse-banded", "recursive"),
-    ("Rodas5P", "gmres-sparse", "recursive"),
     ("Rodas5P", "bicgstab-banded", "recursive"),
     ("Kvaerno3", "sparse-blocks", "recursive"),
     ("BDF", "sparse-banded", "direct"),
     ("Rodas5P", "gmres", "direct"),
-}
+} - {("BDF", "gmres", "recursive"), ("BDF", "sparse-banded", "recursive")}
 
 
 def _cases():
@@ -203,6 +205,8 @@ def test_gradient(stiff, linear, adjoint):
         np.testing.assert_allclose(got[i], fd, rtol=1e-5, atol=1e-8)
 
 
+# The full suite (an error message, 6 CPU s).
+@pytest.mark.slow
 def test_backsolve_with_a_fixed_pattern_says_what_to_do():
     """The backward state is larger than a sparse pattern: the error says so."""
     solver = sk.BDF(linear_solver=_linear_solver("sparse-blocks"))

@@ -87,6 +87,8 @@ def test_chained_solves_as_diffrax(solver):
             np.testing.assert_allclose(ours, theirs, rtol=1e-7, atol=1e-9)
 
 
+# The full suite; the quick loop chains solves in test_chained_solves_as_diffrax.
+@pytest.mark.slow
 def test_chained_constant_steps_are_one_solve():
     """With steps on a common grid, the chained solves are one solve (the first-same-
     as-last slope carried over), to round-off, values and gradients alike."""
@@ -158,6 +160,8 @@ def test_chained_solves_under_jit_and_vmap():
         np.testing.assert_allclose(jitted, batched[1], rtol=1e-12)
 
 
+# The full suite; the quick loop chains solves in test_chained_solves_as_diffrax.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "adjoint",
     [

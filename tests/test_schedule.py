@@ -73,6 +73,9 @@ def _check(layout: Layout, n: int) -> collections.Counter:
     return _backward(layout, n, store, level)
 
 
+# The full suite; the quick loop checks the default layout
+# (test_default_layout_recomputes_a_step_at_most_twice).
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     slots=st.integers(1, 8).map(lambda k: 2 * k),

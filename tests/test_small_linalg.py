@@ -94,6 +94,7 @@ def test_mul_matches_matmul(n):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n", [2, 5, SMALL_MAX + 1])
+@pytest.mark.quick_cases(dict(n=5))  # the unrolled inverse, in both dtypes
 def test_dense_solver_matches_lu(n, dtype):
     """Both sides of SMALL_MAX: `DenseLinearSolver` against LAPACK's LU solve."""
     with float64():
@@ -148,6 +149,7 @@ def _vdp(t, y, mu):
 
 
 @pytest.mark.parametrize("solver", [sk.Rodas5P(), sk.Kvaerno5(), sk.BDF()])
+@pytest.mark.quick_cases("solver1")
 def test_stiff_vdp_ensemble_float32_against_float64(solver):
     """A vmapped float32 Van der Pol ensemble (mu in [1, 100]) through the small
     path agrees with a float64 solve at a tight tolerance, and takes no more steps

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import conftest
 import jax
 import jax.numpy as jnp
 import pytest
@@ -89,6 +90,22 @@ def test_session_compiles_with_most_optimizations_off():
         pytest.skip("SOLVERKIT_TEST_OPTIMIZE is set")
     assert _optimization_level() == 0
     assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+    given = os.environ.get("XLA_FLAGS", "").split()
+    assert all(flag in given for flag in conftest._XLA_FLAGS)
+
+
+def test_xla_flags_set_after_importing_jax_are_read():
+    # conftest sets `XLA_FLAGS` after `import jax`, before the first array: XLA
+    # must read them when the backend is made (an unknown flag aborts).
+    code = (
+        "import os, jax; os.environ['XLA_FLAGS'] = '--xla_no_such_flag=1'; "
+        "import jax.numpy as jnp; jnp.ones(1).block_until_ready()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode != 0 and "xla_no_such_flag" in proc.stderr
 
 
 def test_optimized_compiles_fixture(optimized_compiles):

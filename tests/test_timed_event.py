@@ -76,6 +76,9 @@ def test_gradients_against_analytic(adjoint):
         np.testing.assert_allclose(got, want, rtol=1e-7)
 
 
+# The full suite; the quick loop's timed-event gradients:
+# test_gradients_against_analytic.
+@pytest.mark.slow
 def test_time_gradients_do_not_grow_with_the_steps():
     """Regression: a step cut short by an event used to pass the derivative of its
     end on to every later step, multiplied by each step's factor."""
@@ -174,6 +177,8 @@ def test_backwards_in_time():
     np.testing.assert_allclose(sol.ys, [0.0, 1.0, 2.0, 3.0, 4.0])
 
 
+# The full suite; the quick loop's timed events: test_gradients_against_analytic.
+@pytest.mark.slow
 def test_split_solve_equals_one_solve():
     """Times outside `[t0, t1)` are skipped, and one at `t1` is left to the solve
     that continues from there: two halves give the one solve's answer."""
@@ -328,6 +333,9 @@ def test_effect_and_amount_match_the_state_exactly(shape, dtype):
         solve(sk.TimedEvent([0.5, 0.6, 0.7], amount=jnp.stack([wrong] * 3)))
 
 
+# The full suite; the quick loop's timed events under vmap and grad:
+# test_effect_closes_over_anything_under_vmap_and_grad.
+@pytest.mark.slow
 def test_exact_effect_and_amounts_are_accepted_under_jit_vmap_grad():
     """What matches passes, traced too: a weakly typed (Python) scalar for a scalar
     leaf, one amount per time; under jit, vmap and grad against the exact
@@ -459,6 +467,8 @@ def test_bad_schedules_are_errors_also_when_traced(case, how):
             jax.block_until_ready(jax.vmap(solve)(jnp.array([0.75, bad])))
 
 
+# The full suite; the quick loop's traced schedule: test_one_traced_time.
+@pytest.mark.slow
 def test_traced_schedule_solves_and_differentiates():
     """A valid traced schedule solves as a known one, and its interval is
     differentiable: y' = -y, doses of 1 at 0.5, 0.5 + d, 0.5 + 2 d, against the

@@ -76,6 +76,7 @@ def _solve(lib, operator, t1=1.0, adjoint=None, **kwargs):
 
 
 @pytest.mark.parametrize("t1", [1.0, -1.0], ids=["forwards", "backwards"])
+@pytest.mark.quick_cases("forwards")
 def test_solver_reaches_its_term_as_in_diffrax(t1):
     with float64():
         ours = _solve(sk, lambda: jnp.asarray(A), t1).ys
@@ -120,6 +121,9 @@ def test_adjoints_that_need_the_vector_field_say_so():
         jax.grad(loss)(1.0)
 
 
+# The full suite; the quick loop's user solver:
+# test_solver_reaches_its_term_as_in_diffrax.
+@pytest.mark.slow
 def test_wrapped_terms_of_a_multiterm_as_in_diffrax():
     """Each term of a `MultiTerm` is wrapped, as diffrax wraps them, under an
     adaptive controller."""
