@@ -183,7 +183,7 @@ class BacksolveAdjoint(AbstractAdjoint):
     def loop(self, problem: Problem) -> Outputs:
         def bwd(static, dynamic, out, ct_out):
             problem = eqx.combine(dynamic, static)
-            return (self._backward(problem, out, ct_out.ys),)
+            return (self._backward(problem, out, ct_out.ys, _times_ct(ct_out)),)
 
         return custom_vjp(
             problem, _solve_whole, _with_outputs, bwd, adjoint="BacksolveAdjoint"
@@ -236,7 +236,7 @@ class BacksolveAdjoint(AbstractAdjoint):
         )
         return y
 
-    def _backward(self, problem: Problem, out: Outputs, ct_ys):
+    def _backward(self, problem: Problem, out: Outputs, ct_ys, ct_times):
         aux = (problem.terms, problem.args)
         theta, _ = eqx.partition(aux, parameters(aux))
         g = lambda tau, y: total_vf(problem.terms, tau, y, problem.args)
@@ -248,6 +248,12 @@ class BacksolveAdjoint(AbstractAdjoint):
         ct_y1 = take(ct_ys, rows_t0 + num_ts) if save.t1 else zeros_y
         T = out.t_end
         ct_T = _dot(ct_y1, g(T, out.y_end)) if save.t1 else jnp.zeros_like(T)
+        # The saved times are the inputs' own (t0, ts, t1 = the end): their
+        # cotangents pass straight to those inputs, beside the states' through them.
+        ct_rows, ct_end = ct_times
+        ct_T = ct_T + ct_end.astype(ct_T.dtype)
+        if save.t1:
+            ct_T = ct_T + ct_rows[rows_t0 + num_ts].astype(ct_T.dtype)
         a = ct_y1
         theta_bar = jtu.tree_map(jnp.zeros_like, theta)
         y = out.y_end
@@ -277,6 +283,8 @@ class BacksolveAdjoint(AbstractAdjoint):
         )
         ct_t0 = -_dot(a, g(problem.t0, problem.y0))
         if save.t0:
+            ct_t0 = ct_t0 + ct_rows[0].astype(ct_t0.dtype)
+        if save.t0:
             a = jtu.tree_map(jnp.add, a, take(ct_ys, 0))
         dynamic, _ = eqx.partition(problem, eqx.is_array)
         ct = jtu.tree_map(zeros_cotangent, dynamic)
@@ -288,8 +296,17 @@ class BacksolveAdjoint(AbstractAdjoint):
         )
         ct = _replace_subtrees(ct, ct_aux)
         if ct_ts is not None:
+            ct_ts = ct_ts + ct_rows[rows_t0 : rows_t0 + num_ts].astype(ct_ts.dtype)
             ct = eqx.tree_at(lambda p: p.saves[0].ts, ct, ct_ts)
         return ct
+
+
+def _times_ct(ct_out: Outputs) -> tuple[jax.Array, jax.Array]:
+    """The cotangents of the saved times (one save: its rows) and of the end time,
+    zeros where there are none."""
+    (ct_rows,) = jtu.tree_leaves(ct_out.ts) or (jnp.zeros(0),)
+    ct_end = ct_out.t_end
+    return ct_rows, jnp.zeros(()) if ct_end is None else ct_end
 
 
 def _replace_subtrees(ct, ct_aux):

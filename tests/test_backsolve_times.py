@@ -1,0 +1,49 @@
+"""`BacksolveAdjoint` and the cotangents of `sol.ts`: the saved times are the
+inputs' own (`t0`, `SaveAt(ts=...)`, `t1`), so a loss that reads them has their
+derivative, as through the other adjoints (it was dropped: d sum(sol.ts) / dt1 came
+out 0 instead of 1)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import solverkit as sk
+
+
+def _loss(t0, t1, ts, adjoint, kind):
+    saveat = {
+        "t1": sk.SaveAt(t1=True),
+        "t0t1": sk.SaveAt(t0=True, t1=True),
+        "ts": sk.SaveAt(t0=True, ts=ts, t1=True),
+    }[kind]
+    sol = sk.diffeqsolve(
+        sk.ODETerm(lambda t, y, a: -0.5 * y + jnp.sin(t)), sk.Tsit5(), t0, t1,
+        0.1 * jnp.sign(t1 - t0), jnp.array(1.0), saveat=saveat,
+        stepsize_controller=sk.PIDController(rtol=1e-10, atol=1e-10),
+        adjoint=adjoint,
+    )  # fmt: skip
+    return jnp.sum(sol.ts**2) + jnp.sum(sol.ys)
+
+
+@pytest.mark.quick_cases("ts-forwards")
+@pytest.mark.parametrize("direction", ["forwards", "backwards"])
+@pytest.mark.parametrize("kind", ["t1", "t0t1", "ts"])
+def test_backsolve_time_cotangents_match_the_checkpointed_adjoint(x64, kind, direction):
+    """d/d(t0, t1, ts) of a loss of `sol.ts` and `sol.ys` through BacksolveAdjoint
+    equals RecursiveCheckpointAdjoint's, forwards and backwards in time, and under
+    `vmap` over `t1` (the continuous adjoint at tolerance 1e-10: its error ~1e-9
+    relative, so 1e-7)."""
+    t0, t1 = (0.2, 2.0) if direction == "forwards" else (2.0, 0.2)
+    ts = jnp.array([0.5, 1.0]) if direction == "forwards" else jnp.array([1.0, 0.5])
+    grad = jax.grad(_loss, argnums=(0, 1, 2))
+    back = grad(t0, t1, ts, sk.BacksolveAdjoint(), kind)
+    ref = grad(t0, t1, ts, sk.RecursiveCheckpointAdjoint(), kind)
+    for b, r in zip(back, ref):
+        np.testing.assert_allclose(b, r, rtol=1e-7, atol=1e-9)
+    t1s = jnp.array([t1, t1 + 0.3 * np.sign(t1 - t0)])
+    vmapped = jax.vmap(grad, in_axes=(None, 0, None, None, None))
+    back = vmapped(t0, t1s, ts, sk.BacksolveAdjoint(), kind)
+    ref = vmapped(t0, t1s, ts, sk.RecursiveCheckpointAdjoint(), kind)
+    for b, r in zip(back, ref):
+        np.testing.assert_allclose(b, r, rtol=1e-7, atol=1e-9)
