@@ -89,7 +89,10 @@ def test_explicit_pair_is_the_summed_method(adaptive):
     ref = _solve(sk, sk.Dopri5(), summed, controller(sk))
     assert int(ours.stats["num_steps"]) == int(theirs.stats["num_steps"])
     assert int(ours.stats["num_steps"]) == int(ref.stats["num_steps"])
-    np.testing.assert_allclose(ours.ys, theirs.ys, rtol=1e-12)
+    # Saves between step ends (adaptive) go through the interpolant, whose
+    # arithmetic differs from diffrax's by ulps of y amplified by 1 / dt (JAX 0.12 with
+    # a newer diffrax: 1.8e-11), hence 1e-10.
+    np.testing.assert_allclose(ours.ys, theirs.ys, rtol=1e-10)
     # `ref` saves through Dopri5's own dense output, `ours` through the linear
     # interpolation of the user's class: equal at the steps (the 6 save times of the
     # fixed 0.05 grid; t0 and t1 for the adaptive one).
@@ -288,7 +291,10 @@ def test_diffrax_form_explicit_tableau(adaptive):
     )  # fmt: skip
     assert int(ours.stats["num_steps"]) == int(ref.stats["num_steps"])
     assert int(ours.stats["num_steps"]) == int(theirs.stats["num_steps"])
-    np.testing.assert_allclose(ours.ys, theirs.ys, rtol=1e-12)
+    # Saves between step ends (adaptive) go through the interpolant, whose
+    # arithmetic differs from diffrax's by ulps of y amplified by 1 / dt (JAX 0.12 with
+    # a newer diffrax: 1.8e-11), hence 1e-10.
+    np.testing.assert_allclose(ours.ys, theirs.ys, rtol=1e-10)
     rows = slice(None) if not adaptive else np.array([0, -1])  # steps' ends
     np.testing.assert_allclose(ours.ys[rows], ref.ys[rows], rtol=1e-12)  # pyright: ignore
 
