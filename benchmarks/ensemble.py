@@ -34,12 +34,15 @@ trajectory, over the sum of the trajectories' steps; a lockstep `vmap` does
 `N * max` of them), and the largest difference between the two gradients relative
 to the largest entry.
 
-`--lanes` takes lane counts (`256`), fractions of N (`n/4`, `n`) or `d` (the
-default); `--refill` the lanes refilled at once, counts, fractions of the lanes
-(`l/8`) or `d`. A peer that fails (a crash, out of memory) is recorded with its
-error and the run goes on; `--budget-s` stops starting new measurements after that
-many seconds (recorded as skipped). `--out DIR` writes `ensemble.json` (every row,
-with the device and the options) and `ensemble.md` (the table) there.
+`--lanes` takes lane counts (`256`), fractions of N (`n/4`, `n`), `d` (the default
+lanes, on the lane loop) or `k` (`ensemble_solve` with every default, `kernel=None`:
+on a TPU the whole-solve kernel where it supports the solve; its `refill` column
+reads -1 when the kernel ran); `--refill` the lanes refilled at once, counts,
+fractions of the lanes (`l/8`) or `d`. A peer that fails (a crash, out of memory) is
+recorded with its error and the run goes on; `--budget-s` stops starting new
+measurements after that many seconds (recorded as skipped). `--out DIR` writes
+`ensemble.json` (every row, with the device and the options) and `ensemble.md` (the
+table) there.
 """
 
 import argparse
@@ -135,17 +138,27 @@ def lockstep(case: Case, chunk: int | None = None):
     )
 
 
+KERNEL = -1  # `--lanes k`: `ensemble_solve` with every default (its `refill` column)
+
+
 def refill(case: Case, lanes: int | None, size: int | None = None):
+    """`ensemble_solve` on the lane loop with `lanes` and refill `size`; with
+    `lanes == KERNEL`, with every default instead (`kernel=None`: the whole-solve
+    kernel where it supports the solve, on a TPU), the path a user gets."""
     term, solver = sk.ODETerm(case.vf), getattr(sk, case.solver)()
+    default = lanes == KERNEL
 
     def solve(y0, p):
         sol = sk.ensemble_solve(
             term, solver, 0.0, case.t1, DT0, y0, p,
-            stepsize_controller=_controller(), max_steps=MAX_STEPS, lanes=lanes,
-            refill=size, kernel=False,  # the lane loop (benchmarks.kernel: the kernel)
+            stepsize_controller=_controller(), max_steps=MAX_STEPS,
+            lanes=None if default else lanes, refill=None if default else size,
+            kernel=None if default else False,  # False: the lane loop
         )  # fmt: skip
         stats = sol.stats
-        return sol.ys[:, -1], stats["num_steps"], stats["lane_steps"], stats["refill"]
+        # The kernel's stats have no `refill`: KERNEL marks its rows.
+        mode = stats.get("refill", KERNEL)
+        return sol.ys[:, -1], stats["num_steps"], stats["lane_steps"], mode
 
     return jax.jit(solve)
 
@@ -319,6 +332,8 @@ def _count(spec: str, whole: int, default=None) -> int | None:
     (`whole`), or `d` (`default`)."""
     if spec == "d":
         return default
+    if spec == "k":
+        return KERNEL
     if spec[0] in "nl":
         div = int(spec[2:]) if "/" in spec else 1
         return max(1, whole // div)
@@ -361,8 +376,10 @@ def _refill_row(case, n, args, lanes, size, base: dict, opts, deadline) -> dict:
     """One row: `ensemble_solve` with `lanes` and refill `size` against the
     lockstep run in `base`."""
     timed, error = _attempt(refill(case, lanes, size), args, opts.repeats, deadline)
-    used = sk.default_lanes(n) if lanes is None else min(lanes, n)
+    used = sk.default_lanes(n) if lanes in (None, KERNEL) else min(lanes, n)
     row = dict(base, lanes=f"{used} (default)" if lanes is None else str(used))
+    if lanes == KERNEL:
+        row["lanes"] = "defaults (kernel=None)"
     row.update(refill=None, refill_s=None, ratio=None, chunked_s=None, work=None)
     row.update(refill_first_s=None, max_abs_diff=None, error=error)
     if timed is None:
@@ -373,7 +390,7 @@ def _refill_row(case, n, args, lanes, size, base: dict, opts, deadline) -> dict:
     if base["lockstep_s"] is not None:
         row["ratio"] = run_r / base["lockstep_s"]
         row["max_abs_diff"] = float(jnp.max(jnp.abs(y_r - base["_y"])))
-    if opts.chunked and used < n:
+    if opts.chunked and used < n and lanes != KERNEL:
         chunked, _ = _attempt(lockstep(case, used), args, opts.repeats, deadline)
         row["chunked_s"] = None if chunked is None else chunked[1]
     return row
@@ -400,7 +417,9 @@ def run_case(case: Case, n: int, opts, deadline: float) -> list[dict]:
     done = set()
     for lane_spec in opts.lanes.split(","):
         lanes = _count(lane_spec, n)
-        used = sk.default_lanes(n) if lanes is None else min(lanes, n)
+        used = sk.default_lanes(n) if lanes in (None, KERNEL) else min(lanes, n)
+        if lanes == KERNEL:
+            used = -1  # its own row, whatever the default lanes
         for refill_spec in opts.refill.split(",") if used < n else ["d"]:
             size = _count(refill_spec, used)
             if (used, size) in done:  # e.g. `d` and `n/2`: measured once
@@ -436,7 +455,12 @@ def _options(argv):
     add("--quick", action="store_true", help="N=512, 1 repeat")
     add("--cases", default=",".join(CASES))
     add("--sizes", default=None, help="e.g. 1024,4096")
-    add("--lanes", default="d", help="e.g. 128,n/4,n,d ('d': default)")
+    add(
+        "--lanes",
+        default="d",
+        help="e.g. 128,n/4,n,d,k ('d': default lanes on the lane loop; 'k': every "
+        "default, kernel=None)",
+    )
     add("--refill", default="d", help="lanes refilled at once, e.g. 1,l/8,d")
     add("--dtype", default="float64", choices=("float32", "float64"))
     add("--repeats", type=int, default=None)
