@@ -71,7 +71,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
     start = _event.start(problem)  # after a `TimedEvent` at `t0`
     problem = dataclasses.replace(problem, y0=start.y0)
     terms, t0, y0, args = problem.terms, problem.t0, problem.y0, problem.args
-    func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
+    func = problem.solver.func  # called as func(terms, t, y, args)
     tnext, controller_state = problem.controller.loop_init(
         terms, t0, problem.t1, y0, problem.dt0, args, func, problem.error_order
     )

@@ -121,3 +121,25 @@ def test_by_hand_under_vmap():
         want = ends(ref, t0)
         assert [float(g[i]) for g in got[:2]] == [float(w) for w in want[:2]]
         assert bool(got[2][i]) == bool(want[2])
+
+
+@pytest.mark.parametrize("solver", ["Heun", "Tsit5"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_initial_step_by_hand(solver, clip):
+    # `init(..., dt0=None, ..., func, ...)` calls `func(terms, t, y, args)`, as diffrax
+    # does with `solver.func` (it was called as `func(t, y, args)`: a TypeError).
+    # The heuristic is diffrax's own arithmetic on a bare ODETerm: equal to 1e-14.
+    def first(lib):
+        term = lib.ODETerm(lambda t, y, args: -args * y + jnp.sin(t))
+        s = getattr(lib, solver)()
+        c = lib.PIDController(rtol=1e-3, atol=1e-6)
+        if clip:
+            c = lib.ClipStepSizeController(c, step_ts=jnp.array([0.5]))
+        y0, args = jnp.array([1.0, 2.0]), jnp.asarray(3.0)
+        init = lambda y0, args: c.init(  # noqa: E731
+            term, 0.0, 1.0, y0, None, args, s.func, s.error_order(term)
+        )[0]
+        return init(y0, args), jax.jit(init)(y0, args)
+
+    want, got = first(diffrax), first(sk)
+    np.testing.assert_allclose(got, want, rtol=1e-14)

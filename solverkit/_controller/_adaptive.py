@@ -31,6 +31,7 @@ from ._norm import rms_norm
 
 
 def _initial_step(
+    terms,
     func: Callable[..., VF],
     t0: Array,
     y0: Y,
@@ -40,16 +41,17 @@ def _initial_step(
     atol,
     norm,
 ):
-    """Hairer, Norsett & Wanner (1993), II.4: a first step from two evaluations."""
+    """Hairer, Norsett & Wanner (1993), II.4: a first step from two evaluations
+    of `func(terms, t, y, args)` (the solver's `func`, as diffrax calls it)."""
     scale = jtu.tree_map(lambda y: atol + jnp.abs(y) * rtol, y0)
     div = lambda a, s: a / s.astype(a.dtype)
-    f0 = func(t0, y0, args)
+    f0 = func(terms, t0, y0, args)
     d0 = norm(jtu.tree_map(div, y0, scale))
     d1 = norm(jtu.tree_map(div, f0, scale))
     small = (d0 < 1e-5) | (d1 < 1e-5)
     h0 = where(small, 1e-6, 0.01 * d0 / where(small, 1, d1)).astype(t0.dtype)
     y1 = jtu.tree_map(lambda y, f: y + jnp.asarray(h0, y.dtype) * f, y0, f0)
-    f1 = func(t0 + h0, y1, args)
+    f1 = func(terms, t0 + h0, y1, args)
     d2 = norm(jtu.tree_map(lambda a, b, s: div(a - b, s), f1, f0, scale)) / h0
     max_d = jnp.maximum(d1, d2)
     h1 = where(
@@ -225,6 +227,7 @@ class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
         t0, t1 = times_of(t0, t1)
         if dt0 is None:
             dt0 = _initial_step(
+                terms,
                 func,
                 t0,
                 y0,

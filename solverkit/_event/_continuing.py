@@ -149,7 +149,7 @@ def _after_occurrence(problem: Problem, t1, y, masks, reference, states):
                 apply, (problem.event.effect, flip(problem.direction, t1), y, args)
             )
             y = tree_where(apply, like_state(effect(t, seen, fn_args), y), y)
-            func = lambda t, y, args: problem.solver.func(terms, t, y, args)  # noqa: E731
+            func = problem.solver.func  # called as func(terms, t, y, args)
             fresh, fresh_state = problem.controller.loop_init(
                 terms, t1, problem.t1, y, problem.dt0, args, func, problem.error_order
             )

@@ -208,7 +208,7 @@ def _grid(problem: Problem, pid) -> list:
     if pid is not None:
         return [jnp.zeros((), t0.dtype)] * 3
     terms, args = problem.terms, problem.args
-    func = lambda t, y, a: problem.solver.func(terms, t, y, a)  # noqa: E731
+    func = problem.solver.func  # called as func(terms, t, y, args)
     _, state = problem.controller.init(
         terms, t0, t1, problem.y0, problem.dt0, args, func, problem.error_order
     )
