@@ -198,6 +198,20 @@ def test_progress_meter_counts_trajectories(capsys):
     assert values == sorted(values) and len(values) > 2
 
 
+def test_progress_meter_lockstep(capsys):
+    # As many lanes as trajectories: the vmapped single solve's meter (the slowest
+    # trajectory's time), from 0% to 100%, the solution that of jax.vmap.
+    y0, args = inputs()
+    meter = sk.TextProgressMeter(minimum_increase=0.1)
+    sol = ensemble(y0, args, stepsize_controller=PID, progress_meter=meter, lanes=N)
+    jax.block_until_ready(sol.ys)
+    values = [float(v) for v in re.findall(r"([\d.]+)%", capsys.readouterr().out)]
+    assert values[0] == 0.0 and values[-1] == 100.0 and values == sorted(values)
+    assert sol.stats["refill"] == 0
+    ref = ensemble(y0, args, stepsize_controller=PID, lanes=N)
+    np.testing.assert_array_equal(sol.ys, ref.ys)
+
+
 # --- Gradients ----------------------------------------------------------------------
 #
 # Reverse mode against `jax.grad` of the same loss through `jax.vmap(diffeqsolve)`.

@@ -11,7 +11,7 @@ back into the lanes. So a refill costs the work of `refill` lanes, not of all, a
 its predicate is unbatched (`unvmap_any`): under an outer `vmap` it stays a
 branch, not a select run on every iteration. Lanes still running when the queue
 is empty are written once, after the loop. With `refill == 0` (as many lanes as
-trajectories) the loop is the lockstep one, without the refill.
+trajectories) `lockstep` runs instead: `jax.vmap` of the single solve's loop.
 """
 
 import dataclasses
@@ -47,7 +47,7 @@ class Lanes(NamedTuple):
     queue: Array  # the next trajectory to start
     done: Array  # trajectories finished and written
     iterations: Array  # loop iterations so far
-    out: PyTree  # outputs, one row per trajectory (None: lockstep, written after)
+    out: PyTree  # outputs, one row per trajectory
     shown: Any  # the progress last shown, or None
 
 
@@ -202,8 +202,6 @@ class LaneLoop:
         """One step of every running lane, then a refill where it pays: once
         `wait` finished lanes wait, or no lane runs, while the queue lasts."""
         s = self.step(s, member)
-        if not self.plan.refill:  # lockstep
-            return s
         finished = (s.index < self.batch) & ~s.running
         count = jnp.sum(finished, dtype=jnp.int32)
         enough = (count >= self.plan.wait) | ~jnp.any(s.running)
@@ -215,12 +213,10 @@ class LaneLoop:
         lanes = self.plan.lanes
         index = jnp.arange(lanes, dtype=jnp.int32)
         (carry, bufs, y, a, tm), running = self.init_lanes(index)
-        out = None
-        if self.plan.refill:
-            first = lambda tree: jtu.tree_map(lambda x: x[:1], tree)  # noqa: E731
-            one = jax.eval_shape(self.outputs, *first((y, a, tm, carry, bufs)))
-            shape = lambda x: jnp.zeros((self.batch,) + x.shape[1:], x.dtype)  # noqa: E731
-            out = jtu.tree_map(shape, one)
+        first = lambda tree: jtu.tree_map(lambda x: x[:1], tree)  # noqa: E731
+        one = jax.eval_shape(self.outputs, *first((y, a, tm, carry, bufs)))
+        shape = lambda x: jnp.zeros((self.batch,) + x.shape[1:], x.dtype)  # noqa: E731
+        out = jtu.tree_map(shape, one)
         zero = jnp.asarray(0, jnp.int32)
         shown = None
         if self.token is not None:
@@ -237,14 +233,30 @@ class LaneLoop:
     def finish(self, s: Lanes) -> PyTree:
         """Every trajectory's row: those of the lanes still occupied written now."""
         rows = self.outputs(s.y0, s.args, s.times, s.carry, s.bufs)
-        if s.out is None:  # lockstep: lane `i` solved trajectory `i`
-            return rows
         return _put(s.out, where(s.index < self.batch, s.index, self.batch), rows)
+
+
+def lockstep(problem: Problem, y0, args_dynamic, times, keep: Keep):
+    """As many lanes as trajectories: `jax.vmap` of the single solve's loop
+    (`_loop.run_while`), the program of `jax.vmap(diffeqsolve)` itself (the lane
+    loop's state and bookkeeping cost a TPU v5e 1.2x the vmapped BDF solve). Its
+    iterations are the most steps of a trajectory."""
+
+    def one(y, a, tm):
+        lane = with_lane(problem, y, a, tm)
+        carry, bufs = _loop.init(lane)
+        carry, bufs, _ = _loop.run_while(lane, carry, bufs)
+        return row(lane, _loop.finish(lane, carry, bufs), keep)
+
+    rows = jax.vmap(one)(y0, args_dynamic, times)
+    return rows, jnp.max(rows["num_steps"])
 
 
 def run(problem: Problem, y0, args_dynamic, times, plan: Policy, keep: Keep):
     """The lane loop: every trajectory's row (leading axis: trajectory) and the
-    number of loop iterations."""
+    number of loop iterations (`lockstep` where nothing is refilled)."""
+    if not plan.refill:
+        return lockstep(problem, y0, args_dynamic, times, keep)
     loop = LaneLoop(problem, y0, args_dynamic, times, plan, keep)
     state = loop.start()
 

@@ -278,7 +278,8 @@ def ensemble_solve(
         trajectory; not `dense`.
     - `throw`: raise if any trajectory fails (the message of the worst failure, by
         result code); with `False` each trajectory's outcome is in `sol.result`.
-    - `progress_meter`: shows the fraction of trajectories finished.
+    - `progress_meter`: shows the fraction of trajectories finished (lockstep: the
+        slowest trajectory's progress in time).
     - `lanes`: how many trajectories are solved side by side; default
         `default_lanes(N)` (on a CPU `N // 16`, at least 64; on an accelerator
         `N`, the lockstep loop, measured faster there). At most `N`; with
