@@ -16,9 +16,10 @@ from .._controller._base import ConstantStepSize
 from .._controller._norm import rms_norm
 from .._problem import Problem
 from .._progress import NoProgressMeter
+from .._solver._rosenbrock import AbstractRosenbrock
 from .._solver._runge_kutta import AbstractRungeKutta
 from .._term import ClosureTerm
-from . import _scalarize
+from . import _rosenbrock, _scalarize
 from ._scalarize import KernelUnsupported
 from ._step import Pid
 
@@ -59,9 +60,17 @@ def pid_of(problem: Problem) -> Pid | None:
     )  # fmt: skip
 
 
-def check(problem: Problem, y0, per_trajectory, keep) -> None:
-    """Raise `KernelUnsupported` naming what the kernel can't do for this solve."""
+def _check_solver(problem: Problem, y0) -> None:
+    """Raise `KernelUnsupported` unless the solver is one the kernel steps: an
+    explicit FSAL RK method with an error estimate and dense output, or a
+    Rosenbrock method (`_rosenbrock.check`)."""
     solver = problem.solver
+    if isinstance(solver, AbstractRosenbrock):
+        leaves = jtu.tree_leaves(y0)
+        batch = leaves[0].shape[0]
+        n = sum(int(np.prod(x.shape, dtype=int)) // batch for x in leaves)
+        _rosenbrock.check(solver, n)
+        return
     tab = getattr(solver, "tableau", None)
     if (
         not isinstance(solver, AbstractRungeKutta)
@@ -74,8 +83,13 @@ def check(problem: Problem, y0, per_trajectory, keep) -> None:
         raise KernelUnsupported(
             f"the solver {type(solver).__name__} (the kernel supports explicit FSAL "
             "Runge-Kutta methods with an error estimate and dense output: Tsit5, "
-            "Dopri5)"
+            "Dopri5; and the Rosenbrock methods Rodas5P, Rodas4, Rosenbrock23)"
         )
+
+
+def check(problem: Problem, y0, per_trajectory, keep) -> None:
+    """Raise `KernelUnsupported` naming what the kernel can't do for this solve."""
+    _check_solver(problem, y0)
     pid_of(problem)
     if not isinstance(problem.terms, ClosureTerm) or problem.direction is not None:
         raise KernelUnsupported("a MultiTerm, or a solve backwards in time")

@@ -24,7 +24,7 @@ from .._integrate import MESSAGES as _MESSAGES
 from .._problem import Problem
 from .._select import where
 from .._solution import Result, RESULTS, Solution
-from . import _backward, _field, _pallas, _tangent
+from . import _backward, _field, _pallas, _rosenbrock, _tangent
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
 
@@ -196,6 +196,7 @@ def lane_inputs(
         **_event_spec(problem, one(y0), one(args_dynamic)),
         directions=tuple(directions),
         primal=n,
+        autonomous=_rosenbrock.autonomous(field.jaxpr),
     )
     return spec, times, ts, y_lanes, arg_lanes, consts
 

@@ -1,0 +1,168 @@
+"""Rosenbrock solves in the whole-solve kernel (`ensemble_solve(kernel=True)` with
+`Rodas5P`, `Rodas4`; `solverkit/_kernel/_rosenbrock.py`), in Pallas' interpreter on
+the CPU, against `jax.vmap(diffeqsolve)` and closed forms.
+
+The kernel's step is the `vmap` path's arithmetic in the same order (for states of
+up to 3 components the same operations), so in float64 both take the same steps and
+agree to round-off; in float32 a step whose error estimate is within round-off of
+the tolerance may go the other way (a step or two on a few trajectories).
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernel import assert_kernel_selects_on_real_tiles
+
+import solverkit as sk
+from solverkit._errors import UnsupportedError
+
+
+N = 256  # two blocks of one row of 128 lanes
+T1 = 3.0
+
+
+def _vdp(scale, table):
+    """Van der Pol, `mu` per trajectory (`args[0]`), a closed-over float `scale` and
+    a closed-over table read at a per-trajectory int index `args[1]` (one-hot: the
+    kernel evaluates no gathers)."""
+
+    def field(t, y, args):
+        mu, k = args
+        weight = jnp.sum(table * (jnp.arange(table.shape[0]) == k))
+        damp = mu * scale * weight
+        return jnp.stack([y[1], damp * (1 - y[0] ** 2) * y[1] - y[0]])
+
+    return field
+
+
+def _vdp_inputs(dtype, n=N):
+    y0 = jnp.tile(jnp.asarray([2.0, 0.0], dtype), (n, 1))
+    y0 = y0 + jnp.linspace(0, 0.1, n, dtype=dtype)[:, None]
+    mu = jnp.asarray(np.logspace(0, 1.5, n), dtype)
+    k = jnp.arange(n, dtype=jnp.int32) % 3
+    return y0, (mu, k)
+
+
+def _kwargs(dtype, rtol, ts):
+    return dict(
+        saveat=sk.SaveAt(ts=jnp.asarray(ts, dtype), t1=True),
+        stepsize_controller=sk.PIDController(rtol=rtol, atol=rtol),
+        max_steps=2000,
+        throw=False,
+    )
+
+
+@functools.partial(eqx.filter_jit, donate="none")
+def _kernel(field, solver, t0, t1, dt0, y0, args, kw):
+    return sk.ensemble_solve(
+        sk.ODETerm(field), solver, t0, t1, dt0, y0, args, kernel=True, **kw
+    )
+
+
+@functools.partial(eqx.filter_jit, donate="none")
+def _vmapped(field, solver, t0, t1, dt0, y0, args, kw):
+    def one(y, a):
+        return sk.diffeqsolve(sk.ODETerm(field), solver, t0, t1, dt0, y, a, **kw)
+
+    return jax.vmap(one)(y0, args)
+
+
+def _vdp_both(dtype, solver, rtol):
+    y0, args = _vdp_inputs(dtype)
+    field = _vdp(jnp.asarray(1.5, dtype), jnp.asarray([0.5, 1.0, 2.0], dtype))
+    kw = _kwargs(dtype, rtol, jnp.linspace(0, T1, 4))
+    # Python times: static under `filter_jit` (the kernel needs a known direction).
+    return [f(field, solver, 0.0, T1, 1e-3, y0, args, kw) for f in (_kernel, _vmapped)]
+
+
+def _steps(sol):
+    return {
+        k: np.asarray(sol.stats[k])
+        for k in ("num_steps", "num_accepted_steps", "num_rejected_steps")
+    }
+
+
+@pytest.mark.parametrize(
+    "solver",
+    [sk.Rodas5P(), pytest.param(sk.Rodas4(), marks=pytest.mark.slow)],
+    ids=["rodas5p", "rodas4"],
+)
+def test_vdp_float64(x64, solver):
+    kern, ref = _vdp_both(jnp.float64, solver, 1e-7)
+    np.testing.assert_array_equal(kern.result._value, ref.result._value)
+    assert np.all(kern.result._value == sk.RESULTS.successful.code)
+    for key, value in _steps(kern).items():
+        np.testing.assert_array_equal(value, _steps(ref)[key], err_msg=key)
+    # The same steps, the same arithmetic: round-off (ulps of |y| <= 60, amplified
+    # over the few hundred steps of the stiffest trajectories).
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(kern.ts, ref.ts)
+
+
+def test_vdp_float32():
+    rtol = 1e-4
+    kern, ref = _vdp_both(jnp.float32, sk.Rodas5P(), rtol)
+    np.testing.assert_array_equal(kern.result._value, ref.result._value)
+    steps_k, steps_r = _steps(kern)["num_steps"], _steps(ref)["num_steps"]
+    # float32 round-off flips a decision at an error ratio within ~1e-6 of 1: a
+    # step or two on a few trajectories.
+    assert np.max(np.abs(steps_k - steps_r)) <= 3
+    assert abs(steps_k.sum() - steps_r.sum()) <= 0.02 * steps_r.sum()
+    # Where the two took other steps they differ by the global error, each one a
+    # solution to the tolerance: rtol times the error's growth along the relaxation
+    # oscillation (|y| <= 2, |y'| up to ~mu = 50), bounded by 100 (float64
+    # against float32 at rtol 1e-4 differs by 2e-3 here).
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=0, atol=100 * rtol)
+
+
+# A stiff linear system with a closed form: y' = s A (y - g(t)) + g'(t), with A =
+# P diag(lam) P^-1 closed over and s per trajectory, g(t) = (cos t, sin t, cos 2t):
+# y(t) = g(t) + P exp(s lam t) P^-1 (y0 - g(0)). A's first column is (-100, 999,
+# 900): for steps past ~1e-3, W = I - γhsA's largest first-column entry is below
+# the diagonal, so the inverse's pivoting swaps rows.
+_P = np.array([[0.0, 1.0, 0.0], [1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+_LAM = np.array([-1.0, -100.0, -1000.0])
+
+
+def _g(t):
+    return jnp.stack([jnp.cos(t), jnp.sin(t), jnp.cos(2 * t)])
+
+
+def _linear(a):
+    def field(t, y, s):
+        dg = jax.jvp(_g, (t,), (jnp.ones_like(t),))[1]
+        return s * (a @ (y - _g(t))) + dg
+
+    return field
+
+
+def _linear_exact(y0, s, t):
+    inv = np.linalg.inv(_P)
+    g0, gt = np.asarray(_g(0.0)), np.asarray(_g(t))
+    decay = np.exp(np.asarray(s)[:, None] * _LAM[None] * t)
+    coords = (np.asarray(y0) - g0) @ inv.T
+    return gt + (decay * coords) @ _P.T
+
+
+def test_linear_stiff_closed_form_float64(x64):
+    n = 128
+    a = jnp.asarray(_P @ np.diag(_LAM) @ np.linalg.inv(_P))
+    s = jnp.linspace(0.5, 2.0, n)
+    y0 = jnp.stack([jnp.ones(n), jnp.linspace(-1, 1, n), jnp.zeros(n)], axis=1)
+    kw = _kwargs(jnp.float64, 1e-8, jnp.asarray([0.5, 1.0]))
+    kern, ref = [
+        f(_linear(a), sk.Rodas5P(), 0.0, 2.0, None, y0, s, kw)
+        for f in (_kernel, _vmapped)
+    ]
+    np.testing.assert_array_equal(kern.result._value, ref.result._value)
+    np.testing.assert_array_equal(_steps(kern)["num_steps"], _steps(ref)["num_steps"])
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-11, atol=1e-11)
+    # The closed form to the tolerance's order (rtol 1e-8, |y| <= 2, a decaying
+    # error: 10 x rtol); t = 0.5 and 1.0 from the dense output, t1 from the steps.
+    for i, t in enumerate([0.5, 1.0, 2.0]):
+        exact = _linear_exact(y0, s, t)
+        np.testing.assert_allclose(kern.ys[:, i], exact, rtol=0, atol=1e-7)
