@@ -88,8 +88,12 @@ def _steps(sol):
 
 @pytest.mark.parametrize(
     "solver",
-    [sk.Rodas5P(), pytest.param(sk.Rodas4(), marks=pytest.mark.slow)],
-    ids=["rodas5p", "rodas4"],
+    [
+        sk.Rodas5P(),
+        pytest.param(sk.Rodas4(), marks=pytest.mark.slow),
+        pytest.param(sk.Rosenbrock23(), marks=pytest.mark.slow),
+    ],
+    ids=["rodas5p", "rodas4", "rosenbrock23"],
 )
 def test_vdp_float64(x64, solver):
     kern, ref = _vdp_both(jnp.float64, solver, 1e-7)
@@ -183,6 +187,7 @@ def test_unsupported_rosenbrock():
             linear_solver=sk.KrylovLinearSolver()
         ),
         "cubic Hermite": sk.Ros3P(),
+        "solver HalfSolver": sk.HalfSolver(sk.Rodas5P()),
     }
     for what, solver in cases.items():
         with pytest.raises(UnsupportedError, match=what):
@@ -245,3 +250,25 @@ def test_vmap_jit_and_gradient_float64(x64):
     e = 1e-5
     fd = (loss(1.0 + e, True) - loss(1.0 - e, True)) / (2 * e)
     np.testing.assert_allclose(jax.grad(loss)(1.0, True), fd, rtol=1e-5)
+
+
+# The full suite (16 s); the quick loop's Rosenbrock kernel: test_vdp_float64.
+@pytest.mark.slow
+def test_event_float64(x64):
+    """A terminal event located on the last Rosenbrock step's dense output (the
+    step recomputed by the kernel's Rosenbrock step): the vmap path's times."""
+    y0, args = _vdp_inputs(jnp.float64, 128)
+    field = _vdp(1.0, jnp.asarray([0.5, 1.0, 2.0]))
+    kw = _kwargs(jnp.float64, 1e-8, jnp.asarray([0.5, 1.0]))
+    kw["event"] = sk.Event(lambda t, y, args, **kwargs: y[0])
+    kern, ref = [
+        f(field, sk.Rodas5P(), 0.0, T1, 1e-3, y0, args, kw) for f in (_kernel, _vmapped)
+    ]
+    fired = np.asarray(ref.result._value == sk.RESULTS.event_occurred.code)
+    assert 0 < fired.sum() < 128  # the small mu cross y = 0 before T1, not the large
+    np.testing.assert_array_equal(kern.result._value, ref.result._value)
+    np.testing.assert_array_equal(_steps(kern)["num_steps"], _steps(ref)["num_steps"])
+    # The same steps and search: round-off (times <= 3, |y| <= 2.1, |y'| <= 60).
+    np.testing.assert_allclose(kern.t1, ref.t1, rtol=0, atol=1e-11)
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(kern.ys[fired][:, -1, 0], 0, atol=1e-10)

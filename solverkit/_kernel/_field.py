@@ -65,7 +65,9 @@ def _check_solver(problem: Problem, y0) -> None:
     explicit FSAL RK method with an error estimate and dense output, or a
     Rosenbrock method (`_rosenbrock.check`)."""
     solver = problem.solver
-    if isinstance(solver, AbstractRosenbrock):
+    # By class, not `isinstance`: a wrapper (`HalfSolver`) passes `isinstance` for
+    # what it wraps, and is refused below.
+    if AbstractRosenbrock in type(solver).__mro__:
         leaves = jtu.tree_leaves(y0)
         batch = leaves[0].shape[0]
         n = sum(int(np.prod(x.shape, dtype=int)) // batch for x in leaves)
