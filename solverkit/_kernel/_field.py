@@ -71,7 +71,7 @@ def _check_solver(problem: Problem, y0) -> None:
         leaves = jtu.tree_leaves(y0)
         batch = leaves[0].shape[0]
         n = sum(int(np.prod(x.shape, dtype=int)) // batch for x in leaves)
-        _rosenbrock.check(solver, n)
+        _rosenbrock.check(solver, n)  # pyright: ignore[reportArgumentType]
         return
     tab = getattr(solver, "tableau", None)
     if (
