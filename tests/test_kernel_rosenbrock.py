@@ -204,6 +204,16 @@ def test_unsupported_rosenbrock():
     assert sol.ys.shape == (128, 1, 2)
 
 
+def test_not_by_default_on_a_tpu(monkeypatch):
+    """`kernel=None` on a TPU keeps Rosenbrock solves on the lane loop until the
+    kernel is measured faster there (`ROSENBROCK_BY_DEFAULT`)."""
+    y0, args = _vdp_inputs(jnp.float32, 128)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    got, want = (_vdp_solve(sk.Rodas5P(), y0, args, kernel=k) for k in (None, False))
+    assert "refill" in got.stats  # the lane loop's stats (the kernel has none)
+    np.testing.assert_array_equal(got.ys, want.ys)
+
+
 def test_selects_on_real_tiles():
     """Every select in the Rosenbrock kernel (the pivoting's included) takes real
     tiles: Mosaic fails on a select that mixes a splat with a vector."""
