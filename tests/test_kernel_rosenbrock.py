@@ -19,6 +19,7 @@ from test_kernel import assert_kernel_selects_on_real_tiles
 
 import solverkit as sk
 from solverkit._errors import UnsupportedError
+from solverkit._kernel import _solve as _kernel_solve
 
 
 N = 256  # two blocks of one row of 128 lanes
@@ -214,21 +215,29 @@ def test_not_by_default_on_a_tpu(monkeypatch):
     np.testing.assert_array_equal(got.ys, want.ys)
 
 
-def test_selects_on_real_tiles():
-    """Every select in the Rosenbrock kernel (the pivoting's included) takes real
-    tiles: Mosaic fails on a select that mixes a splat with a vector."""
+def test_lowers_for_tpu_with_real_tiles(monkeypatch):
+    """The Rosenbrock kernel lowers for a TPU (Mosaic's lowering rules, on the CPU),
+    and every select in it (the pivoting's included) takes real tiles: Mosaic fails
+    on a select that mixes a splat with a vector."""
     y0, args = _vdp_inputs(jnp.float32, 128)
     a = jnp.asarray(_P @ np.diag(_LAM) @ np.linalg.inv(_P), jnp.float32)
 
     def solve(y0, args):
-        vdp = _vdp_solve(sk.Rodas5P(), y0, args, saveat=sk.SaveAt(ts=[0.1, 0.2]))
+        saveat = sk.SaveAt(ts=[0.1, 0.2])
+        vdp = _vdp_solve(sk.Rodas5P(), y0, args, saveat=saveat, throw=False)
         y3 = jnp.concatenate([y0, y0[:, :1]], axis=1)
         linear = sk.ensemble_solve(
             sk.ODETerm(_linear(a)), sk.Rodas5P(), 0.0, 0.5, 1e-3, y3, args[0],
             stepsize_controller=sk.PIDController(rtol=1e-4, atol=1e-4), kernel=True,
+            throw=False,
         )  # fmt: skip
         return vdp.ys, linear.ys
 
+    # (Lowered first: `make_jaxpr` below would cache the interpreted trace.)
+    monkeypatch.setattr(_kernel_solve, "DEFAULT_INTERPRET", False)
+    lowered = jax.jit(solve).trace(y0, args).lower(lowering_platforms=("tpu",))
+    assert lowered.as_text().count("tpu_custom_call") >= 2
+    monkeypatch.setattr(_kernel_solve, "DEFAULT_INTERPRET", None)
     assert_kernel_selects_on_real_tiles(jax.make_jaxpr(solve)(y0, args).jaxpr)
 
 
