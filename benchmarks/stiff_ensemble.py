@@ -24,7 +24,9 @@ that runs past its limit records how long its first call had run after compiling
 Cases: `<solver>-vmap` (`jax.jit(jax.vmap(diffeqsolve))`) and `<solver>-ensemble`
 (`ensemble_solve`, default lanes) for solverkit's Rodas5P, Kvaerno5 and BDF,
 `rodas5p-kernel` (`ensemble_solve(kernel=True)`: the whole-solve Pallas kernel; on
-a CPU in Pallas' interpreter, slow: a smoke run only), and `diffrax-kvaerno5`
+a CPU in Pallas' interpreter, slow: a smoke run only; `rodas5p-kernel@R` in blocks
+of `R` rows of 128 trajectories, default `_kernel._solve.default_rows(N)`: 64 at
+N = 16,384, two blocks, which one TensorCore runs in sequence), and `diffrax-kvaerno5`
 (`jax.vmap(diffrax.diffeqsolve)`). Each run has its own
 subprocess with a time limit, so a crash, an out-of-memory error or a solve that
 does not finish is recorded (`status`) and the run goes on; once `--budget`
@@ -129,7 +131,11 @@ def _solverkit(name: str, kind: str, dtype, max_steps: int, tol: float, lanes=No
     solver = {"rodas5p": sk.Rodas5P, "kvaerno5": sk.Kvaerno5, "bdf": sk.BDF}[name]()
     term, ctrl = sk.ODETerm(_vdp), sk.PIDController(rtol=tol, atol=tol)
     t0, t1, dt0 = dtype(0.0), dtype(T1), dtype(DT0)
-    if kind == "kernel":  # Python times: the kernel needs a known direction
+    if kind.startswith("kernel"):  # Python times: the kernel needs a known direction
+        from solverkit._kernel import _solve
+
+        rows = kind.partition("@")[2]
+        _solve.DEFAULT_ROWS = int(rows) if rows else None
 
         def kernel(y0, mu):
             sol = sk.ensemble_solve(
@@ -411,7 +417,11 @@ PLANS = {"chip": CHIP_PLAN}
 
 
 def _known(case: str) -> bool:
-    """A case of `CASES`, or an ensemble case with `/k` (`N // k` lanes)."""
+    """A case of `CASES`, an ensemble case with `/k` (`N // k` lanes), or a kernel
+    case with `@R` (`R` rows per block)."""
+    kernel, _, rows = case.partition("@")
+    if rows:
+        return kernel in CASES and kernel.endswith("-kernel") and rows.isdigit()
     base, _, div = case.partition("/")
     if not div:
         return case in CASES
