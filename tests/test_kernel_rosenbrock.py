@@ -291,3 +291,23 @@ def test_event_float64(x64):
     np.testing.assert_allclose(kern.t1, ref.t1, rtol=0, atol=1e-11)
     np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(kern.ys[fired][:, -1, 0], 0, atol=1e-10)
+
+
+# The full suite; the quick loop's Rosenbrock kernel: test_vdp_float64 (a given
+# `dt0`) and test_linear_stiff_closed_form_float64 (the first-step heuristic).
+@pytest.mark.slow
+def test_constant_step_size_float64(x64):
+    """`ConstantStepSize` (no error estimate used; saves between steps): the vmap
+    path's grid and values."""
+    y0, args = _vdp_inputs(jnp.float64, 128)
+    field = _vdp(1.0, jnp.asarray([0.5, 1.0, 2.0]))
+    kw = _kwargs(jnp.float64, 1e-8, jnp.linspace(0, 1, 7))
+    kw["stepsize_controller"] = sk.ConstantStepSize()
+    kern, ref = [
+        f(field, sk.Rodas5P(), 0.0, 1.0, 0.01, y0, args, kw)
+        for f in (_kernel, _vmapped)
+    ]
+    np.testing.assert_array_equal(_steps(kern)["num_steps"], 100)
+    np.testing.assert_array_equal(_steps(ref)["num_steps"], 100)
+    # The same 100 steps: round-off (|y| <= 2.1).
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-12, atol=1e-12)
