@@ -24,6 +24,19 @@ from ._scalarize import KernelUnsupported
 from ._step import Pid
 
 
+# Whether `kernel=None` (on a TPU) takes the kernel for a Rosenbrock solver. Off
+# until measured faster than the lane loop on the chip (the kernel path "is chosen
+# only where it is measured faster"); `kernel=True` takes it regardless.
+ROSENBROCK_BY_DEFAULT = False
+
+
+def by_default(problem: Problem) -> bool:
+    """Whether `kernel=None` may take the kernel for this solve (where supported)."""
+    return (
+        ROSENBROCK_BY_DEFAULT or AbstractRosenbrock not in type(problem.solver).__mro__
+    )
+
+
 def _float(name: str, value) -> float:
     try:
         return float(value)

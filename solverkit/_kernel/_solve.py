@@ -24,7 +24,6 @@ from .._integrate import MESSAGES as _MESSAGES
 from .._problem import Problem
 from .._select import where
 from .._solution import Result, RESULTS, Solution
-from .._solver._rosenbrock import AbstractRosenbrock
 from . import _backward, _field, _pallas, _rosenbrock, _tangent
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
@@ -55,19 +54,6 @@ DEFAULT_INTERPRET: bool | None = None
 # 10, `benchmarks.kernel_profile --grad`): 1.31 / 5.85 ms against the loop's 6.66 /
 # 59.3 ms and kernel=False's 7.72 / 67.5 ms at N = 4096 / 65,536.
 BACKWARD = "tangent"
-
-
-# Whether `kernel=None` (on a TPU) takes the kernel for a Rosenbrock solver. Off
-# until measured faster than the lane loop on the chip (the kernel path "is chosen
-# only where it is measured faster"); `kernel=True` takes it regardless.
-ROSENBROCK_BY_DEFAULT = False
-
-
-def by_default(problem: Problem) -> bool:
-    """Whether `kernel=None` may take the kernel for this solve (where supported)."""
-    return (
-        ROSENBROCK_BY_DEFAULT or AbstractRosenbrock not in type(problem.solver).__mro__
-    )
 
 
 def default_rows(batch: int) -> int:
