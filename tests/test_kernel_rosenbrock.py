@@ -215,6 +215,29 @@ def test_not_by_default_on_a_tpu(monkeypatch):
     np.testing.assert_array_equal(got.ys, want.ys)
 
 
+def _kinked(t, y, a):
+    """A field whose JVP has selects (`max`, `abs`, `pow`'s rules): JAX's own
+    JVP of them selects between splat constants, which Mosaic rejects."""
+    return jnp.stack(
+        [-a * jnp.maximum(y[0], 0.1) * y[1], jnp.abs(y[0]) ** 0.5 - 5 * a * y[1]]
+    )
+
+
+def test_jvp_of_kinks_float64(x64):
+    """The Jacobian of `_kinked` (its JVP evaluated on tiles like the field, every
+    select anchored): the vmap path's steps and values."""
+    a = jnp.linspace(1.0, 100.0, 128)
+    y0 = jnp.stack([jnp.linspace(-0.5, 1.0, 128), jnp.ones(128)], axis=1)
+    kw = _kwargs(jnp.float64, 1e-8, jnp.asarray([0.5]))
+    kern, ref = [
+        f(_kinked, sk.Rodas5P(), 0.0, 1.0, 1e-3, y0, a, kw) for f in (_kernel, _vmapped)
+    ]
+    np.testing.assert_array_equal(kern.result._value, ref.result._value)
+    np.testing.assert_array_equal(_steps(kern)["num_steps"], _steps(ref)["num_steps"])
+    # The same steps: round-off (|y| <= 1).
+    np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-12, atol=1e-12)
+
+
 def test_lowers_for_tpu_with_real_tiles(monkeypatch):
     """The Rosenbrock kernel lowers for a TPU (Mosaic's lowering rules, on the CPU),
     and every select in it (the pivoting's included) takes real tiles: Mosaic fails
@@ -231,12 +254,16 @@ def test_lowers_for_tpu_with_real_tiles(monkeypatch):
             stepsize_controller=sk.PIDController(rtol=1e-4, atol=1e-4), kernel=True,
             throw=False,
         )  # fmt: skip
-        return vdp.ys, linear.ys
+        kinked = sk.ensemble_solve(
+            sk.ODETerm(_kinked), sk.Rodas5P(), 0.0, 0.5, 1e-3, y0, args[0],
+            kernel=True, throw=False,
+        )  # fmt: skip
+        return vdp.ys, linear.ys, kinked.ys
 
     # (Lowered first: `make_jaxpr` below would cache the interpreted trace.)
     monkeypatch.setattr(_kernel_solve, "DEFAULT_INTERPRET", False)
     lowered = jax.jit(solve).trace(y0, args).lower(lowering_platforms=("tpu",))
-    assert lowered.as_text().count("tpu_custom_call") >= 2
+    assert lowered.as_text().count("tpu_custom_call") >= 3
     monkeypatch.setattr(_kernel_solve, "DEFAULT_INTERPRET", None)
     assert_kernel_selects_on_real_tiles(jax.make_jaxpr(solve)(y0, args).jaxpr)
 

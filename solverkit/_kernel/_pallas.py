@@ -63,8 +63,6 @@ class Spec(NamedTuple):
     # components among the `n` (the rest: one tangent of them per direction).
     directions: tuple = ()
     primal: int = 0
-    # Whether the field ignores `t` (a Rosenbrock step then takes no `∂f/∂t`).
-    autonomous: bool = False
 
     @property
     def rosenbrock(self) -> bool:
@@ -123,7 +121,7 @@ def _advance(spec: Spec, field, t0, h, y: list, f: list, estimate: bool):
     field at the end for an FSAL RK method (for Rosenbrock, none: `f`, empty)."""
     tab = spec.tableau
     if isinstance(tab, RosenbrockTableau):
-        y1, error, us = _rosenbrock.step(tab, field, spec.autonomous, t0, h, y)
+        y1, error, us = _rosenbrock.step(tab, field, t0, h, y)
         return y1, error if estimate else None, us, f
     y1, error, ks = _step.rk_step(tab, field, t0, h, y, f, estimate)
     return y1, error, ks, ks[-1]
@@ -301,6 +299,25 @@ def _body(
     )
 
 
+class _Bound(NamedTuple):
+    """The field with a block's arguments and shared values bound: `(t, y) -> f`;
+    `jvp(t, y, dt, dy) -> (f, df)` and `autonomous` for a Rosenbrock step."""
+
+    lane: Any  # a `_field.LaneField`
+    args: list
+    consts: list
+
+    def __call__(self, t, y: list) -> list:
+        return self.lane(t, y, self.args, self.consts)
+
+    def jvp(self, t, y: list, dt, dy: list) -> tuple[list, list]:
+        return self.lane.jvp(t, y, self.args, self.consts, dt, dy)
+
+    @property
+    def autonomous(self) -> bool:
+        return self.lane.autonomous
+
+
 def _kernel(spec: Spec, *refs):
     zero_ref, *refs = refs
     with _tile.anchored(zero_ref[...]):
@@ -320,7 +337,7 @@ def _kernel_body(spec: Spec, *refs):
     args = [[r[i] for i in range(m)] for r, m in zip(arg_refs, spec.num_args)]
     consts = [_read_const(r, shape) for r, shape in zip(const_refs, spec.const_shapes)]
     own = spec.field_consts if spec.cond is not None else len(consts)
-    field = primal = lambda t, y: spec.field(t, y, args, consts[:own])  # noqa: E731
+    field = primal = _Bound(spec.field, args, consts[:own])
     if spec.directions:
         assert spec.cond is None, "no event with forward sensitivities"
         field = _tangent.augment(

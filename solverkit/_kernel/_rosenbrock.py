@@ -9,15 +9,17 @@ matrix is `n²` tiles. The arithmetic is `_solver/_rosenbrock.py`'s with its def
 above, the `vmap` path inverts by LU, this by Gauss-Jordan). One step from `(t0, y0)`
 of size `h`:
 
-1. `J = ∂f/∂y` at `(t0, y0)`: one `jax.jvp` of the lane-wise field per state
-   component `j` (the other components held constant, so no zero tangent is
-   carried), its tangent output column `j` of `J` and its primal output `f0`. The
-   field is the `Closure`'s jaxpr evaluated lane-wise (`_scalarize`), so its JVP
-   holds the JVPs of those element-wise primitives only: the same set Mosaic lowers
-   for the RK kernel's forward sensitivities (`_tangent`). A non-autonomous field
-   (its jaxpr reads `t`) also gets `∂f/∂t` by one more `jax.jvp` along `t` (the
-   `vmap` path's `time_derivative`); for an autonomous one it is zero and skipped
-   (the `vmap` path adds a zero there: the same values).
+1. `J = ∂f/∂y` at `(t0, y0)`: column `j` is the field's JVP along the unit vector
+   `e_j`, its primal output `f0` (`jacfwd`'s arithmetic, zero tangents included).
+   The JVP is taken of the field's jaxpr once, before the kernel is traced
+   (`_field.tangent_program`), and evaluated lane-wise by `_scalarize` like the
+   field: so `_scalarize.check` names any primitive of it the kernel can't
+   evaluate, and its selects (the JVP rules of `max`, `abs`, `pow` select between
+   constants) are anchored to real tiles as Mosaic needs (`_tile`); `jax.jvp` of
+   the tile-level evaluation would bind those rules' splat selects directly. A
+   non-autonomous field (its jaxpr reads `t`) also gets `∂f/∂t`, the JVP along
+   `t` (the `vmap` path's `time_derivative`); for an autonomous one it is zero and
+   skipped (the `vmap` path adds a zero there: the same values).
 2. `W = I - γhJ` (`iteration_matrix`), then its inverse by Gauss-Jordan elimination
    with partial pivoting (`small_inverse`: the largest `|entry|` of the pivot
    column, ties to the upper row, chosen by selects on tiles, `_tile.where`, with
@@ -41,10 +43,6 @@ and linear solvers other than `DenseLinearSolver` (`check` says so). Reverse mod
 runs the lane loop's backward pass (`_backward.directions_of` gives none here).
 """
 
-from collections.abc import Callable
-
-import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 
 from .._linear._linear_solver import DenseLinearSolver
@@ -85,33 +83,25 @@ def check(solver: AbstractRosenbrock, n: int) -> None:
         )
 
 
-def autonomous(jaxpr: jex.Jaxpr) -> bool:
-    """Whether the lane-wise field's jaxpr (its first input `t`) ignores `t`."""
-    t = jaxpr.invars[0]
-    used = (v for eqn in jaxpr.eqns for v in eqn.invars)
-    return not any(v is t for v in used) and not any(v is t for v in jaxpr.outvars)
-
-
-def _linearise(field: Callable, t0, y: Tiles) -> tuple[Tiles, Matrix]:
-    """`(f(t0, y), J)`, `J[i][j] = ∂f_i/∂y_j`, one JVP per component."""
+def _linearise(field, t0, y: Tiles) -> tuple[Tiles, Matrix]:
+    """`(f(t0, y), J)`, `J[i][j] = ∂f_i/∂y_j`: column `j` the field's JVP along the
+    unit vector `e_j` (`field.jvp`, its tangents 0-d zeros and a one)."""
     n = len(y)
+    zero, one = jnp.zeros((), y[0].dtype), jnp.ones((), y[0].dtype)
     columns, f0 = [], None
     for j in range(n):
-
-        def along(yj, j=j):
-            return field(t0, [*y[:j], yj, *y[j + 1 :]])
-
-        value, column = jax.jvp(along, (y[j],), (jnp.ones_like(y[j]),))
+        unit = [one if i == j else zero for i in range(n)]
+        value, column = field.jvp(t0, y, jnp.zeros((), t0.dtype), unit)
         f0 = value if f0 is None else f0
         columns.append(column)
     assert f0 is not None  # (a state has a component)
     return f0, [[columns[j][i] for j in range(n)] for i in range(n)]
 
 
-def _time_derivative(field: Callable, t0, y: Tiles) -> Tiles:
-    """`∂f/∂t` at `(t0, y)` (`_linalg.time_derivative`)."""
-    _, dt = jax.jvp(lambda t: field(t, y), (t0,), (jnp.ones_like(t0),))
-    return dt
+def _time_derivative(field, t0, y: Tiles) -> Tiles:
+    """`∂f/∂t` at `(t0, y)` (`_linalg.time_derivative`): the JVP along `t`."""
+    zero = jnp.zeros((), y[0].dtype)
+    return field.jvp(t0, y, jnp.ones((), t0.dtype), [zero] * len(y))[1]
 
 
 def _pivot(rows: Matrix, k: int) -> Matrix:
@@ -183,13 +173,14 @@ def _axpy(start: Tiles | None, pairs) -> Tiles:
     return out
 
 
-def step(tab: RosenbrockTableau, field: Callable, is_autonomous: bool, t0, h, y):
+def step(tab: RosenbrockTableau, field, t0, h, y):
     """One step (see the module docstring).
 
     **Arguments:**
 
-    - `tab`: the method; `field`: `(t, y tiles) -> dy/dt tiles`, lane-wise;
-        `is_autonomous`: whether the field ignores `t` (then no `∂f/∂t`).
+    - `tab`: the method; `field`: `(t, y tiles) -> dy/dt tiles`, lane-wise, with
+        `field.jvp(t, y, dt, dy) -> (f, df)` and `field.autonomous` (whether it
+        ignores `t`: then no `∂f/∂t`).
     - `t0`, `h`: the step's start and size (tiles of time's dtype); `y`: the state.
 
     **Returns:**
@@ -200,7 +191,7 @@ def step(tab: RosenbrockTableau, field: Callable, is_autonomous: bool, t0, h, y)
     dtype = y[0].dtype
     hd = h.astype(dtype)
     f0, jac = _linearise(field, t0, y)
-    f_t = None if is_autonomous else _time_derivative(field, t0, y)
+    f_t = None if field.autonomous else _time_derivative(field, t0, y)
     gamma_h = tab.gamma * hd
     n = len(y)
     matrix = [

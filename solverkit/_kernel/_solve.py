@@ -24,7 +24,7 @@ from .._integrate import MESSAGES as _MESSAGES
 from .._problem import Problem
 from .._select import where
 from .._solution import Result, RESULTS, Solution
-from . import _backward, _field, _pallas, _rosenbrock, _tangent
+from . import _backward, _field, _pallas, _tangent
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
 
@@ -164,7 +164,8 @@ def lane_inputs(
     batch = leaves[0].shape[0]
     one = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
     closure = problem.terms.closure  # pyright: ignore[reportAttributeAccessIssue]
-    field = _field.lane_field(closure, problem.t0, one(y0), one(args_dynamic))
+    jvp = _field.is_rosenbrock(problem.solver)  # its Jacobian: the field's JVP
+    field = _field.lane_field(closure, problem.t0, one(y0), one(args_dynamic), jvp)
     consts, shapes, _ = _field.shared_consts(problem)
     save = problem.saves[0]
     tdtype = problem.t0.dtype
@@ -196,7 +197,6 @@ def lane_inputs(
         **_event_spec(problem, one(y0), one(args_dynamic)),
         directions=tuple(directions),
         primal=n,
-        autonomous=_rosenbrock.autonomous(field.jaxpr),
     )
     return spec, times, ts, y_lanes, arg_lanes, consts
 
