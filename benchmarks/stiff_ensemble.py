@@ -22,8 +22,12 @@ that runs past its limit records how long its first call had run after compiling
 `< x`).
 
 Cases: `<solver>-vmap` (`jax.jit(jax.vmap(diffeqsolve))`) and `<solver>-ensemble`
-(`ensemble_solve`, default lanes) for solverkit's Rodas5P, Kvaerno5 and BDF, and
-`diffrax-kvaerno5` (`jax.vmap(diffrax.diffeqsolve)`). Each run has its own
+(`ensemble_solve`, default lanes) for solverkit's Rodas5P, Kvaerno5 and BDF,
+`rodas5p-kernel` (`ensemble_solve(kernel=True)`: the whole-solve Pallas kernel; on
+a CPU in Pallas' interpreter, slow: a smoke run only; `rodas5p-kernel@R` in blocks
+of `R` rows of 128 trajectories, default `_kernel._solve.default_rows(N)`: 64 at
+N = 16,384, two blocks, which one TensorCore runs in sequence), and `diffrax-kvaerno5`
+(`jax.vmap(diffrax.diffeqsolve)`). Each run has its own
 subprocess with a time limit, so a crash, an out-of-memory error or a solve that
 does not finish is recorded (`status`) and the run goes on; once `--budget`
 seconds have passed, the runs left are recorded as skipped.
@@ -69,6 +73,7 @@ FAILED_LISTED = 64
 CASES = [
     "rodas5p-vmap",
     "rodas5p-ensemble",
+    "rodas5p-kernel",
     "kvaerno5-vmap",
     "kvaerno5-ensemble",
     "bdf-vmap",
@@ -118,9 +123,7 @@ def _vdp(t, y, mu):
     return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
 
 
-def _solverkit(
-    name: str, ensemble: bool, dtype, max_steps: int, tol: float, lanes=None
-):
+def _solverkit(name: str, kind: str, dtype, max_steps: int, tol: float, lanes=None):
     import jax
 
     import solverkit as sk
@@ -128,7 +131,22 @@ def _solverkit(
     solver = {"rodas5p": sk.Rodas5P, "kvaerno5": sk.Kvaerno5, "bdf": sk.BDF}[name]()
     term, ctrl = sk.ODETerm(_vdp), sk.PIDController(rtol=tol, atol=tol)
     t0, t1, dt0 = dtype(0.0), dtype(T1), dtype(DT0)
-    if ensemble:
+    if kind.startswith("kernel"):  # Python times: the kernel needs a known direction
+        from solverkit._kernel import _solve
+
+        rows = kind.partition("@")[2]
+        _solve.DEFAULT_ROWS = int(rows) if rows else None
+
+        def kernel(y0, mu):
+            sol = sk.ensemble_solve(
+                term, solver, 0.0, T1, DT0, y0, mu, stepsize_controller=ctrl,
+                max_steps=max_steps, throw=False, kernel=True,
+            )  # fmt: skip
+            ok = sol.result == sk.RESULTS.successful
+            return sol.ys[:, -1], sol.stats["num_steps"], ok
+
+        return jax.jit(kernel)
+    if kind == "ensemble":
 
         def batch(y0, mu):
             sol = sk.ensemble_solve(
@@ -187,7 +205,7 @@ def child(
         name, kind = case.split("-")
         kind, _, div = kind.partition("/")
         lanes = n // int(div) if div else None
-        fn = _solverkit(name, kind == "ensemble", dtype, max_steps, tol, lanes)
+        fn = _solverkit(name, kind, dtype, max_steps, tol, lanes)
     y0 = jnp.tile(jnp.asarray(Y0, dtype), (n, 1))
     mu = jnp.asarray(mus(n), dtype)
     start = time.perf_counter()
@@ -311,7 +329,11 @@ def _table(rows: list[dict]) -> str:
         elif r.get("run_s") and bound.get(r["size"]):
             ratio = f"< {r['run_s'] / bound[r['size']]:.3f}"
         own = vmap.get((r["case"].split("-")[0], r["size"], r["tol"]))
-        if "-ensemble" in r["case"] and r.get("run_s") and own:
+        if (
+            ("-ensemble" in r["case"] or "-kernel" in r["case"])
+            and r.get("run_s")
+            and own
+        ):
             per_vmap = f"{r['run_s'] / own:.3f}"
         if "lanes" in r:
             policy = f"{r['lanes']}, {r['refill']}"
@@ -383,10 +405,11 @@ def _equal_error(rows: list[dict]) -> str:
 # largest error at 1e-7 was 3.1e-2 (float64: 2.1e-2) against diffrax's 8.1e-3 at
 # 1e-3, its median 5.4e-5 against 1.6e-4), then `ensemble_solve` by default
 # (lockstep on an accelerator: its stats say so) and with a quarter of the lanes
-# refilled.
+# refilled. Rodas5P in the whole-solve kernel follows its vmapped row (a limit of
+# 60 s: its Mosaic compile is not yet measured).
 CHIP_PLAN = (
     "bdf-vmap:16384:1e-5:40,bdf-vmap:16384:1e-7:30,rodas5p-vmap:16384:1e-6:25,"
-    "kvaerno5-vmap:16384:1e-7:25,diffrax-kvaerno5:16384:1e-3:30,"
+    "rodas5p-kernel:16384:1e-6:60,kvaerno5-vmap:16384:1e-7:25,diffrax-kvaerno5:16384:1e-3:30,"
     "diffrax-kvaerno5:1024:1e-3:25,diffrax-kvaerno5:1024:1e-2:25,"
     "bdf-ensemble:16384:1e-5:30,rodas5p-ensemble/4:16384:1e-6:25,"
     "bdf-ensemble/4:16384:1e-5:30"
@@ -395,7 +418,11 @@ PLANS = {"chip": CHIP_PLAN}
 
 
 def _known(case: str) -> bool:
-    """A case of `CASES`, or an ensemble case with `/k` (`N // k` lanes)."""
+    """A case of `CASES`, an ensemble case with `/k` (`N // k` lanes), or a kernel
+    case with `@R` (`R` rows per block)."""
+    kernel, _, rows = case.partition("@")
+    if rows:
+        return kernel in CASES and kernel.endswith("-kernel") and rows.isdigit()
     base, _, div = case.partition("/")
     if not div:
         return case in CASES

@@ -173,12 +173,15 @@ def _ensemble(
 def _use_kernel(kernel, problem: Problem, y0, per_trajectory, keep: Keep) -> bool:
     """Whether `ensemble_solve` takes the whole-solve kernel (`solverkit._kernel`):
     `True` raises where it can't; `None` takes it where supported, on a TPU (it
-    lowers to TPUs only so far; elsewhere it would run in Pallas' interpreter)."""
+    lowers to TPUs only so far; elsewhere it would run in Pallas' interpreter), for
+    the solvers measured faster there (`_kernel.by_default`)."""
     if kernel not in (True, False, None):
         raise TypeError(f"`kernel` must be True, False or None, got {kernel!r}.")
     if kernel is False:
         return False
-    if kernel is None and jax.default_backend() != "tpu":
+    if kernel is None and (
+        jax.default_backend() != "tpu" or not _kernel.by_default(problem)
+    ):
         return False
     why = _kernel.supported(problem, y0, per_trajectory, keep)
     if why is not None and kernel:

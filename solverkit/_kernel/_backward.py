@@ -4,7 +4,8 @@ per-trajectory argument components, elements of the values the field closes over
 and the cotangents are contracted with them.
 
 Its cost grows with the number of directions, not with the outputs, so it is used
-for few of them (`MAX_DIRECTIONS`) and no event; otherwise the lane loop's backward
+for few of them (`MAX_DIRECTIONS`), no event and a Runge-Kutta method (a Rosenbrock
+step's tangent is not this system's); otherwise the lane loop's backward
 pass (`_ensemble._backward`) runs.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from .._problem import Problem
 from .._select import where
+from .._solver._rosenbrock import AbstractRosenbrock
 
 
 # Directions (inputs per trajectory plus shared scalars) up to which the backward
@@ -28,8 +30,11 @@ def _size(x, batch: int) -> int:
 
 def directions_of(problem: Problem, y0, args_dynamic) -> tuple | None:
     """The directions of every differentiable input, or `None` where this backward
-    pass does not apply (an event, or more than `MAX_DIRECTIONS` of them)."""
-    if problem.event.conds is not None:
+    pass does not apply (an event, a Rosenbrock solver, or more than
+    `MAX_DIRECTIONS` of them)."""
+    if problem.event.conds is not None or isinstance(
+        problem.solver, AbstractRosenbrock
+    ):
         return None
     leaves = jtu.tree_leaves(y0)
     batch = leaves[0].shape[0]

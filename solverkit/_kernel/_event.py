@@ -1,9 +1,9 @@
 """A terminal `Event` inside the kernel, lane-wise: which lanes' condition fired over
 a step, and, after the loop, where on its last step's dense output (the step is
-recomputed from its start, the same arithmetic) each fired real-valued condition
-crosses zero: the vmap path's search (`_event._root`, `_event._earliest_crossing`:
-Newton's method kept inside a shrinking bracket from the secant point, then one
-Newton step at the root), on tiles."""
+recomputed from its start by the method's own step, the same arithmetic) each fired
+real-valued condition crosses zero: the vmap path's search (`_event._root`,
+`_event._earliest_crossing`: Newton's method kept inside a shrinking bracket from the
+secant point, then one Newton step at the root), on tiles."""
 
 from collections.abc import Callable
 from typing import NamedTuple
@@ -13,7 +13,6 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._solver._tableau import ButcherTableau
 from . import _step
 from ._tile import where
 
@@ -82,17 +81,20 @@ def _root(g: Callable, a, b, ga, done):
     return end.x
 
 
-def locate(tab: ButcherTableau, field: Callable, cond: Callable, last, tend, y, event):
+def locate(
+    advance: Callable, interpolate: Callable, cond: Callable, last, tend, y, event
+):
     """`(t_end, y_end)`: where `event`, the earliest crossing of the condition over
     the last accepted step `last = (t0, y0, f0)` ending at `tend`, and the dense
-    output there; elsewhere `(tend, y)`."""
+    output there; elsewhere `(tend, y)`. The step is recomputed by `advance(t0, h,
+    y0, f0) -> info`, its dense output by `interpolate(y0, info, h, theta)`."""
     t0, y0, f0 = last
     h = tend - t0
-    _, _, ks = _step.rk_step(tab, field, t0, h, y0, f0)
+    info = advance(t0, h, y0, f0)
 
     def at(tau):
         theta = (tau - t0) / where(h == 0, 1, h)
-        return _step.dense(tab, y0, ks, h, theta)
+        return interpolate(y0, info, h, theta)
 
     g = lambda tau: cond(tau, at(tau))[0].astype(tau.dtype)  # noqa: E731
     a = lax.stop_gradient(where(event, t0, tend - 1))

@@ -6,6 +6,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -16,11 +17,29 @@ from .._controller._base import ConstantStepSize
 from .._controller._norm import rms_norm
 from .._problem import Problem
 from .._progress import NoProgressMeter
+from .._solver._rosenbrock import AbstractRosenbrock
 from .._solver._runge_kutta import AbstractRungeKutta
 from .._term import ClosureTerm
-from . import _scalarize
+from . import _rosenbrock, _scalarize
 from ._scalarize import KernelUnsupported
 from ._step import Pid
+
+
+# Whether `kernel=None` (on a TPU) takes the kernel for a Rosenbrock solver. Off
+# until measured faster than the lane loop on the chip (the kernel path "is chosen
+# only where it is measured faster"); `kernel=True` takes it regardless.
+ROSENBROCK_BY_DEFAULT = False
+
+
+def by_default(problem: Problem) -> bool:
+    """Whether `kernel=None` may take the kernel for this solve (where supported)."""
+    return ROSENBROCK_BY_DEFAULT or not is_rosenbrock(problem.solver)
+
+
+def is_rosenbrock(solver) -> bool:
+    """Whether the kernel steps `solver` as a Rosenbrock method: by class, not
+    `isinstance` (a wrapper, `HalfSolver`, passes `isinstance` for what it wraps)."""
+    return AbstractRosenbrock in type(solver).__mro__
 
 
 def _float(name: str, value) -> float:
@@ -59,9 +78,17 @@ def pid_of(problem: Problem) -> Pid | None:
     )  # fmt: skip
 
 
-def check(problem: Problem, y0, per_trajectory, keep) -> None:
-    """Raise `KernelUnsupported` naming what the kernel can't do for this solve."""
+def _check_solver(problem: Problem, y0) -> None:
+    """Raise `KernelUnsupported` unless the solver is one the kernel steps: an
+    explicit FSAL RK method with an error estimate and dense output, or a
+    Rosenbrock method (`_rosenbrock.check`)."""
     solver = problem.solver
+    if is_rosenbrock(solver):
+        leaves = jtu.tree_leaves(y0)
+        batch = leaves[0].shape[0]
+        n = sum(int(np.prod(x.shape, dtype=int)) // batch for x in leaves)
+        _rosenbrock.check(solver, n)  # pyright: ignore[reportArgumentType]
+        return
     tab = getattr(solver, "tableau", None)
     if (
         not isinstance(solver, AbstractRungeKutta)
@@ -74,8 +101,13 @@ def check(problem: Problem, y0, per_trajectory, keep) -> None:
         raise KernelUnsupported(
             f"the solver {type(solver).__name__} (the kernel supports explicit FSAL "
             "Runge-Kutta methods with an error estimate and dense output: Tsit5, "
-            "Dopri5)"
+            "Dopri5; and the Rosenbrock methods Rodas5P, Rodas4, Rosenbrock23)"
         )
+
+
+def check(problem: Problem, y0, per_trajectory, keep) -> None:
+    """Raise `KernelUnsupported` naming what the kernel can't do for this solve."""
+    _check_solver(problem, y0)
     pid_of(problem)
     if not isinstance(problem.terms, ClosureTerm) or problem.direction is not None:
         raise KernelUnsupported("a MultiTerm, or a solve backwards in time")
@@ -116,6 +148,8 @@ def check(problem: Problem, y0, per_trajectory, keep) -> None:
             raise KernelUnsupported("a complex closed-over value")
     for closure in closures:
         _scalarize.check(closure.jaxpr)
+    if is_rosenbrock(problem.solver):  # its Jacobian: the field's JVP, on tiles like it
+        _scalarize.check(tangent_program(closures[0].jaxpr, len(leaves))[0])
 
 
 def conditions(problem: Problem) -> list[Closure]:
@@ -153,9 +187,40 @@ def _elements(tiles: list, shape: tuple, dtype) -> np.ndarray:
     return out
 
 
+def _scalar(x) -> np.ndarray:
+    out = np.empty((), dtype=object)
+    out[()] = x
+    return out
+
+
+def tangent_program(jaxpr: jex.Jaxpr, n_y: int) -> tuple[jex.Jaxpr, list]:
+    """The JVP of a lane-wise field's jaxpr along `t` and the state (its first
+    `1 + n_y` inputs), as a jaxpr `(consts, inputs, tangents of t and the state) ->
+    (outputs, their tangents)` and its own constants: evaluated by `_scalarize`
+    like the field itself (so its selects are anchored, and `_scalarize.check`
+    names what it can't evaluate before the kernel is traced)."""
+    spec = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # noqa: E731
+    consts = [spec(v) for v in jaxpr.constvars]
+    ins = [spec(v) for v in jaxpr.invars]
+    along = range(1 + n_y)
+
+    def jvp(consts, ins, tangents):
+        def fn(*moving):
+            full = list(ins)
+            for i, x in zip(along, moving):
+                full[i] = x
+            return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, consts))(*full)
+
+        return jax.jvp(fn, tuple(ins[i] for i in along), tuple(tangents))
+
+    closed = jax.make_jaxpr(jvp)(consts, ins, [ins[i] for i in along])
+    return closed.jaxpr, list(closed.consts)
+
+
 class LaneField(eqx.Module):
     """The vector field of one trajectory, evaluated on tiles: `(t, y tiles, arg
-    tiles, const elements) -> dy/dt tiles` (static data of the kernel)."""
+    tiles, const elements) -> dy/dt tiles` (static data of the kernel); with
+    `tangent` (`tangent_program`), its JVP along `t` and `y` too (`jvp`)."""
 
     jaxpr: Any = eqx.field(static=True)
     # per flat input after `t`: ("y", shape) / ("arg", index, shape, dtype) /
@@ -164,15 +229,25 @@ class LaneField(eqx.Module):
     out_shapes: tuple = eqx.field(static=True)
     out_dtype: Any = eqx.field(static=True)
     const_dtypes: tuple = eqx.field(static=True)
+    tangent: Any = eqx.field(static=True, default=None)
 
-    def __call__(self, t, y: list, args: list, consts: list) -> list:
+    @property
+    def autonomous(self) -> bool:
+        """Whether the field ignores `t` (its jaxpr's first input)."""
+        t = self.jaxpr.invars[0]
+        used = [v for eqn in self.jaxpr.eqns for v in eqn.invars] + list(
+            self.jaxpr.outvars
+        )
+        return not any(v is t for v in used)
+
+    def _flat(self, t, y: list, args: list, consts: list) -> tuple[list, list]:
+        """The jaxpr's inputs after its constants, and its constants, as element
+        arrays."""
         consts = [
             np.vectorize(lambda x: x != 0, otypes=[object])(c) if d == jnp.bool_ else c
             for c, d in zip(consts, self.const_dtypes)
         ]
-        t_obj = np.empty((), dtype=object)
-        t_obj[()] = t
-        flat = [t_obj]
+        flat = [_scalar(t)]
         y_iter = iter(y)
         for kind in self.inputs:
             if kind[0] == "y":
@@ -185,8 +260,10 @@ class LaneField(eqx.Module):
                 flat.append(_elements(args[index], shape, dtype))
             else:
                 flat.append(_scalarize.as_elements(kind[1]))
-        outs = _scalarize.evaluate(self.jaxpr, consts, flat)
-        tile = y[0].shape
+        return flat, consts
+
+    def _tiles(self, outs: list, tile: tuple) -> list:
+        """The outputs' elements as tiles of the state's dtype, in order."""
         tiles = []
         if len(outs) == 1 and len(self.out_shapes) > 1:
             outs = [outs[0]] * len(self.out_shapes)
@@ -197,14 +274,37 @@ class LaneField(eqx.Module):
                 tiles.append(jnp.broadcast_to(x, tile))
         return tiles
 
+    def __call__(self, t, y: list, args: list, consts: list) -> list:
+        flat, consts = self._flat(t, y, args, consts)
+        return self._tiles(_scalarize.evaluate(self.jaxpr, consts, flat), y[0].shape)
+
+    def jvp(self, t, y: list, args: list, consts: list, dt, dy: list):
+        """`(f, df)`: the field and its derivative along `(dt, dy)` (a 0-d value or
+        a tile each, `dy` one per state component), as tiles."""
+        flat, consts = self._flat(t, y, args, consts)
+        jaxpr, own = self.tangent
+        tangents = [_scalar(dt)]
+        start = 0
+        for kind in self.inputs:
+            if kind[0] == "y":
+                size = int(np.prod(kind[1], dtype=int))
+                tangents.append(_elements(dy[start : start + size], kind[1], None))
+                start += size
+        own = [_scalarize.as_elements(c) for c in own]
+        outs = _scalarize.evaluate(jaxpr, own, consts + flat + tangents)
+        half = len(outs) // 2
+        tile = y[0].shape
+        return self._tiles(outs[:half], tile), self._tiles(outs[half:], tile)
+
 
 def lane_field(
-    closure: Closure, t0, y_one, args_one, scalar: bool = False
+    closure: Closure, t0, y_one, args_one, tangent: bool = False, scalar: bool = False
 ) -> LaneField:
     """The `LaneField` of a converted `(t, y, args)` function, for a trajectory
     shaped like `y_one` with arguments like `args_one` (array leaves: the
     per-trajectory arguments, in order): the vector field (shaped like `y`), or with
-    `scalar` an event condition (one value, as `y`'s dtype)."""
+    `scalar` an event condition (one value, as `y`'s dtype); with `tangent`, its
+    JVP along `t` and `y` too (`LaneField.jvp`)."""
     program = closure.program
     leaves = jtu.tree_leaves(((t0, y_one, args_one), {}))
     n_y = len(jtu.tree_leaves(y_one))
@@ -237,4 +337,5 @@ def lane_field(
         shapes,
         y_leaves[0].dtype,
         tuple(c.dtype for c in closure.consts),
+        tangent_program(program.jaxpr, n_y) if tangent else None,
     )

@@ -21,8 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .._solution import RESULTS
+from .._solver._rosenbrock_tableau import RosenbrockTableau
 from .._solver._tableau import ButcherTableau
-from . import _event, _step, _tangent, _tile
+from . import _event, _rosenbrock, _step, _tangent, _tile
 from ._step import Pid
 from ._tile import where
 
@@ -41,7 +42,7 @@ LANDING_ULPS = 100
 class Spec(NamedTuple):
     """What the kernel is compiled for (static)."""
 
-    tableau: ButcherTableau
+    tableau: ButcherTableau | RosenbrockTableau  # explicit FSAL RK or Rosenbrock
     pid: Pid | None  # None: `ConstantStepSize` (every step accepted, no estimate)
     n: int  # state components per trajectory
     field: Callable  # (t, y tiles, arg tiles, const elements) -> dy/dt tiles
@@ -64,6 +65,10 @@ class Spec(NamedTuple):
     primal: int = 0
 
     @property
+    def rosenbrock(self) -> bool:
+        return isinstance(self.tableau, RosenbrockTableau)
+
+    @property
     def own(self) -> int:
         """The state's own components (the controller reads only these)."""
         return self.primal or self.n
@@ -73,7 +78,7 @@ class _State(NamedTuple):
     t: jax.Array
     tnext: jax.Array
     y: list
-    f: list  # the field at (t, y): the next step's first stage
+    f: list  # the field at (t, y): the next step's first stage (RK; none: Rosenbrock)
     prev: jax.Array
     prev_prev: jax.Array
     at_dtmin: jax.Array  # 0 or 1, as a float
@@ -111,13 +116,35 @@ def _going(spec: Spec, s: _State, t1):
     return going & (s.result == _SUCCESS)
 
 
+def _advance(spec: Spec, field, t0, h, y: list, f: list, estimate: bool):
+    """One step of the method: `(y1, error or None, dense info, f1)`, `f1` the
+    field at the end for an FSAL RK method (for Rosenbrock, none: `f`, empty)."""
+    tab = spec.tableau
+    if isinstance(tab, RosenbrockTableau):
+        y1, error, us = _rosenbrock.step(tab, field, t0, h, y)
+        return y1, error if estimate else None, us, f
+    y1, error, ks = _step.rk_step(tab, field, t0, h, y, f, estimate)
+    return y1, error, ks, ks[-1]
+
+
+def _interpolate(spec: Spec, y0: list, info: list, h, theta) -> list:
+    """The step's dense output at the fraction `theta` (`info` from `_advance`)."""
+    tab = spec.tableau
+    if isinstance(tab, RosenbrockTableau):
+        return _rosenbrock.dense(tab, y0, info, theta)
+    return _step.dense(tab, y0, info, h, theta)
+
+
 def _init(spec: Spec, field, primal, cond, t0, t1, dt0, y0):
-    f0 = field(t0, y0)
+    # The field at t0: the first stage of an RK method, and the first step's
+    # heuristic; a Rosenbrock step evaluates it with its Jacobian.
+    f0 = None if spec.rosenbrock and spec.has_dt0 else field(t0, y0)
     if spec.has_dt0:
         dt = _tile.anchor(jnp.broadcast_to(dt0, y0[0].shape).astype(t0.dtype))
     else:
         assert spec.pid is not None  # (`ConstantStepSize.check` asks for `dt0`)
         p = spec.own
+        assert f0 is not None
         dt = _step.initial_step(spec.pid, primal, t0, y0[:p], f0[:p])
     if spec.pid is None:  # `ConstantStepSize.init`: the first step is `dt0`
         tnext = jnp.minimum(t0 + dt, t1)
@@ -129,6 +156,7 @@ def _init(spec: Spec, field, primal, cond, t0, t1, dt0, y0):
     one = _tile.anchor(jnp.ones(y0[0].shape, t0.dtype))
     result = _tile.anchor(jnp.full(y0[0].shape, _SUCCESS, t0.dtype))
     g = last = None
+    f0 = [] if spec.rosenbrock else f0
     if cond is not None:
         # A boolean condition already true at t0 ends the solve there; a real one
         # needs a sign change first.
@@ -136,13 +164,14 @@ def _init(spec: Spec, field, primal, cond, t0, t1, dt0, y0):
         if not spec.cond_real:
             result = where(g != 0, _code(_EVENT, result), result)
         last = (t0, y0, f0)
+    assert f0 is not None
     return _State(
         t0, tnext, y0, f0, one, one, one * 0, zero, zero,
         zero, result, jnp.int32(0), jnp.int32(0), g, last,
     )  # fmt: skip
 
 
-def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, going, keep, y0, ks, h):
+def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, going, keep, y0, info, h):
     """Write the dense output at every save time that a kept step crossed, into the
     rows of `out_ref`: rows `kbase ...` while a lane's step reached them. Returns the
     new `kbase`: rows at or before every going lane's `t` are never written again."""
@@ -162,7 +191,7 @@ def _save(spec: Spec, ts_ref, out_ref, s: _State, t_end, going, keep, y0, ks, h)
         tk = ts_ref[k]
         hit = keep & (tk > s.t) & (tk <= t_end)
         theta = (tk - s.t) / where(h == 0, 1, h)
-        values = _step.dense(spec.tableau, y0, ks, h, theta)
+        values = _interpolate(spec, y0, info, h, theta)
         for j, v in enumerate(values):
             out_ref[k, j] = where(hit, v, out_ref[k, j])
         return k + 1
@@ -227,7 +256,7 @@ def _body(
     t_end = jnp.minimum(s.tnext, t1)
     h = t_end - s.t
     estimate = spec.pid is not None
-    y1, error, ks = _step.rk_step(spec.tableau, field, s.t, h, s.y, s.f, estimate)
+    y1, error, info, f1 = _advance(spec, field, s.t, h, s.y, s.f, estimate)
     c = _control(spec, s, t_end, h, y1, error, t1, land, fixed)
     p = spec.own  # the check reads the state, not its tangents
     finite = functools.reduce(lambda a, b: a & b, [_step.finite(v) for v in y1[:p]])
@@ -243,7 +272,7 @@ def _body(
         result, g, last = _after_event(spec, cond, s, t_end, y1, ok, result)
     kbase = s.kbase
     if spec.num_ts:
-        kbase = _save(spec, ts_ref, out_ref, s, t_end, going, keep, s.y, ks, h)
+        kbase = _save(spec, ts_ref, out_ref, s, t_end, going, keep, s.y, info, h)
     pick = lambda new, old: where(going, new, old)  # noqa: E731
     history = (s.prev, s.prev_prev, s.at_dtmin)
     if c.history is not None:
@@ -255,7 +284,7 @@ def _body(
         t=where(keep, t_end, s.t),
         tnext=pick(c.next_t1, s.tnext),
         y=[where(keep, a, b) for a, b in zip(y1, s.y)],
-        f=[where(keep, a, b) for a, b in zip(ks[-1], s.f)],
+        f=[where(keep, a, b) for a, b in zip(f1, s.f)],
         prev=history[0],
         prev_prev=history[1],
         at_dtmin=history[2],
@@ -268,6 +297,25 @@ def _body(
         g=g,
         last=last,
     )
+
+
+class _Bound(NamedTuple):
+    """The field with a block's arguments and shared values bound: `(t, y) -> f`;
+    `jvp(t, y, dt, dy) -> (f, df)` and `autonomous` for a Rosenbrock step."""
+
+    lane: Any  # a `_field.LaneField`
+    args: list
+    consts: list
+
+    def __call__(self, t, y: list) -> list:
+        return self.lane(t, y, self.args, self.consts)
+
+    def jvp(self, t, y: list, dt, dy: list) -> tuple[list, list]:
+        return self.lane.jvp(t, y, self.args, self.consts, dt, dy)
+
+    @property
+    def autonomous(self) -> bool:
+        return self.lane.autonomous
 
 
 def _kernel(spec: Spec, *refs):
@@ -289,7 +337,7 @@ def _kernel_body(spec: Spec, *refs):
     args = [[r[i] for i in range(m)] for r, m in zip(arg_refs, spec.num_args)]
     consts = [_read_const(r, shape) for r, shape in zip(const_refs, spec.const_shapes)]
     own = spec.field_consts if spec.cond is not None else len(consts)
-    field = primal = lambda t, y: spec.field(t, y, args, consts[:own])  # noqa: E731
+    field = primal = _Bound(spec.field, args, consts[:own])
     if spec.directions:
         assert spec.cond is None, "no event with forward sensitivities"
         field = _tangent.augment(
@@ -317,8 +365,13 @@ def _kernel_body(spec: Spec, *refs):
     t_end, y_end = state.t, state.y
     if cond is not None and spec.cond_real:
         event = state.result == _EVENT
+
+        def advance(t0, h, y0, f0):
+            return _advance(spec, field, t0, h, y0, f0, False)[2]
+
+        interpolate = functools.partial(_interpolate, spec)
         t_end, y_end = _event.locate(
-            spec.tableau, field, cond, state.last, state.t, state.y, event
+            advance, interpolate, cond, state.last, state.t, state.y, event
         )
     for j in range(spec.n):
         y_ref[j] = y_end[j]

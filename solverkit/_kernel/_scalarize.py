@@ -33,7 +33,7 @@ class KernelUnsupported(Exception):
 # Primitives applied element by element (each output element from the same element
 # of every input; scalar inputs broadcast).
 _ELEMENTWISE = frozenset(
-    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp copy
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp copy
     copy_p convert_element_type cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor
     ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg not or
     pow reduce_precision rem round rsqrt select_n sign sin sinh sqrt square

@@ -164,7 +164,8 @@ def lane_inputs(
     batch = leaves[0].shape[0]
     one = lambda tree: jtu.tree_map(lambda x: x[0], tree)  # noqa: E731
     closure = problem.terms.closure  # pyright: ignore[reportAttributeAccessIssue]
-    field = _field.lane_field(closure, problem.t0, one(y0), one(args_dynamic))
+    jvp = _field.is_rosenbrock(problem.solver)  # its Jacobian: the field's JVP
+    field = _field.lane_field(closure, problem.t0, one(y0), one(args_dynamic), jvp)
     consts, shapes, _ = _field.shared_consts(problem)
     save = problem.saves[0]
     tdtype = problem.t0.dtype
