@@ -122,6 +122,40 @@ def while_loop(cond, body, state):
     )
 
 
+def counted_loop(lower, upper, body, init, like):
+    """`lax.fori_loop(lower, upper, body, init)` for int32 bounds that are the same
+    for every batch element, whose counter `vmap` batches wherever `like` is.
+
+    `lax.while_loop`'s batching rule batches its body twice when any part of the
+    carry stays unbatched (a fixed-point round, then the body it binds), but once
+    when every part is batched; a loop inside it is batched again on each of those
+    passes. So the counter is carried batched (`batched_like`) and read back
+    unbatched (`unvmap_max`, the same for every element), and the index arithmetic
+    and row reads and writes of `body` stay unbatched. `init` should be batched
+    wherever `like` is (see `batched_like`).
+
+    **Arguments:**
+
+    - `lower`, `upper`: the loop runs `body(k, x)` for `k = lower, ..., upper - 1`.
+    - `body`: `(k, x) -> x`, `k` an unbatched int32 scalar.
+    - `init`: the initial `x`.
+    - `like`: a pytree whose array leaves decide where the counter is batched.
+
+    **Returns:**
+
+    The final `x`.
+    """
+    upper = jnp.asarray(upper, jnp.int32)
+
+    def step(state):
+        i, x = state
+        k = unvmap_max(i)
+        return i + 1, body(k, x)
+
+    (i,) = batched_like((jnp.asarray(lower, jnp.int32),), like)
+    return jax.lax.while_loop(lambda s: unvmap_max(s[0]) < upper, step, (i, init))[1]
+
+
 def error_if(x, failed, index, messages):
     """`equinox.branched_error_if(x, failed, index, messages)` (raise at run time the
     message `index`, under `vmap` if any element fails), which also works inside
