@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _loop, _save
-from .._closure._unvmap import counted_loop, unvmap_max
+from .._closure._unvmap import counted_loop, unvmap_first, unvmap_max
 from .._errors import UnsupportedError
 from .._loop import Outputs
 from .._problem import Buffers, Carry, Problem
@@ -119,7 +119,7 @@ class _Record(NamedTuple):
     store: Stack  # `slots` carries (and a scratch row), packed: the carry before
     # steps 0, w, 2w, ... (`_schedule.slot` says where)
     n: jax.Array  # steps taken by this batch element
-    # The same for every batch element, and read unbatched (`unvmap_max`); carried
+    # The same for every batch element, and read unbatched (`unvmap_first`); carried
     # batched with adaptive steps (see `_checkpointed_forward`).
     it: jax.Array  # loop iterations so far
     level: jax.Array  # how often the stride has doubled: `w = 2**level`
@@ -142,8 +142,8 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
     slots = layout.slots
 
     def record(rec: _Record, before: Carry, active) -> _Record:
-        it = unvmap_max(rec.it)
-        level, row = _schedule.record(it, unvmap_max(rec.level), slots)
+        it = unvmap_first(rec.it)
+        level, row = _schedule.record(it, unvmap_first(rec.level), slots)
         n = rec.n + jnp.asarray(active, jnp.int32)
         store = put_row(rec.store, row, pack(rec.store, before))
         return _Record(store, n, it + 1, level)
@@ -293,7 +293,7 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
 
     def chunk(state):
         end, mids_of, buffer, mids, ct_p, ct_c = state
-        end, mids_of = unvmap_max(end), unvmap_max(mids_of)  # see `counted_loop`
+        end, mids_of = unvmap_first(end), unvmap_first(mids_of)  # `counted_loop`
         bounds = _schedule.chunk(rev.layout, rev.rec.level, end, mids_of)
         start = bounds.start
         buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
@@ -326,7 +326,7 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
     # too: they are read unbatched (see `counted_loop`).
     init = (rec.it, jnp.asarray(-1, jnp.int32), *loop_state)
     init = _loop.batch_like((rec, dynamic, ct_carry), init)
-    *_, ct_p, ct_c = lax.while_loop(lambda s: unvmap_max(s[0]) > 0, chunk, init)
+    *_, ct_p, ct_c = lax.while_loop(lambda s: unvmap_first(s[0]) > 0, chunk, init)
     ct_dynamic = fill_zeros(
         eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic
     )
