@@ -44,6 +44,13 @@ class _Counter:
         self.traced = 0  # `vmap` batchings of any jaxpr actually traced
         self.seconds = 0.0
         self._depth = 0
+        self._active = []  # [jaxpr, traced?] being batched (nested)
+        self.misses = []  # jaxprs whose batching was traced, in order
+
+    def repeated(self, eqns: int = 100) -> int:
+        """Batchings traced again for a jaxpr of more than `eqns` equations."""
+        large = [c for c in self.misses if len(c.jaxpr.eqns) > eqns]
+        return len(large) - len({id(c) for c in large})
 
     @contextlib.contextmanager
     def installed(self):
@@ -51,9 +58,22 @@ class _Counter:
         inner = batching._batch_jaxpr_inner
         batch_jaxpr = batching.batch_jaxpr
 
+        cached = batching._batch_jaxpr_axes
+
         def counted_inner(*args, **kwargs):
             self.traced += 1
+            if self._active:
+                self._active[-1][1] = True
             return inner(*args, **kwargs)
+
+        def counted_cached(closed, *args):
+            self._active.append([closed, False])
+            try:
+                return cached(closed, *args)
+            finally:
+                closed, missed = self._active.pop()
+                if missed:
+                    self.misses.append(closed)
 
         def counted_rule(axis_data, args, dims, **params):
             body = params["body_jaxpr"]
@@ -79,11 +99,13 @@ class _Counter:
 
         batching.fancy_primitive_batchers[loops.while_p] = counted_rule
         batching._batch_jaxpr_inner = counted_inner
+        batching._batch_jaxpr_axes = counted_cached
         try:
             yield self
         finally:
             batching.fancy_primitive_batchers[loops.while_p] = rule
             batching._batch_jaxpr_inner = inner
+            batching._batch_jaxpr_axes = cached
             batching.batch_jaxpr = batch_jaxpr
 
 
@@ -107,7 +129,7 @@ def measure(job) -> dict:
         "trace_s": middle - start, "lower_s": end - middle,
         "while_rule_s": counter.seconds, "loops_batched": counter.loops,
         "rounds": dict(sorted(counter.rounds.items())),
-        "jaxprs_batched": counter.traced,
+        "jaxprs_batched": counter.traced, "large_rebatched": counter.repeated(),
     }  # fmt: skip
 
 
@@ -125,7 +147,7 @@ def _line(name: str, runs: list[dict]) -> str:
     return (
         f"| {name} | {med('trace_s'):.2f} | {med('lower_s'):.2f} | "
         f"{med('while_rule_s'):.2f} | {last['loops_batched']} | {last['rounds']} | "
-        f"{last['jaxprs_batched']} |"
+        f"{last['jaxprs_batched']} | {last['large_rebatched']} |"
     )
 
 
@@ -149,7 +171,8 @@ def main() -> None:
     head = (
         f"{args.only}, N = {args.size} (medians of {args.repeats})\n\n"
         "| library | trace s | lower s | in while batching s | while loops batched "
-        "| fixed-point rounds: loops | jaxprs batched |\n|---|---|---|---|---|---|---|"
+        "| fixed-point rounds: loops | jaxprs batched | large jaxprs batched again |"
+        "\n|---|---|---|---|---|---|---|---|"
     )
     table = "\n".join([head] + [_line(n, r) for n, r in rows.items()])
     print(table)
