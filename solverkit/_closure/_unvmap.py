@@ -57,7 +57,9 @@ def _first_rule(args, dims):
 # reduction of its own). Never differentiated.
 unvmap_first_p = Primitive("solverkit_unvmap_first")
 unvmap_first_p.def_impl(_scalar)
-unvmap_first_p.def_abstract_eval(lambda x: ShapedArray((), x.dtype))
+# (`x` is a scalar: its type as it is, with the manual axes it varies over inside
+# `shard_map`, so a loop's counter keeps its type.)
+unvmap_first_p.def_abstract_eval(lambda x: x)
 mlir.register_lowering(unvmap_first_p, lambda ctx, x: [x])
 batching.primitive_batchers[unvmap_first_p] = _first_rule
 ad.primitive_jvps[unvmap_first_p] = lambda primals, tangents: (
