@@ -18,6 +18,7 @@ import pytest
 from helpers import assert_tree_allclose
 
 import solverkit as sk
+from solverkit._closure._unvmap import unvmap_first
 
 
 pytestmark = pytest.mark.usefixtures("x64")
@@ -188,3 +189,34 @@ def test_gradient_against_finite_differences():
         # differently: central differences are good to O(eps**2) plus the round-off
         # 1e-16 / eps, far under the solve's tolerance.
         np.testing.assert_allclose(float(jnp.sum(grad * v)), quotient, rtol=1e-5)
+
+
+def test_unvmap_first():
+    # Unbatched (vmap broadcasts it back): the first element's value, at any depth.
+    x = jnp.array([5, 6, 7], jnp.int32)
+    assert jax.vmap(unvmap_first)(x).tolist() == [5, 5, 5]
+    nested = jax.jit(jax.vmap(jax.vmap(unvmap_first)))(jnp.arange(6).reshape(2, 3))
+    assert nested.tolist() == [[0, 0, 0], [0, 0, 0]]
+    with pytest.raises(ValueError, match="int scalar"):
+        unvmap_first(jnp.ones(2, jnp.int32))
+
+
+def test_fixed_step_gradient_against_direct():
+    # Fixed steps keep the forward loop's times and counters unbatched; the
+    # backward loops are still batched throughout.
+    rates, y0 = _data()
+
+    def loss(rates, y0, adjoint):
+        def one(r, y):
+            term = sk.ODETerm(lambda t, y, args: _field_args(y, r))
+            sol = sk.diffeqsolve(
+                term, sk.Tsit5(), 0.0, 1.0, 0.05, y, adjoint=adjoint, max_steps=64
+            )
+            return sol.ys[-1]
+
+        return jnp.sum(jax.vmap(one)(rates, y0) ** 2)
+
+    got = jax.grad(loss, (0, 1))(rates, y0, sk.RecursiveCheckpointAdjoint())
+    want = jax.grad(loss, (0, 1))(rates, y0, sk.DirectAdjoint())
+    # The same 20 steps, differentiated by two schedules: float64 round-off.
+    assert_tree_allclose(got, want, rtol=1e-12, atol=1e-12)
