@@ -19,6 +19,7 @@ from jaxtyping import Array, PyTree
 
 from . import _event, _save
 from ._closure._unvmap import batched_like, unvmap_any, unvmap_max, while_loop
+from ._closure._vma_eval import union_of_axes, vary
 from ._custom_types import Y
 from ._errors import concrete
 from ._problem import adaptive, Buffers, Carry, Problem, StepOut
@@ -45,7 +46,7 @@ def _all_finite(tree) -> Array:
 
 def batch_like(sources, tree):
     """`tree`, unchanged in value, but batched under `vmap` wherever `sources` or
-    `tree` is.
+    `tree` is (and inside `shard_map` varying over the manual axes they do).
 
     With adaptive steps every part of a loop's carry depends on the state, so the loop
     body batches all of it (with fixed steps, the state and what follows from it).
@@ -54,8 +55,12 @@ def batch_like(sources, tree):
     for the nested loops of the backward passes).
     """
     # One primitive that lowers to nothing (a select of `x` or `x` on a predicate
-    # read from every source, as before, cost ~5% of a gradient's trace).
-    return batched_like(tree, sources)
+    # read from every source, as before, cost ~5% of a gradient's trace). Inside
+    # `shard_map` the tree also varies over every manual axis a source does, as the
+    # body's outputs will.
+    tree = batched_like(tree, sources)
+    axes = union_of_axes(sources)
+    return vary(tree, axes) if axes else tree
 
 
 def init(problem: Problem) -> tuple[Carry, Buffers]:
