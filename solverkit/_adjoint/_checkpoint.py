@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _loop, _save
-from .._closure._unvmap import unvmap_max
+from .._closure._unvmap import counted_loop, unvmap_first, unvmap_max
 from .._errors import UnsupportedError
 from .._loop import Outputs
 from .._problem import Buffers, Carry, Problem
@@ -119,8 +119,10 @@ class _Record(NamedTuple):
     store: Stack  # `slots` carries (and a scratch row), packed: the carry before
     # steps 0, w, 2w, ... (`_schedule.slot` says where)
     n: jax.Array  # steps taken by this batch element
-    it: jax.Array  # loop iterations so far (never batched: the same for every element)
-    level: jax.Array  # how often the stride has doubled: `w = 2**level` (never batched)
+    # The same for every batch element, and read unbatched (`unvmap_first`); carried
+    # batched with adaptive steps (see `_checkpointed_forward`).
+    it: jax.Array  # loop iterations so far
+    level: jax.Array  # how often the stride has doubled: `w = 2**level`
 
 
 def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout):
@@ -140,16 +142,21 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
     slots = layout.slots
 
     def record(rec: _Record, before: Carry, active) -> _Record:
-        level, row = _schedule.record(rec.it, rec.level, slots)
+        it = unvmap_first(rec.it)
+        level, row = _schedule.record(it, unvmap_first(rec.level), slots)
         n = rec.n + jnp.asarray(active, jnp.int32)
         store = put_row(rec.store, row, pack(rec.store, before))
-        return _Record(store, n, rec.it + 1, level)
+        return _Record(store, n, it + 1, level)
 
     zero = jnp.asarray(0, jnp.int32)
-    store, n = stack(carry, slots + 1, _invariant(problem, carry, bufs)), zero
-    if _loop.adaptive(problem):  # see `batch_like`; the counters stay unbatched
-        store, n = _loop.batch_like(carry.num_steps, (store, n))
-    rec = _Record(store, n, zero, zero)
+    rec = _Record(
+        stack(carry, slots + 1, _invariant(problem, carry, bufs)), *[zero] * 3
+    )
+    if _loop.adaptive(problem):
+        # See `batch_like`: then every part of the loop's carry is batched, which
+        # `vmap` batches the body for once, not twice (`counted_loop`). The
+        # counters are read unbatched, so a store is still a one-row write.
+        rec = _loop.batch_like(carry.num_steps, rec)
     carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record)
     return (carry, bufs), (rec, bufs, carry)
 
@@ -265,7 +272,9 @@ def _refill(
         mids = put_row(mids, _schedule.mid_row(rev.layout, bounds, begin), source)
     # With every step stored (stride 1) nothing is recomputed: `back` reads the copy.
     last = jnp.where(rev.rec.level == 0, begin, end - 1)
-    _, buffer, mids = lax.fori_loop(begin, last, body, (source, buffer, mids))
+    _, buffer, mids = counted_loop(
+        begin, last, body, (source, buffer, mids), (buffer, mids)
+    )
     return buffer, mids, jnp.where(rev.rec.level == 0, first, start)
 
 
@@ -284,6 +293,7 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
 
     def chunk(state):
         end, mids_of, buffer, mids, ct_p, ct_c = state
+        end, mids_of = unvmap_first(end), unvmap_first(mids_of)  # `counted_loop`
         bounds = _schedule.chunk(rev.layout, rev.rec.level, end, mids_of)
         start = bounds.start
         buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
@@ -303,7 +313,7 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
             return ct_p, tree_where(active, dc, ct_c), row
 
         row = get_row(buffer, end - 1 - first)
-        ct_p, ct_c, _ = lax.fori_loop(0, end - start, back, (ct_p, ct_c, row))
+        ct_p, ct_c, _ = counted_loop(0, end - start, back, (ct_p, ct_c, row), ct_c)
         return start, bounds.segment, buffer, mids, ct_p, ct_c
 
     loop_state = (
@@ -312,11 +322,11 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
         jtu.tree_map(jnp.zeros_like, p_diff),
         eqx.filter(ct_carry, diff_mask),
     )
-    # Batched up front wherever anything is (see `batch_like`); the chunk bounds
-    # stay unbatched.
-    loop_state = _loop.batch_like((rec, dynamic, ct_carry), loop_state)
+    # Batched up front wherever anything is (see `batch_like`), the chunk bounds
+    # too: they are read unbatched (see `counted_loop`).
     init = (rec.it, jnp.asarray(-1, jnp.int32), *loop_state)
-    *_, ct_p, ct_c = lax.while_loop(lambda s: s[0] > 0, chunk, init)
+    init = _loop.batch_like((rec, dynamic, ct_carry), init)
+    *_, ct_p, ct_c = lax.while_loop(lambda s: unvmap_first(s[0]) > 0, chunk, init)
     ct_dynamic = fill_zeros(
         eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic
     )

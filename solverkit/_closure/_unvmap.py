@@ -43,6 +43,31 @@ unvmap_any_p = _primitive("solverkit_unvmap_any", jnp.any, jnp.bool_)
 unvmap_max_p = _primitive("solverkit_unvmap_max", jnp.max, None)
 
 
+def _scalar(x):
+    return jnp.reshape(x, ())
+
+
+def _first_rule(args, dims):
+    (x,), (d,) = args, dims
+    return unvmap_first_p.bind(jax.lax.index_in_dim(x, 0, d, keepdims=False)), None
+
+
+# A scalar that is the same for every batch element, unbatched: under `vmap` the
+# first element's (a slice, which XLA fuses into its users, where `unvmap_max` is a
+# reduction of its own). Never differentiated.
+unvmap_first_p = Primitive("solverkit_unvmap_first")
+unvmap_first_p.def_impl(_scalar)
+# (`x` is a scalar: its type as it is, with the manual axes it varies over inside
+# `shard_map`, so a loop's counter keeps its type.)
+unvmap_first_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(unvmap_first_p, lambda ctx, x: [x])
+batching.primitive_batchers[unvmap_first_p] = _first_rule
+ad.primitive_jvps[unvmap_first_p] = lambda primals, tangents: (
+    unvmap_first_p.bind(*primals),
+    np.zeros((), dtype=jax.dtypes.float0),
+)
+
+
 def _batched_like_rule(args, dims, *, count: int):
     """Every one of the first `count` operands batched (along axis 0 where it was
     not) when any operand is."""
@@ -112,6 +137,15 @@ def unvmap_max(x) -> jax.Array:
     return unvmap_max_p.bind(jnp.asarray(x))
 
 
+def unvmap_first(x) -> jax.Array:
+    """An int scalar `x` that is the same for every `vmap` batch element, unbatched
+    (the first element's value). Never differentiated."""
+    x = jnp.asarray(x)
+    if x.shape != () or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"unvmap_first takes an int scalar, got {x.dtype}{x.shape}.")
+    return unvmap_first_p.bind(x)
+
+
 def while_loop(cond, body, state):
     """`lax.while_loop` that runs while `cond` holds for any batch element.
 
@@ -120,6 +154,41 @@ def while_loop(cond, body, state):
     return jax.lax.while_loop(
         lambda s: unvmap_any(cond(s)), lambda s: body(s, cond(s)), state
     )
+
+
+def counted_loop(lower, upper, body, init, like):
+    """`lax.fori_loop(lower, upper, body, init)` for int32 bounds that are the same
+    for every batch element, whose counter `vmap` batches wherever `like` is.
+
+    `lax.while_loop`'s batching rule batches its body twice when any part of the
+    carry stays unbatched (a fixed-point round, then the body it binds), but once
+    when every part is batched; a loop inside it is batched again on each of those
+    passes. So the counter is carried batched (`batched_like`) and read back
+    unbatched (`unvmap_first`: the same for every element), and the index arithmetic
+    and row reads and writes of `body` stay unbatched. `init` should be batched
+    wherever `like` is (see `batched_like`).
+
+    **Arguments:**
+
+    - `lower`, `upper`: the loop runs `body(k, x)` for `k = lower, ..., upper - 1`.
+    - `body`: `(k, x) -> x`, `k` an unbatched int32 scalar.
+    - `init`: the initial `x`.
+    - `like`: a pytree whose array leaves decide where the counter is batched.
+
+    **Returns:**
+
+    The final `x`.
+    """
+    upper = jnp.asarray(upper, jnp.int32)
+
+    def step(state):
+        i, x = state
+        k = unvmap_first(i)
+        return i + 1, body(k, x)
+
+    (i,) = batched_like((jnp.asarray(lower, jnp.int32),), like)
+    cond = lambda s: unvmap_first(s[0]) < upper  # noqa: E731
+    return jax.lax.while_loop(cond, step, (i, init))[1]
 
 
 def error_if(x, failed, index, messages):
