@@ -3,15 +3,15 @@ bracketing search on the step's dense output whose result always lies on the far
 side of the crossing (the condition has crossed there), so that the state the
 solve goes on from has crossed too and the next crossing can't be missed.
 
-The Illinois variant of regula falsi: each iterate replaces the end of the bracket
-on its side; an end kept twice running has its value halved, so that both ends
-converge, superlinearly; a step that does not halve the bracket is followed by a
-bisection. It needs one evaluation of the condition a step (no derivative), and
-none to start: the condition's values at both ends of the step are known. A fixed
-number of steps, unrolled, locates a smooth crossing to the time's rounding; only
-where some batch element needs more does a loop follow.
+Newton's method from the secant point, kept inside the bracket (a bisection where
+it would leave it), until its step is small; then a probe two ulps either side of
+its last iterate, which closes the bracket on a smooth crossing; where it does
+not, Illinois steps (regula falsi, the end kept twice running scaled down). Each
+loop is bounded for each batch element, and under `vmap` it ends when every
+element has converged or reached its bound (`_loop`).
 """
 
+from functools import partial
 from typing import NamedTuple
 
 import equinox as eqx
@@ -81,9 +81,15 @@ def _newton(g, sign_a, loose, s: _Bracket) -> _Bracket:
     fx, slope = jax.jvp(g, (s.x,), (jnp.ones_like(s.x),))
     s = _keep(s, s.x, fx, jnp.sign(fx) != sign_a)
     newton = s.x - fx / slope
-    inside = jnp.isfinite(newton) & (newton > s.a) & (newton < s.b)
+    finite = jnp.isfinite(newton)
+    inside = finite & (newton > s.a) & (newton < s.b)
     x = where(inside, newton, s.a + (s.b - s.a) / 2)
-    near = (fx == 0) | (inside & (jnp.abs(newton - s.x) <= loose))
+    # Near also where the small step lands on an end of the bracket: a crossing
+    # within an ulp of `x` rounds it there (bisecting on would never be near),
+    # and where the bracket is already narrower than such a step.
+    near = (fx == 0) | (finite & (jnp.abs(newton - s.x) <= loose))
+    near = near | (s.b - s.a <= loose)
+    x = where(near, jnp.clip(where(finite, newton, s.x), s.a, s.b), x)
     return s._replace(x=x, near=near, count=s.count + 1)
 
 
@@ -117,6 +123,25 @@ def _fallback(g, sign_a, s: _Bracket) -> _Bracket:
     return s._replace(kept=kept, count=s.count + 1)
 
 
+def _loop(active, step, s: _Bracket) -> _Bracket:
+    """`step` applied to `s` where `active(s)` (element-wise), until it is nowhere,
+    at most `_MAX_STEPS` times for each element. The loop's predicate is one for
+    the whole batch (`unvmap_any`), the bound included: under `vmap`, an element
+    that reaches it stops as one that converged does. (A bound outside the
+    `unvmap_any` never ended the loop where one element reached it while another,
+    converged, kept its count below it: that element's `~near` kept the batch's
+    predicate true and its bound kept its own, with nothing left to change.)"""
+
+    def live(s: _Bracket) -> Array:
+        return active(s) & (s.count < _MAX_STEPS)
+
+    def body(s: _Bracket) -> _Bracket:
+        new = step(s)
+        return jtu.tree_map(lambda n, o: where(live(s), n, o), new, s)
+
+    return lax.while_loop(lambda s: unvmap_any(live(s)), body, s)
+
+
 def _search(g, a, b, fa, fb, done) -> Array:
     """The far end of a bracket `[a, b]` of a crossing of `g` (values `fa`, `fb`
     at its ends, `fb` crossed) narrowed to a few ulps; where `done` from the
@@ -133,20 +158,14 @@ def _search(g, a, b, fa, fb, done) -> Array:
     s = _Bracket(a, b, fa, fb, x, done, zero - 1, zero, unit)
     loose = jnp.sqrt(_ulps(s, 1) * (b - a))
 
-    def newton(s):
-        new = _newton(g, sign_a, loose, s)
-        return jtu.tree_map(lambda n, o: where(s.near, o, n), new, s)
-
-    going = lambda s: unvmap_any(~s.near) & (s.count < _MAX_STEPS)  # noqa: E731
-    s = _probe(g, sign_a, lax.while_loop(going, newton, s))
-    s = s._replace(count=zero)
-
-    def fallback(s):
-        new = _fallback(g, sign_a, s)
-        return jtu.tree_map(lambda n, o: where(done | _narrowed(s), o, n), new, s)
-
-    going = lambda s: unvmap_any(~done & ~_narrowed(s)) & (s.count < _MAX_STEPS)  # noqa: E731
-    s = lax.cond(going(s), lambda s: lax.while_loop(going, fallback, s), lambda s: s, s)
+    s = _probe(
+        g, sign_a, _loop(lambda s: ~s.near, partial(_newton, g, sign_a, loose), s)
+    )
+    s = _loop(
+        lambda s: ~done & ~_narrowed(s),
+        partial(_fallback, g, sign_a),
+        s._replace(count=zero),
+    )
     return s.b
 
 
