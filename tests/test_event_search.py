@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import solverkit as sk
 from solverkit._event import _search
 
 
@@ -30,12 +31,12 @@ class _Counter:
     """Counts the calls of `tick` (one per evaluation of the condition, or one per
     batch under `vmap`); raises past `_BUDGET`."""
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, limit: int = _BUDGET):
+        self.calls, self.limit = 0, limit
 
     def tick(self, *_):
         self.calls += 1
-        if self.calls > _BUDGET:
+        if self.calls > self.limit:
             raise RuntimeError("the crossing search does not end")
 
 
@@ -137,3 +138,137 @@ def test_each_loop_ends_at_its_bound_under_vmap(monkeypatch):
     assert float(b[0]) > 0 and float(b[1]) >= 0.25
     assert float(b[1]) - 0.25 <= 8 * _ulp("float32", 2.0)
     assert counter.calls <= 20, counter.calls
+
+
+# The reduced spiking case: `examples/spiking_neurons.py --quick` (seed 0), its
+# student's table after the first Adam step, whose second step's solve never ended
+# (neuron 3's eleventh search: a = 46.562611355915074, g(a) = -6.7e-16).
+_W1 = np.array(
+    [
+        [0.2983746199886107, 0.804369301326704, 0.6903714070652113, 0.5976701465416026],
+        [
+            0.5085618035970959,
+            0.5700159772479104,
+            0.6333720584083419,
+            0.6836820210827017,
+        ],
+        [
+            0.29576732881427614,
+            0.7737148344794309,
+            0.3859836281297044,
+            0.6438539259873196,
+        ],
+        [
+            0.4253472218611113,
+            0.6457738653802534,
+            0.6276190784659145,
+            0.5271891742388379,
+        ],
+        [
+            0.6416108883642764,
+            0.5407698738684208,
+            0.7339828122960276,
+            0.7166703238117061,
+        ],
+        [
+            0.7009249219535791,
+            0.48261767788038357,
+            0.6198359940643481,
+            0.5425368025855427,
+        ],
+        [0.6075901453769185, 0.743304531247447, 0.5279975589212321, 0.6997710883530156],
+        [
+            0.5739966072726695,
+            0.6462314897378626,
+            0.39858513512516996,
+            0.3307814021537869,
+        ],
+    ]
+)
+_TAU, _T_END, _TOL = 10.0, 60.0, 1e-8
+_PERIODS = np.array([23.0, 37.0, 51.0, 79.0])
+_PHASES = np.array([0.0, 1.3, 2.9, 4.4])
+
+
+def _inputs(t):
+    return 1.0 + 0.6 * jnp.sin(2 * jnp.pi * t / _PERIODS + _PHASES)
+
+
+def _neuron(weights, k, counter, t0=0.0, terminal=False):
+    """The example's neuron `k` (a float table and an int index closed over by the
+    field), from rest at `t0`; the condition counts its evaluations."""
+
+    def field(t, v, args):
+        return (-v + weights[k] @ _inputs(t)) / _TAU
+
+    def threshold(t, v, args):
+        jax.debug.callback(counter.tick, t)
+        return v - 1.0
+
+    reset = None if terminal else (lambda t, v, args: jnp.zeros_like(v))
+    return sk.diffeqsolve(
+        sk.ODETerm(field),
+        sk.Tsit5(),
+        t0=t0,
+        t1=_T_END,
+        dt0=0.5,
+        y0=jnp.asarray(0.0),
+        event=sk.Event(threshold, direction=True, effect=reset, max_events=24),
+        stepsize_controller=sk.PIDController(rtol=_TOL, atol=_TOL),
+        max_steps=1024,
+    )
+
+
+def _restart_loop(weights, k, solve):
+    """What diffrax users write: a terminal event, solved again from each spike
+    (`solve`: the jitted solve from `t0`). The spike times, differentiable."""
+    spikes, t0 = [], jnp.asarray(0.0)
+    while True:
+        sol = solve(weights, k, t0)
+        if sol.result != sk.RESULTS.event_occurred:
+            return spikes
+        t0 = sol.ts[-1]
+        spikes.append(t0)
+
+
+# The full suite (about 100 s of compiling on a loaded 2-core machine); the quick
+# loop's cases of the same hang are the searches above.
+@pytest.mark.slow
+@pytest.mark.usefixtures("x64")
+def test_spiking_neurons_second_adam_step():
+    """The example's hang, reduced: its eight neurons at the table where the
+    second Adam step's solve never ended, under `jit(vmap)` over the neuron index
+    and under `grad`. The spike times and their gradient against the restart loop
+    (a terminal event located after each solve, the old location), which takes
+    the same steps from each spike."""
+    weights = jnp.asarray(_W1)
+    # ~5,700 evaluations of the condition here; the old code's loop never ended.
+    counter = _Counter(limit=50_000)
+
+    def record(w):
+        return jax.vmap(lambda k: _neuron(w, k, counter).events)(jnp.arange(8))
+
+    events = jax.jit(record)(weights)
+    unbounded = _Counter(limit=2**62)
+    solve = jax.jit(lambda w, k, t0: _neuron(w, k, unbounded, t0, terminal=True))
+    for k in range(8):
+        spikes = np.asarray(_restart_loop(weights, k, solve))
+        n = int(events.num[k])
+        assert n == len(spikes)
+        # Both take the same steps from each spike (1e-12 apart here); where a step
+        # differed, each spike would move by about the solver's tolerance over the
+        # potential's rate there (1e-8 / (0.015 / ms) at most here), carried into
+        # the next spikes: 12 of them within 1e-5 ms.
+        np.testing.assert_allclose(events.ts[k, :n], spikes, rtol=0, atol=1e-5)
+
+    def loss(w):
+        ts = record(w).ts
+        return jnp.sum(jnp.where(jnp.isfinite(ts), ts, 0.0))
+
+    counter.calls = 0  # forwards and backwards: about twice the forward's work
+    grad = jax.jit(jax.grad(loss))(weights)
+    for k in (3, 7):
+        expected = jax.grad(lambda w: sum(_restart_loop(w, k, solve)))(weights)
+        # The same steps: equal to rounding (3e-13 here); a different step would
+        # move each derivative by about the solver's relative error (1e-8).
+        np.testing.assert_allclose(grad[k], expected[k], rtol=1e-6)
