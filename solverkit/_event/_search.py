@@ -264,12 +264,22 @@ def settle(
         return or_all(hits) if hits else jnp.ones_like(t1, dtype=bool)
 
     y = problem.solver.interpolate(info, t0, t1, t)
+    real_fired = [f for real, f in zip(reals, jtu.tree_leaves(fired)) if real]
+    if not real_fired:
+        return t, y
     ok = crossed(y, t)
-    for n in _NUDGES:
-        tau = jnp.minimum(t + lax.stop_gradient(n * unit), t1)
-        y_tau = problem.solver.interpolate(info, t0, t1, tau)
-        t, y = where(ok, t, tau), tree_where(ok, y, y_tau)
-        ok = ok | crossed(y_tau, tau)
+
+    def nudge(t, y, ok):
+        for n in _NUDGES:
+            tau = jnp.minimum(t + lax.stop_gradient(n * unit), t1)
+            y_tau = problem.solver.interpolate(info, t0, t1, tau)
+            t, y = where(ok, t, tau), tree_where(ok, y, y_tau)
+            ok = ok | crossed(y_tau, tau)
+        return t, y, ok
+
+    # Only where some batch element's state has not crossed (rounding: rare).
+    lagging = unvmap_any(or_all(real_fired) & ~ok)
+    t, y, ok = lax.cond(lagging, nudge, lambda *state: state, t, y, ok)
     t_end = jnp.minimum(t, t1) + lax.stop_gradient(t1 - jnp.minimum(t, t1))
     return where(ok, t, t_end), tree_where(ok, y, y1)
 
