@@ -19,7 +19,8 @@ from .._term import like_state
 from .._time import flip
 from .._tree import tree_where
 from . import _detect
-from ._detect import crossing, eval_conds
+from ._detect import eval_conds
+from ._search import crossing, settle
 
 
 SUCCESS = int(RESULTS.successful.code)
@@ -59,8 +60,11 @@ def after_continuing(problem: Problem, carry: Carry, new: Carry, out: StepOut, f
     found = or_all(jtu.tree_leaves(fired))
 
     def cut():  # only when some batch element found a crossing
-        t = crossing(problem, t0, t1, info, fired, carry.cond_values)
-        y = problem.solver.interpolate(info, t0, t1, t)
+        if problem.event.root_finder is None:
+            t = crossing(problem, t0, t1, info, fired, (carry.cond_values, values))
+        else:
+            t = _detect.crossing(problem, t0, t1, info, fired, carry.cond_values)
+        t, y = settle(problem, t0, t1, info, fired, carry.cond_values, out.y1, t)
         return t, tree_where(found, y, out.y1)
 
     t_star, y_star = lax.cond(unvmap_any(found), cut, lambda: (t1, out.y1))

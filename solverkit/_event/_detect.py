@@ -21,7 +21,7 @@ from .._time import flip
 from .._tree import nograd, tree_where
 
 
-def _real_conds(problem: Problem) -> list[bool]:
+def real_conds(problem: Problem) -> list[bool]:
     """For each event condition leaf: is it real-valued (True) or boolean (False)?"""
     return [
         not jnp.issubdtype(c.out_struct.dtype, jnp.bool_)
@@ -73,11 +73,11 @@ def init_events(problem: Problem, solver_state: PyTree):
     # (as in diffrax); a real-valued one needs a sign change first.
     event_mask = [
         jnp.asarray(False) if real else jnp.asarray(value)
-        for real, value in zip(_real_conds(problem), jtu.tree_leaves(cond_values))
+        for real, value in zip(real_conds(problem), jtu.tree_leaves(cond_values))
     ]
     event_mask = jtu.tree_unflatten(jtu.tree_structure(cond_values), event_mask)
     last = None
-    if any(_real_conds(problem)) and not problem.event.continues:
+    if any(real_conds(problem)) and not problem.event.continues:
         last = LastStep(problem.t0, dense_info_zeros(problem, solver_state))
     return cond_values, event_mask, last
 
@@ -187,7 +187,7 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=
     moves to (see `_continuing._side`), which the bisection takes as the sign at
     `tstart`, where the dense output's own value may lie on either side."""
     solver = problem.solver
-    is_real = _real_conds(problem)
+    is_real = real_conds(problem)
     leaves = jtu.tree_leaves(
         problem.event.conds, is_leaf=lambda x: isinstance(x, Closure)
     )
