@@ -648,9 +648,6 @@ def test_revert_keeps_the_cache_of_a_rejected_step():
     assert same(solver.revert(jnp.asarray(True), new, old), new)
 
 
-# The full suite (5 CPU s, a cost property); the quick loop's BDF on a stiff problem
-# with rejections: test_stiff_test_set[rober].
-@pytest.mark.slow
 def test_rejected_steps_keep_their_jacobians(monkeypatch):
     """On Van der Pol (mu = 1000, many rejected steps) keeping the Jacobian and factor
     of a rejected step saves Jacobians; the solution stays as accurate."""

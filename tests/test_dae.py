@@ -311,8 +311,6 @@ def test_bad_linear_solver():
         sk.Rodas5P(linear_solver="dense")  # type: ignore[arg-type]
 
 
-# The full suite; the quick loop's DAE: test_singular_mass_matches_exact.
-@pytest.mark.slow
 def test_singular_iteration_matrix():
     # The algebraic equation `0 = 0` leaves y2 undetermined: M - γhJ is singular
     # for every step size.

@@ -104,11 +104,6 @@ def _finite_differences() -> np.ndarray:
     return np.asarray((loss(alphas + eps, ks) - loss(alphas - eps, ks)) / (2 * eps))
 
 
-# The full suite (18 CPU s); the quick loop's Krylov derivative of a field closing
-# over a differentiated float and a vmapped int: test_linear_solver.py::
-# test_closure_over_float_and_vmapped_int[krylov]; BDF's gradient: test_bdf.py::
-# test_grad_rober.
-@pytest.mark.slow
 def test_bdf_krylov_gradient():
     """Reverse mode through BDF with a Krylov solver (its implicit derivative solves
     for a tangent, which is then transposed) whose preconditioner closes over the
