@@ -62,14 +62,21 @@ _persistent_compilation_cache()
 
 # XLA's CPU flags for quicker compiles, on top of `jax_disable_most_optimizations`.
 # `--xla_cpu_use_fusion_emitters=false` (the older loop emitters) cuts each test's
-# CPU time to 0.72x (the heaviest quick files: 94.7 -> 67.8 CPU s, the same 111
-# programs). It rounds float32 differently in one program and not in another, so
-# tests that compare two programs' float32 step counts allow the accept/reject flips
-# that round-off allows (tests/test_kernel_float32_steps.py). Splitting codegen into
-# one part and the legacy runtime did not help (1.06x, 1.26x). XLA aborts on a flag
-# it does not know, and this one is not in every jaxlib (0.10.2 has it; 0.4.38 and
+# CPU time to 0.67x (measured on 26 files, 619 tests: 816 -> 548 CPU s, the same
+# programs), but it rounds float32 differently in one program and not in another.
+# The comparisons of two programs that it broke now allow what round-off allows
+# (tests/test_kernel_float32_steps.py, test_kernel_outside.py, test_kernel_tangent.py's
+# float64 state); two float32 checks still fail with it, and it stays off until they
+# are understood: test_float32_steps.py::test_rejected_step_near_t1_gradient (error
+# 0.0136 against a bound of 0.0124 at omega = 15) and test_kernel_tangent.py::
+# test_tangent_backward_vmap_float32 (18 of 768 gradient elements apart by up to
+# ~1x the gradient's scale). Opt in with `SOLVERKIT_TEST_XLA_FLAGS=--xla_cpu_use_
+# fusion_emitters=false` (taken as given, not probed). Splitting codegen into one
+# part and the legacy runtime did not help (1.06x, 1.26x). XLA aborts on a flag it
+# does not know, and that one is not in every jaxlib (0.10.2 has it; 0.4.38 and
 # 0.12.1 do not): `_known_xla_flags` keeps those that this jaxlib accepts.
-_XLA_FLAGS: tuple[str, ...] = ("--xla_cpu_use_fusion_emitters=false",)
+_XLA_FLAGS: tuple[str, ...] = ()
+_FAST_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)  # see above: not yet on
 
 
 def _accepted_xla_flags(flags: tuple[str, ...]) -> list[str]:
@@ -88,7 +95,8 @@ def _accepted_xla_flags(flags: tuple[str, ...]) -> list[str]:
 
 def _known_xla_flags() -> list[str]:
     """`_accepted_xla_flags(_XLA_FLAGS)`, asked once: the answer is kept in
-    `SOLVERKIT_TEST_XLA_FLAGS` for pytest-xdist's workers and subprocesses."""
+    `SOLVERKIT_TEST_XLA_FLAGS` for pytest-xdist's workers and subprocesses (set by
+    hand, it is taken as given)."""
     known = os.environ.get("SOLVERKIT_TEST_XLA_FLAGS")
     if known is None:
         known = " ".join(_accepted_xla_flags(_XLA_FLAGS))
