@@ -61,9 +61,10 @@ _persistent_compilation_cache()
 
 
 # XLA's CPU flags for quicker compiles, on top of `jax_disable_most_optimizations`.
-# `--xla_cpu_use_fusion_emitters=false` (the older loop emitters) cuts each test's
-# CPU time to 0.67x (measured on 26 files, 619 tests: 816 -> 548 CPU s, the same
-# programs), but it rounds float32 differently in one program and not in another.
+# `--xla_cpu_use_fusion_emitters=false` (the older loop emitters) cuts the CPU time
+# to 0.71x (26 files, 623 tests: 1,385 -> 980 CPU s against stop 44's profile, the
+# same 2,950 programs), but it rounds float32 differently in one program and not in
+# another.
 # The comparisons of two programs that it broke now allow what round-off allows
 # (tests/test_kernel_float32_steps.py, test_kernel_outside.py, test_kernel_tangent.py's
 # float64 state); two float32 checks still fail with it, and it stays off until they
