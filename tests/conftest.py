@@ -28,6 +28,8 @@ that tests run in subprocesses share the cache. Compile counting
 import inspect
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -59,25 +61,60 @@ _persistent_compilation_cache()
 
 
 # XLA's CPU flags for quicker compiles, on top of `jax_disable_most_optimizations`.
-# Measured: `--xla_cpu_use_fusion_emitters=false` (the older loop emitters) cuts each
-# test's CPU time to 0.72x (the heaviest quick files: 94.7 -> 67.8 CPU s, the same 111
-# programs), but it changes float32 rounding in one program and not in another:
-# tests/test_kernel_float32_steps.py::test_steps_below_time_spacing then sees the
-# kernel and the lane loop take different step counts (it asserts them equal). Off
-# until that test compares to a tolerance; splitting codegen into one part and the
-# legacy runtime did not help (1.06x, 1.26x).
+# `--xla_cpu_use_fusion_emitters=false` (the older loop emitters) cuts the CPU time
+# to 0.71x (26 files, 623 tests: 1,385 -> 980 CPU s against stop 44's profile, the
+# same 2,950 programs), but it rounds float32 differently in one program and not in
+# another.
+# The comparisons of two programs that it broke now allow what round-off allows
+# (tests/test_kernel_float32_steps.py, test_kernel_outside.py, test_kernel_tangent.py's
+# float64 state); two float32 checks still fail with it, and it stays off until they
+# are understood: test_float32_steps.py::test_rejected_step_near_t1_gradient (error
+# 0.0136 against a bound of 0.0124 at omega = 15) and test_kernel_tangent.py::
+# test_tangent_backward_vmap_float32 (18 of 768 gradient elements apart by up to
+# ~1x the gradient's scale). Opt in with `SOLVERKIT_TEST_XLA_FLAGS=--xla_cpu_use_
+# fusion_emitters=false` (taken as given, not probed). Splitting codegen into one
+# part and the legacy runtime did not help (1.06x, 1.26x). XLA aborts on a flag it
+# does not know, and that one is not in every jaxlib (0.10.2 has it; 0.4.38 and
+# 0.12.1 do not): `_known_xla_flags` keeps those that this jaxlib accepts.
 _XLA_FLAGS: tuple[str, ...] = ()
+_FAST_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)  # see above: not yet on
+
+
+def _accepted_xla_flags(flags: tuple[str, ...]) -> list[str]:
+    """Those of `flags` that this jaxlib's XLA accepts, each tried in a subprocess
+    (an unknown flag aborts the process that makes a backend)."""
+    code = "import jax.numpy as jnp; jnp.ones(1).block_until_ready()"
+    ok = []
+    for flag in flags:
+        env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True
+        )
+        ok += [flag] if proc.returncode == 0 else []
+    return ok
+
+
+def _known_xla_flags() -> list[str]:
+    """`_accepted_xla_flags(_XLA_FLAGS)`, asked once: the answer is kept in
+    `SOLVERKIT_TEST_XLA_FLAGS` for pytest-xdist's workers and subprocesses (set by
+    hand, it is taken as given)."""
+    known = os.environ.get("SOLVERKIT_TEST_XLA_FLAGS")
+    if known is None:
+        known = " ".join(_accepted_xla_flags(_XLA_FLAGS))
+        os.environ["SOLVERKIT_TEST_XLA_FLAGS"] = known
+    return known.split()
 
 
 def _quick_compiles() -> None:
     """XLA compiles the suite's programs with most optimizations off
     (`jax_disable_most_optimizations`: backend optimization level 0, no expensive
-    LLVM passes) and with the flags of `_XLA_FLAGS`: compiling is most of the suite's
-    time. Set in the environment too, so that the examples and benchmarks the tests
-    run in subprocesses compile the same way; XLA reads `XLA_FLAGS` when JAX first
-    makes its CPU backend, after this. `SOLVERKIT_TEST_OPTIMIZE=1` compiles as users'
-    programs do (XLA's defaults); a test that needs the optimized compile takes the
-    `optimized_compiles` fixture (which keeps the flags: they are read once).
+    LLVM passes) and with those flags of `_XLA_FLAGS` that XLA knows: compiling is
+    most of the suite's time. Set in the environment too, so that the examples and
+    benchmarks the tests run in subprocesses compile the same way; XLA reads
+    `XLA_FLAGS` when JAX first makes its CPU backend, after this.
+    `SOLVERKIT_TEST_OPTIMIZE=1` compiles as users' programs do (XLA's defaults); a
+    test that needs the optimized compile takes the `optimized_compiles` fixture
+    (which keeps the flags: they are read once).
     """
     if os.environ.get("SOLVERKIT_TEST_OPTIMIZE", "") not in ("", "0"):
         return
@@ -85,7 +122,7 @@ def _quick_compiles() -> None:
     jax.config.update("jax_disable_most_optimizations", True)
     given = os.environ.get("XLA_FLAGS", "").split()
     names = {flag.split("=")[0] for flag in given}
-    extra = [flag for flag in _XLA_FLAGS if flag.split("=")[0] not in names]
+    extra = [flag for flag in _known_xla_flags() if flag.split("=")[0] not in names]
     os.environ["XLA_FLAGS"] = " ".join(given + extra)
 
 

@@ -72,6 +72,7 @@ K2 = jnp.array([0.5, 0.7], jnp.float32)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.quick_cases(dict(adaptive=True))
 def test_explicit_pair_is_the_summed_method(adaptive):
     # Dopri5 on both terms is Dopri5 on their sum: the same steps and values, up to
     # the order of additions (a few ulps a step, 1e-12 over ~20 steps).
@@ -100,6 +101,9 @@ def test_explicit_pair_is_the_summed_method(adaptive):
     np.testing.assert_allclose(ours.ys[rows], ref.ys[rows], rtol=1e-12)  # pyright: ignore
 
 
+# The full suite; the quick loop's pair under jit, vmap and grad: test_jit_vmap_grad;
+# a user's implicit tableau: test_diffrax_form_esdirk_tableau.
+@pytest.mark.slow
 def test_implicit_pair():
     # Dopri5 on the first term, Kvaerno5's ESDIRK tableau on the second (its stages
     # solved by VeryChord), y' = -(0.3 + 0.7) y. The pair's nodes differ, so its
@@ -269,6 +273,7 @@ def _user_rk(lib, tableau, order, root_finder=None):
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.quick_cases(dict(adaptive=True))
 def test_diffrax_form_explicit_tableau(adaptive):
     # Heun in diffrax's form is Heun: the same steps, values to round-off, and the
     # same as diffrax running the same class.

@@ -284,6 +284,9 @@ def test_solution_t1_is_where_the_solve_ended():
     np.testing.assert_allclose(sols[sk].ys, sols[diffrax].ys, rtol=1e-6)
 
 
+# The full suite; the quick loop's dense output against diffrax's:
+# test_dense_info.py::test_implicit_dense_info_is_diffraxs[KenCarp4].
+@pytest.mark.slow
 def test_dense_output_past_t1_extrapolates():
     """diffrax's `evaluate` past the end of the solve is NaN; solverkit's extends the
     last step's interpolant. Inside the interval they agree."""
@@ -296,6 +299,9 @@ def test_dense_output_past_t1_extrapolates():
         )
 
 
+# The full suite; the quick loop's zero-length solve:
+# test_integrate.py::test_t0_equals_t1.
+@pytest.mark.slow
 def test_zero_length_solve_saves_every_row():
     """With `t0 == t1` and `SaveAt(t0, ts, steps, t1)`, diffrax fills two rows (no
     step is taken, and one of `ts`/`t1` is lost); solverkit fills the `t0`, `ts` and

@@ -63,6 +63,9 @@ def test_scalar_zero_term_in_a_multiterm_as_diffrax():
     np.testing.assert_allclose(solve(sk), solve(diffrax), rtol=1e-6)
 
 
+# The full suite; the quick loop's nested clip controllers:
+# test_clip_diffrax.py::test_nested_by_diffraxs_rule.
+@pytest.mark.slow
 def test_nested_clip_controllers_take_python_float_times():
     """Called by hand with Python-float times, nested clip controllers take diffrax's
     steps to the ulp: a step ends one ulp before a jump, the next starts one after."""

@@ -75,7 +75,9 @@ def _reference_ts():
 
 
 @pytest.mark.parametrize("lanes", [4, 5, N, 32, None])
-@pytest.mark.quick_cases(dict(lanes=5), dict(lanes=None))
+# Quick loop: the default lanes; a refill that does not divide N:
+# test_refill_sizes_match_vmap[terminating_event-4-3].
+@pytest.mark.quick_cases(dict(lanes=None))
 def test_adaptive_ts_matches_vmap(lanes):
     # 4 and 5 lanes do not divide N; 32 > N is clipped to N; None is the default.
     y0, args = inputs()
@@ -143,6 +145,9 @@ def test_backwards_pytree_state_and_saveat_fn():
     same(sol, ref)
 
 
+# The full suite; the quick loop's failed ensemble trajectory, raised and not:
+# test_kernel_outside.py::test_throw_same_values_and_raises[t1].
+@pytest.mark.slow
 def test_failed_trajectories_throw_false_and_true():
     y0, args = inputs()
     kw = dict(stepsize_controller=PID, max_steps=60)

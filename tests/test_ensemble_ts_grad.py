@@ -120,7 +120,9 @@ def _assert_close(got, want, rtol):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
 
 
-@pytest.mark.quick_cases("one-hot-shared-chunked", "one-hot-rows-lockstep")
+# Quick loop: per-trajectory save times in the lockstep loop; shared ones, chunked:
+# test_against_finite_differences[one-hot-shared].
+@pytest.mark.quick_cases("one-hot-rows-lockstep")
 @pytest.mark.parametrize("lanes", [2, N], ids=["chunked", "lockstep"])
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 def test_ensemble_equals_vmap(path, ts, lanes):
@@ -201,6 +203,8 @@ def _per_trajectory_row_ops(jaxpr, batch: int, rows: int) -> list[str]:
 
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 @pytest.mark.parametrize("solve", [_ensemble, _vmapped], ids=["ensemble", "vmap"])
+# Quick loop: each path, each solve, once.
+@pytest.mark.quick_cases("one-hot-ensemble-rows", "index-vmap-rows")
 def test_no_per_trajectory_gather_or_scatter_in_loops(path, solve, ts):
     # By index: 2-6 gathers and 2-3 scatters by a per-trajectory row in the loops of
     # the gradient (reading and writing a saved row, adding the cotangent of a save

@@ -125,6 +125,10 @@ def test_gradients_float64(x64):
     np.testing.assert_allclose(g_kernel[2], fd, rtol=1e-4)
 
 
+# The full suite; the quick loop's kernel reaching max_steps:
+# test_kernel_outside.py::test_throw_same_values_and_raises[t1] (adaptive) and
+# test_kernel_fixed.py::test_max_steps_and_nonfinite_result (fixed steps).
+@pytest.mark.slow
 def test_max_steps_and_result(x64):
     y0, args = _problem(jnp.float64, 128)
     sol = sk.ensemble_solve(

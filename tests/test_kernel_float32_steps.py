@@ -105,8 +105,17 @@ def test_steps_below_time_spacing():
     assert np.all(codes[: N // 2] == sk.RESULTS.successful.code)
     assert np.all(codes[N // 2 :] == sk.RESULTS.dt_min_reached.code)
     steps_k = np.asarray(kern.stats["num_steps"])
+    steps_r = np.asarray(ref.stats["num_steps"])
     assert steps_k.max() < 100
-    np.testing.assert_array_equal(steps_k, ref.stats["num_steps"])
+    # λ <= 0.1 (8-21 steps): two compiled programs round float32 differently, and a
+    # step whose error ratio is within round-off of 1 may be decided the other way;
+    # the kernel's documented accuracy claims step counts within 3 per
+    # trajectory (docs/ensembles.md, line "step counts within 3"). XLA's CPU loop
+    # emitters (tests/conftest.py) flip 33 of 128 here, by at most 3.
+    assert np.max(np.abs(steps_k - steps_r)[: N // 2]) <= 3
+    # λ >= 5: the first one-spacing step (λh >= 0.6 at rtol 1e-6) has an error ratio
+    # far above 1: both reject it and stop, one step each.
+    assert np.all(steps_k[N // 2 :] == 1) and np.all(steps_r[N // 2 :] == 1)
     # rtol 1e-6 over <= 6.4 time constants: global error a few rtol (relative), and
     # float32 rounding of the state over ~30 steps.
     exact = np.exp(-64 * np.asarray(lam[: N // 2], np.float64))

@@ -54,8 +54,8 @@ def _run(solver, fn, x, gamma_h, mass, rhs):
 _run_jit = jax.jit(_run, static_argnums=(0, 1))
 
 
-# Quick loop: each band shape once, each kind of mass once.
-@pytest.mark.quick_cases("0-1-1", "1-2-0", "2-0-3", "0-2-3")
+# Quick loop: one band shape and mass; the other shapes and masses in the full suite.
+@pytest.mark.quick_cases("0-1-1")
 @pytest.mark.parametrize("lower,upper", [(1, 1), (2, 0), (0, 3), (2, 3)])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
 def test_banded_matches_dense(lower, upper, mass_index):
@@ -132,6 +132,8 @@ def test_grad_against_dense_and_finite_differences(solver):
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
+# The full suite; the quick loop's banded solver: test_banded_matches_dense[0-1-1].
+@pytest.mark.slow
 def test_banded_wrong_bandwidth_is_detected():
     fn = _field(_banded_matrix(_N, 2, 2))
     x = jnp.zeros(_N)
@@ -142,6 +144,8 @@ def test_banded_wrong_bandwidth_is_detected():
     sk.BandedLinearSolver(1, 1, check=False).linearise(fn, x)
 
 
+# The full suite; the quick loop's banded solver: test_banded_matches_dense[0-1-1].
+@pytest.mark.slow
 def test_banded_mass_outside_bands_is_detected():
     solver = sk.BandedLinearSolver(1, 1)
     _, jac = solver.linearise(_field(_banded_matrix(_N, 1, 1)), jnp.zeros(_N))
@@ -158,6 +162,8 @@ def test_banded_bad_arguments():
         sk.BandedLinearSolver(1, 1).linearise(lambda x: x[:2], jnp.zeros(4))
 
 
+# The full suite; the quick loop's banded solver: test_banded_matches_dense[0-1-1].
+@pytest.mark.slow
 def test_banded_singular_gives_nan():
     matrix = np.diag(np.arange(_N, dtype=np.float64))  # J[0, 0] = 0
     solver = sk.BandedLinearSolver(1, 1)
@@ -184,8 +190,8 @@ def _sparse_matrix(kind, seed=0):
     return np.where(rng.uniform(size=(_N, _N)) < 0.5, a, 0) + 3 * np.eye(_N)
 
 
-# Quick loop: each kind of pattern once, each kind of mass once.
-@pytest.mark.quick_cases("0-blocks", "1-banded", "2-dense")
+# Quick loop: one pattern and mass; the other patterns and masses in the full suite.
+@pytest.mark.quick_cases("0-blocks")
 @pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
 def test_sparse_matches_dense(kind, mass_index):
@@ -262,7 +268,8 @@ def test_sparse_bad_arguments():
         solver.linearise(lambda x: x, jnp.zeros(4))
 
 
-@pytest.mark.quick_cases("blocks")  # the other kinds: test_sparse_matches_dense
+# The full suite; the quick loop's sparse solver: test_sparse_matches_dense[0-blocks].
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
 def test_sparse_singular_gives_nan(kind):
     matrix = _sparse_matrix(kind)
@@ -330,11 +337,12 @@ _EXACT = {
 }
 
 
-# Quick loop: each solve, each preconditioner and each right-hand side once.
+# Quick loop: one case; the other solves, preconditioners and right-hand sides in the
+# full suite.
 @pytest.mark.parametrize("rhs_kind", ["zero", "one-hot"])
 @pytest.mark.parametrize("preconditioner", sorted(_EXACT))
 @pytest.mark.parametrize("which", ["solve", "solve_tangent"])
-@pytest.mark.quick_cases("solve-none-one-hot", "solve_tangent-dense-one-hot")
+@pytest.mark.quick_cases("solve-none-one-hot")
 def test_bicgstab_gradient_with_zero_vectors(which, preconditioner, rhs_kind):
     """Reverse mode through BiCGStab where a right-hand side is zero: the forward
     one, and then the cotangent of the sum of squares that the transposed solve
@@ -380,6 +388,7 @@ def test_bicgstab_gradient_with_zero_vectors(which, preconditioner, rhs_kind):
 
 
 @pytest.mark.parametrize("which", ["solve", "solve_tangent"])
+@pytest.mark.quick_cases("solve")  # the transposed solve: test_solve_tangent_transposes
 def test_bicgstab_exact_preconditioner(which):
     """A preconditioner that is the exact inverse: the first half step solves
     `(I - γh J) x = b` to the last bit, `s = 0`, where lineax's BiCGStab formed
@@ -423,6 +432,8 @@ def test_krylov_vmap_over_rhs_and_point():
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
 
 
+# The full suite; the quick loop's Krylov solver: test_krylov_matches_dense.
+@pytest.mark.slow
 def test_krylov_nonconvergence_and_singular_give_nan():
     fn = _field(_banded_matrix(_N, 2, 2))
     x = jnp.linspace(-1.0, 1.0, _N)

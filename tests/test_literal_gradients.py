@@ -48,7 +48,7 @@ _ADJOINTS = {
 }
 
 
-@pytest.mark.quick_cases("backsolve-float", "checkpoint-int")
+@pytest.mark.quick_cases("checkpoint-int")
 @pytest.mark.parametrize("kind", ["float", "int"])
 @pytest.mark.parametrize("name", ["direct", "checkpoint", "backsolve", "ensemble"])
 def test_gradient_of_a_python_scalar_inside_jit(x64, name, kind):

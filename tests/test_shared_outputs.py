@@ -105,6 +105,9 @@ def test_grad_of_vmapped_fixed_step_solves(adjoint):
     np.testing.assert_allclose(got, _central(loss, 1.3, T1), rtol=CENTRAL)
 
 
+# The full suite; the quick loop's shared outputs under `grad` of `vmap`:
+# test_grad_of_vmapped_fixed_step_solves[online].
+@pytest.mark.slow
 def test_vmap_of_grad_over_a_closed_over_float():
     """`vmap` over the closed-over float of `grad` of `vmap(diffeqsolve)` over the
     int index: batched twice, the grid by neither."""
@@ -123,6 +126,9 @@ def test_vmap_of_grad_over_a_closed_over_float():
         np.testing.assert_allclose(got[:, k], want, rtol=SAME_STEPS)
 
 
+# The full suite; the quick loop's shared outputs: test_grad_of_vmapped_fixed_step_
+# solves[online]; its ensemble gradient: test_ensemble.py::test_gradient_matches_vmap.
+@pytest.mark.slow
 def test_fixed_step_ensemble_gradient():
     """`ensemble_solve(kernel=False)` with fixed steps: its gradient, and under `vmap`
     over the closed-over float, against `vmap(diffeqsolve)` with `DirectAdjoint`."""
