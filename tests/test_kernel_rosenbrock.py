@@ -205,14 +205,21 @@ def test_unsupported_rosenbrock():
     assert sol.ys.shape == (128, 1, 2)
 
 
-def test_not_by_default_on_a_tpu(monkeypatch):
-    """`kernel=None` on a TPU keeps Rosenbrock solves on the lane loop until the
-    kernel is measured faster there (`ROSENBROCK_BY_DEFAULT`)."""
+def test_by_default_on_a_tpu(monkeypatch):
+    """`kernel=None` on a TPU takes the kernel for Rosenbrock solves (measured
+    faster there: `_field.ROSENBROCK_BY_DEFAULT`); with the switch off, the lane
+    loop."""
+    from solverkit._kernel import _field, _solve
+
     y0, args = _vdp_inputs(jnp.float32, 128)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    got, want = (_vdp_solve(sk.Rodas5P(), y0, args, kernel=k) for k in (None, False))
-    assert "refill" in got.stats  # the lane loop's stats (the kernel has none)
+    monkeypatch.setattr(_solve, "DEFAULT_INTERPRET", True)  # the CPU runs it
+    got, want = (_vdp_solve(sk.Rodas5P(), y0, args, kernel=k) for k in (None, True))
+    assert "refill" not in got.stats  # the kernel's stats (the lane loop has it)
     np.testing.assert_array_equal(got.ys, want.ys)
+    monkeypatch.setattr(_field, "ROSENBROCK_BY_DEFAULT", False)
+    got = _vdp_solve(sk.Rodas5P(), y0, args, kernel=None)
+    assert "refill" in got.stats
 
 
 def _kinked(t, y, a):
