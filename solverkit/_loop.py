@@ -277,14 +277,22 @@ def _landing(problem: Problem, accepted: Array, t0, t1, next_t1) -> Array:
     )
 
 
-def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
-    """One attempted step. Returns the new carry and what this step saves."""
+def step(
+    problem: Problem, carry: Carry, accepted: Array | None = None
+) -> tuple[Carry, StepOut]:
+    """One attempted step. Returns the new carry and what this step saves.
+
+    `accepted`, where given, replaces the controller's decision: a backward pass
+    that recomputes a step replays the decision its carries record (another
+    compilation of the step can round the error estimate to the other side of 1,
+    and a pullback through the other branch is not that of the step taken)."""
     t0 = carry.t
     t1, t_timed = _event.step_end(problem, carry, jnp.minimum(carry.tnext, problem.t1))
     y1, y_error, info, solver_state, solver_result = _solver_step(problem, carry, t1)
     failed = _solver_failed(solver_result)
     if adaptive(problem):
         y_error = _reject_failed(problem, failed, y_error, y1)
+    replay = accepted
     accepted, _, next_t1, _, controller_state, controller_result = (
         problem.controller.loop_adapt_step_size(
             t0,
@@ -297,7 +305,7 @@ def step(problem: Problem, carry: Carry) -> tuple[Carry, StepOut]:
             carry.controller_state,
         )
     )
-    accepted = jnp.asarray(accepted)
+    accepted = jnp.asarray(accepted if replay is None else replay)
     finite = _all_finite(y1)
     result = _step_result(
         problem, carry, accepted, finite, failed, solver_result, controller_result

@@ -182,9 +182,17 @@ class _Reverse(NamedTuple):
     layout: Layout
 
 
-def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next):
+def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next, accepted):
     """Pull the cotangent of the carry after one step back through that step
     (and its saves), to the problem's parameters and the carry before it.
+
+    `accepted`: whether the step was accepted, as the carries record it (the
+    count of accepted steps went up), replayed rather than decided again: this
+    compilation of the step may round an error estimate within round-off of the
+    tolerance to the other side (float32 Lorenz ensemble gradients were 1.6-2.2x
+    off for 3 of 128 trajectories: tests/test_replayed_decisions.py). Open: a chunk
+    recomputed from a checkpoint decides its steps again, and can leave the
+    forward pass's steps the same way (a solve of more steps than checkpoints).
 
     The rows at `SaveAt(ts=...)` are pulled back by `_save.pull_back_ts`, only those
     the step wrote; the step's other saves (at steps, dense output, events) are
@@ -195,7 +203,7 @@ def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next):
 
     def f(p_diff, c_diff):
         problem = problem_of(p_diff)
-        new, out = _loop.step(problem, eqx.combine(c_diff, c_rest))
+        new, out = _loop.step(problem, eqx.combine(c_diff, c_rest), accepted)
         new_bufs = _save.write(problem, new, out, rev.bufs, ts_rows="skip")
         out_diff, out_rest = eqx.partition(out, eqx.is_inexact_array)
         new_diff = eqx.filter(new, rev.diff_mask)
@@ -292,41 +300,45 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
     rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, rec, layout)
 
     def chunk(state):
-        end, mids_of, buffer, mids, ct_p, ct_c = state
+        end, mids_of, buffer, mids, ct_p, ct_c, after = state
         end, mids_of = unvmap_first(end), unvmap_first(mids_of)  # `counted_loop`
         bounds = _schedule.chunk(rev.layout, rev.rec.level, end, mids_of)
         start = bounds.start
         buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
 
         def back(i, state):
-            ct_p, ct_c, row = state
+            ct_p, ct_c, row, after = state
             k = end - 1 - i  # the step to pull back through
             # The row was read by the iteration before (loop state): an array of
             # its own, not a strided read fused into each kernel of the pullback
             # that uses it (reading it here: Lorenz gradient 23-24 -> 31-35 ms,
             # barrier or not).
             carry = unpack(buffer, row)
-            dp, dc = _vjp_step(rev, p_diff, carry, ct_c)
+            # As the carries after and before step `k` count accepted steps.
+            accepted = after > carry.num_accepted
+            dp, dc = _vjp_step(rev, p_diff, carry, ct_c, accepted)
             active = k < rec.n
             ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
             row = get_row(buffer, jnp.maximum(k - 1 - first, 0))
-            return ct_p, tree_where(active, dc, ct_c), row
+            return ct_p, tree_where(active, dc, ct_c), row, carry.num_accepted
 
         row = get_row(buffer, end - 1 - first)
-        ct_p, ct_c, _ = counted_loop(0, end - start, back, (ct_p, ct_c, row), ct_c)
-        return start, bounds.segment, buffer, mids, ct_p, ct_c
+        state = (ct_p, ct_c, row, after)
+        ct_p, ct_c, _, after = counted_loop(0, end - start, back, state, ct_c)
+        return start, bounds.segment, buffer, mids, ct_p, ct_c, after
 
     loop_state = (
         stack(final, layout.buffer, fixed_leaves(rec.store)),
         stack(final, layout.mid + 1, fixed_leaves(rec.store)) if layout.mid else None,
         jtu.tree_map(jnp.zeros_like, p_diff),
         eqx.filter(ct_carry, diff_mask),
+        final.num_accepted,  # the count after the last step
     )
     # Batched up front wherever anything is (see `batch_like`), the chunk bounds
     # too: they are read unbatched (see `counted_loop`).
     init = (rec.it, jnp.asarray(-1, jnp.int32), *loop_state)
     init = _loop.batch_like((rec, dynamic, ct_carry), init)
-    *_, ct_p, ct_c = lax.while_loop(lambda s: unvmap_first(s[0]) > 0, chunk, init)
+    *_, ct_p, ct_c, _ = lax.while_loop(lambda s: unvmap_first(s[0]) > 0, chunk, init)
     ct_dynamic = fill_zeros(
         eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic
     )
