@@ -45,6 +45,7 @@ runs the lane loop's backward pass (`_backward.directions_of` gives none here).
 
 import jax.numpy as jnp
 
+from .._linear._linalg import gauss_jordan
 from .._linear._linear_solver import DenseLinearSolver
 from .._solver._rosenbrock import AbstractRosenbrock
 from .._solver._rosenbrock_tableau import RosenbrockTableau
@@ -128,16 +129,7 @@ def _inverse(matrix: Matrix) -> Matrix:
     rows = [
         list(matrix[i]) + [one if i == j else zero for j in range(n)] for i in range(n)
     ]
-    for k in range(n):
-        rows = _pivot(rows, k)
-        scale = 1 / rows[k][0]
-        pivot_row = [x * scale for x in rows[k][1:]]
-        rows = [
-            pivot_row if i == k
-            else [x - row[0] * p for x, p in zip(row[1:], pivot_row)]
-            for i, row in enumerate(rows)
-        ]  # fmt: skip
-    return rows
+    return gauss_jordan(rows, _pivot)
 
 
 def _mul(matrix: Matrix, v: Tiles) -> Tiles:

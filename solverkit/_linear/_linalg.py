@@ -90,8 +90,18 @@ def small_inverse(matrix: Array) -> Array:
         + [one if i == j else zero for j in range(n)]
         for i in range(n)
     ]
-    for k in range(n):
-        rows = _pivot(rows, k)
+    rows = gauss_jordan(rows, _pivot)
+    return jnp.stack([jnp.stack(row, axis=-1) for row in rows], axis=-2)
+
+
+def gauss_jordan(rows: list, pivot) -> list:
+    """Gauss-Jordan elimination on `[A | I]` given as rows of entries (arrays of one
+    shape, element-wise): column `k` eliminated after `pivot(rows, k)` puts its
+    pivot row at `k`, each column dropped once eliminated; returns the rows of
+    `A^{-1}`. Shared by `small_inverse` and the kernel's tiles
+    (`_kernel/_rosenbrock.py`, with Mosaic's selects)."""
+    for k in range(len(rows)):
+        rows = pivot(rows, k)
         scale = 1 / rows[k][0]
         pivot_row = [x * scale for x in rows[k][1:]]
         rows = [
@@ -99,7 +109,7 @@ def small_inverse(matrix: Array) -> Array:
             else [x - row[0] * p for x, p in zip(row[1:], pivot_row)]
             for i, row in enumerate(rows)
         ]  # fmt: skip
-    return jnp.stack([jnp.stack(row, axis=-1) for row in rows], axis=-2)
+    return rows
 
 
 def inverse(matrix: Array) -> Array:
