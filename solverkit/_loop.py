@@ -264,35 +264,47 @@ def _step_result(
     return where(carry.result == SUCCESS, result, carry.result)
 
 
-def _landing(problem: Problem, accepted: Array, t0, t1, next_t1) -> Array:
-    """The next step's end: a proposed end within `_LANDING_ULPS` spacings of the
-    solve's end lands on it. A rejected step `[t0, t1]` whose retry would land there
-    is retried on half of itself instead (as diffrax does the first time: it halves
-    what is left), never on the end again: else a retry the controller shrank by
-    less than the window is the same step, rejected again, until `max_steps`
-    (float32: the window is ~2e-3 at `t = 200`; VdP ensembles lost trajectories)."""
+def _landing(accepted: Array, t0, t1, next_t1, t_end, lands: Array) -> Array:
+    """The next step's end: a proposed end `next_t1` within `_LANDING_ULPS`
+    spacings of the solve's end `t_end` lands on it (`lands`, from `_lands_on_t1`).
+    A rejected step `[t0, t1]` whose retry would land there is retried on half of
+    itself instead (as diffrax does the first time: it halves what is left), never
+    on the end again: else a retry the controller shrank by less than the window is
+    the same step, rejected again, until `max_steps` (float32: the window is ~2e-3
+    at `t = 200`; VdP ensembles lost trajectories)."""
     retry = t0 + 0.5 * (t1 - t0)
-    return where(
-        _lands_on_t1(problem, next_t1), where(accepted, problem.t1, retry), next_t1
-    )
+    return where(lands, where(accepted, t_end, retry), next_t1)
+
+
+class Replay(NamedTuple):
+    """The discrete decisions of a step that the forward pass took, for a backward
+    pass to take again where it recomputes the step (`step`'s `replay`)."""
+
+    accepted: Array  # the controller's decision
+    lands: Array | None = None  # whether the next step's end moved onto `t1`
 
 
 def step(
-    problem: Problem, carry: Carry, accepted: Array | None = None
+    problem: Problem, carry: Carry, replay: Replay | None = None
 ) -> tuple[Carry, StepOut]:
-    """One attempted step. Returns the new carry and what this step saves.
+    """One attempted step. Returns the new carry and what this step saves (with
+    the decisions it took: `StepOut.accepted`, `StepOut.lands`).
 
-    `accepted`, where given, replaces the controller's decision: a backward pass
-    that recomputes a step replays the decision its carries record (another
-    compilation of the step can round the error estimate to the other side of 1,
-    and a pullback through the other branch is not that of the step taken)."""
+    `replay`, where given, holds decisions to take instead of deciding again: a
+    backward pass that recomputes a step replays the forward pass's. Another
+    compilation of the step can round an error estimate (or a proposed step end)
+    to the other side of its threshold; a pullback through the branch not taken is
+    not that of the step taken, and a recomputation that decides otherwise leaves
+    the forward pass's steps. A built-in controller then sizes the next step as
+    after the replayed decision (so the steps agree to round-off); a controller of
+    the user's own decides itself, and only its decision is replaced."""
     t0 = carry.t
     t1, t_timed = _event.step_end(problem, carry, jnp.minimum(carry.tnext, problem.t1))
     y1, y_error, info, solver_state, solver_result = _solver_step(problem, carry, t1)
     failed = _solver_failed(solver_result)
     if adaptive(problem):
         y_error = _reject_failed(problem, failed, y_error, y1)
-    replay = accepted
+    keep = None if replay is None else replay.accepted
     accepted, _, next_t1, _, controller_state, controller_result = (
         problem.controller.loop_adapt_step_size(
             t0,
@@ -303,9 +315,10 @@ def step(
             y_error,
             problem.error_order,
             carry.controller_state,
+            **({} if keep is None else {"keep": keep}),
         )
     )
-    accepted = jnp.asarray(accepted if replay is None else replay)
+    accepted = jnp.asarray(accepted if keep is None else keep)
     finite = _all_finite(y1)
     result = _step_result(
         problem, carry, accepted, finite, failed, solver_result, controller_result
@@ -324,7 +337,10 @@ def step(
     out = StepOut(accepted, t0, t1, y1, info)
     new, out = _event.after_step(problem, carry, new, out, finite, t_timed)
     # (Only now: an occurrence moves the next step with it.)
-    return new._replace(tnext=_landing(problem, accepted, t0, t1, new.tnext)), out
+    lands = None if replay is None else replay.lands
+    lands = _lands_on_t1(problem, new.tnext) if lands is None else lands
+    tnext = _landing(accepted, t0, t1, new.tnext, problem.t1, lands)
+    return new._replace(tnext=tnext), out._replace(lands=lands)
 
 
 def body(
@@ -335,13 +351,19 @@ def body(
 ):
     """One iteration of the loop: a step, then its saves. Where `active` is False
     (a finished batch element) nothing changes."""
+    new, bufs, _ = _body(problem, state, active, differentiable)
+    return new, bufs
+
+
+def _body(problem: Problem, state, active: Array | bool, differentiable=False):
+    """`body`, and the step's `StepOut` (its `accepted` masked by `active`)."""
     carry, bufs = state
     new, out = step(problem, carry)
     if active is not True:
         out = out._replace(accepted=out.accepted & active)
         new = tree_where(active, new, carry)
     ts_rows = "masked" if differentiable else "loop"
-    return new, _save.write(problem, new, out, bufs, ts_rows)
+    return new, _save.write(problem, new, out, bufs, ts_rows), out
 
 
 class Progress(NamedTuple):
@@ -388,7 +410,7 @@ def run_while(
     carry: Carry,
     bufs: Buffers,
     extra: PyTree = None,
-    record: Callable[[PyTree, Carry, Array], PyTree] | None = None,
+    record: Callable[[PyTree, Carry, StepOut, Array], PyTree] | None = None,
 ) -> tuple[Carry, Buffers, PyTree]:
     """The loop as a plain `lax.while_loop` (not reverse-differentiable), with the
     progress meter.
@@ -396,8 +418,10 @@ def run_while(
     **Arguments:**
 
     - `problem`, `carry`, `bufs`: the solve and its initial state.
-    - `extra`, `record`: more loop state, updated before each step as
-        `record(extra, carry, active)` (a checkpointing forward pass stores carries).
+    - `extra`, `record`: more loop state, updated after each step as
+        `record(extra, before, out, active)` from the carry before it and what it
+        returned (`step`'s `StepOut`, masked by `active`): a checkpointing forward
+        pass stores carries and the steps' decisions.
 
     **Returns:**
 
@@ -407,9 +431,9 @@ def run_while(
 
     def loop_body(state, active):
         carry, bufs, extra, shown = state
+        new, bufs, out = _body(problem, (carry, bufs), active)
         if record is not None:
-            extra = record(extra, carry, active)
-        new, bufs = body(problem, (carry, bufs), active)
+            extra = record(extra, carry, out, active)
         if meter is not None:
             shown = meter.tick(shown, carry, new)
         return new, bufs, extra, shown

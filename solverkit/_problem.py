@@ -170,6 +170,10 @@ class StepOut(NamedTuple):
     # The end of the interval `dense_info` covers, where the step was cut short at
     # an occurrence (`t1` there); `None`: `t1`.
     t_info: Array | None = None
+    # Whether the next step's end was moved onto `t1` (`_loop._landing`), which a
+    # backward pass replays with the decision `accepted`; `None` before `_loop.step`
+    # sets it.
+    lands: Array | None = None
 
     @property
     def info_end(self) -> Array:

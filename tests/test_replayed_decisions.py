@@ -1,4 +1,5 @@
-"""A checkpointed backward pass pulls each step back as the forward pass took it.
+"""A checkpointed backward pass pulls each step back as the forward pass took it,
+and recomputes the forward pass's steps from a checkpoint.
 
 The pullback recompiles the step; a float32 error estimate within round-off of the
 tolerance can land on the other side of 1 there. It then replays the decision the
@@ -16,7 +17,12 @@ import subprocess
 import sys
 
 import conftest
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from helpers import float64
+
+import solverkit as sk
 
 
 _FLAG = "--xla_cpu_use_fusion_emitters=false"
@@ -38,3 +44,76 @@ def test_pullback_replays_the_step_taken():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "1 passed" in proc.stdout
+
+
+# The recomputation from a checkpoint (more steps than slots): the same float32
+# Lorenz, 4 slots for ~27 steps, `vmap` over batches of one and two, against
+# DirectAdjoint (which differentiates the forward pass itself). Deciding its steps
+# again, the recomputation took others: trajectory 81's first component -259.4
+# alone and -212.6 beside trajectory 93, against -269.8 (float64 and DirectAdjoint
+# agree); replaying the decision alone (the controller sizing the next step from its
+# own) sent trajectory 75 from -160.0 to +302.6.
+_RECOMPUTED = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_disable_most_optimizations", True)
+sys.path.insert(0, "tests")
+import solverkit as sk
+import test_kernel_tangent as T
+y0, rho, k = T._inputs(jnp.float32)
+def grads(adjoint, idx):
+    def loss(a, r, kk):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(T._field(jnp.float32(9.0), 8 / 3)), sk.Tsit5(), 0.0, 1.0, None,
+            a, (r, kk), saveat=T._saveat(), stepsize_controller=T._controller(1e-5),
+            adjoint=adjoint)
+        return jnp.sum(sol.ys**2) + jnp.sum(jnp.sin(sol.ys[1:, 0]))
+    idx = np.asarray(idx)
+    return np.asarray(jax.jit(jax.vmap(jax.grad(loss)))(y0[idx], rho[idx], k[idx]))
+for idx in ([81], [93], [81, 93], [75]):
+    got = grads(sk.RecursiveCheckpointAdjoint(checkpoints=4), idx)
+    want = grads(sk.DirectAdjoint(), idx)
+    # Both differentiate the forward pass's steps: round-off apart (the steps of a
+    # float32 solve, ~30, each ~1e-6 relative).
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_recomputation_replays_the_steps_taken():
+    if not conftest._accepted_xla_flags((_FLAG,)):
+        pytest.skip(f"this jaxlib's XLA does not know {_FLAG}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": _FLAG, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RECOMPUTED], cwd=root, env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_controller_sizes_the_next_step_after_the_replayed_decision():
+    """`keep` replaces the PID controller's decision, and the next step is sized as
+    after that decision: as the controller itself sizes it for an error on that side
+    of the tolerance (here 1 -/+ 1e-3: the factors differ by that error's power)."""
+    controller = sk.PIDController(rtol=1e-3, atol=1e-3)
+
+    def adapt(err, keep=None):
+        t0, t1, y0 = jnp.float64(0.0), jnp.float64(0.1), jnp.ones(2)
+        state = controller.init(None, t0, 1.0, y0, 0.1, None, None, 5)[1]
+        y_error = jnp.full(2, err * 2e-3)  # scaled error `err` (RMS norm)
+        args = (t0, t1, y0, y0, None, y_error, 5, state)
+        if keep is None:
+            return controller.loop_adapt_step_size(*args)
+        return controller.loop_adapt_step_size(*args, keep=keep)
+
+    with float64():
+        for err, other in ((0.999, 1.001), (1.001, 0.999)):
+            want = adapt(other)
+            got = adapt(err, keep=want[0])
+            assert bool(got[0]) == bool(want[0]) != bool(adapt(err)[0])
+            assert got[1] == want[1]  # the next step starts where that decision puts it
+            # float64 next ends: the power 1/5 of errors 2e-3 apart (relative 4e-4).
+            np.testing.assert_allclose(got[2], want[2], rtol=1e-3)
+            np.testing.assert_allclose(got[4].prev, want[4].prev, rtol=3e-3)

@@ -276,6 +276,12 @@ class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
             return clip.adapt_step_size(
                 t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
             )
+        return self.loop_adapt_step_size(
+            t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        )
+
+    def loop_adapt_step_size(self, *args, keep=None):
+        t0, t1, y0, y1_candidate, _, y_error, error_order, controller_state = args
         prev, prev_prev, at_dtmin = controller_state
         order = self._order(error_order)
         t0, t1 = times_of(t0, t1)
@@ -287,9 +293,11 @@ class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
 
         err = self.norm(jtu.tree_map(scale, y_error, y0, y1_candidate))
         err = lax.stop_gradient(where(jnp.isfinite(err), err, jnp.inf))
-        keep = err < 1
-        if self.dtmin is not None:
-            keep = keep | at_dtmin
+        if keep is None:
+            keep = err < 1
+            if self.dtmin is not None:
+                keep = keep | at_dtmin
+        keep = jnp.asarray(keep)
         inv = (1 / err).astype(t0.dtype)
         c1 = (self.icoeff + self.pcoeff + self.dcoeff) / order
         c2 = -(self.pcoeff + 2 * self.dcoeff) / order

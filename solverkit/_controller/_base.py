@@ -67,10 +67,17 @@ class AbstractStepSizeController(eqx.Module):
         (diffrax's) ends it one ulp before (see `has_jumps`). Default: `init`."""
         return self.init(*args)
 
-    def loop_adapt_step_size(self, *args) -> tuple[Any, Any, Any, Any, PyTree, Result]:
+    def loop_adapt_step_size(
+        self, *args, keep=None
+    ) -> tuple[Any, Any, Any, Any, PyTree, Result]:
         """`adapt_step_size` as `diffeqsolve`'s loop takes it (the same arguments and
-        outputs, with `loop_init`'s convention at jumps). Default:
-        `adapt_step_size`."""
+        outputs, with `loop_init`'s convention at jumps). `keep`, where given, is
+        the decision to take instead of the controller's own: a backward pass
+        replays the forward pass's (another compilation can round an error
+        estimate to the other side of the tolerance), and the next step is then
+        sized as after that decision. Default: `adapt_step_size`, which decides
+        itself (the loop then overrides only the decision)."""
+        del keep
         return self.adapt_step_size(*args)
 
     def resume(self, controller_state: PyTree, fresh: PyTree) -> PyTree:

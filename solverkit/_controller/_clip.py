@@ -223,15 +223,16 @@ class ClipStepSizeController(AbstractAdaptiveStepSizeController):
             t1 = jnp.minimum(t1, jnp.nextafter(jump, jnp.asarray(-jnp.inf, t1.dtype)))
         return t1, ClipState(inner, jump)
 
-    def loop_adapt_step_size(self, *args):
+    def loop_adapt_step_size(self, *args, keep=None):
         t0, t1, y0, y1_candidate, fn_args, y_error, error_order, state = args
         inner, jump = state
         t0, t1 = times_of(t0, t1)
         keep, next_t0, next_t1, made_jump, inner, result = (
             self.controller.loop_adapt_step_size(
-                t0, t1, y0, y1_candidate, fn_args, y_error, error_order, inner
+                t0, t1, y0, y1_candidate, fn_args, y_error, error_order, inner,
+                **({} if keep is None else {"keep": keep}),
             )
-        )
+        )  # fmt: skip
         made_jump = made_jump | (keep & (t1 == jump))
         next_t1, jump = self._clip(next_t0, jnp.asarray(next_t1))
         return keep, next_t0, next_t1, made_jump, ClipState(inner, jump), result
