@@ -47,12 +47,12 @@ def test_pullback_replays_the_step_taken():
 
 
 # The recomputation from a checkpoint (more steps than slots): the same float32
-# Lorenz, 4 slots for ~27 steps, `vmap` over batches of one and two, against
-# DirectAdjoint (which differentiates the forward pass itself). Deciding its steps
-# again, the recomputation took others: trajectory 81's first component -259.4
-# alone and -212.6 beside trajectory 93, against -269.8 (float64 and DirectAdjoint
-# agree); replaying the decision alone (the controller sizing the next step from its
-# own) sent trajectory 75 from -160.0 to +302.6.
+# Lorenz, 4 slots for 27-60 steps, `vmap` over all 128 trajectories and over a batch
+# of one, against DirectAdjoint (which differentiates the forward pass itself).
+# Deciding its steps again, the recomputation took others on 3 of 128 trajectories:
+# 13-21% off (trajectory 81 alone: -259.4 against -269.8, which float64 gives too);
+# replaying the decision alone (the controller sizing the next step from its own)
+# sent trajectory 75 from -160.0 to +302.6. Now within 2e-4 of DirectAdjoint.
 _RECOMPUTED = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
@@ -70,12 +70,16 @@ def grads(adjoint, idx):
         return jnp.sum(sol.ys**2) + jnp.sum(jnp.sin(sol.ys[1:, 0]))
     idx = np.asarray(idx)
     return np.asarray(jax.jit(jax.vmap(jax.grad(loss)))(y0[idx], rho[idx], k[idx]))
-for idx in ([81], [93], [81, 93], [75]):
+for idx in (np.arange(len(y0)), [81]):
     got = grads(sk.RecursiveCheckpointAdjoint(checkpoints=4), idx)
     want = grads(sk.DirectAdjoint(), idx)
-    # Both differentiate the forward pass's steps: round-off apart (the steps of a
-    # float32 solve, ~30, each ~1e-6 relative).
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # Both differentiate the forward pass's steps, in two programs: float32
+    # round-off (6e-8) of 27-60 steps, grown by the Lorenz flow over t <= 1 (up to
+    # e^8 on these trajectories): 1e-3 of each gradient's largest component. A
+    # gradient of other steps is 0.1-0.2 off.
+    scale = np.abs(want).max(axis=1, keepdims=True)
+    bound = np.broadcast_to(1e-3 * scale, want.shape)
+    np.testing.assert_array_less(np.abs(got - want), bound)
 print("ok")
 """
 

@@ -152,9 +152,9 @@ def _decisions(problem: Problem) -> jax.Array | None:
 def _word_and_shift(k) -> tuple[jax.Array, jax.Array]:
     """Where step `k >= 0`'s bits are: its word, and their shift in it."""
     k = jnp.asarray(k, jnp.int32)
-    return lax.shift_right_logical(k, 4), lax.convert_element_type(
-        lax.shift_left(lax.bitwise_and(k, 15), 1), jnp.uint32
-    )
+    i = lax.shift_right_logical(k, jnp.int32(4))
+    shift = lax.shift_left(lax.bitwise_and(k, jnp.int32(15)), jnp.int32(1))
+    return i, lax.convert_element_type(shift, jnp.uint32)
 
 
 def _write_decisions(decided: jax.Array, k, out) -> jax.Array:
