@@ -410,7 +410,7 @@ def run_while(
     carry: Carry,
     bufs: Buffers,
     extra: PyTree = None,
-    record: Callable[[PyTree, Carry, StepOut, Array], PyTree] | None = None,
+    record: Callable[[PyTree, Carry, Carry, StepOut, Array], PyTree] | None = None,
 ) -> tuple[Carry, Buffers, PyTree]:
     """The loop as a plain `lax.while_loop` (not reverse-differentiable), with the
     progress meter.
@@ -419,9 +419,9 @@ def run_while(
 
     - `problem`, `carry`, `bufs`: the solve and its initial state.
     - `extra`, `record`: more loop state, updated after each step as
-        `record(extra, before, out, active)` from the carry before it and what it
-        returned (`step`'s `StepOut`, masked by `active`): a checkpointing forward
-        pass stores carries and the steps' decisions.
+        `record(extra, before, after, out, active)` from the carries before and
+        after it and what it saves (`step`'s `StepOut`, masked by `active`): a
+        checkpointing forward pass stores carries and the steps' decisions.
 
     **Returns:**
 
@@ -433,7 +433,7 @@ def run_while(
         carry, bufs, extra, shown = state
         new, bufs, out = _body(problem, (carry, bufs), active)
         if record is not None:
-            extra = record(extra, carry, out, active)
+            extra = record(extra, carry, new, out, active)
         if meter is not None:
             shown = meter.tick(shown, carry, new)
         return new, bufs, extra, shown

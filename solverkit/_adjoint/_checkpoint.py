@@ -22,7 +22,7 @@ from .._loop import Outputs
 from .._problem import Buffers, Carry, Problem
 from .._select import where
 from .._tree import tree_add, tree_where
-from . import _schedule
+from . import _replay, _schedule
 from ._base import (
     AbstractAdjoint,
     custom_vjp,
@@ -64,10 +64,11 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
     carries stored while recomputing its first chunk (two recomputations). So a short
     solve costs the same whatever `max_steps` is, and memory grows slowly with
     `max_steps`: 160 states up to 4096, 192 at `10**5`, 310 at `10**6` (then like
-    its cube root). With adaptive steps the forward pass also records each step's
-    decisions (two bits a step), which the recomputation replays: it takes the
-    forward pass's steps even where another compilation rounds an error estimate
-    to the other side of the tolerance (not with `max_steps=None`).
+    its cube root). With adaptive steps the forward pass also records a byte a step
+    (`max_steps` bytes), which the recomputation replays: it takes the forward
+    pass's steps even where another compilation rounds an error estimate to the
+    other side of the tolerance, or a step's end to another float (not with
+    `max_steps=None`).
 
     **Arguments:**
 
@@ -126,55 +127,9 @@ class _Record(NamedTuple):
     # batched with adaptive steps (see `_checkpointed_forward`).
     it: jax.Array  # loop iterations so far
     level: jax.Array  # how often the stride has doubled: `w = 2**level`
-    # Each step's decisions (`_loop.Replay`), packed: what the recomputation
-    # replays (see `_decisions`); `None` where nothing is decided (fixed steps) or
-    # the steps are unbounded (`max_steps=None`).
-    decided: jax.Array | None = None
-
-
-# Decisions of a step as bits of a word of `_Record.decided`: two bits a step, 16
-# steps a word.
-_ACCEPTED, _LANDS = 1, 2
-
-
-def _decisions(problem: Problem) -> jax.Array | None:
-    """The forward pass's record of each step's decisions, all zero: with adaptive
-    steps and `max_steps` bounded. A chunk recomputed from a checkpoint replays
-    them: deciding again, another compilation of the step can round an error
-    estimate to the other side of the tolerance and take other steps from there
-    (float32 Lorenz, 4 slots: a gradient 20% off; tests/test_replayed_decisions.py).
-    `max_steps / 4` bytes (1 KiB at 4096 steps)."""
-    if not _loop.adaptive(problem) or problem.max_steps is None:
-        return None
-    return jnp.zeros(-(-problem.max_steps // 16), jnp.uint32)
-
-
-def _word_and_shift(k) -> tuple[jax.Array, jax.Array]:
-    """Where step `k >= 0`'s bits are: its word, and their shift in it."""
-    k = jnp.asarray(k, jnp.int32)
-    i = lax.shift_right_logical(k, jnp.int32(4))
-    shift = lax.shift_left(lax.bitwise_and(k, jnp.int32(15)), jnp.int32(1))
-    return i, lax.convert_element_type(shift, jnp.uint32)
-
-
-def _write_decisions(decided: jax.Array, k, out) -> jax.Array:
-    """`decided` with step `k`'s decisions (`out`: its `StepOut`) or-ed in."""
-    i, shift = _word_and_shift(k)
-    bit = lambda x: lax.convert_element_type(x, jnp.uint32)  # noqa: E731
-    code = bit(out.accepted)  # `_ACCEPTED`
-    if out.lands is not None:
-        code = code | lax.shift_left(bit(out.lands), jnp.uint32(1))  # `_LANDS`
-    word = lax.dynamic_index_in_dim(decided, i, keepdims=False)
-    return lax.dynamic_update_index_in_dim(decided, word | (code << shift), i, 0)
-
-
-def _replay(decided: jax.Array | None, k) -> _loop.Replay | None:
-    """Step `k`'s decisions as the forward pass recorded them."""
-    if decided is None:
-        return None
-    i, shift = _word_and_shift(k)
-    code = lax.dynamic_index_in_dim(decided, i, keepdims=False) >> shift
-    return _loop.Replay(accepted=(code & _ACCEPTED) != 0, lands=(code & _LANDS) != 0)
+    # A byte a step, which the recomputation replays (`_replay.py`); `None` where
+    # nothing is recorded (fixed steps, `max_steps=None`).
+    steps: jax.Array | None = None
 
 
 def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout):
@@ -193,19 +148,19 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
     """
     slots = layout.slots
 
-    def record(rec: _Record, before: Carry, out, active) -> _Record:
+    def record(rec: _Record, before: Carry, after: Carry, out, active) -> _Record:
         it = unvmap_first(rec.it)
         level, row = _schedule.record(it, unvmap_first(rec.level), slots)
         n = rec.n + jnp.asarray(active, jnp.int32)
         store = put_row(rec.store, row, pack(rec.store, before))
-        decided = rec.decided
-        if decided is not None:
-            decided = _write_decisions(decided, it, out)
-        return _Record(store, n, it + 1, level, decided)
+        steps = rec.steps
+        if steps is not None:
+            steps = _replay.write(steps, it, after, out)
+        return _Record(store, n, it + 1, level, steps)
 
     zero = jnp.asarray(0, jnp.int32)
     store = stack(carry, slots + 1, _invariant(problem, carry, bufs))
-    rec = _Record(store, zero, zero, zero, _decisions(problem))
+    rec = _Record(store, zero, zero, zero, _replay.empty(problem))
     if _loop.adaptive(problem):
         # See `batch_like`: then every part of the loop's carry is batched, which
         # `vmap` batches the body for once, not twice (`counted_loop`). The
@@ -310,8 +265,11 @@ def _refill(
     # one kernel to compile) per packed array rather than per leaf.
     def body(k, state):  # step `k`; store the carry before step `k + 1`
         packed, buffer, mids = state
-        replay = _replay(rev.rec.decided, k)  # (`None`: decided again)
-        new, _ = _loop.step(problem, unpack(buffer, packed), replay)
+        # The forward pass's step `k` (where recorded; else decided again).
+        new, _ = _loop.step(
+            problem, unpack(buffer, packed), _replay.decisions(rev.rec.steps, k)
+        )
+        new = new._replace(tnext=_replay.step_end(rev.rec.steps, k, new.tnext))
         active = k < rev.rec.n
         packed = tuple(where(active, a, b) for a, b in zip(pack(buffer, new), packed))
         row = jnp.maximum(k + 1 - start, 0)  # before `start`: overwritten later
@@ -369,7 +327,7 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
             carry = unpack(buffer, row)
             # As the carries after and before step `k` count accepted steps.
             accepted = after > carry.num_accepted
-            replay = _replay(rev.rec.decided, k)
+            replay = _replay.decisions(rev.rec.steps, k)
             replay = _loop.Replay(accepted, None if replay is None else replay.lands)
             dp, dc = _vjp_step(rev, p_diff, carry, ct_c, replay)
             active = k < rec.n
