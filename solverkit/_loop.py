@@ -24,6 +24,7 @@ from ._custom_types import Y
 from ._errors import concrete
 from ._problem import adaptive, Buffers, Carry, Problem, StepOut
 from ._reduce import all_true, and_all
+from ._remat import replayed
 from ._select import where
 from ._solution import RESULTS
 from ._tree import tree_where
@@ -318,7 +319,7 @@ def step(
             **({} if keep is None else {"keep": keep}),
         )
     )
-    accepted = jnp.asarray(accepted if keep is None else keep)
+    accepted = replayed(jnp.asarray(accepted if keep is None else keep))
     finite = _all_finite(y1)
     result = _step_result(
         problem, carry, accepted, finite, failed, solver_result, controller_result
@@ -338,8 +339,8 @@ def step(
     new, out = _event.after_step(problem, carry, new, out, finite, t_timed)
     # (Only now: an occurrence moves the next step with it.)
     lands = None if replay is None else replay.lands
-    lands = _lands_on_t1(problem, new.tnext) if lands is None else lands
-    tnext = _landing(accepted, t0, t1, new.tnext, problem.t1, lands)
+    lands = replayed(_lands_on_t1(problem, new.tnext) if lands is None else lands)
+    tnext = replayed(_landing(accepted, t0, t1, new.tnext, problem.t1, lands))
     return new._replace(tnext=tnext), out._replace(lands=lands)
 
 

@@ -15,8 +15,10 @@ test_kernel_tangent.py in a process with that flag (where this jaxlib knows it).
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import conftest
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,22 +48,26 @@ def test_pullback_replays_the_step_taken():
     assert "1 passed" in proc.stdout
 
 
-# The recomputation from a checkpoint (more steps than slots): the same float32
-# Lorenz, 4 slots for 27-60 steps, `vmap` over all 128 trajectories and over a batch
-# of one, against DirectAdjoint (which differentiates the forward pass itself).
-# Deciding its steps again, the recomputation took others on 3 of 128 trajectories:
-# 13-21% off (trajectory 81 alone: -259.4 against -269.8, which float64 gives too);
-# replaying the decision alone (the controller sizing the next step from its own)
-# sent trajectory 75 from -160.0 to +302.6. Now within 2e-4 of DirectAdjoint.
+# Recomputations (a chunk from a checkpoint, more steps than slots; DirectAdjoint's
+# checkpointed blocks) against the forward pass's own gradient (every step stored:
+# `checkpoints=max_steps`, nothing recomputed), under `vmap`:
+# - the float32 Lorenz of test_kernel_tangent.py, 4 slots for 27-60 steps. Deciding
+#   its steps again, the recomputation took others on 3 of 128 trajectories: 13-21%
+#   off (trajectory 81 alone: -259.4 against -269.8, which float64 gives too).
+# - the float32 oscillator of test_float32_steps.py on [199, 200], where times are
+#   1.5e-5 apart beside steps of ~2e-3: with the same decisions, the recomputed step
+#   ends drifted a spacing a step from the forward pass's, and the gradient was
+#   1e-2 off (DirectAdjoint 1.8e-2) for a 1e-5 solve; it is 5e-4 from the exact one.
 _RECOMPUTED = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_disable_most_optimizations", True)
 sys.path.insert(0, "tests")
 import solverkit as sk
+import test_float32_steps as F
 import test_kernel_tangent as T
 y0, rho, k = T._inputs(jnp.float32)
-def grads(adjoint, idx):
+def lorenz(adjoint, idx):
     def loss(a, r, kk):
         sol = sk.diffeqsolve(
             sk.ODETerm(T._field(jnp.float32(9.0), 8 / 3)), sk.Tsit5(), 0.0, 1.0, None,
@@ -70,16 +76,38 @@ def grads(adjoint, idx):
         return jnp.sum(sol.ys**2) + jnp.sum(jnp.sin(sol.ys[1:, 0]))
     idx = np.asarray(idx)
     return np.asarray(jax.jit(jax.vmap(jax.grad(loss)))(y0[idx], rho[idx], k[idx]))
+def oscillator(adjoint, omegas):
+    def u(omega):
+        field = lambda t, y, args: jnp.stack([2 * omega * y[1], -2 * omega * y[0]])
+        sol = sk.diffeqsolve(
+            sk.ODETerm(field), sk.Tsit5(), jnp.float32(F.T0), jnp.float32(F.T1),
+            jnp.float32(1e-3), jnp.asarray([0.0, 1.0], jnp.float32),
+            stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5), adjoint=adjoint)
+        return sol.ys[-1, 0]
+    return np.asarray(jax.jit(jax.vmap(jax.grad(u)))(omegas))
+stored = sk.RecursiveCheckpointAdjoint(checkpoints=4096)  # = max_steps
+recomputed = (
+    sk.RecursiveCheckpointAdjoint(checkpoints=4), sk.RecursiveCheckpointAdjoint(),
+    sk.DirectAdjoint())
 for idx in (np.arange(len(y0)), [81]):
-    got = grads(sk.RecursiveCheckpointAdjoint(checkpoints=4), idx)
-    want = grads(sk.DirectAdjoint(), idx)
+    want = lorenz(stored, idx)
     # Both differentiate the forward pass's steps, in two programs: float32
     # round-off (6e-8) of 27-60 steps, grown by the Lorenz flow over t <= 1 (up to
     # e^8 on these trajectories): 1e-3 of each gradient's largest component. A
     # gradient of other steps is 0.1-0.2 off.
-    scale = np.abs(want).max(axis=1, keepdims=True)
-    bound = np.broadcast_to(1e-3 * scale, want.shape)
-    np.testing.assert_array_less(np.abs(got - want), bound)
+    bound = np.broadcast_to(1e-3 * np.abs(want).max(axis=1, keepdims=True), want.shape)
+    for adjoint in recomputed[::2]:
+        np.testing.assert_array_less(np.abs(lorenz(adjoint, idx) - want), bound)
+omegas = jnp.linspace(15, 60, 8, dtype=jnp.float32)
+want = oscillator(stored, omegas)
+# d u(T1) / d omega = 2 cos(2 omega) for s = T1 - T0 = 1: the stored gradient is
+# within the solve's error (rtol per radian, phase <= 120: 2.4e-3) of it.
+exact = 2 * np.cos(2 * np.asarray(omegas, np.float64))
+np.testing.assert_allclose(want, exact, atol=2.4e-3)
+for adjoint in recomputed:
+    # The same steps, two programs: float32 round-off of the sensitivity (its
+    # size, 2, times ~250 steps of 6e-8 relative, grown by the phase: 1e-3).
+    np.testing.assert_allclose(oscillator(adjoint, omegas), want, atol=1e-3)
 print("ok")
 """
 
@@ -121,3 +149,48 @@ def test_controller_sizes_the_next_step_after_the_replayed_decision():
             # float64 next ends: the power 1/5 of errors 2e-3 apart (relative 4e-4).
             np.testing.assert_allclose(got[2], want[2], rtol=1e-3)
             np.testing.assert_allclose(got[4].prev, want[4].prev, rtol=3e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_recorded_step_end_is_recovered_within_32_spacings(dtype):
+    """A recomputed step end within 32 floats of the recorded one moves onto it,
+    for ends of either sign, at zero, and whatever their exponent."""
+    from solverkit._adjoint import _replay
+    from solverkit._problem import StepOut
+
+    with float64():
+        ends = jnp.asarray([0.0, -0.0, 1e-30, -3.5, 199.99, 2.0**20, -1e10], dtype)
+        shifts = jnp.arange(-31, 32)
+
+        def moved(t, n):  # `t` moved `n` floats up (or down)
+            toward = jnp.where(n >= 0, jnp.inf, -jnp.inf).astype(dtype)
+            return jax.lax.fori_loop(
+                0, jnp.abs(n), lambda _, x: jnp.nextafter(x, toward), t
+            )
+
+        def recovered(t, n):
+            out = StepOut(jnp.asarray(True), t, t, None, None, lands=jnp.asarray(False))
+            record = _replay.write(jnp.zeros(4, jnp.uint8), 2, _End(t), out)
+            replay = _replay.decisions(record, 2)
+            assert replay is not None
+            return _replay.step_end(record, 2, moved(t, n)), replay
+
+        got, replay = jax.vmap(
+            lambda t: jax.vmap(lambda n: recovered(t, n))(shifts)
+        )(ends)
+        assert bool(jnp.all(replay.accepted)) and not bool(jnp.any(replay.lands))
+        want = jnp.broadcast_to(ends[:, None], got.shape)
+        # Bit for bit (-0 comes back as +0, the same time).
+        assert bool(jnp.all((got == want) & ~jnp.isnan(got)))
+        # Past the window: another float (bit patterns: near 0 they are subnormal,
+        # which XLA's CPU compares as 0).
+        far, _ = jax.vmap(lambda t: recovered(t, 40))(ends)
+        bits = lambda x: jax.lax.bitcast_convert_type(x, _INT[dtype])  # noqa: E731
+        assert not bool(jnp.any(bits(far) == bits(ends)))
+
+
+_INT = {jnp.float32: jnp.int32, jnp.float64: jnp.int64}
+
+
+class _End(NamedTuple):
+    tnext: jax.Array

@@ -32,6 +32,7 @@ from .._errors import UnsupportedError
 from .._linear._linalg import lu_factorisation, value_and_jacobian
 from .._loop import Outputs
 from .._problem import Buffers, Carry, Problem
+from .._remat import POLICY
 from .._term import ClosureTerm, total_vf
 from .._tree import nograd
 from ._schedule import ceil_sqrt
@@ -283,7 +284,9 @@ class _AbstractDirect(AbstractAdjoint):
             active = _loop.cond(problem, state[0])
             return _loop.body(problem, state, active, differentiable=True), None
 
-        @jax.checkpoint
+        # Recomputed in the backward pass, with the forward pass's decisions and
+        # step ends (`_remat.py`).
+        @functools.partial(jax.checkpoint, policy=POLICY)
         def run_block(state, _):
             running = unvmap_any(_loop.cond(problem, state[0]))
             state = lax.cond(

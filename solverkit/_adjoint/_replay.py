@@ -69,7 +69,8 @@ def _int_of(t: Array):
 def write(record: Array, k, after: Carry, out: StepOut) -> Array:
     """`record` with step `k`'s byte: its decisions (`out`) and its carry's next
     step end (`after.tnext`)."""
-    low = lax.bitwise_and(_ordered(after.tnext), (1 << _TIME_BITS) - 1)
+    key = _ordered(after.tnext)
+    low = lax.bitwise_and(key, jnp.asarray((1 << _TIME_BITS) - 1, key.dtype))
     byte = lax.shift_left(low.astype(jnp.uint8), jnp.uint8(_SHIFT))
     byte = byte | out.accepted.astype(jnp.uint8)
     if out.lands is not None:

@@ -17,6 +17,7 @@ from jaxtyping import Array, PyTree
 
 from .._custom_types import Args, RealScalarLike, VF, Y
 from .._errors import BadInputError, concrete
+from .._remat import replayed
 from .._select import where
 from .._solution import RESULTS
 from .._term import AbstractTerm
@@ -297,7 +298,7 @@ class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
             keep = err < 1
             if self.dtmin is not None:
                 keep = keep | at_dtmin
-        keep = jnp.asarray(keep)
+        keep = replayed(jnp.asarray(keep))  # (a recomputation takes the same)
         inv = (1 / err).astype(t0.dtype)
         c1 = (self.icoeff + self.pcoeff + self.dcoeff) / order
         c2 = -(self.pcoeff + 2 * self.dcoeff) / order
