@@ -263,8 +263,10 @@ class AbstractRungeKutta(AbstractSolver):
         computed once, so that each evaluation is Horner's rule on them (an
         event's search evaluates it a dozen times a step: the stage weights' own
         polynomials at each `θ` cost several times as much). Else `interpolate`."""
-        dense = self.tableau.dense
-        if "fs" not in dense_info or dense is None:
+        # (`fs` only where the tableau is solverkit's, with its `dense`: as
+        # `interpolate` reads it.)
+        dense = self.tableau.dense if "fs" in dense_info else None
+        if dense is None:
             return super().interpolator(dense_info, t0, t1)
         t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         h = t1 - t0
