@@ -11,6 +11,7 @@ loop is bounded for each batch element, and under `vmap` it ends when every
 element has converged or reached its bound (`_loop`).
 """
 
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -192,7 +193,7 @@ def crossing(
     ):
         if not real:
             continue
-        g = lambda tau, i=i: _on_step(fixed, i, tau)  # noqa: E731
+        g = _on_step(fixed, i)
         a = lax.stop_gradient(where(f, t0, t1 - 1))
         b = lax.stop_gradient(t1)
         fa, fb = (lax.stop_gradient(v.astype(t1.dtype)) for v in (fa, fb))
@@ -221,7 +222,7 @@ def _at_crossing_jvp(primals, tangents, *, i: int):
     fixed = jtu.tree_map(
         lambda t, p: p if t is None else None, t_rest, rest, is_leaf=is_none
     )
-    g = lambda tau, d: _on_step(eqx.combine(d, fixed), i, tau)  # noqa: E731
+    g = lambda tau, d: _on_step(eqx.combine(d, fixed), i)(tau)  # noqa: E731
     _, slope = jax.jvp(lambda tau: g(tau, diff), (root,), (jnp.ones_like(root),))
     _, dg = jax.jvp(lambda d: g(root, d), (diff,), (t_rest,))
     slope = lax.stop_gradient(where(slope == 0, 1, slope))
@@ -263,7 +264,8 @@ def settle(
         ]
         return or_all(hits) if hits else jnp.ones_like(t1, dtype=bool)
 
-    y = problem.solver.interpolate(info, t0, t1, t)
+    at = problem.solver.interpolator(info, t0, t1)  # as the search evaluates it
+    y = at(t)
     real_fired = [f for real, f in zip(reals, jtu.tree_leaves(fired)) if real]
     if not real_fired:
         return t, y
@@ -272,7 +274,7 @@ def settle(
     def nudge(t, y, ok):
         for n in _NUDGES:
             tau = jnp.minimum(t + lax.stop_gradient(n * unit), t1)
-            y_tau = problem.solver.interpolate(info, t0, t1, tau)
+            y_tau = at(tau)
             t, y = where(ok, t, tau), tree_where(ok, y, y_tau)
             ok = ok | crossed(y_tau, tau)
         return t, y, ok
@@ -284,12 +286,16 @@ def settle(
     return where(ok, t, t_end), tree_where(ok, y, y1)
 
 
-def _on_step(step: tuple, i: int, tau: RealScalarLike):
-    """The condition `i` at `tau` on the dense output of a step (`step`:
-    `(problem, info, t0, t1)`)."""
+def _on_step(step: tuple, i: int) -> Callable[[RealScalarLike], Array]:
+    """The condition `i` as a function of the time on the dense output of a step
+    (`step`: `(problem, info, t0, t1)`), evaluated as the solver's `interpolator`
+    does: what the evaluations share is computed once, outside the search's loops
+    (for a Runge-Kutta method, its dense polynomial's coefficients; evaluating the
+    stages' weight polynomials at each iterate made the search most of the cost
+    of a step that found a crossing)."""
     problem, info, t0, t1 = step
     closure = jtu.tree_leaves(
         problem.event.conds, is_leaf=lambda x: isinstance(x, Closure)
     )[i]
-    y = problem.solver.interpolate(info, t0, t1, tau)
-    return closure(flip(problem.direction, tau), y, problem.args)
+    at = problem.solver.interpolator(info, t0, t1)
+    return lambda tau: closure(flip(problem.direction, tau), at(tau), problem.args)

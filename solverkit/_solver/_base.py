@@ -194,6 +194,15 @@ class AbstractSolver(eqx.Module, **_META):
             )
         return self.interpolation_cls(t0=t0, t1=t1, **dense_info).evaluate(t)
 
+    def interpolator(
+        self, dense_info: DenseInfo, t0: RealScalarLike, t1: RealScalarLike
+    ) -> Callable[[RealScalarLike], PyTree]:
+        """The dense output of one step `[t0, t1]` as a function of `t`, for many
+        evaluations on the same step (the search for an event's crossing): the
+        same values as `interpolate` (to rounding), but a solver may compute what
+        the evaluations share once, here. Default: `interpolate` at each `t`."""
+        return lambda t: self.interpolate(dense_info, t0, t1, t)
+
 
 successful = RESULTS.successful
 

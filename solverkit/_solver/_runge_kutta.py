@@ -256,6 +256,46 @@ class AbstractRungeKutta(AbstractSolver):
             )
         return cls(t0=t0, t1=t1, **dense_info).evaluate(t)
 
+    def interpolator(self, dense_info: DenseInfo, t0: Array, t1: Array):
+        """The dense output of the step `[t0, t1]` as a function of `t`: with the
+        loop's `dense_info` and the tableau's own dense output, the polynomial in
+        `θ` with its coefficients (sums over the stages, `sum_i dense[i, j] f_i`)
+        computed once, so that each evaluation is Horner's rule on them (an
+        event's search evaluates it a dozen times a step: the stage weights' own
+        polynomials at each `θ` cost several times as much). Else `interpolate`."""
+        # (`fs` only where the tableau is solverkit's, with its `dense`: as
+        # `interpolate` reads it.)
+        dense = self.tableau.dense if "fs" in dense_info else None
+        if dense is None:
+            return super().interpolator(dense_info, t0, t1)
+        t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
+        h = t1 - t0
+        dense = np.asarray(dense)
+
+        def coefficients(y0: Y, *fs):
+            return [
+                sum(float(dense[i, j]) * f for i, f in enumerate(fs) if dense[i, j])
+                for j in range(dense.shape[1])
+            ]
+
+        coeffs = jtu.tree_map(coefficients, dense_info["y0"], *dense_info["fs"])
+
+        def leaf(y0: Y, cs, theta):
+            theta = theta.astype(y0.dtype)
+            acc = cs[-1]
+            for c in cs[-2::-1]:
+                acc = c + theta * acc
+            return y0 + h.astype(y0.dtype) * (theta * acc)
+
+        def at(t: RealScalarLike) -> PyTree:
+            theta = step_fraction(t0, t1, t)
+            # (`coeffs` has a list where `y0` has a leaf.)
+            return jtu.tree_map(
+                lambda y0, cs: leaf(y0, cs, theta), dense_info["y0"], coeffs
+            )
+
+        return at
+
 
 class AbstractTableauInterpolation(AbstractLocalInterpolation):
     """The dense output of a Runge-Kutta tableau with its own (`tableau.dense`), from
