@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import count_compiles
 from jax.extend import core as jcore
 from jax.flatten_util import ravel_pytree
 
@@ -89,9 +90,14 @@ def _inputs(ts):
 def _rows_by(path: str):
     """Rows at the save times by one-hot selects (`"one-hot"`, the TPU's path) or by
     index (`"index"`), whatever this backend is; every trace inside (JAX's caches
-    emptied on the way in and out, so that no trace of the other path is reused)."""
+    emptied on the way in and out, so that no trace of the other path is reused; kept
+    where the path is already the active one)."""
     saved = getattr(_save, "ONE_HOT_BACKENDS", ())
-    _save.ONE_HOT_BACKENDS = (jax.default_backend(),) if path == "one-hot" else ()
+    wanted = (jax.default_backend(),) if path == "one-hot" else ()
+    if tuple(saved) == wanted:  # (every change empties the caches: no other trace)
+        yield
+        return
+    _save.ONE_HOT_BACKENDS = wanted
     jax.clear_caches()
     try:
         yield
@@ -100,7 +106,10 @@ def _rows_by(path: str):
         jax.clear_caches()
 
 
-@pytest.fixture(params=["one-hot", "index"])
+# Module scope: pytest runs every test of one path, then every test of the other, so
+# that the caches are emptied once per path and the tests of a path share their
+# compiled gradients (`_grad`), not once per test.
+@pytest.fixture(params=["one-hot", "index"], scope="module")
 def path(request):
     with _rows_by(request.param):
         yield request.param
@@ -137,6 +146,28 @@ def test_ensemble_equals_vmap(path, ts, lanes):
     assert np.all(np.asarray(got[3]) != 0)  # every save time has its own derivative
 
 
+# The programs of test_ensemble_equals_vmap[one-hot-rows-*]: compiled once for both.
+@pytest.mark.parametrize("path", ["one-hot"], indirect=True)
+@pytest.mark.parametrize(
+    "solve, lanes",
+    [(_ensemble, 2), (_ensemble, N), (_vmapped, None)],
+    ids=["chunked", "lockstep", "vmap"],
+)
+@pytest.mark.quick_cases("lockstep-one-hot", "vmap-one-hot")
+def test_jitted_gradient_second_call_does_not_compile(path, solve, lanes):
+    # New values of every input (and a new closure over theta: `_field` builds one
+    # per call) reuse the first call's program: no tracing into a new jit, no
+    # compilation (a first-call cost a user would pay on every call).
+    grad = _grad(solve, lanes, path)
+    inputs = _inputs(TS_ROWS)
+    jax.block_until_ready(grad(*inputs))
+    new = jax.tree.map(lambda x: x * 0.97, inputs)
+    with count_compiles() as counter:
+        got = jax.block_until_ready(grad(*new))
+    assert counter.count == 0
+    assert all(np.all(np.isfinite(g)) for g in got)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 def test_paths_equal(ts):
@@ -145,7 +176,9 @@ def test_paths_equal(ts):
     # order XLA fuses in).
     inputs = _inputs(ts)
     grads = []
-    for path in ("one-hot", "index"):
+    # The active path first: its programs may be compiled already.
+    first = "one-hot" if _save.ONE_HOT_BACKENDS else "index"
+    for path in sorted(("one-hot", "index"), key=lambda p: p != first):
         with _rows_by(path):
             grads.append(_grad(_ensemble, 2, path)(*inputs))
     _assert_close(*grads, rtol=1e-12)

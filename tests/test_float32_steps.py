@@ -7,6 +7,8 @@ the controller's shorter retry fell inside the landing window (100 spacings of `
 so the step size stayed zero.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,9 +64,29 @@ def test_rejected_step_near_t1_is_not_retried_on_t1(solver):
     assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= bound)
 
 
+# With XLA's CPU loop emitters (`--xla_cpu_use_fusion_emitters=false`, on in the
+# suite where the jaxlib knows it) this gradient is wrong, not imprecise: a solve of
+# more steps than checkpoint slots (128 by default; 60-233 steps here) recomputes a
+# chunk from its checkpoint in the backward pass, and the recomputation (another
+# compilation, another float32 rounding) decides some steps otherwise than the
+# forward pass did. Errors of up to 1.3e-2 (RecursiveCheckpointAdjoint,
+# vmapped) and 1.8e-2 (DirectAdjoint), where forward mode (`jax.jvp` of the same
+# solve) and `RecursiveCheckpointAdjoint(checkpoints=4096)` (no recomputation) are
+# within 4.8e-4 of the exact derivative. The open defect of stop 45 ("a chunk
+# recomputed from a checkpoint still decides its steps again").
+_LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false" in os.environ.get(
+    "XLA_FLAGS", ""
+)
+
+
 # The full suite; the quick loop's near-t1 rejection:
 # test_rejected_step_near_t1_is_not_retried_on_t1.
 @pytest.mark.slow
+@pytest.mark.xfail(
+    _LOOP_EMITTERS,
+    reason="a chunk recomputed from a checkpoint decides its steps again (stop 45)",
+    strict=False,
+)
 def test_rejected_step_near_t1_gradient():
     # The retry changes only where steps end; the derivative of the solution in ω
     # is still that of the exact one, s·(cos, -sin)(ωs) with s = T1 - T0 = 1.
@@ -77,9 +99,16 @@ def test_rejected_step_near_t1_gradient():
     omegas = jnp.linspace(15, 60, 8, dtype=jnp.float32)
     grads = jax.jit(jax.vmap(jax.grad(u)))(omegas)
     exact = 2 * np.cos(2 * np.asarray(omegas, np.float64))
-    # The derivative's error is the solution's (rtol per unit phase, phase <= 120)
-    # times the phase's derivative (2), plus float32 rounding.
-    assert np.allclose(np.asarray(grads), exact, atol=2 * 120 * 1e-5 + 1e-2)
+    # The bound, from the problem:
+    # - the discrete solution's error grows like rtol per radian of phase φ = 2ωs
+    #   (<= 120 here), so its derivative in ω is at most rtol · φ · dφ/dω
+    #   = 1e-5 · 120 · 2 = 2.4e-3 (steps that move with ω add O(rtol) more);
+    # - float32 round-off: the sensitivity |∂y/∂ω| = 2s = 2 picks up a relative
+    #   error of about (stages + 1) · ε = 8 · 6e-8 in each of <= 256 steps, forward
+    #   and back: 2 · 2 · 256 · 8 · 6e-8 ≈ 5e-4.
+    # Measured where the gradient is right: <= 4.8e-4 (JAX 0.10.2, both emitters).
+    bound = 2 * 120 * 1e-5 + 2 * 2 * 256 * 8 * 6e-8
+    assert np.allclose(np.asarray(grads), exact, rtol=0, atol=bound)
 
 
 def _far_from_zero(rtol, lam):

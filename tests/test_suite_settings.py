@@ -116,7 +116,7 @@ def test_only_known_xla_flags_are_set():
     flags = ("--xla_no_such_flag=1", "--xla_cpu_enable_fast_math=false")
     assert conftest._accepted_xla_flags(flags) == [flags[1]]
     if jax.__version_info__[:2] == (0, 10):  # the fusion-emitter flag's jaxlib
-        fast = conftest._FAST_XLA_FLAGS
+        fast = conftest._XLA_FLAGS
         assert conftest._accepted_xla_flags(fast) == list(fast)
 
 
