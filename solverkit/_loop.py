@@ -332,11 +332,13 @@ def body(
     state: tuple[Carry, Buffers],
     active: Array | bool = True,
     differentiable: bool = False,
+    stepper: Callable[[Problem, Carry], tuple[Carry, StepOut]] = step,
 ):
-    """One iteration of the loop: a step, then its saves. Where `active` is False
+    """One iteration of the loop: a step (`stepper`, `step` itself or the same
+    evaluated from its traced program), then its saves. Where `active` is False
     (a finished batch element) nothing changes."""
     carry, bufs = state
-    new, out = step(problem, carry)
+    new, out = stepper(problem, carry)
     if active is not True:
         out = out._replace(accepted=out.accepted & active)
         new = tree_where(active, new, carry)
@@ -389,6 +391,7 @@ def run_while(
     bufs: Buffers,
     extra: PyTree = None,
     record: Callable[[PyTree, Carry, Array], PyTree] | None = None,
+    stepper: Callable[[Problem, Carry], tuple[Carry, StepOut]] = step,
 ) -> tuple[Carry, Buffers, PyTree]:
     """The loop as a plain `lax.while_loop` (not reverse-differentiable), with the
     progress meter.
@@ -398,6 +401,8 @@ def run_while(
     - `problem`, `carry`, `bufs`: the solve and its initial state.
     - `extra`, `record`: more loop state, updated before each step as
         `record(extra, carry, active)` (a checkpointing forward pass stores carries).
+    - `stepper`: `step`, or the same evaluated from its traced program (see
+        `body`).
 
     **Returns:**
 
@@ -409,7 +414,7 @@ def run_while(
         carry, bufs, extra, shown = state
         if record is not None:
             extra = record(extra, carry, active)
-        new, bufs = body(problem, (carry, bufs), active)
+        new, bufs = body(problem, (carry, bufs), active, stepper=stepper)
         if meter is not None:
             shown = meter.tick(shown, carry, new)
         return new, bufs, extra, shown
