@@ -189,7 +189,7 @@ def _get(buf, row):
     against a one-hot mask of the rows instead, element-wise and exact.
     """
     if not _one_hot(buf):
-        return lax.dynamic_index_in_dim(buf, row, keepdims=False)
+        return row_of(buf, row)
     return jnp.sum(_mask_rows(_hot(buf, row), buf, 0), axis=0, dtype=buf.dtype)
 
 
@@ -307,9 +307,21 @@ def _ts_of(p: PyTree, index: int):
     return p.saves[index].ts
 
 
+def row_of(buf, row):
+    """Row `row` of `buf`: `lax.dynamic_index_in_dim(buf, row, 0, False)` without its
+    `jit`, which every transformation of a solve would handle as a call of its own
+    (batched, linearised, lowered apart; LV checkpointed gradient: 12 of them)."""
+    return lax.squeeze(lax.dynamic_slice_in_dim(buf, row, 1, 0), (0,))
+
+
+def with_row(buf, row, value):
+    """`buf` with row `row` set to `value`: `lax.dynamic_update_index_in_dim(buf,
+    value, row, 0)` without its `jit` (see `row_of`)."""
+    return lax.dynamic_update_slice_in_dim(buf, lax.expand_dims(value, (0,)), row, 0)
+
+
 def set_row(buf, row, pred, value):
-    old = lax.dynamic_index_in_dim(buf, row, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buf, where(pred, value, old), row, 0)
+    return with_row(buf, row, where(pred, value, row_of(buf, row)))
 
 
 def finish_save(
