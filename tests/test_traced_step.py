@@ -198,7 +198,28 @@ def test_traced_not_kept_with_a_closed_over_tracer():
     def use(x, z):
         traced = Traced(lambda y: y + z)
         first = traced(x)
-        assert traced.entry(x) is None
+        assert traced.entry(x) is None and traced.passed_through(x) is None
         return first + traced(x)
 
     assert float(jax.jit(use)(jnp.float32(1.0), jnp.float32(2.0))) == 6.0
+
+
+def test_invariant_without_a_kept_program(monkeypatch):
+    # Where `Traced` keeps no program, `_invariant` traces the step itself and
+    # finds the same unchanged leaves (ConstantStepSize: its step count and
+    # interval ends).
+    seen = []
+    real = _checkpoint._invariant
+
+    def spy(step, problem, carry):
+        seen.append(real(step, problem, carry))
+        return seen[-1]
+
+    monkeypatch.setattr(_checkpoint, "_invariant", spy)
+    loss = lambda r, y: _loss(r, y, controller=sk.ConstantStepSize())  # noqa: E731
+    rates, y0 = (x.astype(jnp.float32) for x in _data())
+    got = jax.jit(jax.grad(loss))(rates, y0)
+    monkeypatch.setattr(Traced, "_trace", lambda self, kind, leaves: None)
+    want = jax.jit(jax.grad(loss))(rates, y0)
+    assert len(seen) == 2 and seen[0] == seen[1] and sum(seen[0]) == 3
+    np.testing.assert_array_equal(got, want)

@@ -146,14 +146,14 @@ class Traced:
             out[i] = x
         return jtu.tree_unflatten(entry.out_tree, out)
 
-    def passed_through(self, *args) -> tuple[int | None, ...]:
+    def passed_through(self, *args) -> tuple[int | None, ...] | None:
         """Per output leaf of `fn(*args)`: the index of the input leaf (of the
         flattened `args`) that it is, the same variable of the traced program, or
         `None` (computed, or not an array). Traces `fn` if it has not been traced
-        for `args` yet."""
+        for `args` yet; `None` where the traced program can't be kept."""
         entry = self.entry(*args)
         if entry is None:
-            raise ValueError("Traced.passed_through: the traced program was not kept.")
+            return None
         invar = {id(v): i for v, i in zip(entry.jaxpr.jaxpr.invars, entry.inputs)}
         sources: list[int | None] = [None] * len(entry.out_static)
         for i, var in zip(entry.outputs, entry.jaxpr.jaxpr.outvars):
