@@ -349,17 +349,21 @@ def body(
     state: tuple[Carry, Buffers],
     active: Array | bool = True,
     differentiable: bool = False,
+    stepper: Callable[[Problem, Carry], tuple[Carry, StepOut]] = step,
 ):
-    """One iteration of the loop: a step, then its saves. Where `active` is False
+    """One iteration of the loop: a step (`stepper`, `step` itself or the same
+    evaluated from its traced program), then its saves. Where `active` is False
     (a finished batch element) nothing changes."""
-    new, bufs, _ = _body(problem, state, active, differentiable)
+    new, bufs, _ = _body(problem, state, active, differentiable, stepper)
     return new, bufs
 
 
-def _body(problem: Problem, state, active: Array | bool, differentiable=False):
+def _body(
+    problem: Problem, state, active: Array | bool, differentiable=False, stepper=step
+):
     """`body`, and the step's `StepOut` (its `accepted` masked by `active`)."""
     carry, bufs = state
-    new, out = step(problem, carry)
+    new, out = stepper(problem, carry)
     if active is not True:
         out = out._replace(accepted=out.accepted & active)
         new = tree_where(active, new, carry)
@@ -412,6 +416,7 @@ def run_while(
     bufs: Buffers,
     extra: PyTree = None,
     record: Callable[[PyTree, Carry, Carry, StepOut, Array], PyTree] | None = None,
+    stepper: Callable[[Problem, Carry], tuple[Carry, StepOut]] = step,
 ) -> tuple[Carry, Buffers, PyTree]:
     """The loop as a plain `lax.while_loop` (not reverse-differentiable), with the
     progress meter.
@@ -423,6 +428,8 @@ def run_while(
         `record(extra, before, after, out, active)` from the carries before and
         after it and what it saves (`step`'s `StepOut`, masked by `active`): a
         checkpointing forward pass stores carries and the steps' decisions.
+    - `stepper`: `step`, or the same evaluated from its traced program (see
+        `body`).
 
     **Returns:**
 
@@ -432,7 +439,7 @@ def run_while(
 
     def loop_body(state, active):
         carry, bufs, extra, shown = state
-        new, bufs, out = _body(problem, (carry, bufs), active)
+        new, bufs, out = _body(problem, (carry, bufs), active, stepper=stepper)
         if record is not None:
             extra = record(extra, carry, new, out, active)
         if meter is not None:

@@ -44,8 +44,8 @@ def test_stack_keeps_fixed_leaves_once():
 def test_constant_step_invariants_detected():
     seen = {}
 
-    def spy(problem, carry, bufs):
-        flags = real(problem, carry, bufs)
+    def spy(step, problem, carry):
+        flags = real(step, problem, carry)
         paths = jax.tree_util.tree_leaves_with_path(carry)
         seen.update({jax.tree_util.keystr(p): f for (p, _), f in zip(paths, flags)})
         return flags

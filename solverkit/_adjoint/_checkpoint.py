@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _loop, _save
+from .._closure._traced import Traced
 from .._closure._unvmap import counted_loop, unvmap_first, unvmap_max
 from .._errors import UnsupportedError
 from .._loop import Outputs
@@ -93,8 +94,10 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
             fwd, bwd = _forward_plain, _no_reverse_mode
         else:
             layout = _schedule.layout(problem.max_steps, self.checkpoints)
-            fwd = functools.partial(_checkpointed_forward, layout=layout)
-            bwd = functools.partial(_checkpointed_backward, layout=layout)
+            # The step, traced once for the forward pass and the backward pass.
+            step = Traced(_loop.step)
+            fwd = functools.partial(_checkpointed_forward, layout=layout, step=step)
+            bwd = functools.partial(_checkpointed_backward, layout=layout, step=step)
         carry, bufs = custom_vjp(
             problem, run, fwd, bwd, carry, bufs, adjoint="RecursiveCheckpointAdjoint"
         )
@@ -132,7 +135,9 @@ class _Record(NamedTuple):
     steps: jax.Array | None = None
 
 
-def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout):
+def _checkpointed_forward(
+    problem: Problem, carry: Carry, bufs: Buffers, layout, step: Traced
+):
     """The loop, storing the carry before every `2**level`-th step.
 
     Every active batch element takes its `k`-th step in loop iteration `k`, so the
@@ -145,6 +150,9 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
     of the old row, no select): a finished element writes its final carry, into the
     checkpoints of steps at or past its `n`, which the backward pass masks out; an
     iteration off the stride writes a scratch row, `slots`, that is never read.
+
+    `step` is `_loop.step` traced once: the loop evaluates the program traced for
+    `_invariant`.
     """
     slots = layout.slots
 
@@ -159,24 +167,31 @@ def _checkpointed_forward(problem: Problem, carry: Carry, bufs: Buffers, layout)
         return _Record(store, n, it + 1, level, steps)
 
     zero = jnp.asarray(0, jnp.int32)
-    store = stack(carry, slots + 1, _invariant(problem, carry, bufs))
+    store = stack(carry, slots + 1, _invariant(step, problem, carry))
     rec = _Record(store, zero, zero, zero, _replay.empty(problem))
     if _loop.adaptive(problem):
         # See `batch_like`: then every part of the loop's carry is batched, which
         # `vmap` batches the body for once, not twice (`counted_loop`). The
         # counters are read unbatched, so a store is still a one-row write.
         rec = _loop.batch_like(carry.num_steps, rec)
-    carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record)
+    carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record, step)
     return (carry, bufs), (rec, bufs, carry)
 
 
-def _invariant(problem: Problem, carry: Carry, bufs: Buffers) -> tuple[bool, ...]:
-    """Per carry leaf: whether a loop iteration returns it unchanged (the same
-    variable in the traced body, e.g. `ConstantStepSize`'s step count and interval
-    ends). Checkpoints keep such leaves once rather than in every row."""
-    body = lambda c: _loop.body(problem, (c, bufs))[0]  # noqa: E731
-    jaxpr = jax.make_jaxpr(body)(carry).jaxpr
-    return tuple(i is o for i, o in zip(jaxpr.invars, jaxpr.outvars))
+def _invariant(step: Traced, problem: Problem, carry: Carry) -> tuple[bool, ...]:
+    """Per carry leaf: whether a step returns it unchanged (the same variable in
+    the traced step, e.g. `ConstantStepSize`'s step count and interval ends; a leaf
+    that is not traced counts as changed). Checkpoints keep such leaves once rather
+    than in every row. Read from the program `step` is traced to, which the loop
+    then evaluates: no trace of its own."""
+    sources = step.passed_through(problem, carry)  # outputs: the new carry first
+    if sources is None:  # not kept (see `Traced`): a trace of its own
+        new = lambda c: step.fn(problem, c)[0]  # noqa: E731
+        jaxpr = jax.make_jaxpr(new)(carry).jaxpr
+        return tuple(i is o for i, o in zip(jaxpr.invars, jaxpr.outvars))
+    first = len(jtu.tree_leaves(problem))
+    count = len(jtu.tree_leaves(carry))
+    return tuple(sources[i] == first + i for i in range(count))
 
 
 class _Reverse(NamedTuple):
@@ -189,6 +204,7 @@ class _Reverse(NamedTuple):
     ct_bufs: Buffers  # cotangents of the save buffers
     rec: _Record  # the checkpoints
     layout: Layout
+    step: Traced  # `_loop.step`, traced once (see `Traced`)
 
 
 def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next, replay: _loop.Replay):
@@ -266,7 +282,7 @@ def _refill(
     def body(k, state):  # step `k`; store the carry before step `k + 1`
         packed, buffer, mids = state
         # The forward pass's step `k` (where recorded; else decided again).
-        new, _ = _loop.step(
+        new, _ = rev.step(
             problem, unpack(buffer, packed), _replay.decisions(rev.rec.steps, k)
         )
         new = new._replace(tnext=_replay.step_end(rev.rec.steps, k, new.tnext))
@@ -297,7 +313,7 @@ def _refill(
     return buffer, mids, jnp.where(rev.rec.level == 0, first, start)
 
 
-def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
+def _checkpointed_backward(static, dynamic, residuals, cotangents, layout, step):
     """The steps in reverse, a chunk of at most `layout.buffer` steps at a time:
     refill the buffer with the chunk's carries, then pull the cotangent back through
     its steps, last first."""
@@ -308,7 +324,7 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout):
     diff_mask = jtu.tree_map(eqx.is_inexact_array, final)
     p_diff, p_rest = eqx.partition(dynamic, parameters(dynamic))
     ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
-    rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, rec, layout)
+    rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, rec, layout, step)
 
     def chunk(state):
         end, mids_of, buffer, mids, ct_p, ct_c, after = state

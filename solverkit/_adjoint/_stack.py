@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .._save import row_of, with_row
+
 
 Row = tuple[jax.Array, ...]  # one row, packed: a flat array per array of the stack
 
@@ -89,14 +91,12 @@ def unpack(stack: Stack, row: Row) -> PyTree:
 
 def get_row(stack: Stack, i) -> Row:
     """Row `i` of `stack`, packed."""
-    return tuple(lax.dynamic_index_in_dim(a, i, 0, False) for a in stack.arrays)
+    return tuple(row_of(a, i) for a in stack.arrays)
 
 
 def put_row(stack: Stack, i, row: Row) -> Stack:
     """`stack` with the packed `row` written at `i`."""
-    arrays = tuple(
-        lax.dynamic_update_index_in_dim(a, r, i, 0) for a, r in zip(stack.arrays, row)
-    )
+    arrays = tuple(with_row(a, i, r) for a, r in zip(stack.arrays, row))
     return Stack(arrays, stack.fixed, stack.treedef, stack.places)
 
 

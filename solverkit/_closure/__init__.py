@@ -1,4 +1,5 @@
 """Closure conversion (`_convert.py`: `closure_convert`, `Closure`), the rewrites of a
 converted jaxpr (`_jaxpr_rewrite.py`), its evaluation under `shard_map`
-(`_vma_eval.py`) and batch-aware primitives (`_unvmap.py`). Imports nothing else of
+(`_vma_eval.py`), batch-aware primitives (`_unvmap.py`) and a function traced once
+and evaluated from its jaxpr after (`_traced.py`). Imports nothing else of
 solverkit."""

@@ -1,0 +1,161 @@
+"""`Traced`: a function traced to a jaxpr once per kind of input, then evaluated
+from that jaxpr.
+
+Evaluating a jaxpr binds the same primitives, in the same order, as tracing the
+Python that made it, without the Python around them (and without tracing the small
+`jit`s inside it again). The checkpointed adjoint calls a solver step in four places
+(the forward loop, the carry leaves a step returns unchanged, the backward pass's
+recomputation and its pullback); through one `Traced` the step is traced in Python
+once per kind of input, and the program JAX builds from each call is the one it
+built before (the same StableHLO, up to the names of its functions). Measured on
+the Lotka-Volterra gradient (Tsit5, `vmap`, CPU seconds of the trace): the
+recomputation loop 0.045-0.070 -> 0.027-0.032 s; a separate trace to find the
+unchanged leaves, ~0.06 s, is gone.
+
+An input's kind is its type as JAX sees it (shape, dtype, weak type, varying manual
+axes) where it is a tracer, and the object itself where it is not: a concrete value
+stays concrete for the traced Python (which may branch on it) and is kept in the jaxpr.
+The pytree structure, the JAX settings that change what is traced (dtype promotion,
+x64, matmul precision) and the non-array outputs are part of the kind too.
+
+This module imports nothing of solverkit.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex
+import jax.tree_util as jtu
+from jax.core import Tracer
+
+from ._vma_eval import _eval_jaxpr
+
+
+_typeof = getattr(jax, "typeof", None) or jax.core.get_aval  # pyright: ignore
+
+# The settings under which the same Python traces to a different program.
+_SETTINGS = (
+    "jax_numpy_dtype_promotion",
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_numpy_rank_promotion",
+)
+
+
+def _settings() -> tuple:
+    return tuple(getattr(jax.config, name, None) for name in _SETTINGS)
+
+
+class _Kind(NamedTuple):
+    """What a trace depends on: the structure, each leaf's type (a tracer) or the
+    leaf itself (anything else), and the settings."""
+
+    treedef: Any
+    leaves: tuple  # per leaf: (True, type) for a tracer, (False, leaf) otherwise
+    settings: tuple
+
+    def matches(self, other: "_Kind") -> bool:
+        if self.settings != other.settings or len(self.leaves) != len(other.leaves):
+            return False
+        for (tracer, a), (other_tracer, b) in zip(self.leaves, other.leaves):
+            if tracer != other_tracer or (a != b if tracer else a is not b):
+                return False
+        return self.treedef == other.treedef
+
+
+class _Entry(NamedTuple):
+    kind: _Kind
+    jaxpr: jex.ClosedJaxpr
+    inputs: tuple[int, ...]  # the leaves that are the jaxpr's inputs, in order
+    out_tree: Any
+    out_static: tuple  # per output leaf: its value if not an array, else None
+    outputs: tuple[int, ...]  # the output leaves the jaxpr computes, in order
+
+
+def _kind(args: tuple) -> tuple[_Kind, list]:
+    leaves, treedef = jtu.tree_flatten(args)
+    kinds = tuple(
+        (True, _typeof(x)) if isinstance(x, Tracer) else (False, x) for x in leaves
+    )
+    return _Kind(treedef, kinds, _settings()), leaves
+
+
+class Traced:
+    """`fn`, traced to a jaxpr once per kind of input (see the module's docstring)
+    and evaluated from that jaxpr on later calls.
+
+    Where the traced jaxpr holds a tracer it did not get as an input (`fn` closes
+    over a value of an enclosing trace), it is not kept: such a call traces `fn`
+    again.
+
+    **Arguments:**
+
+    - `fn`: a function of pytrees, returning a pytree; called as `fn(*args)`.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self._entries: list[_Entry] = []
+
+    def entry(self, *args) -> _Entry | None:
+        """The traced jaxpr for `args` (traced now if new); `None` where it can't
+        be kept."""
+        kind, leaves = _kind(args)
+        for entry in self._entries:
+            if entry.kind.matches(kind):
+                return entry
+        entry = self._trace(kind, leaves)
+        if entry is not None:
+            self._entries.append(entry)
+        return entry
+
+    def _trace(self, kind: _Kind, leaves: list) -> _Entry | None:
+        inputs = tuple(i for i, (tracer, _) in enumerate(kind.leaves) if tracer)
+        outs: list = []
+
+        def flat(*values):
+            full = list(leaves)
+            for i, x in zip(inputs, values):
+                full[i] = x
+            out_leaves, out_tree = jtu.tree_flatten(
+                self.fn(*jtu.tree_unflatten(kind.treedef, full))
+            )
+            outs.append(out_tree)
+            arrays = [i for i, x in enumerate(out_leaves) if isinstance(x, jax.Array)]
+            static = tuple(None if i in arrays else x for i, x in enumerate(out_leaves))
+            outs.append((static, tuple(arrays)))
+            return [out_leaves[i] for i in arrays]
+
+        jaxpr = jax.make_jaxpr(flat)(*[leaves[i] for i in inputs])
+        if any(isinstance(c, Tracer) for c in jaxpr.consts):
+            return None
+        out_tree, (static, outputs) = outs
+        return _Entry(kind, jaxpr, inputs, out_tree, static, outputs)
+
+    def __call__(self, *args):
+        entry = self.entry(*args)
+        if entry is None:
+            return self.fn(*args)
+        leaves = jtu.tree_leaves(args)
+        values = _eval_jaxpr(
+            entry.jaxpr.jaxpr, entry.jaxpr.consts, *[leaves[i] for i in entry.inputs]
+        )
+        out = list(entry.out_static)
+        for i, x in zip(entry.outputs, values):
+            out[i] = x
+        return jtu.tree_unflatten(entry.out_tree, out)
+
+    def passed_through(self, *args) -> tuple[int | None, ...] | None:
+        """Per output leaf of `fn(*args)`: the index of the input leaf (of the
+        flattened `args`) that it is, the same variable of the traced program, or
+        `None` (computed, or not an array). Traces `fn` if it has not been traced
+        for `args` yet; `None` where the traced program can't be kept."""
+        entry = self.entry(*args)
+        if entry is None:
+            return None
+        invar = {id(v): i for v, i in zip(entry.jaxpr.jaxpr.invars, entry.inputs)}
+        sources: list[int | None] = [None] * len(entry.out_static)
+        for i, var in zip(entry.outputs, entry.jaxpr.jaxpr.outvars):
+            sources[i] = invar.get(id(var))
+        return tuple(sources)

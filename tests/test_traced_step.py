@@ -1,0 +1,225 @@
+"""The checkpointed adjoint traces a step once and evaluates that program elsewhere
+(#38, first calls): `_closure._traced.Traced`.
+
+The forward loop, the carry leaves a step leaves unchanged (`_invariant`) and the
+backward pass's recomputation share one Python trace of `_loop.step`; before, each
+traced it anew (with the pullback, four traces; now two). The program JAX builds is
+the same, so the gradients are bitwise those of the step traced at each use, and
+they agree with `DirectAdjoint` and finite differences, with closed-over values of
+several dtypes (an int index among them), under `jit`, `vmap` and `grad`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_allclose
+
+import solverkit as sk
+from solverkit import _loop
+from solverkit._adjoint import _checkpoint
+from solverkit._closure._traced import Traced
+
+
+TOL = 1e-8
+
+
+def _data():
+    rates = jnp.array(
+        [[1.5, 1.0, 3.0, 1.0], [1.2, 0.8, 2.5, 1.1], [1.7, 1.1, 3.2, 0.9]]
+    )
+    y0 = jnp.array([[1.0, 1.0], [1.2, 0.9], [0.8, 1.1]])
+    return rates, y0
+
+
+def _final(rates, y0, adjoint, controller=None):
+    """Lotka-Volterra whose field closes over `rates` (the data's dtype), a float32
+    scale and an int32 index into a table."""
+    table = jnp.array([0.5, 1.0, 2.0])
+    index = jnp.asarray(1, jnp.int32)
+    scale = jnp.asarray(1.0, jnp.float32)
+
+    def field(t, y, args):
+        factor = jax.lax.dynamic_index_in_dim(table, index, keepdims=False)
+        a, b, c, d = rates * scale.astype(rates.dtype) * factor
+        return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
+
+    controller = controller or sk.PIDController(rtol=TOL, atol=TOL)
+    sol = sk.diffeqsolve(
+        sk.ODETerm(field), sk.Tsit5(), 0.0, 3.0, 0.05, y0,
+        stepsize_controller=controller, adjoint=adjoint, max_steps=256,
+    )  # fmt: skip
+    return sol.ys[-1]
+
+
+def _loss(rates, y0, adjoint=sk.RecursiveCheckpointAdjoint(), controller=None):
+    ys = jax.vmap(lambda r, y: _final(r, y, adjoint, controller))(rates, y0)
+    return jnp.sum(ys**2)
+
+
+class _Untraced(Traced):
+    """`Traced` that calls the function at every use (the old code's program)."""
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
+def _count_step_traces(monkeypatch) -> list[int]:
+    calls = [0]
+    real = _loop.step
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_loop, "step", counted)
+    return calls
+
+
+def test_step_traced_twice(monkeypatch):
+    # Forward loop, `_invariant` and recomputation: one trace; the pullback (which
+    # replays the recorded decision): one. Fails on the old code (four).
+    calls = _count_step_traces(monkeypatch)
+    jax.make_jaxpr(jax.grad(_loss))(*_data())
+    assert calls[0] == 2
+
+
+@pytest.mark.usefixtures("x64")
+def test_same_program_bitwise(monkeypatch):
+    # The same primitives in the same order: the same gradient, bit for bit, as
+    # with the step traced at each use.
+    grad = jax.jit(jax.grad(_loss, (0, 1)))
+    got = grad(*_data())
+    monkeypatch.setattr(_checkpoint, "Traced", _Untraced)
+    want = jax.jit(jax.grad(_loss, (0, 1)))(*_data())
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("constant", [False, True])
+def test_gradient_against_direct_and_differences(constant):
+    # ConstantStepSize: leaves the step returns unchanged are kept once.
+    controller = sk.ConstantStepSize() if constant else None
+    rates, y0 = _data()
+
+    def loss(r, y, adjoint):
+        return _loss(r, y, adjoint, controller)
+
+    got = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)(
+        rates, y0, sk.RecursiveCheckpointAdjoint()
+    )
+    want = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)(
+        rates, y0, sk.DirectAdjoint()
+    )
+    # The same discrete steps under another schedule: float64 round-off of the
+    # sums, times the ~1e2 gain of the controller.
+    assert_tree_allclose(got, want, rtol=1e-10, atol=1e-12)
+    value = jax.jit(lambda r: loss(r, y0, sk.RecursiveCheckpointAdjoint()))
+    eps = 1e-6
+    v = jax.random.normal(jax.random.key(0), rates.shape, rates.dtype)
+    quotient = (float(value(rates + eps * v)) - float(value(rates - eps * v))) / (
+        2 * eps
+    )
+    # Central differences: O(eps**2) plus round-off 1e-16 / eps, while no step is
+    # decided differently.
+    np.testing.assert_allclose(float(jnp.sum(got[0] * v)), quotient, rtol=1e-5)
+
+
+def test_float32_gradient_against_direct():
+    # float32 data (the closed-over index int32, the scale float32).
+    rates, y0 = (x.astype(jnp.float32) for x in _data())
+    got = jax.jit(jax.grad(_loss))(rates, y0)
+    want = jax.jit(jax.grad(lambda r, y: _loss(r, y, sk.DirectAdjoint())))(rates, y0)
+    # float32 round-off (6e-8) over ~100 steps, times the controller's gain.
+    assert_tree_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+# --- `Traced` itself ------------------------------------------------------------
+
+
+def test_traced_once_per_kind():
+    calls = []
+
+    def fn(x, y):
+        calls.append(1)
+        return {"sum": x + y, "tag": "static", "x": x}
+
+    traced = Traced(fn)
+
+    def use(x, y):
+        a = traced(x, y)
+        b = traced(x * 2, y)  # same kind: evaluated, not traced
+        assert a["tag"] == b["tag"] == "static"
+        return a["sum"] + b["sum"] + b["x"]
+
+    out = jax.jit(use)(jnp.float32(1.0), jnp.float32(2.0))
+    assert float(out) == 3.0 + 4.0 + 2.0
+    assert len(calls) == 1
+    jax.jit(use)(jnp.zeros(3), jnp.float32(2.0))  # another shape: another trace
+    assert len(calls) == 2
+
+
+def test_traced_kinds_differ():
+    calls = []
+
+    def fn(x, c):
+        calls.append(1)
+        # Python branching on a concrete value: `c` stays concrete in the trace.
+        return x * 2 if float(np.asarray(c)) > 0 else x
+
+    traced = Traced(fn)
+    one, minus = np.float32(1.0), np.float32(-1.0)
+
+    def use(x):
+        return traced(x, one), traced(x, minus), traced(x.astype(jnp.int32), one)
+
+    a, b, c = jax.jit(use)(jnp.float32(3.0))
+    assert (float(a), float(b), int(c)) == (6.0, 3.0, 6)
+    assert len(calls) == 3  # another concrete object, another dtype: traced anew
+
+
+def test_traced_passed_through():
+    def fn(x, y):
+        return y, x + 1, x
+
+    traced = Traced(fn)
+
+    def use(x, y):
+        assert traced.passed_through(x, y) == (1, None, 0)
+        return traced(x, y)
+
+    out = jax.jit(use)(jnp.float32(1.0), jnp.float32(5.0))
+    assert [float(v) for v in out] == [5.0, 2.0, 1.0]
+
+
+def test_traced_not_kept_with_a_closed_over_tracer():
+    # A function closing over a value of an enclosing trace is called each time.
+    def use(x, z):
+        traced = Traced(lambda y: y + z)
+        first = traced(x)
+        assert traced.entry(x) is None and traced.passed_through(x) is None
+        return first + traced(x)
+
+    assert float(jax.jit(use)(jnp.float32(1.0), jnp.float32(2.0))) == 6.0
+
+
+def test_invariant_without_a_kept_program(monkeypatch):
+    # Where `Traced` keeps no program, `_invariant` traces the step itself and
+    # finds the same unchanged leaves (ConstantStepSize: its step count and
+    # interval ends).
+    seen = []
+    real = _checkpoint._invariant
+
+    def spy(step, problem, carry):
+        seen.append(real(step, problem, carry))
+        return seen[-1]
+
+    monkeypatch.setattr(_checkpoint, "_invariant", spy)
+    loss = lambda r, y: _loss(r, y, controller=sk.ConstantStepSize())  # noqa: E731
+    rates, y0 = (x.astype(jnp.float32) for x in _data())
+    got = jax.jit(jax.grad(loss))(rates, y0)
+    monkeypatch.setattr(Traced, "_trace", lambda self, kind, leaves: None)
+    want = jax.jit(jax.grad(loss))(rates, y0)
+    assert len(seen) == 2 and seen[0] == seen[1] and sum(seen[0]) == 3
+    np.testing.assert_array_equal(got, want)
