@@ -66,14 +66,13 @@ _persistent_compilation_cache()
 # same 2,950 programs). It rounds float32 differently in one program and not in
 # another; the comparisons of two programs that it broke now allow what round-off
 # allows (tests/test_kernel_float32_steps.py, test_kernel_outside.py,
-# test_kernel_tangent.py's float64 state). The two float32 gradients it put off were
+# test_kernel_tangent.py's float64 state). The float32 gradients it put off were
 # wrong, not imprecise: steps pulled back through the branch their recompilation
-# chose (fixed in `_checkpoint._vjp_step`; tests/test_replayed_decisions.py), and a
-# chunk recomputed from a checkpoint deciding its steps again (open:
-# test_float32_steps.py::test_rejected_step_near_t1_gradient, an expected failure
-# with the flag). Open too: test_event_search.py::test_settle_moves_an_occurrence_
-# located_before_the_crossing (float32 and float64) fails with the flag: a recorded
-# event state one ulp short of the threshold after `_search.settle`. Splitting
+# chose, and chunks recomputed from a checkpoint deciding their steps again and
+# drifting from the forward pass's step ends (both fixed: the backward passes replay
+# the forward pass's steps, tests/test_replayed_decisions.py). The event settle
+# tests it put off (a recorded state one ulp short of the threshold) pass since the
+# search and `settle` evaluate the dense output the same way. Splitting
 # codegen into one part and the legacy runtime did not help (1.06x, 1.26x); side by
 # side (58 quick tests, same load): 117.6 -> 71.1 CPU s with the flag. XLA aborts
 # on a flag it does not know, and that one is not in

@@ -7,7 +7,6 @@ the controller's shorter retry fell inside the landing window (100 spacings of `
 so the step size stayed zero.
 """
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -65,28 +64,19 @@ def test_rejected_step_near_t1_is_not_retried_on_t1(solver):
 
 
 # With XLA's CPU loop emitters (`--xla_cpu_use_fusion_emitters=false`, on in the
-# suite where the jaxlib knows it) this gradient is wrong, not imprecise: a solve of
-# more steps than checkpoint slots (128 by default; 60-233 steps here) recomputes a
-# chunk from its checkpoint in the backward pass, and the recomputation (another
-# compilation, another float32 rounding) decides some steps otherwise than the
-# forward pass did. Errors of up to 1.3e-2 (RecursiveCheckpointAdjoint,
-# vmapped) and 1.8e-2 (DirectAdjoint), where forward mode (`jax.jvp` of the same
-# solve) and `RecursiveCheckpointAdjoint(checkpoints=4096)` (no recomputation) are
-# within 4.8e-4 of the exact derivative. The open defect of stop 45 ("a chunk
-# recomputed from a checkpoint still decides its steps again").
-_LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false" in os.environ.get(
-    "XLA_FLAGS", ""
-)
+# suite where the jaxlib knows it) this gradient was wrong, not imprecise: a solve of
+# more steps than checkpoint slots (128 by default; 60-233 steps here) recomputes
+# chunks from checkpoints in the backward pass, and the recomputation (another
+# compilation) drifted a float a step from the forward pass's step ends (1.5e-5
+# apart at t = 200). Errors of up to 1.3e-2 (RecursiveCheckpointAdjoint, vmapped)
+# and 1.8e-2 (DirectAdjoint), where forward mode and `checkpoints=4096` (no
+# recomputation) are within 4.8e-4 of the exact derivative. Both recomputations now
+# replay the forward pass's steps (tests/test_replayed_decisions.py).
 
 
 # The full suite; the quick loop's near-t1 rejection:
 # test_rejected_step_near_t1_is_not_retried_on_t1.
 @pytest.mark.slow
-@pytest.mark.xfail(
-    _LOOP_EMITTERS,
-    reason="a chunk recomputed from a checkpoint decides its steps again (stop 45)",
-    strict=False,
-)
 def test_rejected_step_near_t1_gradient():
     # The retry changes only where steps end; the derivative of the solution in ω
     # is still that of the exact one, s·(cos, -sin)(ωs) with s = T1 - T0 = 1.

@@ -77,8 +77,8 @@ def _count_step_traces(monkeypatch) -> list[int]:
 
 
 def test_step_traced_twice(monkeypatch):
-    # Forward loop, `_invariant` and recomputation: one trace; the pullback (which
-    # replays the recorded decision): one. Fails on the old code (four).
+    # Forward loop and `_invariant`: one trace; the recomputation and the pullback
+    # (which replay the recorded decisions): one. Fails on the old code (four).
     calls = _count_step_traces(monkeypatch)
     jax.make_jaxpr(jax.grad(_loss))(*_data())
     assert calls[0] == 2

@@ -226,7 +226,7 @@ def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next, replay: _loop.Replay
 
     def f(p_diff, c_diff):
         problem = problem_of(p_diff)
-        new, out = _loop.step(problem, eqx.combine(c_diff, c_rest), replay)
+        new, out = rev.step(problem, eqx.combine(c_diff, c_rest), replay)
         new_bufs = _save.write(problem, new, out, rev.bufs, ts_rows="skip")
         out_diff, out_rest = eqx.partition(out, eqx.is_inexact_array)
         new_diff = eqx.filter(new, rev.diff_mask)

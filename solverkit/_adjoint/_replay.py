@@ -35,6 +35,7 @@ from jaxtyping import Array
 
 from .. import _loop
 from .._problem import Carry, Problem, StepOut
+from .._save import row_of, with_row
 
 
 _ACCEPTED, _LANDS, _SHIFT = 1, 2, 2  # bits of a step's byte; the time's from `_SHIFT`
@@ -75,11 +76,11 @@ def write(record: Array, k, after: Carry, out: StepOut) -> Array:
     byte = byte | out.accepted.astype(jnp.uint8)
     if out.lands is not None:
         byte = byte | lax.shift_left(out.lands.astype(jnp.uint8), jnp.uint8(1))
-    return lax.dynamic_update_index_in_dim(record, byte, k, 0)
+    return with_row(record, k, byte)
 
 
 def _byte(record: Array, k) -> Array:
-    return lax.dynamic_index_in_dim(record, k, keepdims=False)
+    return row_of(record, k)
 
 
 def decisions(record: Array | None, k) -> _loop.Replay | None:
