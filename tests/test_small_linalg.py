@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 import pytest
-from helpers import finite_difference, float64
+from helpers import count_equations, finite_difference, float64
 
 import solverkit as sk
 from solverkit._linear._linalg import _mul, invert, small_inverse, SMALL_MAX
@@ -142,6 +142,22 @@ def test_batched_small_solves_lower_to_elementwise_work():
         jax.vmap(lambda j: invert(j, jnp.asarray(0.5)).inverse), jnp.ones((64, 3, 3))
     )
     assert ops["custom_call"] == ops["triangular_solve"] == 0, ops
+
+
+def test_small_solve_reverse_mode_has_no_pads():
+    """The entries of a small matrix or vector are taken by one `unstack`, whose
+    reverse mode stacks their cotangents back in one equation: a slice per entry
+    was transposed to a padded copy each (the solves of a Rodas5P step were a
+    quarter of its gradient's program)."""
+    ls = DenseLinearSolver()
+
+    def loss(jac, b):
+        x = ls.solve(ls.factorise(jac, jnp.asarray(0.5), None), b, lambda y: y)
+        return jnp.sum(x**2)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    jaxpr = jax.make_jaxpr(grad)(jnp.asarray(_matrices(3)[0]), jnp.ones(3)).jaxpr
+    assert count_equations(jaxpr, "pad") == 0
 
 
 def _vdp(t, y, mu):

@@ -17,6 +17,8 @@ from jax.flatten_util import ravel_pytree
 from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
+from .._select import where
+
 
 # Up to this many unknowns, inverses and matrix-vector products of the iteration
 # matrix are written out entry by entry as element-wise operations (unrolled Gauss-
@@ -31,17 +33,27 @@ from jaxtyping import Array, PyTree
 SMALL_MAX = 3
 
 
+def _entries(matrix: Array) -> list[list[Array]]:
+    """The entries of `(..., n, n)` `matrix` as `(...)` arrays, row by row, by one
+    `unstack`: reverse mode stacks their cotangents back in one equation, where
+    the transpose of a slice per entry is a padded copy of the matrix each (the
+    solves of a Rodas5P step were a quarter of its gradient's program)."""
+    n = matrix.shape[-1]
+    flat = jnp.unstack(jnp.reshape(matrix, matrix.shape[:-2] + (n * n,)), axis=-1)
+    return [list(flat[i * n : (i + 1) * n]) for i in range(n)]
+
+
 def _mul(matrix, vector):
     """`matrix @ vector` in full float32 precision (a GPU may otherwise use
     TF32 for a large batched product); for small matrices, as element-wise
     products and sums (exact float32 on every device)."""
     n = matrix.shape[-1]
     if 0 < n <= SMALL_MAX:
-        entries = [vector[..., j] for j in range(n)]
+        entries = jnp.unstack(vector, axis=-1)
         rows = [
-            sum((matrix[..., i, j] * entries[j] for j in range(1, n)),
-                start=matrix[..., i, 0] * entries[0])
-            for i in range(n)
+            sum((row[j] * entries[j] for j in range(1, n)),
+                start=row[0] * entries[0])
+            for row in _entries(matrix)
         ]  # fmt: skip
         return jnp.stack(rows, axis=-1)
     return jnp.matmul(matrix, vector, precision=Precision.HIGHEST)
@@ -57,7 +69,7 @@ def _pivot(rows: list[list[Array]], k: int) -> list[list[Array]]:
         size_i = lax.abs(rows[i][0])
         take = size_i > size  # strict: ties keep the upper row
         best = [lax.select(take, a, b) for a, b in zip(rows[i], best)]
-        size, which = lax.select(take, size_i, size), jnp.where(take, i, which)
+        size, which = lax.select(take, size_i, size), where(take, i, which)
     swapped = [
         [lax.select(which == i, a, b) for a, b in zip(rows[k], rows[i])]
         for i in range(k + 1, len(rows))
@@ -86,9 +98,8 @@ def small_inverse(matrix: Array) -> Array:
     # Row i: the entries of columns k... of the matrix (columns before k are e_i
     # once eliminated, and dropped), then the n columns of the inverse being built.
     rows = [
-        [matrix[..., i, j] for j in range(n)]
-        + [one if i == j else zero for j in range(n)]
-        for i in range(n)
+        list(row) + [one if i == j else zero for j in range(n)]
+        for i, row in enumerate(_entries(matrix))
     ]
     rows = gauss_jordan(rows, _pivot)
     return jnp.stack([jnp.stack(row, axis=-1) for row in rows], axis=-2)
