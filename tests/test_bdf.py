@@ -660,6 +660,28 @@ def test_step_traces_its_newton_iteration_once():
     assert count_equations(jax.make_jaxpr(step)(y0, state).jaxpr, "while") == 1
 
 
+def test_difference_rows_reverse_mode_has_no_pads():
+    """The rows of the difference array are taken by one `unstack` per function,
+    whose reverse mode stacks their cotangents back in one equation: a slice per
+    use was transposed to a padded copy of the array each, and made the rescaling,
+    prediction and update most of BDF's gradient program."""
+    from solverkit._solver import _bdf_rows as rows
+    from solverkit._solver._bdf_formulas import coefficients
+
+    gamma, alpha, _ = coefficients(5, True)
+    order = jnp.asarray(3, jnp.int32)
+
+    def loss(D, r, d):
+        D = rows.rescale(D, order, r, 5)
+        y_pred, psi = rows.predict(D, order, gamma, alpha)
+        return jnp.sum(rows.update(D, d + y_pred + psi, order) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    D, d = jnp.arange(24.0).reshape(8, 3) / 10, jnp.ones(3)
+    jaxpr = jax.make_jaxpr(grad)(D, jnp.asarray(0.7), d).jaxpr
+    assert count_equations(jaxpr, "pad") == 0
+
+
 def test_rejected_steps_keep_their_jacobians(monkeypatch):
     """On Van der Pol (mu = 1000, many rejected steps) keeping the Jacobian and factor
     of a rejected step saves Jacobians; the solution stays as accurate."""
