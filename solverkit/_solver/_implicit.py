@@ -214,9 +214,9 @@ class AbstractImplicitRK(AbstractImplicitSolver):
         """The stages' loop carry before the first implicit stage: like `_stages`'s
         output, the first stage's slopes stored."""
         stack = lambda f: jtu.tree_map(  # noqa: E731
-            lambda x: jnp.zeros((self.tableau.num_stages,) + x.shape, x.dtype)
-            .at[0]
-            .set(x),
+            lambda x: (
+                jnp.zeros((self.tableau.num_stages,) + x.shape, x.dtype).at[0].set(x)
+            ),
             f,
         )
         return (
