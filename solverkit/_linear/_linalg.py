@@ -6,6 +6,7 @@ and every solve returns a pytree of the state's structure again. One LU factoris
 of `I - γh J` serves every stage of a step (and every Newton iteration within it).
 """
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
@@ -233,7 +234,8 @@ class Inverse(eqx.Module):
     (`refine`), each solve takes one step of iterative refinement (two more
     products), which restores the accuracy of an LU solve; without, the rounding of
     the inverse only slows a chord iteration's contraction a little (its residual is
-    always evaluated exactly)."""
+    always evaluated exactly). A refined solve is differentiated as a solve with the
+    matrix (`_refined_solve`): the inverse's own derivative is not used."""
 
     inverse: Array
     matrix: Array | None = None  # `I - γh J`, when solves are refined
@@ -242,10 +244,37 @@ class Inverse(eqx.Module):
         """`(I - γh J)^{-1} rhs`, with `rhs` a pytree of the state's structure."""
         flat, unravel = ravel_pytree(rhs)
         b = flat.astype(self.inverse.dtype)
-        x = _mul(self.inverse, b)
-        if self.matrix is not None:
-            x = x + _mul(self.inverse, b - _mul(self.matrix, x))
+        if self.matrix is None:
+            x = _mul(self.inverse, b)
+        else:
+            x = _refined_solve(self.inverse, self.matrix, b)
         return unravel(x.astype(flat.dtype))
+
+
+def _refined(inverse: Array, matrix: Array, b: Array) -> Array:
+    x = _mul(inverse, b)
+    return x + _mul(inverse, b - _mul(matrix, x))
+
+
+@jax.custom_jvp
+def _refined_solve(inverse: Array, matrix: Array, b: Array) -> Array:
+    """`matrix^{-1} b` from `inverse`, refined once. Its derivative is that of the
+    solve, `matrix^{-1} (db - d(matrix) x)`: the inverse is not differentiated, nor
+    are the refinement's three products (differentiated, they were most of a
+    Rodas5P step's reverse mode)."""
+    return _refined(inverse, matrix, b)
+
+
+@functools.partial(_refined_solve.defjvp, symbolic_zeros=True)
+def _refined_solve_jvp(primals, tangents):
+    inverse, matrix, b = primals
+    _, d_matrix, d_b = tangents
+    x = _refined(inverse, matrix, b)
+    zero = lambda t: type(t) is jax.custom_derivatives.SymbolicZero  # noqa: E731
+    rhs = jnp.zeros_like(x) if zero(d_b) else d_b
+    if not zero(d_matrix):
+        rhs = rhs - _mul(d_matrix, x)
+    return x, _mul(inverse, rhs)
 
 
 def invert(jac: Array, gamma_h: Array, refine: bool = False) -> Inverse:
