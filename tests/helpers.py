@@ -281,3 +281,14 @@ def finite_difference(f, x, eps: float = 1e-6):
             2 * eps
         )
     return grad
+
+
+def count_equations(jaxpr, name: str) -> int:
+    """The equations of primitive `name` in `jaxpr` and in its sub-jaxprs (loop
+    bodies, branches, custom rules), for tests of what a program traces."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += count_equations(sub, name)
+    return count

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import count_equations
 
 import solverkit as sk
 from benchmarks.stiff_problems import HIRES, ROBER, VDPOL
@@ -646,6 +647,39 @@ def test_revert_keeps_the_cache_of_a_rejected_step():
     assert same(rejected._replace(cache=None), old._replace(cache=None))
     assert same(rejected.cache, new.cache)
     assert same(solver.revert(jnp.asarray(True), new, old), new)
+
+
+def test_step_traces_its_newton_iteration_once():
+    """A retry after a failed Newton solve (a new Jacobian and factor, `_reuse.py`)
+    is a second pass of the first try, not a copy of it: one Newton loop in a
+    step's program (its copies made BDF's gradient program 15% larger)."""
+    solver, term = sk.BDF(rtol=1e-6, atol=1e-10), sk.ODETerm(_rober(0.04))
+    y0 = jnp.array([1.0, 0.0, 0.0])
+    state = solver.init(term, 0.0, 1.0, y0, None)
+    step = lambda y, s: solver.loop_step(term, 0.0, 1e-3, y, None, s)  # noqa: E731
+    assert count_equations(jax.make_jaxpr(step)(y0, state).jaxpr, "while") == 1
+
+
+def test_difference_rows_reverse_mode_has_no_pads():
+    """The rows of the difference array are taken by one `unstack` per function,
+    whose reverse mode stacks their cotangents back in one equation: a slice per
+    use was transposed to a padded copy of the array each, and made the rescaling,
+    prediction and update most of BDF's gradient program."""
+    from solverkit._solver import _bdf_rows as rows
+    from solverkit._solver._bdf_formulas import coefficients
+
+    gamma, alpha, _ = coefficients(5, True)
+    order = jnp.asarray(3, jnp.int32)
+
+    def loss(D, r, d):
+        D = rows.rescale(D, order, r, 5)
+        y_pred, psi = rows.predict(D, order, gamma, alpha)
+        return jnp.sum(rows.update(D, d + y_pred + psi, order) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    D, d = jnp.arange(24.0).reshape(8, 3) / 10, jnp.ones(3)
+    jaxpr = jax.make_jaxpr(grad)(D, jnp.asarray(0.7), d).jaxpr
+    assert count_equations(jaxpr, "pad") == 0
 
 
 def test_rejected_steps_keep_their_jacobians(monkeypatch):

@@ -6,6 +6,7 @@ and every solve returns a pytree of the state's structure again. One LU factoris
 of `I - γh J` serves every stage of a step (and every Newton iteration within it).
 """
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
@@ -16,6 +17,8 @@ import jax.scipy.linalg as jsl
 from jax.flatten_util import ravel_pytree
 from jax.lax import Precision
 from jaxtyping import Array, PyTree
+
+from .._select import where
 
 
 # Up to this many unknowns, inverses and matrix-vector products of the iteration
@@ -31,17 +34,27 @@ from jaxtyping import Array, PyTree
 SMALL_MAX = 3
 
 
+def _entries(matrix: Array) -> list[list[Array]]:
+    """The entries of `(..., n, n)` `matrix` as `(...)` arrays, row by row, by one
+    `unstack`: reverse mode stacks their cotangents back in one equation, where
+    the transpose of a slice per entry is a padded copy of the matrix each (the
+    solves of a Rodas5P step were a quarter of its gradient's program)."""
+    n = matrix.shape[-1]
+    flat = jnp.unstack(jnp.reshape(matrix, matrix.shape[:-2] + (n * n,)), axis=-1)
+    return [list(flat[i * n : (i + 1) * n]) for i in range(n)]
+
+
 def _mul(matrix, vector):
     """`matrix @ vector` in full float32 precision (a GPU may otherwise use
     TF32 for a large batched product); for small matrices, as element-wise
     products and sums (exact float32 on every device)."""
     n = matrix.shape[-1]
     if 0 < n <= SMALL_MAX:
-        entries = [vector[..., j] for j in range(n)]
+        entries = jnp.unstack(vector, axis=-1)
         rows = [
-            sum((matrix[..., i, j] * entries[j] for j in range(1, n)),
-                start=matrix[..., i, 0] * entries[0])
-            for i in range(n)
+            sum((row[j] * entries[j] for j in range(1, n)),
+                start=row[0] * entries[0])
+            for row in _entries(matrix)
         ]  # fmt: skip
         return jnp.stack(rows, axis=-1)
     return jnp.matmul(matrix, vector, precision=Precision.HIGHEST)
@@ -57,7 +70,7 @@ def _pivot(rows: list[list[Array]], k: int) -> list[list[Array]]:
         size_i = lax.abs(rows[i][0])
         take = size_i > size  # strict: ties keep the upper row
         best = [lax.select(take, a, b) for a, b in zip(rows[i], best)]
-        size, which = lax.select(take, size_i, size), jnp.where(take, i, which)
+        size, which = lax.select(take, size_i, size), where(take, i, which)
     swapped = [
         [lax.select(which == i, a, b) for a, b in zip(rows[k], rows[i])]
         for i in range(k + 1, len(rows))
@@ -86,9 +99,8 @@ def small_inverse(matrix: Array) -> Array:
     # Row i: the entries of columns k... of the matrix (columns before k are e_i
     # once eliminated, and dropped), then the n columns of the inverse being built.
     rows = [
-        [matrix[..., i, j] for j in range(n)]
-        + [one if i == j else zero for j in range(n)]
-        for i in range(n)
+        list(row) + [one if i == j else zero for j in range(n)]
+        for i, row in enumerate(_entries(matrix))
     ]
     rows = gauss_jordan(rows, _pivot)
     return jnp.stack([jnp.stack(row, axis=-1) for row in rows], axis=-2)
@@ -222,7 +234,8 @@ class Inverse(eqx.Module):
     (`refine`), each solve takes one step of iterative refinement (two more
     products), which restores the accuracy of an LU solve; without, the rounding of
     the inverse only slows a chord iteration's contraction a little (its residual is
-    always evaluated exactly)."""
+    always evaluated exactly). A refined solve is differentiated as a solve with the
+    matrix (`_refined_solve`): the inverse's own derivative is not used."""
 
     inverse: Array
     matrix: Array | None = None  # `I - γh J`, when solves are refined
@@ -231,10 +244,37 @@ class Inverse(eqx.Module):
         """`(I - γh J)^{-1} rhs`, with `rhs` a pytree of the state's structure."""
         flat, unravel = ravel_pytree(rhs)
         b = flat.astype(self.inverse.dtype)
-        x = _mul(self.inverse, b)
-        if self.matrix is not None:
-            x = x + _mul(self.inverse, b - _mul(self.matrix, x))
+        if self.matrix is None:
+            x = _mul(self.inverse, b)
+        else:
+            x = _refined_solve(self.inverse, self.matrix, b)
         return unravel(x.astype(flat.dtype))
+
+
+def _refined(inverse: Array, matrix: Array, b: Array) -> Array:
+    x = _mul(inverse, b)
+    return x + _mul(inverse, b - _mul(matrix, x))
+
+
+@jax.custom_jvp
+def _refined_solve(inverse: Array, matrix: Array, b: Array) -> Array:
+    """`matrix^{-1} b` from `inverse`, refined once. Its derivative is that of the
+    solve, `matrix^{-1} (db - d(matrix) x)`: the inverse is not differentiated, nor
+    are the refinement's three products (differentiated, they were most of a
+    Rodas5P step's reverse mode)."""
+    return _refined(inverse, matrix, b)
+
+
+@functools.partial(_refined_solve.defjvp, symbolic_zeros=True)
+def _refined_solve_jvp(primals, tangents):
+    inverse, matrix, b = primals
+    _, d_matrix, d_b = tangents
+    x = _refined(inverse, matrix, b)
+    zero = lambda t: type(t) is jax.custom_derivatives.SymbolicZero  # noqa: E731
+    rhs = jnp.zeros_like(x) if zero(d_b) else d_b
+    if not zero(d_matrix):
+        rhs = rhs - _mul(d_matrix, x)
+    return x, _mul(inverse, rhs)
 
 
 def invert(jac: Array, gamma_h: Array, refine: bool = False) -> Inverse:

@@ -191,7 +191,9 @@ class DenseLinearSolver(AbstractLinearSolver):
     def factorise(self, jac: Array, gamma_h: Array, mass: Array | None):
         matrix = iteration_matrix(jac, gamma_h, mass)
         if matrix.shape[0] <= _INVERSE_MAX:
-            return Inverse(inverse(matrix), matrix)
+            # A refined solve is differentiated through `matrix` alone (`Inverse`):
+            # the inverse's derivative would be computed and never used.
+            return Inverse(inverse(jax.lax.stop_gradient(matrix)), matrix)
         return lu_factorisation(matrix)
 
     def solve(self, factor, rhs: Array, fn: FlatFn) -> Array:

@@ -12,6 +12,8 @@ Van der Pol trajectories did not finish in 40 s, where Rosenbrock steps written
 element-wise took 0.08 s); on the CPU they are small calls with fixed costs.
 """
 
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
@@ -37,36 +39,68 @@ def pick(table, index: Array, dtype) -> Array:
     return out
 
 
+def _unstack(D: Array) -> tuple[list[Array], Array]:
+    """`(rows, zero)`: the rows of `D` (one `unstack`, reverse mode's cotangents
+    stacked back in one equation; a slice per use, each transposed to a padded
+    copy of `D`, made this module most of BDF's gradient program) and a row of
+    zeros."""
+    rows = list(jnp.unstack(D))
+    return rows, jnp.zeros_like(rows[0])
+
+
 def row(D: Array, index: Array) -> Array:
     """`D[index]` for a traced integer `index`, 0 outside `D`'s rows."""
+    rows, zero = _unstack(D)
     out = None
-    for i in range(D.shape[0]):
-        take = where(index == i, D[i], 0)
+    for i, r in enumerate(rows):
+        take = where(index == i, r, zero)
         out = take if out is None else out + take
     assert out is not None
     return out
 
 
+def _static(x) -> bool:
+    return isinstance(x, (int, float))
+
+
+def _sum(terms: list) -> Any:
+    """`Σ w x` over `(w, x)` pairs (in order), each a static number or an array: a
+    term with a static 0 is left out and a static 1 not multiplied (either is exact,
+    up to the sign of a zero sum); 0.0 if none is left."""
+    out = None
+    for w, x in terms:
+        if (_static(w) and w == 0) or (_static(x) and x == 0):
+            continue
+        term = x if _static(w) and w == 1 else w * x
+        out = term if out is None else out + term
+    return 0.0 if out is None else out
+
+
 def masked_sum(D: Array, weights, mask) -> Array:
     """`Σ_i weights[i] D[i]` over the rows `i` where `mask[i]` (a list of boolean
-    scalars); `weights` static numbers or None for ones."""
-    out = None
-    for i, keep in enumerate(mask):
-        term = D[i] if weights is None else weights[i] * D[i]
-        term = where(keep, term, 0)
-        out = term if out is None else out + term
-    assert out is not None
-    return out
+    scalars, or Python booleans); `weights` static numbers or None for ones."""
+    rows, zero = _unstack(D)
+    kept = [r if keep is True else where(keep, r, zero) for r, keep in zip(rows, mask)]
+    weights = [1] * len(kept) if weights is None else weights
+    return _sum(
+        [(w, r) for w, r, keep in zip(weights, kept, mask) if keep is not False]
+    )
 
 
 def _interp(rho, max_order: int) -> list[list]:
     """`R[i][j] = Π_{m=1..i} (m - 1 - ρ j) / m`, `R[0][j] = 1`, for `i, j <=
     max_order` (Shampine & Reichelt 1997, section 2.3); entries are scalars (or
-    numbers for a Python `rho`)."""
+    numbers for a Python `rho`). `R[i][0] = 0` for `i >= 1`."""
     size = max_order + 1
     R = [[1.0] * size]
+    rho_j = [0.0] + [rho * j for j in range(1, size)]
     for i in range(1, size):
-        R.append([R[i - 1][j] * ((i - 1 - rho * j) / i) for j in range(size)])
+        new = [0.0]
+        for j in range(1, size):
+            factor = (i - 1) - rho_j[j]
+            factor = factor if i == 1 else factor / i
+            new.append(factor if i == 1 else R[i - 1][j] * factor)
+        R.append(new)
     return R
 
 
@@ -87,40 +121,46 @@ def rescale(D: Array, order: Array, r: Array, max_order: int) -> Array:
     size = max_order + 1
     R = _interp(r.astype(D.dtype), max_order)
     U = np.asarray(_interp(1.0, max_order))  # U[m][j] = 0 for m > j
+    rows, zero = _unstack(D)
     inside = [order >= i for i in range(size)]
-    rows = []
+    kept = [rows[0]] + [where(inside[i], rows[i], zero) for i in range(1, size)]
+    new_rows = []
     for j in range(size):
         # (R U)[i, j] = Σ_{m<=j} R[i][m] U[m][j]: within the order when j is.
-        ru = [sum(R[i][m] * float(U[m, j]) for m in range(j + 1)) for i in range(size)]
-        new = masked_sum(D, ru, inside)
-        rows.append(where(inside[j], new, D[j]))
-    return jnp.stack(rows + [D[i] for i in range(size, D.shape[0])])
+        ru = [
+            _sum([(float(U[m, j]), R[i][m]) for m in range(j + 1)]) for i in range(size)
+        ]
+        new = _sum(list(zip(ru, kept)))
+        new_rows.append(where(inside[j], new, rows[j]))
+    return jnp.stack(new_rows + rows[size:])
 
 
 def update(D: Array, d: Array, order: Array) -> Array:
     """The differences after a step of order `k` with correction `d`: `D[k+2] = d -
     D[k+1]`, `D[k+1] = d`, and `D[i] = d + Σ_{i<=j<=k} D[j]` for `i <= k`."""
     size = D.shape[0]
+    rows, zero = _unstack(D)
     tails = [d]  # tails[m] = d + Σ_{size-m <= j <= k} D[j]
     for i in reversed(range(size)):
-        tails.append(tails[-1] + where(i <= order, D[i], 0))
+        tails.append(tails[-1] + where(i <= order, rows[i], zero))
     tails = tails[:0:-1]  # tails[i] = d + Σ_{i <= j <= k} D[j]
     prev = row(D, order + 1)
-    rows = []
+    out_rows = []
     for i in range(size):
-        out = where(i <= order, tails[i], D[i])
+        out = where(i <= order, tails[i], rows[i])
         out = where(i == order + 1, d, out)
-        rows.append(where(i == order + 2, d - prev, out))
-    return _stack(rows)
+        out_rows.append(where(i == order + 2, d - prev, out))
+    return jnp.stack(out_rows)
 
 
 def predict(D: Array, order: Array, gamma, alpha) -> tuple[Array, Array]:
     """`(y_pred, ψ)`: the predictor `Σ_{j<=k} D[j]` and `ψ = Σ_{1<=j<=k} γ_j D[j] /
     α_k` for order `k`, from the static coefficient tables `gamma`, `alpha`."""
-    rows = range(D.shape[0])
-    y_pred = masked_sum(D, None, [j <= order for j in rows])
-    weights = [float(gamma[j]) if j < len(gamma) else 0.0 for j in rows]
-    psi = masked_sum(D, weights, [(j >= 1) & (j <= order) for j in rows])
+    rows, zero = _unstack(D)
+    kept = [r if j == 0 else where(j <= order, r, zero) for j, r in enumerate(rows)]
+    y_pred = _sum([(1, r) for r in kept])
+    weights = [float(gamma[j]) if j < len(gamma) else 0.0 for j in range(len(rows))]
+    psi = _sum(list(zip(weights, kept)))
     return y_pred, psi / pick(alpha, order, D.dtype)
 
 
@@ -134,9 +174,3 @@ def interpolation_weights(x: Array, order: Array, count: int) -> list:
         w = factor if w is None else w * factor
         weights.append(where(i + 1 <= order, w, 0))
     return weights
-
-
-def _stack(rows: list) -> Array:
-    import jax.numpy as jnp
-
-    return jnp.stack(rows)
