@@ -649,17 +649,6 @@ def test_revert_keeps_the_cache_of_a_rejected_step():
     assert same(solver.revert(jnp.asarray(True), new, old), new)
 
 
-def test_step_traces_its_newton_iteration_once():
-    """A retry after a failed Newton solve (a new Jacobian and factor, `_reuse.py`)
-    is a second pass of the first try, not a copy of it: one Newton loop in a
-    step's program (its copies made BDF's gradient program 15% larger)."""
-    solver, term = sk.BDF(rtol=1e-6, atol=1e-10), sk.ODETerm(_rober(0.04))
-    y0 = jnp.array([1.0, 0.0, 0.0])
-    state = solver.init(term, 0.0, 1.0, y0, None)
-    step = lambda y, s: solver.loop_step(term, 0.0, 1e-3, y, None, s)  # noqa: E731
-    assert count_equations(jax.make_jaxpr(step)(y0, state).jaxpr, "while") == 1
-
-
 def test_difference_rows_reverse_mode_has_no_pads():
     """The rows of the difference array are taken by one `unstack` per function,
     whose reverse mode stacks their cotangents back in one equation: a slice per

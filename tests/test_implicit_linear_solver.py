@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_equations
 
 import solverkit as sk
 
@@ -148,20 +147,6 @@ def test_reuse_matches_and_reuses():
     assert abs(int(na) - int(nb)) <= max(5, int(na) // 10)
     # The last Jacobian is older than the last step: it was reused.
     assert int(state.cache.jac_age) > 0 or int(state.cache.factor_age) > 1
-
-
-def test_reuse_traces_the_stages_once():
-    """With `reuse_jacobian`, a retry after a failed chord iteration (a new
-    Jacobian and factorisations) is a second pass of the first try, not a copy of
-    it: the stages' loop, and so each chord iteration, once in a step's program."""
-    solver = sk.Kvaerno5(reuse_jacobian=True).bind_controller_tols(
-        sk.PIDController(rtol=1e-8, atol=1e-12).tolerances()
-    )
-    term, y0 = sk.ODETerm(_field(jnp.asarray(1.0), 0)), jnp.array([1.0, 0.0, 0.0])
-    state = solver.init(term, 0.0, 1.0, y0, None)
-    step = lambda y, s: solver.loop_step(term, 0.0, 1e-3, y, None, s)  # noqa: E731
-    jaxpr = jax.make_jaxpr(step)(y0, state).jaxpr
-    assert count_equations(jaxpr, "while") == 1, jaxpr  # the chord iteration
 
 
 @pytest.mark.slow

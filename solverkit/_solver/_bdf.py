@@ -347,21 +347,16 @@ class BDF(AbstractAdaptiveSolver):
             linear_solver.factorise(jac, c, self.mass_matrix)
         )
         size = lambda x: self._scaled_norm(x, scale, unravel)
+        newton = lambda factor: bdf_newton(self, field, factor, c, y_pred, psi, size)
+        cache, refactored = reuse.refresh(state.cache, c, new_jac, new_factor)
+        out = newton(cache.factor)
 
-        def attempt(factor, out):
-            d, converged, iters, unsolved = bdf_newton(
-                self, field, factor, c, y_pred, psi, size
-            )
+        def again(factor):
+            d, converged, iters, unsolved = newton(factor)
             return d, converged, out[2] + iters, unsolved
 
-        no_try = (
-            jnp.zeros_like(y_pred),
-            jnp.asarray(False),
-            jnp.asarray(0, jnp.int32),
-            jnp.asarray(False),
-        )
-        cache, out = reuse.attempts(
-            state.cache, c, new_jac, new_factor, attempt, lambda o: ~o[1], no_try
+        cache, out, _ = reuse.retry(
+            cache, refactored, ~out[1], c, new_jac, new_factor, again, out
         )
         d, converged, iters, unsolved = out
         singular = self._singular(field, unsolved, cache.jac, c)

@@ -206,26 +206,20 @@ class AbstractImplicitRK(AbstractImplicitSolver):
 
     def _stages(self, ex, im, t0, t1, y0, args, state: ImplicitState, inv):
         """Every stage of the step: `(k_im, k_ex, z, status, eta)`."""
-        carry = self._no_stages(ex, y0, state)
-        body = functools.partial(self._stage, ex, im, t0, t1, t1 - t0, y0, args, inv)
-        return lax.fori_loop(1, self.tableau.num_stages, body, carry)
-
-    def _no_stages(self, ex, y0, state: ImplicitState):
-        """The stages' loop carry before the first implicit stage: like `_stages`'s
-        output, the first stage's slopes stored."""
+        tab = self.tableau
+        h = t1 - t0
         stack = lambda f: jtu.tree_map(  # noqa: E731
-            lambda x: (
-                jnp.zeros((self.tableau.num_stages,) + x.shape, x.dtype).at[0].set(x)
-            ),
-            f,
+            lambda x: jnp.zeros((tab.num_stages,) + x.shape, x.dtype).at[0].set(x), f
         )
-        return (
+        carry = (
             stack(state.f_implicit),
             None if ex is None else stack(state.f_explicit),
             y0,
             RESULTS.successful,
             state.eta,
         )
+        body = functools.partial(self._stage, ex, im, t0, t1, h, y0, args, inv)
+        return lax.fori_loop(1, tab.num_stages, body, carry)
 
     def _step_reusing(self, terms, t0, t1, y0, args, state: ImplicitState, public):
         """A step with the Jacobian and factorisations kept across steps by CVODE's
@@ -240,17 +234,16 @@ class AbstractImplicitRK(AbstractImplicitSolver):
         hs = lax.stop_gradient(h)
         assert state.cache is not None
         new_jac = lambda: self._linearise(im, t0, y0, args)  # noqa: E731
-        attempt = lambda factor, _: self._stages(  # noqa: E731
+        cache, refactored = reuse.refresh(
+            nograd(state.cache), hs, new_jac, self._factorise
+        )
+        attempt = lambda factor: self._stages(  # noqa: E731
             ex, im, t0, t1, y0, args, state, factor
         )
-        cache, out = reuse.attempts(
-            state.cache,
-            hs,
-            new_jac,
-            self._factorise,
-            attempt,
-            lambda o: o[3] != RESULTS.successful,
-            self._no_stages(ex, y0, state),
+        out = attempt(cache.factor)
+        failed = out[3] != RESULTS.successful
+        cache, out, _ = reuse.retry(
+            cache, refactored, failed, hs, new_jac, self._factorise, attempt, out
         )
         return self._finish(terms, t1, y0, h, args, out, public, reuse.advance(cache))
 

@@ -25,8 +25,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
-from .._closure._unvmap import batched_like, unvmap_any
-from .._select import where
+from .._closure._unvmap import unvmap_any
 
 
 REFACTOR_CHANGE = 0.3
@@ -58,7 +57,7 @@ def maybe(pred: Array, make: Callable[[], PyTree], old: PyTree) -> PyTree:
     """
     return lax.cond(
         unvmap_any(pred),
-        lambda: jax.tree_util.tree_map(lambda a, b: where(pred, a, b), make(), old),
+        lambda: jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), make(), old),
         lambda: old,
     )
 
@@ -70,66 +69,75 @@ def start(jac: Any, factor: Any, scale: Array) -> Cache:
     return Cache(jac, zero, factor, scale, zero)
 
 
-def attempts(
+def refresh(
     cache: Cache,
     scale: Array,
     new_jac: Callable[[], Any],
     new_factor: Callable[[Any, Array], Any],
-    attempt: Callable[[Any, PyTree], PyTree],
-    failed: Callable[[PyTree], Array],
-    init: PyTree,
-) -> tuple[Cache, PyTree]:
-    """A step's iteration with the cache by the rules above: a first try with the
-    cache brought up to date for this step, and, where it failed with a Jacobian or
-    factorisation not made for this step, a second try with both anew.
-
-    Both tries are passes of one loop of two (the second computes only where some
-    batch element needs it; the loop is differentiable, as the implicit stages
-    are), so the try, the Jacobian and the factorisation are each traced once: as a
-    first try and a retry they were the largest part of a step's program (BDF's
-    gradient on ROBER, the step traced three times: 1,300 of its 9,700 equations).
+) -> tuple[Cache, Array]:
+    """The cache for a step of scale `scale`, by the rules above.
 
     **Arguments:**
 
-    - `cache`: the last step's cache (its values are not differentiated).
+    - `cache`: the last step's cache.
     - `scale`: this step's (without derivatives).
     - `new_jac`: makes a Jacobian for this step.
     - `new_factor`: makes the factorisation of a Jacobian for a scale.
-    - `attempt`: `(factor, out) -> out`: a try with a factorisation, `out` the
-        previous try's output (`init` on the first).
-    - `failed`: whether a try's output is a failure (a boolean scalar).
-    - `init`: an output of `attempt`'s structure, before the first try.
 
-    **Returns:** `(cache, out)`: the cache (ages not yet advanced) and the last
-    try's output.
+    **Returns:** `(cache, refactored)`, `refactored` whether the factorisation is
+    new for this step.
     """
-    cache = jax.tree_util.tree_map(lax.stop_gradient, cache)
     stale = cache.jac_age >= JACOBIAN_STEPS
+    jac = maybe(stale, new_jac, cache.jac)
     old = cache.scale
     change = jnp.abs(scale - old) > REFACTOR_CHANGE * jnp.abs(old)
     refactor = stale | (old == 0) | change | (cache.factor_age >= REFACTOR_STEPS)
-
-    def body(_, carry):
-        cache, out, need_jac, need_factor, active = carry
-        jac = maybe(need_jac, new_jac, cache.jac)
-        factor = maybe(need_factor, lambda: new_factor(jac, scale), cache.factor)
-        zero = jnp.zeros_like(cache.jac_age)
-        cache = Cache(
+    factor = maybe(refactor, lambda: new_factor(jac, scale), cache.factor)
+    zero = jnp.zeros_like(cache.jac_age)
+    return (
+        Cache(
             jac,
-            where(need_jac, zero, cache.jac_age),
+            jnp.where(stale, zero, cache.jac_age),
             factor,
-            where(need_factor, scale, cache.scale),
-            where(need_factor, zero, cache.factor_age),
-        )
-        out = maybe(active, lambda: attempt(factor, out), out)
-        # Not after a retry: it made both for this step (age 0, `need_factor`).
-        again = active & failed(out) & ((cache.jac_age > 0) | ~need_factor)
-        return cache, out, again, again, again
+            jnp.where(refactor, scale, old),
+            jnp.where(refactor, zero, cache.factor_age),
+        ),
+        refactor,
+    )
 
-    active = batched_like(jnp.asarray(True), (cache, scale, init))
-    carry = (cache, init, stale, refactor, active)
-    cache, out, *_ = lax.fori_loop(0, 2, body, carry)
-    return cache, out
+
+def retry(
+    cache: Cache,
+    refactored: Array,
+    failed: Array,
+    scale: Array,
+    new_jac: Callable[[], Any],
+    new_factor: Callable[[Any, Array], Any],
+    attempt: Callable[[Any], PyTree],
+    out: PyTree,
+) -> tuple[Cache, PyTree, Array]:
+    """One more try of a failed iteration, with a new Jacobian and factorisation,
+    where the failure may be theirs (not both made for this step).
+
+    **Arguments:**
+
+    - `cache`, `refactored`: as `refresh` returned them.
+    - `failed`: whether the try failed.
+    - `scale`, `new_jac`, `new_factor`: as for `refresh`.
+    - `attempt`: the try again, from a factorisation; returns a pytree like `out`.
+    - `out`: the failed try's output.
+
+    **Returns:** `(cache, out, retried)`.
+    """
+    again = failed & ((cache.jac_age > 0) | ~refactored)
+
+    def fresh():
+        jac = new_jac()
+        factor = new_factor(jac, scale)
+        return start(jac, factor, scale), attempt(factor)
+
+    cache, out = maybe(again, fresh, (cache, out))
+    return cache, out, again
 
 
 def advance(cache: Cache) -> Cache:
