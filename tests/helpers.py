@@ -292,3 +292,13 @@ def count_equations(jaxpr, name: str) -> int:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             count += count_equations(sub, name)
     return count
+
+
+def lv_batch():
+    """Three Lotka-Volterra trajectories: their rates `(3, 4)` and initial states
+    `(3, 2)` (tests of the checkpointed gradient's tracing)."""
+    rates = jnp.array(
+        [[1.5, 1.0, 3.0, 1.0], [1.2, 0.8, 2.5, 1.1], [1.7, 1.1, 3.2, 0.9]]
+    )
+    y0 = jnp.array([[1.0, 1.0], [1.2, 0.9], [0.8, 1.1]])
+    return rates, y0

@@ -31,11 +31,16 @@ _FLAG = "--xla_cpu_use_fusion_emitters=false"
 _TEST = "tests/test_kernel_tangent.py::test_tangent_backward_vmap_float32"
 
 
-@pytest.mark.slow
-def test_pullback_replays_the_step_taken():
+def _repository_root() -> str:
+    """The repository's root, where this jaxlib's XLA knows `_FLAG` (else skip)."""
     if not conftest._accepted_xla_flags((_FLAG,)):
         pytest.skip(f"this jaxlib's XLA does not know {_FLAG}")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_pullback_replays_the_step_taken():
+    root = _repository_root()
     env = {**os.environ, "SOLVERKIT_TEST_XLA_FLAGS": _FLAG, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     env.pop("PYTEST_XDIST_WORKER", None)
@@ -114,9 +119,7 @@ print("ok")
 
 @pytest.mark.slow
 def test_recomputation_replays_the_steps_taken():
-    if not conftest._accepted_xla_flags((_FLAG,)):
-        pytest.skip(f"this jaxlib's XLA does not know {_FLAG}")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = _repository_root()
     env = {**os.environ, "XLA_FLAGS": _FLAG, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-c", _RECOMPUTED], cwd=root, env=env, capture_output=True,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose
+from helpers import assert_tree_allclose, lv_batch
 
 import solverkit as sk
 from solverkit import _loop
@@ -25,11 +25,7 @@ TOL = 1e-8
 
 
 def _data():
-    rates = jnp.array(
-        [[1.5, 1.0, 3.0, 1.0], [1.2, 0.8, 2.5, 1.1], [1.7, 1.1, 3.2, 0.9]]
-    )
-    y0 = jnp.array([[1.0, 1.0], [1.2, 0.9], [0.8, 1.1]])
-    return rates, y0
+    return lv_batch()
 
 
 def _final(rates, y0, adjoint, controller=None):
