@@ -118,6 +118,7 @@ class Hybrid(NamedTuple):
     """The loop state of an event that continues."""
 
     count: Array  # occurrences so far
+    last: Array  # the time of the last one (-inf before the first), without derivative
 
 
 class Carry(NamedTuple):

@@ -344,3 +344,59 @@ def test_occurrence_at_t0_and_backwards_in_time():
             back.events.ts[:2], -_impacts(0.8, 2), rtol=0, atol=1e-9
         )
         assert back.result == sk.RESULTS.successful
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_step_ending_just_before_a_crossing_is_not_an_accumulation(dtype):
+    """A step that ends within a hundred ulps before a crossing, which the next step
+    finds: an occurrence like any other, not a Zeno point (the solve stopped there
+    with `events_accumulated`, its later occurrences lost, when the crossing was
+    compared with the start of its step instead of the previous occurrence: float32
+    spiking neurons kept a third of their spikes). And after each occurrence the
+    steps go on along `StepTo`'s grid (they went back to its start). `v' = a`, reset
+    to 0 at `v = 1`: occurrences at `k / a`; grid times `k + 1/2` and `k + 1 - d`,
+    `d` from 0 (a grid time on the crossing) to 16 ulps. Under jit, vmap over `d`
+    and grad with respect to `a` (closed over), against `d(k / a)/da = -k / a**2`."""
+    with jax.enable_x64(dtype == "float64"):
+        eps = float(jnp.finfo(dtype).eps)
+        ds = jnp.asarray([0.0, 1.0, 4.0, 16.0], dtype) * eps * 4
+        half = jnp.arange(6, dtype=dtype) + 0.5
+
+        def spikes(a, d):
+            grid = jnp.stack([half[:5], half[:5] + 0.5 - d], axis=1).reshape(-1)
+            ts = jnp.concatenate([jnp.zeros(1, dtype), grid, half[5:]])
+            sol = sk.diffeqsolve(
+                sk.ODETerm(lambda t, v, args: a + 0 * v),
+                sk.Tsit5(),
+                ts[0],
+                ts[-1],
+                None,
+                jnp.asarray(0.0, dtype),
+                event=sk.Event(
+                    lambda t, v, args: v - 1,
+                    direction=True,
+                    effect=lambda t, v, args: 0 * v,
+                    max_events=8,
+                ),
+                stepsize_controller=sk.StepTo(ts),
+                saveat=sk.SaveAt(t1=True),
+                throw=False,
+            )
+            return sol.events.ts, sol.result.code, sol.stats["num_steps"]
+
+        a = jnp.asarray(1.0, dtype)
+        ts, code, steps = jax.jit(jax.vmap(spikes, in_axes=(None, 0)))(a, ds)
+        np.testing.assert_array_equal(code, sk.RESULTS.successful.code)
+        # 11 grid steps, and at most one more a crossing (the rest of a cut step).
+        assert np.all(np.asarray(steps) <= 16)
+        want = np.array([1.0, 2.0, 3.0, 4.0, 5.0] + [np.inf] * 3)
+        # Each location exact to the rounding of the times (Tsit5 is exact here).
+        np.testing.assert_allclose(ts, np.broadcast_to(want, ts.shape), rtol=20 * eps)
+
+        def total(a):
+            times = jax.vmap(spikes, in_axes=(None, 0))(a, ds)[0]
+            return jnp.sum(jnp.where(jnp.isfinite(times), times, 0))
+
+        got = jax.jit(jax.grad(total))(a)
+        # Each d's five spike times: -(1 + ... + 5) / a**2 = -15, to rounding.
+        np.testing.assert_allclose(got, -15.0 * len(ds), rtol=100 * eps)

@@ -285,7 +285,12 @@ class StepTo(AbstractStepSizeController):
     ):
         del dt0
         t0, _ = times_of(t0, t1)
-        return self.ts[1].astype(t0.dtype), jnp.asarray(2, jnp.int32)
+        # The first time of `ts` after `t0`: `ts[1]` at the solve's start; after an
+        # event's effect (a fresh start at the occurrence, within the grid) the next
+        # grid time, not `ts[1]` again (the solve stepped back to it).
+        ts = self.ts.astype(t0.dtype)
+        index = jnp.clip(jnp.sum(ts <= t0, dtype=jnp.int32), 1, ts.shape[0] - 1)
+        return ts[index], index + 1
 
     def adapt_step_size(
         self,

@@ -73,7 +73,8 @@ def init(problem: Problem, solver_state: PyTree) -> Fields:
         result = where(at_t0, _EVENT, SUCCESS).astype(jnp.int32)
     hybrid = None
     if problem.event.continues:
-        hybrid = Hybrid(jnp.asarray(0, jnp.int32))
+        t0 = problem.t0
+        hybrid = Hybrid(jnp.asarray(0, jnp.int32), jnp.full((), -jnp.inf, t0.dtype))
         cond_values = start_sides(problem, cond_values)
     return Fields(result, cond_values, event_mask, last, hybrid)
 
