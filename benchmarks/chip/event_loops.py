@@ -69,8 +69,10 @@ def main():
         counts = np.sum(np.isfinite(np.asarray(ts)), axis=1)
         exact = E.exact_spikes(np.asarray(cur, np.float64), E.MAX_SPIKES)[1]
         print(f"device {jax.devices()[0].platform}, N = {a.size}, {a.dtype}")
-        print(f"steps (most) {int(np.max(steps))}, spikes {int(counts.sum())} "
-              f"(exact {int(exact.sum())}), wrong counts {int(np.sum(counts != exact))}")
+        print(
+            f"steps (most) {int(np.max(steps))}, spikes {int(counts.sum())} "
+            f"(exact {int(exact.sum())}), wrong counts {int(np.sum(counts != exact))}"
+        )
         print("loop, iterations per search: number of searches")
         for key, n in sorted(hist.items()):
             print(f"  {key[0]} {key[1]}: {n}")
