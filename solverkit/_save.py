@@ -123,10 +123,11 @@ def write(
         assert carry.hybrid is not None  # (an event that continues)
         row = jnp.minimum(carry.hybrid.count - 1, problem.event.max_events - 1)
         write = out.landed & (carry.hybrid.count <= problem.event.max_events)
-        event_ts = set_row(event_ts, row, write, out.t1)
-        event_ys = jtu.tree_map(
-            lambda b, v: set_row(b, row, write, v), event_ys, out.y1
-        )
+        # By one-hot selects on a TPU (`_put`): a scatter there, with each batch
+        # element's own row, ran as a serial loop over the batch in every step
+        # (spiking network, N = 1024, float32: 0.62 s, 4 ms a step, linear in N).
+        event_ts = _put(event_ts, row, write, out.t1)
+        event_ys = jtu.tree_map(lambda b, v: _put(b, row, write, v), event_ys, out.y1)
     return Buffers(saves, dense_ts, dense_info, event_ts, event_ys, dense_ends)
 
 
