@@ -149,24 +149,37 @@ _LINEARS = (
 _QUICK: set[tuple[str, str, str]] = set()
 
 
-# The slow tier: every linear solver under BDF (whose implicit derivative transposes
-# the solve), the Rosenbrock and ESDIRK steps with the structured solvers, and each
-# other adjoint once; about 20 s a case on a quiet CPU. `SOLVERKIT_FULL_MATRIX=1` runs
+# The slow tier: the linear solvers under BDF (whose implicit derivative transposes
+# the solve), the Rosenbrock and ESDIRK steps with a structured solver, and each other
+# adjoint once; about 5-10 s a case on a quiet CPU. `SOLVERKIT_FULL_MATRIX=1` runs
 # every stiff solver x linear solver x adjoint instead (about 150 cases).
 #
-# Left to `SOLVERKIT_FULL_MATRIX=1`, as checked by another case: BDF with "gmres" and
-# Rodas5P with "gmres-sparse" (tests/test_krylov_grad.py: BDF's and Rodas5P's GMRES
-# gradients against the dense solver's, with and without a preconditioner; and
-# Rodas5P-gmres-direct here), and BDF-sparse-banded-recursive (BDF-sparse-banded-direct
-# here: the same transposed solves under the other checkpointing).
+# Left to `SOLVERKIT_FULL_MATRIX=1`, as checked by another case:
+# - BDF with "gmres" and Rodas5P with "gmres-sparse" (tests/test_krylov_grad.py: BDF's
+#   and Rodas5P's GMRES gradients against the dense solver's, with and without a
+#   preconditioner), and BDF-sparse-banded-recursive (BDF-sparse-banded-direct here:
+#   the same transposed solves under the other checkpointing);
+# - Rodas5P-gmres-direct: a Rosenbrock method's GMRES gradient is
+#   test_krylov_grad.py::test_rosenbrock_preconditioner_closing_over_parameters, the
+#   DirectAdjoint through a Krylov solve test_krylov_grad.py::test_other_adjoints;
+# - Rodas5P-bicgstab-banded-recursive: BiCGStab's transposed iteration preconditioned
+#   by a banded solver is BDF-bicgstab-banded-recursive here, a Rosenbrock method's
+#   Krylov gradient the test_krylov_grad.py test above;
+# - BDF-sparse-dense-recursive: the full-pattern layout of SparseLinearSolver differs
+#   from the others in its factorisation, whose solve and transposed solve
+#   tests/test_linear_solver.py checks (test_sparse_matches_dense[*-dense],
+#   test_solve_tangent_transposes[sparse-dense-*]); BDF's gradient through a
+#   SparseLinearSolver is the other sparse cases here.
 _SLOW = {
     *(("BDF", linear, "recursive") for linear in _LINEARS),
     ("Rodas5P", "sparse-banded", "recursive"),
-    ("Rodas5P", "bicgstab-banded", "recursive"),
     ("Kvaerno3", "sparse-blocks", "recursive"),
     ("BDF", "sparse-banded", "direct"),
-    ("Rodas5P", "gmres", "direct"),
-} - {("BDF", "gmres", "recursive"), ("BDF", "sparse-banded", "recursive")}
+} - {
+    ("BDF", "gmres", "recursive"),
+    ("BDF", "sparse-banded", "recursive"),
+    ("BDF", "sparse-dense", "recursive"),
+}
 
 
 def _cases():

@@ -8,8 +8,10 @@ float32 Lorenz gradients of `ensemble_solve`'s backward pass came out 1.6-2.2x o
 for 3 of 128 trajectories (against the float64 gradient, which the whole-solve
 kernel's forward sensitivities matched), with XLA's CPU loop emitters
 (`--xla_cpu_use_fusion_emitters=false`), which round differently. The flips depend
-on the compilation, so the check runs the float32 comparison of
-test_kernel_tangent.py in a process with that flag (where this jaxlib knows it).
+on the compilation, so the checks need that flag (where this jaxlib knows it). The
+suite compiles with it by default (tests/conftest.py): then the float32 comparison is
+test_kernel_tangent.py's own, and the recomputation check runs in this process; a
+run that compiles otherwise starts a second process with the flag for each.
 """
 
 import os
@@ -38,8 +40,18 @@ def _repository_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _compiled_here_with_the_flag() -> bool:
+    """Whether this process compiles as the checks need: with `_FLAG` (conftest's
+    default, which XLA read from `XLA_FLAGS` when JAX made its backend) and most
+    optimizations off. Then they run here, not in a second process."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return _FLAG in flags and bool(jax.config.read("jax_disable_most_optimizations"))
+
+
 @pytest.mark.slow
 def test_pullback_replays_the_step_taken():
+    if _compiled_here_with_the_flag():
+        pytest.skip(f"this run compiles with {_FLAG}: {_TEST} checks it here")
     root = _repository_root()
     env = {**os.environ, "SOLVERKIT_TEST_XLA_FLAGS": _FLAG, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -63,62 +75,95 @@ def test_pullback_replays_the_step_taken():
 #   1.5e-5 apart beside steps of ~2e-3: with the same decisions, the recomputed step
 #   ends drifted a spacing a step from the forward pass's, and the gradient was
 #   1e-2 off (DirectAdjoint 1.8e-2) for a 1e-5 solve; it is 5e-4 from the exact one.
-_RECOMPUTED = """
-import sys
-import jax, jax.numpy as jnp, numpy as np
-jax.config.update("jax_disable_most_optimizations", True)
-sys.path.insert(0, "tests")
-import solverkit as sk
-import test_float32_steps as F
-import test_kernel_tangent as T
-y0, rho, k = T._inputs(jnp.float32)
-def lorenz(adjoint, idx):
+def _lorenz_grads(adjoint, idx) -> np.ndarray:
+    """`vmap` of the gradient of test_kernel_tangent.py's float32 Lorenz loss over
+    the trajectories `idx`, through `adjoint`."""
+    import test_kernel_tangent as T
+
+    y0, rho, k = T._inputs(jnp.float32)
+
     def loss(a, r, kk):
         sol = sk.diffeqsolve(
             sk.ODETerm(T._field(jnp.float32(9.0), 8 / 3)), sk.Tsit5(), 0.0, 1.0, None,
             a, (r, kk), saveat=T._saveat(), stepsize_controller=T._controller(1e-5),
-            adjoint=adjoint)
+            adjoint=adjoint,
+        )  # fmt: skip
         return jnp.sum(sol.ys**2) + jnp.sum(jnp.sin(sol.ys[1:, 0]))
+
     idx = np.asarray(idx)
     return np.asarray(jax.jit(jax.vmap(jax.grad(loss)))(y0[idx], rho[idx], k[idx]))
-def oscillator(adjoint, omegas):
+
+
+def _oscillator_grads(adjoint, omegas) -> np.ndarray:
+    """`vmap` over `omegas` of d u(T1) / d omega for test_float32_steps.py's float32
+    oscillator on [T0, T1], through `adjoint`."""
+    import test_float32_steps as F
+
     def u(omega):
-        field = lambda t, y, args: jnp.stack([2 * omega * y[1], -2 * omega * y[0]])
+        field = lambda t, y, args: jnp.stack([2 * omega * y[1], -2 * omega * y[0]])  # noqa: E731
         sol = sk.diffeqsolve(
             sk.ODETerm(field), sk.Tsit5(), jnp.float32(F.T0), jnp.float32(F.T1),
             jnp.float32(1e-3), jnp.asarray([0.0, 1.0], jnp.float32),
-            stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5), adjoint=adjoint)
+            stepsize_controller=sk.PIDController(rtol=1e-5, atol=1e-5),
+            adjoint=adjoint,
+        )  # fmt: skip
         return sol.ys[-1, 0]
+
     return np.asarray(jax.jit(jax.vmap(jax.grad(u)))(omegas))
-stored = sk.RecursiveCheckpointAdjoint(checkpoints=4096)  # = max_steps
-recomputed = (
-    sk.RecursiveCheckpointAdjoint(checkpoints=4), sk.RecursiveCheckpointAdjoint(),
-    sk.DirectAdjoint())
-for idx in (np.arange(len(y0)), [81]):
-    want = lorenz(stored, idx)
-    # Both differentiate the forward pass's steps, in two programs: float32
-    # round-off (6e-8) of 27-60 steps, grown by the Lorenz flow over t <= 1 (up to
-    # e^8 on these trajectories): 1e-3 of each gradient's largest component. A
-    # gradient of other steps is 0.1-0.2 off.
-    bound = np.broadcast_to(1e-3 * np.abs(want).max(axis=1, keepdims=True), want.shape)
-    for adjoint in recomputed[::2]:
-        np.testing.assert_array_less(np.abs(lorenz(adjoint, idx) - want), bound)
-omegas = jnp.linspace(15, 60, 8, dtype=jnp.float32)
-want = oscillator(stored, omegas)
-# d u(T1) / d omega = 2 cos(2 omega) for s = T1 - T0 = 1: the stored gradient is
-# within the solve's error (rtol per radian, phase <= 120: 2.4e-3) of it.
-exact = 2 * np.cos(2 * np.asarray(omegas, np.float64))
-np.testing.assert_allclose(want, exact, atol=2.4e-3)
-for adjoint in recomputed:
-    # The same steps, two programs: float32 round-off of the sensitivity (its
-    # size, 2, times ~250 steps of 6e-8 relative, grown by the phase: 1e-3).
-    np.testing.assert_allclose(oscillator(adjoint, omegas), want, atol=1e-3)
+
+
+def _check_recomputation() -> None:
+    """The recomputed gradients against the stored ones (see above); run in a
+    process that compiles with `_FLAG`."""
+    stored = sk.RecursiveCheckpointAdjoint(checkpoints=4096)  # = max_steps
+    recomputed = (
+        sk.RecursiveCheckpointAdjoint(checkpoints=4),
+        sk.RecursiveCheckpointAdjoint(),
+        sk.DirectAdjoint(),
+    )
+    for idx in (np.arange(128), [81]):
+        want = _lorenz_grads(stored, idx)
+        # Both differentiate the forward pass's steps, in two programs: float32
+        # round-off (6e-8) of 27-60 steps, grown by the Lorenz flow over t <= 1 (up
+        # to e^8 on these trajectories): 1e-3 of each gradient's largest component.
+        # A gradient of other steps is 0.1-0.2 off.
+        bound = 1e-3 * np.abs(want).max(axis=1, keepdims=True)
+        bound = np.broadcast_to(bound, want.shape)
+        for adjoint in recomputed[::2]:
+            got = _lorenz_grads(adjoint, idx)
+            np.testing.assert_array_less(np.abs(got - want), bound)
+    omegas = jnp.linspace(15, 60, 8, dtype=jnp.float32)
+    want = _oscillator_grads(stored, omegas)
+    # d u(T1) / d omega = 2 cos(2 omega) for s = T1 - T0 = 1: the stored gradient is
+    # within the solve's error (rtol per radian, phase <= 120: 2.4e-3) of it.
+    exact = 2 * np.cos(2 * np.asarray(omegas, np.float64))
+    np.testing.assert_allclose(want, exact, atol=2.4e-3)
+    for adjoint in recomputed:
+        # The same steps, two programs: float32 round-off of the sensitivity (its
+        # size, 2, times ~250 steps of 6e-8 relative, grown by the phase: 1e-3).
+        got = _oscillator_grads(adjoint, omegas)
+        np.testing.assert_allclose(got, want, atol=1e-3)
+
+
+# In a second process only where this one compiles otherwise (`SOLVERKIT_TEST_XLA_FLAGS`
+# or `SOLVERKIT_TEST_OPTIMIZE` set): there the flag and the settings come first.
+_RECOMPUTED = """
+import sys
+import jax
+jax.config.update("jax_disable_most_optimizations", True)
+sys.path.insert(0, "tests")
+import test_replayed_decisions
+test_replayed_decisions._check_recomputation()
 print("ok")
 """
 
 
 @pytest.mark.slow
 def test_recomputation_replays_the_steps_taken():
+    if _compiled_here_with_the_flag():
+        with jax.enable_x64(False):
+            _check_recomputation()
+        return
     root = _repository_root()
     env = {**os.environ, "XLA_FLAGS": _FLAG, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(

@@ -76,6 +76,11 @@ def _central(loss, theta, t1, h=1e-5):
     return np.array([d_theta, d_t1])
 
 
+# Jitted once for the file: the tests that differentiate the same loss share them.
+_grad = jax.jit(jax.grad(_vmapped_loss, argnums=(0, 1)), static_argnums=2)
+_direct_loss = jax.jit(lambda th, t1: _vmapped_loss(th, t1, sk.DirectAdjoint()))
+
+
 # The same steps differentiated by a custom rule and by JAX: round-off (values ~10).
 SAME_STEPS = 1e-10
 # Fixed steps: the discrete solve is smooth in theta and t1 (ten steps either side),
@@ -97,12 +102,10 @@ CENTRAL = 1e-7
 )
 def test_grad_of_vmapped_fixed_step_solves(adjoint):
     """`grad` over `vmap(diffeqsolve)`: the step grid is shared by the batch."""
-    grad = jax.jit(jax.grad(_vmapped_loss, argnums=(0, 1)), static_argnums=2)
-    got = np.array(grad(1.3, T1, adjoint))
-    want = np.array(grad(1.3, T1, sk.DirectAdjoint()))
+    got = np.array(_grad(1.3, T1, adjoint))
+    want = np.array(_grad(1.3, T1, sk.DirectAdjoint()))
     np.testing.assert_allclose(got, want, rtol=SAME_STEPS)
-    loss = jax.jit(lambda th, t1: _vmapped_loss(th, t1, sk.DirectAdjoint()))
-    np.testing.assert_allclose(got, _central(loss, 1.3, T1), rtol=CENTRAL)
+    np.testing.assert_allclose(got, _central(_direct_loss, 1.3, T1), rtol=CENTRAL)
 
 
 # The full suite; the quick loop's shared outputs under `grad` of `vmap`:
@@ -120,9 +123,9 @@ def test_vmap_of_grad_over_a_closed_over_float():
 
     got = grads(sk.RecursiveCheckpointAdjoint())
     np.testing.assert_allclose(got, grads(sk.DirectAdjoint()), rtol=SAME_STEPS)
-    one = jax.jit(jax.grad(_vmapped_loss, argnums=(0, 1)), static_argnums=2)
     for k, theta in enumerate(thetas):
-        want = np.array(one(theta, T1, sk.RecursiveCheckpointAdjoint()))
+        # A Python float, as above: the same program as the other tests'.
+        want = np.array(_grad(float(theta), T1, sk.RecursiveCheckpointAdjoint()))
         np.testing.assert_allclose(got[:, k], want, rtol=SAME_STEPS)
 
 
@@ -133,10 +136,9 @@ def test_fixed_step_ensemble_gradient():
     """`ensemble_solve(kernel=False)` with fixed steps: its gradient, and under `vmap`
     over the closed-over float, against `vmap(diffeqsolve)` with `DirectAdjoint`."""
     grad = jax.jit(jax.grad(_ensemble_loss, argnums=(0, 1)))
-    want = jax.jit(jax.grad(_vmapped_loss, argnums=(0, 1)), static_argnums=2)
     got = np.array(grad(1.3, T1))
     np.testing.assert_allclose(
-        got, np.array(want(1.3, T1, sk.DirectAdjoint())), rtol=SAME_STEPS
+        got, np.array(_grad(1.3, T1, sk.DirectAdjoint())), rtol=SAME_STEPS
     )
     np.testing.assert_allclose(got, _central(jax.jit(_ensemble_loss), 1.3, T1),
                                rtol=CENTRAL)  # fmt: skip
@@ -145,7 +147,7 @@ def test_fixed_step_ensemble_gradient():
                                in_axes=(0, None)))(thetas, T1)  # fmt: skip
     for k, theta in enumerate(thetas):
         np.testing.assert_allclose(
-            np.array(batched)[:, k], np.array(grad(theta, T1)), rtol=SAME_STEPS
+            np.array(batched)[:, k], np.array(grad(float(theta), T1)), rtol=SAME_STEPS
         )
 
 
