@@ -117,9 +117,11 @@ def _scipy_bdf(name):
     from scipy.integrate import solve_ivp
 
     problem = {"rober": ROBER, "hires": HIRES, "vdpol": VDPOL}[name]
-    vf = problem.field(1.0)
+    # Jitted: SciPy calls it thousands of times (its Jacobians by differences), and
+    # the field's operations one by one cost milliseconds a call.
+    vf = jax.jit(problem.field(1.0))
     out = solve_ivp(
-        lambda t, y: np.asarray(vf(t, jnp.asarray(y), None)),
+        lambda t, y: np.asarray(vf(t, y, None)),
         (0.0, problem.t1),
         problem.y0,
         method="BDF",
@@ -603,7 +605,7 @@ class _Counting(AbstractLinearSolver):
 
 
 # The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py and
-# test_rejected_steps_keep_their_jacobians.
+# test_revert_keeps_the_cache_of_a_rejected_step.
 @pytest.mark.slow
 def test_jacobian_and_factor_reuse():
     """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
@@ -628,9 +630,6 @@ def test_jacobian_and_factor_reuse():
     assert int(state.cache.jac_age) <= 50 and int(state.cache.factor_age) <= 20
 
 
-# The full suite; the quick loop keeps rejected steps' Jacobians in
-# test_rejected_steps_keep_their_jacobians.
-@pytest.mark.slow
 def test_revert_keeps_the_cache_of_a_rejected_step():
     """A rejected step reverts the differences, the step size and the order, and
     keeps the step's Jacobian and factor (as SciPy's BDF does)."""
@@ -671,6 +670,9 @@ def test_difference_rows_reverse_mode_has_no_pads():
     assert count_equations(jaxpr, "pad") == 0
 
 
+# The full suite (a long solve, twice); the quick loop checks what a rejection keeps
+# in test_revert_keeps_the_cache_of_a_rejected_step.
+@pytest.mark.slow
 def test_rejected_steps_keep_their_jacobians(monkeypatch):
     """On Van der Pol (mu = 1000, many rejected steps) keeping the Jacobian and factor
     of a rejected step saves Jacobians; the solution stays as accurate."""
