@@ -313,8 +313,13 @@ def test_own_solvers_interpolation_cls_from_step(name):
         **(dict(rtol=1e-10, atol=1e-10) if name == "BDF" else {})
     )
     term = sk.ODETerm(_stiff_field())
-    state = solver.init(term, _T0, _T1, y0, None)
-    y1, _, info, _, _ = solver.step(term, _T0, _T1, y0, None, state, False)
+
+    @jax.jit  # one program, not a compile per operation
+    def step(y0):
+        state = solver.init(term, _T0, _T1, y0, None)
+        return solver.step(term, _T0, _T1, y0, None, state, False)
+
+    y1, _, info, _, _ = step(y0)
     assert isinstance(info, dict)
     interp = solver.interpolation_cls(t0=_T0, t1=_T1, **info)  # Python-float times
     sol = sk.diffeqsolve(
