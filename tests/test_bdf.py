@@ -117,9 +117,11 @@ def _scipy_bdf(name):
     from scipy.integrate import solve_ivp
 
     problem = {"rober": ROBER, "hires": HIRES, "vdpol": VDPOL}[name]
-    vf = problem.field(1.0)
+    # Jitted: SciPy calls it thousands of times (its Jacobians by differences), and
+    # the field's operations one by one cost milliseconds a call.
+    vf = jax.jit(problem.field(1.0))
     out = solve_ivp(
-        lambda t, y: np.asarray(vf(t, jnp.asarray(y), None)),
+        lambda t, y: np.asarray(vf(t, y, None)),
         (0.0, problem.t1),
         problem.y0,
         method="BDF",
@@ -339,13 +341,31 @@ def _copies(rate):
     return vf
 
 
-@functools.partial(jax.jit, static_argnames=("problem", "norm", "tol"))
+_NORMS = {"rms": rms_norm, "two": _two_norm, "max": _max_norm}
+
+
+@jax.jit
 def _norm_steps(rates, problem, norm, tol):
     """Accepted step times, states and the gradient of a weighted sum of the
     states with respect to the closed-over rate, with `PIDController(rtol=tol,
-    atol=tol * 1e-3, norm=norm)`, vmapped over the rate."""
-    field = _rober if problem == "rober" else _copies
-    y0 = jnp.array([1.0, 0.0, 0.0]) if problem == "rober" else jnp.ones(3)
+    atol=tol * 1e-3, norm=norm)`, vmapped over the rate.
+
+    One program for every case: the problem (`True`: ROBER, `False`: `_copies`),
+    the norm (an index into `_NORMS`) and the tolerance are operands, the field and
+    the norm the ones a select chooses (the same values, bit for bit, as a program
+    for each case)."""
+
+    def norm_fn(x):
+        values = [fn(x) for fn in _NORMS.values()]
+        return jnp.select([norm == i for i in range(len(values))], values)
+
+    def field(rate):
+        rober, copies = _rober(rate), _copies(rate)
+        return lambda t, y, args: jnp.where(
+            problem, rober(t, y, args), copies(t, y, args)
+        )
+
+    y0 = jnp.where(problem, jnp.array([1.0, 0.0, 0.0]), jnp.ones(3))
 
     def run(rate):
         return sk.diffeqsolve(
@@ -356,7 +376,9 @@ def _norm_steps(rates, problem, norm, tol):
             1e-4,
             y0,
             saveat=sk.SaveAt(steps=True),
-            stepsize_controller=sk.PIDController(rtol=tol, atol=tol * 1e-3, norm=norm),
+            stepsize_controller=sk.PIDController(
+                rtol=tol, atol=tol * 1e-3, norm=norm_fn
+            ),
             max_steps=256,
         )
 
@@ -369,8 +391,9 @@ def _norm_steps(rates, problem, norm, tol):
     return sols.ts, sols.ys, jax.vmap(jax.grad(loss))(rates)
 
 
-# The full suite: a vmapped BDF gradient is a ~15 CPU-second compile; the quick
-# loop differentiates BDF in test_grad_rober and vmaps it in test_vmap_jit_closures.
+# The full suite: a vmapped BDF gradient is a ~15 CPU-second compile (one, shared
+# by the four solves of both cases); the quick loop differentiates BDF in
+# test_grad_rober and vmaps it in test_vmap_jit_closures.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["two", "max"])
 def test_controller_norms(name):
@@ -382,14 +405,15 @@ def test_controller_norms(name):
     copies of one equation the max norm must take the RMS norm's steps. Under `jit`,
     `vmap` over a closed-over rate and `grad`. (The 2-norm used to see `√n` times
     the error: spurious rejections and smaller steps.)"""
-    problem = "rober" if name == "two" else "copies"
-    rates = jnp.array([0.04, 0.08]) if name == "two" else jnp.array([1.0, 2.0])
+    rober = name == "two"  # else three copies of Prothero-Robinson
+    rates = jnp.array([0.04, 0.08]) if rober else jnp.array([1.0, 2.0])
     tol = 1e-3  # Newton's tolerance min(0.03, √rtol) is 0.03 at both tolerances
-    want = _norm_steps(rates, problem, rms_norm, tol)
-    if name == "two":
-        got = _norm_steps(rates, problem, _two_norm, tol * np.sqrt(3))
+    index = list(_NORMS).index
+    want = _norm_steps(rates, rober, index("rms"), tol)
+    if rober:
+        got = _norm_steps(rates, rober, index("two"), tol * np.sqrt(3))
     else:
-        got = _norm_steps(rates, problem, _max_norm, tol)
+        got = _norm_steps(rates, rober, index("max"), tol)
     # The same arithmetic up to the rounding of √3 (or none): the same steps.
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-14)
@@ -603,7 +627,7 @@ class _Counting(AbstractLinearSolver):
 
 
 # The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py and
-# test_rejected_steps_keep_their_jacobians.
+# test_revert_keeps_the_cache_of_a_rejected_step.
 @pytest.mark.slow
 def test_jacobian_and_factor_reuse():
     """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
@@ -628,9 +652,6 @@ def test_jacobian_and_factor_reuse():
     assert int(state.cache.jac_age) <= 50 and int(state.cache.factor_age) <= 20
 
 
-# The full suite; the quick loop keeps rejected steps' Jacobians in
-# test_rejected_steps_keep_their_jacobians.
-@pytest.mark.slow
 def test_revert_keeps_the_cache_of_a_rejected_step():
     """A rejected step reverts the differences, the step size and the order, and
     keeps the step's Jacobian and factor (as SciPy's BDF does)."""
@@ -671,6 +692,9 @@ def test_difference_rows_reverse_mode_has_no_pads():
     assert count_equations(jaxpr, "pad") == 0
 
 
+# The full suite (a long solve, twice); the quick loop checks what a rejection keeps
+# in test_revert_keeps_the_cache_of_a_rejected_step.
+@pytest.mark.slow
 def test_rejected_steps_keep_their_jacobians(monkeypatch):
     """On Van der Pol (mu = 1000, many rejected steps) keeping the Jacobian and factor
     of a rejected step saves Jacobians; the solution stays as accurate."""

@@ -62,8 +62,10 @@ def _walk(lib, controller, errors, jit):
     return out
 
 
+# The full suite (every controller call made eagerly, in both libraries); the quick
+# loop's clipped steps: test_by_hand_under_vmap, test_nested_by_diffraxs_rule.
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(_CASES))
-@pytest.mark.quick_cases("pid_step_ts")
 def test_step_ends_are_diffraxs_exactly(case):
     errors = [0.0, 0.0, 1e6, 0.0] + [0.0] * 8 + [1e6, 0.0, 0.0, 0.0]
     ref = _walk(diffrax, _CASES[case](diffrax), errors, jit=False)

@@ -41,11 +41,21 @@ def _y0(scale=1.0):
     return {"a": jnp.array([1.0]) * scale, "b": jnp.array([[2.0], [-0.5]]) * scale}
 
 
-def _step(lib, name, y0):
+def _step(lib, name, y0, jit=True):
+    """The solver and its first step's outputs (the step jitted unless `jit=False`,
+    for a caller that transforms it: one compile, not one per operation)."""
+    step = _jitted_step if jit else _step_outputs
+    return getattr(lib, name)(), step(lib, name, y0)
+
+
+def _step_outputs(lib, name, y0):
     solver = getattr(lib, name)()
     term = lib.ODETerm(_field())
     state = solver.init(term, _T0, _T1, y0, None)
-    return solver, solver.step(term, _T0, _T1, y0, None, state, False)
+    return solver.step(term, _T0, _T1, y0, None, state, False)
+
+
+_jitted_step = jax.jit(_step_outputs, static_argnums=(0, 1))
 
 
 def _close(a, b, scale):
@@ -108,16 +118,17 @@ def test_dense_info_under_jit_vmap_grad(name):
     mid = 0.5 * (_T0 + _T1)
 
     def value(lib, scale):
-        solver, (_, _, info, _, _) = _step(lib, name, _y0(scale))
+        solver, (_, _, info, _, _) = _step(lib, name, _y0(scale), jit=False)
         out = solver.interpolation_cls(t0=_T0, t1=_T1, **info).evaluate(mid)
         return jnp.sum(out["b"]) + jnp.sum(out["a"]), info["k"]
 
+    # Both jitted: one program each (diffrax's, run eagerly, was ~100 compiles).
     ours = jax.jit(jax.vmap(lambda s: value(sk, s)))(scales)
-    ref = jax.vmap(lambda s: value(diffrax, s))(scales)
+    ref = jax.jit(jax.vmap(lambda s: value(diffrax, s)))(scales)
     _close(ours, ref, 4.0)
     assert ours[1]["b"].shape == (3, len(ref[1]["b"][0]), 2, 1)
-    grad = lambda lib: jax.vmap(jax.grad(lambda s: value(lib, s)[0]))  # noqa: E731
-    _close(jax.jit(grad(sk))(scales), grad(diffrax)(scales), 4.0)
+    grad = lambda lib: jax.jit(jax.vmap(jax.grad(lambda s: value(lib, s)[0])))  # noqa: E731
+    _close(grad(sk)(scales), grad(diffrax)(scales), 4.0)
 
 
 def test_loop_dense_output_unchanged_by_public_form():
@@ -176,10 +187,19 @@ def _slow_field():
     return lambda t, y, args: jax.tree.map(lambda x: c * jnp.sin(n * x + t), y)
 
 
-def _implicit_step(lib, name, y0, t0=_T0, t1=_T1):
-    solver = getattr(lib, name)(
-        root_finder=lib.VeryChord(rtol=_ROOT_TOL, atol=_ROOT_TOL)
-    )
+def _implicit_solver(lib, name):
+    return getattr(lib, name)(root_finder=lib.VeryChord(rtol=_ROOT_TOL, atol=_ROOT_TOL))
+
+
+def _implicit_step(lib, name, y0, t0=_T0, t1=_T1, jit=True):
+    """The solver and its first step's outputs (jitted unless `jit=False`, as
+    `_step`)."""
+    step = _jitted_implicit_step if jit else _implicit_step_outputs
+    return _implicit_solver(lib, name), step(lib, name, y0, t0, t1)
+
+
+def _implicit_step_outputs(lib, name, y0, t0, t1):
+    solver = _implicit_solver(lib, name)
     term = lib.ODETerm(_stiff_field())
     if name in _IMEX:
         term = lib.MultiTerm(lib.ODETerm(_slow_field()), term)
@@ -187,7 +207,10 @@ def _implicit_step(lib, name, y0, t0=_T0, t1=_T1):
     # stage equation rejects a Python float); solverkit's takes either.
     t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
     state = solver.init(term, t0, t1, y0, None)
-    return solver, solver.step(term, t0, t1, y0, None, state, False)
+    return solver.step(term, t0, t1, y0, None, state, False)
+
+
+_jitted_implicit_step = jax.jit(_implicit_step_outputs, static_argnums=(0, 1))
 
 
 def _close_steps(name, a, b, scale):
@@ -247,15 +270,15 @@ def test_implicit_dense_info_under_jit_vmap_grad(name):
     mid = 0.5 * (_T0 + _T1)
 
     def value(lib, scale):
-        solver, (_, _, info, _, _) = _implicit_step(lib, name, _y0(scale))
+        solver, (_, _, info, _, _) = _implicit_step(lib, name, _y0(scale), jit=False)
         out = solver.interpolation_cls(t0=_T0, t1=_T1, **info).evaluate(mid)
         return jnp.sum(out["b"]) + jnp.sum(out["a"]), info["k"]
 
     ours = jax.jit(jax.vmap(lambda s: value(sk, s)))(scales)
-    ref = jax.vmap(lambda s: value(diffrax, s))(scales)
+    ref = jax.jit(jax.vmap(lambda s: value(diffrax, s)))(scales)  # one program
     _close_steps(name, ours, ref, 4.0)
-    grad = lambda lib: jax.vmap(jax.grad(lambda s: value(lib, s)[0]))  # noqa: E731
-    _close_steps(name, jax.jit(grad(sk))(scales), grad(diffrax)(scales), 4.0)
+    grad = lambda lib: jax.jit(jax.vmap(jax.grad(lambda s: value(lib, s)[0])))  # noqa: E731
+    _close_steps(name, grad(sk)(scales), grad(diffrax)(scales), 4.0)
 
 
 # The full suite; the quick loop's implicit dense output:
@@ -290,8 +313,13 @@ def test_own_solvers_interpolation_cls_from_step(name):
         **(dict(rtol=1e-10, atol=1e-10) if name == "BDF" else {})
     )
     term = sk.ODETerm(_stiff_field())
-    state = solver.init(term, _T0, _T1, y0, None)
-    y1, _, info, _, _ = solver.step(term, _T0, _T1, y0, None, state, False)
+
+    @jax.jit  # one program, not a compile per operation
+    def step(y0):
+        state = solver.init(term, _T0, _T1, y0, None)
+        return solver.step(term, _T0, _T1, y0, None, state, False)
+
+    y1, _, info, _, _ = step(y0)
     assert isinstance(info, dict)
     interp = solver.interpolation_cls(t0=_T0, t1=_T1, **info)  # Python-float times
     sol = sk.diffeqsolve(

@@ -71,8 +71,9 @@ def _solve(lib, solver, terms, controller, y0=None, t1=1.0):
 K2 = jnp.array([0.5, 0.7], jnp.float32)
 
 
+# The full suite; the quick loop solves with the explicit pair in test_jit_vmap_grad.
+@pytest.mark.slow
 @pytest.mark.parametrize("adaptive", [False, True])
-@pytest.mark.quick_cases(dict(adaptive=True))
 def test_explicit_pair_is_the_summed_method(adaptive):
     # Dopri5 on both terms is Dopri5 on their sum: the same steps and values, up to
     # the order of additions (a few ulps a step, 1e-12 over ~20 steps).

@@ -680,8 +680,9 @@ def _feature_reference(feature: str) -> sk.Solution:
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-# Quick loop: saves at ts, and both kinds of event with their effects at once.
-@pytest.mark.quick_cases("ts", "both_events")
+# Quick loop: both kinds of event with their effects at once (saves at `ts`:
+# test_adaptive_ts_matches_vmap[None]).
+@pytest.mark.quick_cases("both_events")
 def test_every_field_matches_vmap(feature):
     kw = FEATURES[feature]
     y0, args = inputs()

@@ -184,7 +184,10 @@ def test_paths_equal(ts):
     _assert_close(*grads, rtol=1e-12)
 
 
-@pytest.mark.quick_cases("one-hot-shared")
+# The full suite; the quick loop's gradient through the rows:
+# test_ensemble_equals_vmap[one-hot-rows-lockstep]; gradients through save times
+# against DirectAdjoint: tests/test_ts_gradients.py::test_checkpointed_equals_direct.
+@pytest.mark.slow
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 def test_against_finite_differences(path, ts):
     # Central differences along 3 random directions of all inputs (theta, k, y0, ts)

@@ -89,6 +89,8 @@ def test_interpolator_matches_interpolate_under_jit_and_vmap(solver):
 
 
 @pytest.mark.parametrize("solver", _SOLVERS, ids=lambda s: type(s).__name__)
+# Dopri8 (the costliest compile) in the full suite.
+@pytest.mark.quick_cases("Tsit5", "Dopri5", "Bosh3")
 def test_interpolator_derivatives(solver):
     """Its derivatives in `t` and in what the step depends on (the initial state,
     the closed-over `args`) are `interpolate`'s."""

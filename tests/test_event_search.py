@@ -275,6 +275,7 @@ def test_spiking_neurons_second_adam_step():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.quick_cases("float32")  # float64 in the full suite
 def test_settle_moves_an_occurrence_located_before_the_crossing(monkeypatch, dtype):
     """`settle` (#37 A1): where the located time's state has not crossed (there by
     rounding; here the search's result moved 16 ulps back, before the crossing it

@@ -458,6 +458,9 @@ def test_bounces_accumulate_never_fall_through_the_floor(tol):
     assert np.all(np.abs(np.asarray(y_end[:, 1])) < 1e-6)
 
 
+# The full suite; the quick loop differentiates through impact times and effects in
+# tests/test_hybrid.py::test_gradient_through_impact_times_and_effects.
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_accumulation_time_gradient():
     """The time where the bounces accumulate, differentiated with respect to the
@@ -580,7 +583,7 @@ def _ball_singular_effect(e):
 
 
 # The full suite (12 CPU s); the quick loop differentiates events in
-# test_accumulation_time_gradient.
+# tests/test_hybrid.py::test_gradient_through_impact_times_and_effects.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_effect_singular_away_from_events_gives_finite_gradients():

@@ -38,6 +38,10 @@ def _solve(rates, y0, saveat, adjoint):
 @pytest.mark.parametrize(
     "adjoint", [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()], ids=str
 )
+# The full suite (each case compiles a gradient twice); the quick loop checks the
+# shorter program (test_shorter_program), and `SaveAt(t1=True)`'s values and
+# gradients everywhere else.
+@pytest.mark.slow
 def test_same_as_general_path(monkeypatch, saveat, adjoint):
     rates = jnp.array([[1.5, 1.0, 3.0, 1.0], [1.2, 0.8, 2.5, 1.1]])
     y0 = jnp.array([[1.0, 1.0], [1.2, 0.9]], jnp.float64)

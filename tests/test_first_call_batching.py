@@ -133,6 +133,10 @@ def test_bodies_batched_once(monkeypatch):
     assert len({id(c) for c in large}) == len(large), [len(c.jaxpr.eqns) for c in large]
 
 
+# The full suite; the quick loop's checkpointed-against-direct gradient of this
+# batch: test_traced_step.py::test_gradient_against_direct_and_differences[False];
+# its ensemble gradient: test_ensemble.py::test_gradient_matches_vmap.
+@pytest.mark.slow
 def test_gradient_against_direct_and_ensemble():
     rates, y0 = _data()
     got = jax.jit(jax.grad(_loss, (0, 1)))(rates, y0)
@@ -163,6 +167,9 @@ def _field_args(y, p):
     return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
 
 
+# The full suite; the quick loop's checkpointed gradient of this batch against
+# central differences: test_traced_step.py::test_gradient_against_direct_and_...
+@pytest.mark.slow
 def test_gradient_against_finite_differences():
     rates, y0 = _data()
     grad = jax.jit(
@@ -197,6 +204,9 @@ def test_unvmap_first():
         unvmap_first(jnp.ones(2, jnp.int32))
 
 
+# The full suite; the quick loop's vmapped fixed-step gradient against DirectAdjoint:
+# test_checkpoint_memory.py::test_fixed_step_gradient_matches_direct_adjoint.
+@pytest.mark.slow
 def test_fixed_step_gradient_against_direct():
     # Fixed steps keep the forward loop's times and counters unbatched; the
     # backward loops are still batched throughout.

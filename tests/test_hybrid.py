@@ -347,6 +347,8 @@ def test_occurrence_at_t0_and_backwards_in_time():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+# Quick loop: float32, the dtype of the defect (float64 in the full suite).
+@pytest.mark.quick_cases("float32")
 def test_step_ending_just_before_a_crossing_is_not_an_accumulation(dtype):
     """A step that ends within a hundred ulps before a crossing, which the next step
     finds: an occurrence like any other, not a Zeno point (the solve stopped there

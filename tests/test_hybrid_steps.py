@@ -149,6 +149,7 @@ def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.quick_cases("float32")  # float64 in the full suite
 def test_occurrence_is_never_before_the_crossing(dtype):
     """Each step that finds a crossing is cut where the condition has crossed on
     its dense output (#37 A1, D15): the state recorded at every spike is at or

@@ -74,9 +74,12 @@ def _both(dtype, solver, rtol):
 
 @pytest.mark.parametrize(
     "solver",
-    [sk.Tsit5(), pytest.param(sk.Dopri5(), marks=pytest.mark.slow)],
+    [sk.Tsit5(), sk.Dopri5()],
     ids=["tsit5", "dopri5"],
 )
+# The full suite; the quick loop's kernel values (float64, adaptive, saved at `ts`
+# and `t1`, against the lane loop): test_event_float64[real].
+@pytest.mark.slow
 def test_values_float64(x64, solver):
     kern, ref = _both(jnp.float64, solver, 1e-8)
     # Same arithmetic in the same order: equal to round-off (1e4 ulps of |y| <= 30).
@@ -245,7 +248,7 @@ def test_vmap_of_grad_float64(x64):
         np.testing.assert_allclose(got, want, rtol=1e-10)
 
 
-# The full suite; the quick loop's kernel values: test_values_float64.
+# The full suite; the quick loop's kernel values: test_event_float64[real].
 @pytest.mark.slow
 def test_t1_only_pytree_state_dt0():
     """`SaveAt(t1=True)` (the default), a pytree state, a given `dt0`, float32."""

@@ -51,6 +51,9 @@ def test_values_match_lane_loop_float64(x64):
     _check_values(jnp.dtype("float64"))
 
 
+# The full suite; the quick loop's fixed-step kernel against the lane loop:
+# test_max_steps_and_nonfinite_result (values to round-off, results).
+@pytest.mark.slow
 def test_values_match_lane_loop_float32():
     _check_values(jnp.dtype("float32"))
 

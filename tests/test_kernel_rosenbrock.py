@@ -113,6 +113,9 @@ def test_vdp_float64(x64, solver):
     np.testing.assert_array_equal(kern.ts, ref.ts)
 
 
+# The full suite: the quick loop's Rosenbrock kernel is test_vdp_float64[rodas5p]
+# (float32 kernels there: test_kernel_float32_steps.py, test_kernel_fixed.py).
+@pytest.mark.slow
 def test_vdp_float32():
     rtol = 1e-4
     kern, ref = _vdp_both(jnp.float32, sk.Rodas5P(), rtol)
@@ -157,6 +160,7 @@ def _linear_exact(y0, s, t):
     return gt + (decay * coords) @ _P.T
 
 
+@pytest.mark.slow  # the full suite; the quick loop's kernel: test_vdp_float64
 def test_linear_stiff_closed_form_float64(x64):
     n = 128
     a = jnp.asarray(_P @ np.diag(_LAM) @ np.linalg.inv(_P))
@@ -215,6 +219,7 @@ def test_unsupported_rosenbrock():
     assert sol.ys.shape == (128, 1, 2)
 
 
+@pytest.mark.slow  # the full suite (the default's switch; solves in the interpreter)
 def test_by_default_on_a_tpu(monkeypatch):
     """`kernel=None` on a TPU takes the kernel for Rosenbrock solves (measured
     faster there: `_field.ROSENBROCK_BY_DEFAULT`); with the switch off, the lane
@@ -240,6 +245,7 @@ def _kinked(t, y, a):
     )
 
 
+@pytest.mark.slow  # the full suite; the selects' layout: test_lowers_for_tpu_...
 def test_jvp_of_kinks_float64(x64):
     """The Jacobian of `_kinked` (its JVP evaluated on tiles like the field, every
     select anchored): the vmap path's steps and values."""
@@ -309,10 +315,13 @@ def test_vmap_jit_and_gradient_float64(x64):
         want = jax.jit(jax.vmap(lambda s: f(s, False)))(scales)
         # The same steps, and the same backward pass: round-off.
         np.testing.assert_allclose(got, want, rtol=1e-10)
-    # ... and a central difference (step 1e-5: error ~1e-10 x the curvature).
+    # ... and the kernel's gradient at scale 1 (`got[0]`) against a central
+    # difference (step 1e-5: error ~1e-10 x the curvature), both evaluations of the
+    # loss one jitted program (the scale an operand, not a constant).
     e = 1e-5
-    fd = (loss(1.0 + e, True) - loss(1.0 - e, True)) / (2 * e)
-    np.testing.assert_allclose(jax.grad(loss)(1.0, True), fd, rtol=1e-5)
+    value = jax.jit(lambda s: loss(s, True))
+    fd = (value(jnp.asarray(1.0 + e)) - value(jnp.asarray(1.0 - e))) / (2 * e)
+    np.testing.assert_allclose(got[0], fd, rtol=1e-5)
 
 
 # The full suite (16 s); the quick loop's Rosenbrock kernel: test_vdp_float64.
@@ -338,7 +347,7 @@ def test_event_float64(x64):
 
 
 # The full suite; the quick loop's Rosenbrock kernel: test_vdp_float64 (a given
-# `dt0`) and test_linear_stiff_closed_form_float64 (the first-step heuristic).
+# `dt0`; the first-step heuristic: test_linear_stiff_closed_form_float64, full suite).
 @pytest.mark.slow
 def test_constant_step_size_float64(x64):
     """`ConstantStepSize` (no error estimate used; saves between steps): the vmap

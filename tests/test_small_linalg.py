@@ -162,6 +162,8 @@ def test_small_solve_reverse_mode_has_no_pads():
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("n", [2, SMALL_MAX, SMALL_MAX + 1])
+# Quick loop: the largest small inverse and the smallest LU (n = 2 in the full suite).
+@pytest.mark.quick_cases(dict(n=SMALL_MAX), dict(n=SMALL_MAX + 1))
 def test_dense_solve_grad_is_the_solves(n):
     """The refined solve's derivative is the solve's, `A^{-1} (db - dA x)`, the
     inverse not differentiated: against LU's gradient (to the rounding of two

@@ -109,6 +109,9 @@ def test_xla_flags_set_after_importing_jax_are_read():
     assert proc.returncode != 0 and "xla_no_such_flag" in proc.stderr
 
 
+# The full suite (three subprocesses that start JAX); every session runs the probe,
+# and a flag it wrongly kept would abort the session.
+@pytest.mark.slow
 def test_only_known_xla_flags_are_set():
     # An unknown flag aborts XLA: the fusion-emitter flag is in jaxlib 0.10 and not in
     # 0.4.38 or 0.12.1. The probe keeps a flag that this jaxlib takes and drops one it

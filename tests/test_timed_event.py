@@ -58,7 +58,9 @@ def test_repeated_dose_against_analytic():
 @pytest.mark.parametrize(
     "adjoint", [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 )
-@pytest.mark.quick_cases("adjoint0")  # the default adjoint
+# The full suite; the quick loop's gradients with respect to the dose times (and a
+# closed-over amount), against the exact ones: test_effect_closes_over_anything_...
+@pytest.mark.slow
 def test_gradients_against_analytic(adjoint):
     """With respect to the rates, the amount and each dose time: at `t0`, between
     saves, and at a save time (the one-sided derivative of moving the dose later)."""
@@ -77,7 +79,7 @@ def test_gradients_against_analytic(adjoint):
 
 
 # The full suite; the quick loop's timed-event gradients:
-# test_gradients_against_analytic.
+# test_effect_closes_over_anything_under_vmap_and_grad.
 @pytest.mark.slow
 def test_time_gradients_do_not_grow_with_the_steps():
     """Regression: a step cut short by an event used to pass the derivative of its
@@ -177,7 +179,7 @@ def test_backwards_in_time():
     np.testing.assert_allclose(sol.ys, [0.0, 1.0, 2.0, 3.0, 4.0])
 
 
-# The full suite; the quick loop's timed events: test_gradients_against_analytic.
+# The full suite; the quick loop's timed events: test_repeated_dose_against_analytic.
 @pytest.mark.slow
 def test_split_solve_equals_one_solve():
     """Times outside `[t0, t1)` are skipped, and one at `t1` is left to the solve

@@ -80,6 +80,9 @@ def test_step_traced_twice(monkeypatch):
     assert calls[0] == 2
 
 
+# The full suite (two compiles of the gradient); the quick loop checks the single
+# trace (test_step_traced_twice) and the gradient (below, `constant=False`).
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_same_program_bitwise(monkeypatch):
     # The same primitives in the same order: the same gradient, bit for bit, as
@@ -94,6 +97,7 @@ def test_same_program_bitwise(monkeypatch):
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("constant", [False, True])
+@pytest.mark.quick_cases(dict(constant=False))  # ConstantStepSize: the full suite
 def test_gradient_against_direct_and_differences(constant):
     # ConstantStepSize: leaves the step returns unchanged are kept once.
     controller = sk.ConstantStepSize() if constant else None
@@ -122,6 +126,9 @@ def test_gradient_against_direct_and_differences(constant):
     np.testing.assert_allclose(float(jnp.sum(got[0] * v)), quotient, rtol=1e-5)
 
 
+# The full suite; the quick loop's float32 checkpointed gradient against DirectAdjoint:
+# test_checkpoint_memory.py::test_fixed_step_gradient_matches_direct_adjoint.
+@pytest.mark.slow
 def test_float32_gradient_against_direct():
     # float32 data (the closed-over index int32, the scale float32).
     rates, y0 = (x.astype(jnp.float32) for x in _data())
@@ -200,6 +207,7 @@ def test_traced_not_kept_with_a_closed_over_tracer():
     assert float(jax.jit(use)(jnp.float32(1.0), jnp.float32(2.0))) == 6.0
 
 
+@pytest.mark.slow  # the full suite (two compiles of a gradient)
 def test_invariant_without_a_kept_program(monkeypatch):
     # Where `Traced` keeps no program, `_invariant` traces the step itself and
     # finds the same unchanged leaves (ConstantStepSize: its step count and
