@@ -105,6 +105,9 @@ def _finite_differences() -> np.ndarray:
     return np.asarray((loss(alphas + eps, ks) - loss(alphas - eps, ks)) / (2 * eps))
 
 
+# The full suite (14 CPU s, the quick loop's costliest test); the quick loop's BDF
+# gradient is test_bdf.py::test_grad_rober, its Krylov gradients test_linear_solver.py's.
+@pytest.mark.slow
 def test_bdf_krylov_gradient():
     """Reverse mode through BDF with a Krylov solver (its implicit derivative solves
     for a tangent, which is then transposed) whose preconditioner closes over the
