@@ -217,9 +217,18 @@ def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next, replay: _loop.Replay
     gradients were 1.6-2.2x off for 3 of 128 trajectories:
     tests/test_replayed_decisions.py).
 
-    The rows at `SaveAt(ts=...)` are pulled back by `_save.pull_back_ts`, only those
-    the step wrote; the step's other saves (at steps, dense output, events) are
-    differentiated with it."""
+    Evaluated from its traced program (`Traced`), which keeps only what the
+    cotangents need: the step's new carry, counters and decisions, which `jax.vjp`
+    computes as well, are dropped (LV ensemble gradient: the pullback loop's body
+    729 -> 630 equations), and so are never batched or lowered."""
+    pull_back = Traced(_pull_back)  # every input explicit: its program is kept
+    return pull_back(rev, p_diff, carry, ct_next, replay)
+
+
+def _pull_back(rev: _Reverse, p_diff, carry: Carry, ct_next, replay: _loop.Replay):
+    """`_vjp_step`, as Python. The rows at `SaveAt(ts=...)` are pulled back by
+    `_save.pull_back_ts`, only those the step wrote; the step's other saves (at
+    steps, dense output, events) are differentiated with it."""
     c_diff, c_rest = eqx.partition(carry, rev.diff_mask)
     problem_of = lambda p: eqx.combine(p, rev.p_rest, rev.static)  # noqa: E731
     rows = any(save.ts is not None for save in problem_of(p_diff).saves)
@@ -306,11 +315,11 @@ def _refill(
         assert mids is not None  # (likewise)
         mids = put_row(mids, _schedule.mid_row(rev.layout, bounds, begin), source)
     # With every step stored (stride 1) nothing is recomputed: `back` reads the copy.
-    last = jnp.where(rev.rec.level == 0, begin, end - 1)
+    last = where(rev.rec.level == 0, begin, end - 1)
     _, buffer, mids = counted_loop(
         begin, last, body, (source, buffer, mids), (buffer, mids)
     )
-    return buffer, mids, jnp.where(rev.rec.level == 0, first, start)
+    return buffer, mids, where(rev.rec.level == 0, first, start)
 
 
 def _checkpointed_backward(static, dynamic, residuals, cotangents, layout, step):

@@ -12,6 +12,11 @@ the Lotka-Volterra gradient (Tsit5, `vmap`, CPU seconds of the trace): the
 recomputation loop 0.045-0.070 -> 0.027-0.032 s; a separate trace to find the
 unchanged leaves, ~0.06 s, is gone.
 
+The jaxpr keeps only the equations whose results are used (`_jaxpr_rewrite.dce`):
+evaluated, it computes no value the Python would have computed and dropped (a step's
+stage times where the field ignores `t`; under `jax.vjp` of a function that keeps
+only a step's differentiable outputs, its counters and decisions).
+
 An input's kind is its type as JAX sees it (shape, dtype, weak type, varying manual
 axes) where it is a tracer, and the object itself where it is not: a concrete value
 stays concrete for the traced Python (which may branch on it) and is kept in the jaxpr.
@@ -29,6 +34,7 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 from jax.core import Tracer
 
+from ._jaxpr_rewrite import dce
 from ._vma_eval import _eval_jaxpr
 
 
@@ -130,6 +136,9 @@ class Traced:
         jaxpr = jax.make_jaxpr(flat)(*[leaves[i] for i in inputs])
         if any(isinstance(c, Tracer) for c in jaxpr.consts):
             return None
+        pruned = dce(jaxpr.jaxpr)  # nothing outside reads what nothing inside uses
+        if pruned is not jaxpr.jaxpr:
+            jaxpr = jex.ClosedJaxpr(pruned, jaxpr.consts)
         out_tree, (static, outputs) = outs
         return _Entry(kind, jaxpr, inputs, out_tree, static, outputs)
 
