@@ -99,6 +99,27 @@ def test_traced_program_keeps_only_used_equations():
     assert float(jax.jit(lambda x: traced(x))(jnp.float32(1.0))) == 2.0
 
 
+def test_simplified_merges_repeated_equations():
+    # `Traced.simplified`: each repeated equation once, the same values.
+    def fn(x, y):
+        a, b = jnp.split(y, 2)
+        c, d = jnp.split(y, 2)  # the same split again
+        return jnp.sin(x) * a + jnp.sin(x) * c - b * d
+
+    traced = Traced(fn)
+    x, y = jnp.float32(0.3), jnp.array([1.5, -2.0], jnp.float32)
+
+    def names(f):
+        return [e.primitive.name for e in jax.make_jaxpr(f)(x, y).eqns]
+
+    assert names(traced.simplified).count("sin") == 1
+    assert names(traced.simplified).count("split") == 1
+    assert names(traced).count("sin") == 2
+    np.testing.assert_array_equal(
+        jax.jit(traced.simplified)(x, y), jax.jit(traced)(x, y)
+    )
+
+
 def test_dce_keeps_effects_and_order():
     seen = []
 
@@ -148,7 +169,8 @@ def test_pullback_program_is_pruned(monkeypatch):
     # The checkpointed backward pass: the pullback loop's body holds fewer
     # equations than with every traced program kept whole (the old code's), and
     # the step's programs in the forward and recomputation loops lose the stage
-    # times (the field ignores `t`).
+    # times (the field ignores `t`) and their repeated equations (the field's
+    # split of its closed-over rates, once a stage).
     rates, y0 = lv_batch()
 
     def sizes():
@@ -156,14 +178,20 @@ def test_pullback_program_is_pruned(monkeypatch):
         return [len(body.eqns) for body in _loop_bodies(jaxpr)]
 
     pruned = sizes()
-    monkeypatch.setattr(_traced, "dce", lambda jaxpr: jaxpr)
+    _unpruned(monkeypatch)
     whole = sizes()
     assert len(pruned) == len(whole) == 4  # forward, chunks, recomputation, pullback
     forward, chunks, recomputation, pullback = zip(pruned, whole)
     assert chunks[0] == chunks[1]  # (the chunk loop's own body has no step)
     assert all(p < w for p, w in (forward, recomputation, pullback)), (pruned, whole)
-    # LV: 821 -> 731 (the kept ones: what the cotangents need).
+    # LV: 821 -> 638 (what the cotangents need, each equation once).
     assert whole[-1] - pruned[-1] >= 0.1 * whole[-1], (pruned, whole)
+
+
+def _unpruned(monkeypatch):
+    """Every traced program evaluated whole (the old code's)."""
+    monkeypatch.setattr(_traced, "dce", lambda jaxpr: jaxpr)
+    monkeypatch.setattr(_traced, "cse", lambda jaxpr: jaxpr)
 
 
 def _grads(rates, y0, **kwargs):
@@ -185,7 +213,7 @@ def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
     }[saveat]
     rates, y0 = lv_batch()
     got = _grads(rates, y0, saveat=saves)
-    monkeypatch.setattr(_traced, "dce", lambda jaxpr: jaxpr)
+    _unpruned(monkeypatch)
     jax.clear_caches()
     want = _grads(rates, y0, saveat=saves)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -34,7 +34,7 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 from jax.core import Tracer
 
-from ._jaxpr_rewrite import dce
+from ._jaxpr_rewrite import cse, dce
 from ._vma_eval import _eval_jaxpr
 
 
@@ -77,6 +77,8 @@ class _Entry(NamedTuple):
     out_tree: Any
     out_static: tuple  # per output leaf: its value if not an array, else None
     outputs: tuple[int, ...]  # the output leaves the jaxpr computes, in order
+    # The same with repeated equations merged (`cse`), made on first use.
+    merged: list
 
 
 def _kind(args: tuple) -> tuple[_Kind, list]:
@@ -94,6 +96,12 @@ class Traced:
     Where the traced jaxpr holds a tracer it did not get as an input (`fn` closes
     over a value of an enclosing trace), it is not kept: such a call traces `fn`
     again.
+
+    `simplified(*args)` evaluates the program with its repeated equations merged
+    (`_jaxpr_rewrite.cse`): the same values, bit for bit, but where that program is
+    then differentiated in reverse mode, the cotangents of the merged equations are
+    summed in another order. So it serves the programs that are not (a loop's
+    step, the backward pass's recomputation, a pullback already transposed).
 
     **Arguments:**
 
@@ -140,15 +148,28 @@ class Traced:
         if pruned is not jaxpr.jaxpr:
             jaxpr = jex.ClosedJaxpr(pruned, jaxpr.consts)
         out_tree, (static, outputs) = outs
-        return _Entry(kind, jaxpr, inputs, out_tree, static, outputs)
+        return _Entry(kind, jaxpr, inputs, out_tree, static, outputs, [])
 
     def __call__(self, *args):
+        return self._evaluate(args, merged=False)
+
+    def simplified(self, *args):
+        """`self(*args)`, from the program with its repeated equations merged (see
+        the class's docstring)."""
+        return self._evaluate(args, merged=True)
+
+    def _evaluate(self, args: tuple, merged: bool):
         entry = self.entry(*args)
         if entry is None:
             return self.fn(*args)
+        jaxpr = entry.jaxpr.jaxpr
+        if merged:
+            if not entry.merged:
+                entry.merged.append(dce(cse(jaxpr)))
+            jaxpr = entry.merged[0]
         leaves = jtu.tree_leaves(args)
         values = _eval_jaxpr(
-            entry.jaxpr.jaxpr, entry.jaxpr.consts, *[leaves[i] for i in entry.inputs]
+            jaxpr, entry.jaxpr.consts, *[leaves[i] for i in entry.inputs]
         )
         out = list(entry.out_static)
         for i, x in zip(entry.outputs, values):
