@@ -181,10 +181,10 @@ def test_pullback_program_is_pruned(monkeypatch):
     _unpruned(monkeypatch)
     whole = sizes()
     assert len(pruned) == len(whole) == 4  # forward, chunks, recomputation, pullback
-    forward, chunks, recomputation, pullback = zip(pruned, whole)
-    assert chunks[0] == chunks[1]  # (the chunk loop's own body has no step)
-    assert all(p < w for p, w in (forward, recomputation, pullback)), (pruned, whole)
-    # LV: 821 -> 638 (what the cotangents need, each equation once).
+    # The chunk loop's own body: the schedule's index arithmetic and the buffer
+    # reads, each once.
+    assert all(p < w for p, w in zip(pruned, whole)), (pruned, whole)
+    # LV: 821 -> 614 (what the cotangents need, each equation once).
     assert whole[-1] - pruned[-1] >= 0.1 * whole[-1], (pruned, whole)
 
 

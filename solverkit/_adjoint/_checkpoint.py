@@ -325,6 +325,39 @@ def _refill(
     return buffer, mids, where(rev.rec.level == 0, first, start)
 
 
+def _chunk(rev: _Reverse, p_diff, state):
+    """One chunk of the backward pass: refill the buffer with its carries, then
+    pull the cotangent back through its steps, last first."""
+    end, mids_of, buffer, mids, ct_p, ct_c, after = state
+    end, mids_of = unvmap_first(end), unvmap_first(mids_of)  # `counted_loop`
+    bounds = _schedule.chunk(rev.layout, rev.rec.level, end, mids_of)
+    start = bounds.start
+    buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
+
+    def back(i, state):
+        ct_p, ct_c, row, after = state
+        k = end - 1 - i  # the step to pull back through
+        # The row was read by the iteration before (loop state): an array of
+        # its own, not a strided read fused into each kernel of the pullback
+        # that uses it (reading it here: Lorenz gradient 23-24 -> 31-35 ms,
+        # barrier or not).
+        carry = unpack(buffer, row)
+        # As the carries after and before step `k` count accepted steps.
+        accepted = after > carry.num_accepted
+        replay = _replay.decisions(rev.rec.steps, k)
+        replay = _loop.Replay(accepted, None if replay is None else replay.lands)
+        dp, dc = _vjp_step(rev, p_diff, carry, ct_c, replay)
+        active = k < rev.rec.n
+        ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
+        row = get_row(buffer, jnp.maximum(k - 1 - first, 0))
+        return ct_p, tree_where(active, dc, ct_c), row, carry.num_accepted
+
+    row = get_row(buffer, end - 1 - first)
+    state = (ct_p, ct_c, row, after)
+    ct_p, ct_c, _, after = counted_loop(0, end - start, back, state, ct_c)
+    return start, bounds.segment, buffer, mids, ct_p, ct_c, after
+
+
 def _checkpointed_backward(static, dynamic, residuals, cotangents, layout, step):
     """The steps in reverse, a chunk of at most `layout.buffer` steps at a time:
     refill the buffer with the chunk's carries, then pull the cotangent back through
@@ -338,36 +371,6 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout, step)
     ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
     rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, rec, layout, step)
 
-    def chunk(state):
-        end, mids_of, buffer, mids, ct_p, ct_c, after = state
-        end, mids_of = unvmap_first(end), unvmap_first(mids_of)  # `counted_loop`
-        bounds = _schedule.chunk(rev.layout, rev.rec.level, end, mids_of)
-        start = bounds.start
-        buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
-
-        def back(i, state):
-            ct_p, ct_c, row, after = state
-            k = end - 1 - i  # the step to pull back through
-            # The row was read by the iteration before (loop state): an array of
-            # its own, not a strided read fused into each kernel of the pullback
-            # that uses it (reading it here: Lorenz gradient 23-24 -> 31-35 ms,
-            # barrier or not).
-            carry = unpack(buffer, row)
-            # As the carries after and before step `k` count accepted steps.
-            accepted = after > carry.num_accepted
-            replay = _replay.decisions(rev.rec.steps, k)
-            replay = _loop.Replay(accepted, None if replay is None else replay.lands)
-            dp, dc = _vjp_step(rev, p_diff, carry, ct_c, replay)
-            active = k < rec.n
-            ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
-            row = get_row(buffer, jnp.maximum(k - 1 - first, 0))
-            return ct_p, tree_where(active, dc, ct_c), row, carry.num_accepted
-
-        row = get_row(buffer, end - 1 - first)
-        state = (ct_p, ct_c, row, after)
-        ct_p, ct_c, _, after = counted_loop(0, end - start, back, state, ct_c)
-        return start, bounds.segment, buffer, mids, ct_p, ct_c, after
-
     loop_state = (
         stack(final, layout.buffer, fixed_leaves(rec.store)),
         stack(final, layout.mid + 1, fixed_leaves(rec.store)) if layout.mid else None,
@@ -379,6 +382,10 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout, step)
     # too: they are read unbatched (see `counted_loop`).
     init = (rec.it, jnp.asarray(-1, jnp.int32), *loop_state)
     init = _loop.batch_like((rec, dynamic, ct_carry), init)
+    # Evaluated from its program with repeated equations merged (the index
+    # arithmetic of the schedule, the refill and the buffer reads; not differentiated
+    # again), traced once: `Traced`.
+    chunk = functools.partial(Traced(_chunk).simplified, rev, p_diff)
     *_, ct_p, ct_c, _ = lax.while_loop(lambda s: unvmap_first(s[0]) > 0, chunk, init)
     ct_dynamic = fill_zeros(
         eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic
