@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
+from ._select import where
+
 
 class Result(eqx.Module):
     """One outcome of a solve (an item of [`solverkit.RESULTS`][]); a pytree holding an
@@ -199,8 +201,8 @@ class _Results:
         return self.event_occurred
 
     def where(self, pred, a: Result, b: Result) -> Result:
-        """`a` where `pred` else `b`."""
-        return Result(jnp.where(pred, a.code, b.code))
+        """`a` where `pred` else `b` (one `select`, not a nested `jit`)."""
+        return Result(where(pred, a.code, b.code))
 
     def __iter__(self):
         return iter(getattr(self, name) for name in self._names)

@@ -174,7 +174,8 @@ def _checkpointed_forward(
         # `vmap` batches the body for once, not twice (`counted_loop`). The
         # counters are read unbatched, so a store is still a one-row write.
         rec = _loop.batch_like(carry.num_steps, rec)
-    carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record, step)
+    stepper = step.simplified  # (not differentiated: merged equations)
+    carry, bufs, rec = _loop.run_while(problem, carry, bufs, rec, record, stepper)
     return (carry, bufs), (rec, bufs, carry)
 
 
@@ -217,9 +218,20 @@ def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next, replay: _loop.Replay
     gradients were 1.6-2.2x off for 3 of 128 trajectories:
     tests/test_replayed_decisions.py).
 
-    The rows at `SaveAt(ts=...)` are pulled back by `_save.pull_back_ts`, only those
-    the step wrote; the step's other saves (at steps, dense output, events) are
-    differentiated with it."""
+    Evaluated from its traced program (`Traced`), which keeps only what the
+    cotangents need: the step's new carry, counters and decisions, which `jax.vjp`
+    computes as well, are dropped, and so are never batched or lowered; and, as the
+    program is transposed already, its repeated equations are merged (`simplified`:
+    the same values, bit for bit). LV ensemble gradient: the pullback loop's body
+    729 -> 547 equations."""
+    pull_back = Traced(_pull_back)  # every input explicit: its program is kept
+    return pull_back.simplified(rev, p_diff, carry, ct_next, replay)
+
+
+def _pull_back(rev: _Reverse, p_diff, carry: Carry, ct_next, replay: _loop.Replay):
+    """`_vjp_step`, as Python. The rows at `SaveAt(ts=...)` are pulled back by
+    `_save.pull_back_ts`, only those the step wrote; the step's other saves (at
+    steps, dense output, events) are differentiated with it."""
     c_diff, c_rest = eqx.partition(carry, rev.diff_mask)
     problem_of = lambda p: eqx.combine(p, rev.p_rest, rev.static)  # noqa: E731
     rows = any(save.ts is not None for save in problem_of(p_diff).saves)
@@ -282,7 +294,7 @@ def _refill(
     def body(k, state):  # step `k`; store the carry before step `k + 1`
         packed, buffer, mids = state
         # The forward pass's step `k` (where recorded; else decided again).
-        new, _ = rev.step(
+        new, _ = rev.step.simplified(
             problem, unpack(buffer, packed), _replay.decisions(rev.rec.steps, k)
         )
         new = new._replace(tnext=_replay.step_end(rev.rec.steps, k, new.tnext))
@@ -306,11 +318,44 @@ def _refill(
         assert mids is not None  # (likewise)
         mids = put_row(mids, _schedule.mid_row(rev.layout, bounds, begin), source)
     # With every step stored (stride 1) nothing is recomputed: `back` reads the copy.
-    last = jnp.where(rev.rec.level == 0, begin, end - 1)
+    last = where(rev.rec.level == 0, begin, end - 1)
     _, buffer, mids = counted_loop(
         begin, last, body, (source, buffer, mids), (buffer, mids)
     )
-    return buffer, mids, jnp.where(rev.rec.level == 0, first, start)
+    return buffer, mids, where(rev.rec.level == 0, first, start)
+
+
+def _chunk(rev: _Reverse, p_diff, state):
+    """One chunk of the backward pass: refill the buffer with its carries, then
+    pull the cotangent back through its steps, last first."""
+    end, mids_of, buffer, mids, ct_p, ct_c, after = state
+    end, mids_of = unvmap_first(end), unvmap_first(mids_of)  # `counted_loop`
+    bounds = _schedule.chunk(rev.layout, rev.rec.level, end, mids_of)
+    start = bounds.start
+    buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
+
+    def back(i, state):
+        ct_p, ct_c, row, after = state
+        k = end - 1 - i  # the step to pull back through
+        # The row was read by the iteration before (loop state): an array of
+        # its own, not a strided read fused into each kernel of the pullback
+        # that uses it (reading it here: Lorenz gradient 23-24 -> 31-35 ms,
+        # barrier or not).
+        carry = unpack(buffer, row)
+        # As the carries after and before step `k` count accepted steps.
+        accepted = after > carry.num_accepted
+        replay = _replay.decisions(rev.rec.steps, k)
+        replay = _loop.Replay(accepted, None if replay is None else replay.lands)
+        dp, dc = _vjp_step(rev, p_diff, carry, ct_c, replay)
+        active = k < rev.rec.n
+        ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
+        row = get_row(buffer, jnp.maximum(k - 1 - first, 0))
+        return ct_p, tree_where(active, dc, ct_c), row, carry.num_accepted
+
+    row = get_row(buffer, end - 1 - first)
+    state = (ct_p, ct_c, row, after)
+    ct_p, ct_c, _, after = counted_loop(0, end - start, back, state, ct_c)
+    return start, bounds.segment, buffer, mids, ct_p, ct_c, after
 
 
 def _checkpointed_backward(static, dynamic, residuals, cotangents, layout, step):
@@ -326,36 +371,6 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout, step)
     ct_bufs = eqx.filter(ct_bufs, eqx.is_inexact_array)
     rev = _Reverse(static, p_rest, diff_mask, bufs, ct_bufs, rec, layout, step)
 
-    def chunk(state):
-        end, mids_of, buffer, mids, ct_p, ct_c, after = state
-        end, mids_of = unvmap_first(end), unvmap_first(mids_of)  # `counted_loop`
-        bounds = _schedule.chunk(rev.layout, rev.rec.level, end, mids_of)
-        start = bounds.start
-        buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
-
-        def back(i, state):
-            ct_p, ct_c, row, after = state
-            k = end - 1 - i  # the step to pull back through
-            # The row was read by the iteration before (loop state): an array of
-            # its own, not a strided read fused into each kernel of the pullback
-            # that uses it (reading it here: Lorenz gradient 23-24 -> 31-35 ms,
-            # barrier or not).
-            carry = unpack(buffer, row)
-            # As the carries after and before step `k` count accepted steps.
-            accepted = after > carry.num_accepted
-            replay = _replay.decisions(rev.rec.steps, k)
-            replay = _loop.Replay(accepted, None if replay is None else replay.lands)
-            dp, dc = _vjp_step(rev, p_diff, carry, ct_c, replay)
-            active = k < rec.n
-            ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
-            row = get_row(buffer, jnp.maximum(k - 1 - first, 0))
-            return ct_p, tree_where(active, dc, ct_c), row, carry.num_accepted
-
-        row = get_row(buffer, end - 1 - first)
-        state = (ct_p, ct_c, row, after)
-        ct_p, ct_c, _, after = counted_loop(0, end - start, back, state, ct_c)
-        return start, bounds.segment, buffer, mids, ct_p, ct_c, after
-
     loop_state = (
         stack(final, layout.buffer, fixed_leaves(rec.store)),
         stack(final, layout.mid + 1, fixed_leaves(rec.store)) if layout.mid else None,
@@ -367,6 +382,10 @@ def _checkpointed_backward(static, dynamic, residuals, cotangents, layout, step)
     # too: they are read unbatched (see `counted_loop`).
     init = (rec.it, jnp.asarray(-1, jnp.int32), *loop_state)
     init = _loop.batch_like((rec, dynamic, ct_carry), init)
+    # Evaluated from its program with repeated equations merged (the index
+    # arithmetic of the schedule, the refill and the buffer reads; not differentiated
+    # again), traced once: `Traced`.
+    chunk = functools.partial(Traced(_chunk).simplified, rev, p_diff)
     *_, ct_p, ct_c, _ = lax.while_loop(lambda s: unvmap_first(s[0]) > 0, chunk, init)
     ct_dynamic = fill_zeros(
         eqx.combine(ct_p, jtu.tree_map(lambda _: None, p_rest)), dynamic

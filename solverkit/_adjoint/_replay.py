@@ -36,6 +36,7 @@ from jaxtyping import Array
 from .. import _loop
 from .._problem import Carry, Problem, StepOut
 from .._save import row_of, with_row
+from .._select import where
 
 
 _ACCEPTED, _LANDS, _SHIFT = 1, 2, 2  # bits of a step's byte; the time's from `_SHIFT`
@@ -53,13 +54,13 @@ def _ordered(t: Array) -> Array:
     """`t`'s bits as a signed integer that orders as the floats do (-0 as +0)."""
     bits = lax.bitcast_convert_type(t, _int_of(t))
     magnitude = lax.bitwise_and(bits, jnp.asarray(np.iinfo(bits.dtype).max, bits.dtype))
-    return jnp.where(bits < 0, -magnitude, bits)
+    return where(bits < 0, -magnitude, bits)
 
 
 def _float(key: Array, dtype) -> Array:
     """The float that `_ordered` maps to `key`."""
     sign = jnp.asarray(np.iinfo(key.dtype).min, key.dtype)
-    bits = jnp.where(key < 0, lax.bitwise_or(-key, sign), key)
+    bits = where(key < 0, lax.bitwise_or(-key, sign), key)
     return lax.bitcast_convert_type(bits, dtype)
 
 
@@ -103,5 +104,5 @@ def step_end(record: Array | None, k, tnext: Array) -> Array:
     diff = lax.bitwise_and(
         low.astype(key.dtype) - key, jnp.asarray(size - 1, key.dtype)
     )
-    diff = jnp.where(diff >= size // 2, diff - size, diff)
+    diff = where(diff >= size // 2, diff - size, diff)
     return _float(key + diff, tnext.dtype)

@@ -107,7 +107,7 @@ def slot(index, level, slots: int) -> Array:
     if slots == 2:
         return index
     power = rem(lax.shift_left(jnp.asarray(1, jnp.int32), level), slots - 1)
-    return jnp.where(index == slots - 1, index, rem(index * power, slots - 1))
+    return where(index == slots - 1, index, rem(index * power, slots - 1))
 
 
 def record(it, level, slots: int) -> tuple[Array, Array]:
@@ -159,11 +159,11 @@ def chunk(layout: Layout, level, end, mids_of) -> Chunk:
         return Chunk(start, segment, segment, segment_slot, None, None, None)
     deep = layout.buffer < stride  # unbatched, and the same for every chunk
     # Not deep: only the segment's first carry is due, and never read.
-    mid_stride = jnp.where(deep, div(stride + layout.mid - 1, layout.mid), span)
+    mid_stride = where(deep, div(stride + layout.mid - 1, layout.mid), span)
     mid = segment + div(last - segment, mid_stride) * mid_stride
     have = deep & (mids_of == segment)
     start = mid + div(last - mid, layout.buffer) * layout.buffer
-    begin = jnp.where(have, mid, segment)
+    begin = where(have, mid, segment)
     mid_index = div(mid - segment, mid_stride)
     return Chunk(start, begin, segment, segment_slot, mid_stride, have, mid_index)
 
@@ -175,4 +175,4 @@ def mid_row(layout: Layout, chunk: Chunk, k) -> Array:
     offset = k - chunk.segment
     index = div(offset, chunk.mid_stride)
     due = (rem(offset, chunk.mid_stride) == 0) & (index < layout.mid)
-    return jnp.where(due, index, layout.mid)
+    return where(due, index, layout.mid)

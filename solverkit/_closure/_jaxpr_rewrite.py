@@ -1,6 +1,7 @@
 """Rewrites of a converted jaxpr, made once by `closure_convert`: repeated equations
 merged, and the slices of one array along one axis taken by one `split`. Neither
-changes what the jaxpr computes; both make its reverse mode cheaper. Here too are the
+changes what the jaxpr computes; both make its reverse mode cheaper. `dce` drops the
+equations whose results nothing uses (for `Traced` programs). Here too are the
 two jaxpr helpers `_convert.py` and `_vma_eval.py` share: tracing with every constant
 hoisted, and telling an unused output.
 
@@ -218,3 +219,23 @@ def cse(jaxpr, memo=None):
         ]
         jaxpr = jaxpr.replace(eqns=eqns, outvars=outvars)
     return _split_slices(jaxpr)
+
+
+# --- Dead equations ------------------------------------------------------------------
+
+
+def dce(jaxpr):
+    """`jaxpr` without the equations (at its top level) whose outputs neither an
+    output nor a kept equation uses, and that have no effects: what a traced function
+    computes and then drops (the stage times of a field that ignores `t`; a step's
+    counters and decisions where only its differentiable outputs are wanted). The
+    kept equations stay as they are, in their order: the same values, bit for bit."""
+    used = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in used for v in eqn.outvars if not is_dropped(v)):
+            kept.append(eqn)
+            used.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    if len(kept) == len(jaxpr.eqns):
+        return jaxpr
+    return jaxpr.replace(eqns=kept[::-1])

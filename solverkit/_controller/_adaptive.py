@@ -74,6 +74,12 @@ def _next_float(t: Array) -> Array:
     return jnp.nextafter(lax.stop_gradient(t), jnp.asarray(jnp.inf, t.dtype))
 
 
+def _usable(inv: Array) -> Array:
+    """The inverse scaled error `inv`, or 1 where it is 0 or infinite (`jnp.isinf`
+    written out: no nested `jit`)."""
+    return where((inv == 0) | (jnp.abs(inv) == jnp.inf), 1, inv)
+
+
 def _advancing(t0: Array, t1: Array, keep, next_t0: Array, next_t1: Array, result):
     """The next step end made to advance time (`_after`), and the result: a rejected
     step that was already the smallest one (one float spacing, e.g. ~1.5e-5 at
@@ -281,6 +287,16 @@ class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
             t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
         )
 
+    def _limited(self, keep, factor):
+        """`factor` within `[1, factormax]` after an accepted step, `[factormin,
+        safety]` after a rejected one: `jnp.clip`, written out (as a nested `jit`
+        it was traced, batched and lowered as a call of its own at every use; `1.0`:
+        `where` of two floats is one `select`, of an int and a float a call of
+        `jnp.where`)."""
+        low = where(keep, 1.0, self.factormin)
+        high = where(keep, self.factormax, self.safety)
+        return jnp.minimum(high, jnp.maximum(low, factor))
+
     def loop_adapt_step_size(self, *args, keep=None):
         t0, t1, y0, y1_candidate, _, y_error, error_order, controller_state = args
         prev, prev_prev, at_dtmin = controller_state
@@ -305,13 +321,8 @@ class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
         c3 = self.dcoeff / order
         factor = self.safety * _power(inv, c1) * _power(prev, c2)
         factor = factor * _power(prev_prev, c3)
-        factor = jnp.clip(
-            factor,
-            where(keep, 1, self.factormin),
-            where(keep, self.factormax, self.safety),
-        )
-        factor = lax.stop_gradient(factor)
-        inv = where((inv == 0) | jnp.isinf(inv), 1, inv)
+        factor = lax.stop_gradient(self._limited(keep, factor))
+        inv = _usable(inv)
         dt, at_dtmin, result = self._bounded((t1 - t0) * factor, factor, at_dtmin)
         next_t0 = where(keep, t1, t0)
         next_t1, result = _advancing(t0, t1, keep, next_t0, next_t0 + dt, result)
