@@ -34,12 +34,26 @@ from .._select import where
 SMALL_MAX = 3
 
 
+# Where the small solves take entries by a slice each, not by one `unstack` (see
+# `_entries`): on a TPU the unstacked form ran the vmapped Rodas5P 7% slower (Van der
+# Pol, N = 16,384, float32: 115.8 against 108.4 ms, `benchmarks/results/tpu-v5-lite/
+# stop47_d`), where run time counts more than the compile time it saves.
+_SLICE_BACKENDS = ("tpu",)
+
+
+def _sliced() -> bool:
+    return jax.default_backend() in _SLICE_BACKENDS
+
+
 def _entries(matrix: Array) -> list[list[Array]]:
     """The entries of `(..., n, n)` `matrix` as `(...)` arrays, row by row, by one
     `unstack`: reverse mode stacks their cotangents back in one equation, where
     the transpose of a slice per entry is a padded copy of the matrix each (the
-    solves of a Rodas5P step were a quarter of its gradient's program)."""
+    solves of a Rodas5P step were a quarter of its gradient's program). A slice
+    per entry on the backends of `_SLICE_BACKENDS`."""
     n = matrix.shape[-1]
+    if _sliced():
+        return [[matrix[..., i, j] for j in range(n)] for i in range(n)]
     flat = jnp.unstack(jnp.reshape(matrix, matrix.shape[:-2] + (n * n,)), axis=-1)
     return [list(flat[i * n : (i + 1) * n]) for i in range(n)]
 
@@ -50,7 +64,10 @@ def _mul(matrix, vector):
     products and sums (exact float32 on every device)."""
     n = matrix.shape[-1]
     if 0 < n <= SMALL_MAX:
-        entries = jnp.unstack(vector, axis=-1)
+        if _sliced():
+            entries = [vector[..., j] for j in range(n)]
+        else:
+            entries = jnp.unstack(vector, axis=-1)
         rows = [
             sum((row[j] * entries[j] for j in range(1, n)),
                 start=row[0] * entries[0])
