@@ -106,7 +106,8 @@ def _finite_differences() -> np.ndarray:
 
 
 # The full suite (14 CPU s, the quick loop's costliest test); the quick loop's BDF
-# gradient is test_bdf.py::test_grad_rober, its Krylov gradients test_linear_solver.py's.
+# gradient is test_bdf.py::test_grad_rober, its Krylov gradients are
+# test_linear_solver.py's.
 @pytest.mark.slow
 def test_bdf_krylov_gradient():
     """Reverse mode through BDF with a Krylov solver (its implicit derivative solves
