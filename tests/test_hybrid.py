@@ -404,6 +404,9 @@ def test_step_ending_just_before_a_crossing_is_not_an_accumulation(dtype):
         np.testing.assert_allclose(got, -15.0 * len(ds), rtol=100 * eps)
 
 
+# The full suite (13 CPU s); the quick loop's event rows under vmap and grad:
+# test_hybrid.py's test_vmap_and_jit_over_restitution and impact-time gradient.
+@pytest.mark.slow
 def test_event_rows_written_by_one_hot_selects_as_by_index(monkeypatch):
     """The occurrences' rows written as on a TPU (a select against a one-hot mask of
     the rows, `_save.ONE_HOT_BACKENDS`: a scatter with each batch element's own row

@@ -203,6 +203,7 @@ def _grads(rates, y0, **kwargs):
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("saveat", [None, "ts", "steps"])
+@pytest.mark.quick_cases("None")  # ts / steps: the full suite (5 CPU s each)
 def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
     # The same primitives in the same order, less the dead ones: the same
     # gradients, bit for bit (`vmap` of `grad`, `jit`; float64 rates, float32
@@ -222,6 +223,7 @@ def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("checkpoints", [None, 4])
+@pytest.mark.quick_cases("None")  # 4 slots: the full suite
 def test_gradient_against_direct_and_differences(checkpoints):
     rates, y0 = lv_batch()
     adjoint = sk.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
@@ -244,6 +246,9 @@ def test_gradient_against_direct_and_differences(checkpoints):
     np.testing.assert_allclose(float(jnp.sum(got * v)), quotient, rtol=1e-5)
 
 
+# The full suite; the quick loop compares the pruned programs' gradients with
+# DirectAdjoint's in float64 (above: the same programs, another precision).
+@pytest.mark.slow
 def test_float32_gradient_against_direct():
     rates, y0 = (x.astype(jnp.float32) for x in lv_batch())
     got = jax.jit(jax.grad(_loss))(rates, y0)

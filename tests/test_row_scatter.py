@@ -62,6 +62,8 @@ def _run(throw):
     return values(rho, ks), grads(rho, ks)
 
 
+# The full suite; the quick loop checks the scatters' form (below).
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_rows_by_index_as_by_slices(monkeypatch):
     by_slices = _run(throw=True)
