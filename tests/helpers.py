@@ -302,3 +302,36 @@ def lv_batch():
     )
     y0 = jnp.array([[1.0, 1.0], [1.2, 0.9], [0.8, 1.1]])
     return rates, y0
+
+
+def lv_closing_over(rates, y0, adjoint, controller=None, saveat=None, throw=True):
+    """Lotka-Volterra to t = 3 whose field closes over `rates` (the data's dtype), a
+    float32 scale and an int32 index into a table, and ignores `t` (so the stage
+    times are dead equations of its step); `PIDController(1e-8)` by default,
+    `SaveAt(t1=True)`; the saved states (tests of the checkpointed gradient's
+    programs)."""
+    table = jnp.array([0.5, 1.0, 2.0])
+    index = jnp.asarray(1, jnp.int32)
+    scale = jnp.asarray(1.0, jnp.float32)
+
+    def field(t, y, args):
+        factor = jax.lax.dynamic_index_in_dim(table, index, keepdims=False)
+        a, b, c, d = rates * scale.astype(rates.dtype) * factor
+        return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
+
+    controller = controller or sk.PIDController(rtol=1e-8, atol=1e-8)
+    sol = sk.diffeqsolve(
+        sk.ODETerm(field), sk.Tsit5(), 0.0, 3.0, 0.05, y0,
+        saveat=saveat or sk.SaveAt(t1=True),
+        stepsize_controller=controller, adjoint=adjoint, max_steps=256, throw=throw,
+    )  # fmt: skip
+    return sol.ys
+
+
+def lv_loss(rates, y0, adjoint=None, **kwargs):
+    """The sum of squares of `lv_closing_over`'s states, vmapped over the batch
+    (`adjoint`: `RecursiveCheckpointAdjoint()` by default)."""
+    adjoint = adjoint or sk.RecursiveCheckpointAdjoint()
+    ys = jax.vmap(lambda r, y: lv_closing_over(r, y, adjoint, **kwargs))(rates, y0)
+    return jnp.sum(ys**2)
+

@@ -18,7 +18,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, lv_batch
+from helpers import assert_tree_allclose, lv_batch, lv_loss
 
 import solverkit as sk
 from solverkit._closure import _traced
@@ -27,34 +27,7 @@ from solverkit._closure._traced import Traced
 from solverkit._controller._adaptive import _usable
 
 
-TOL = 1e-8
-
-
-def _final(rates, y0, adjoint, controller=None, saveat=None, throw=True):
-    """Lotka-Volterra whose field closes over `rates` (the data's dtype), a float32
-    scale and an int32 index into a table; it ignores `t` (so the stage times are
-    dead equations of the step)."""
-    table = jnp.array([0.5, 1.0, 2.0])
-    index = jnp.asarray(1, jnp.int32)
-    scale = jnp.asarray(1.0, jnp.float32)
-
-    def field(t, y, args):
-        factor = jax.lax.dynamic_index_in_dim(table, index, keepdims=False)
-        a, b, c, d = rates * scale.astype(rates.dtype) * factor
-        return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
-
-    controller = controller or sk.PIDController(rtol=TOL, atol=TOL)
-    sol = sk.diffeqsolve(
-        sk.ODETerm(field), sk.Tsit5(), 0.0, 3.0, 0.05, y0,
-        saveat=saveat or sk.SaveAt(t1=True),
-        stepsize_controller=controller, adjoint=adjoint, max_steps=256, throw=throw,
-    )  # fmt: skip
-    return sol.ys
-
-
-def _loss(rates, y0, adjoint=sk.RecursiveCheckpointAdjoint(), **kwargs):
-    ys = jax.vmap(lambda r, y: _final(r, y, adjoint, **kwargs))(rates, y0)
-    return jnp.sum(ys**2)
+_loss = lv_loss
 
 
 def _subjaxprs(jaxpr):
@@ -242,7 +215,7 @@ def test_gradient_against_direct_and_differences(checkpoints):
         2 * eps
     )
     # Central differences: O(eps**2) plus round-off 1e-16 / eps, while no step is
-    # decided differently (TOL = 1e-8 bounds the solve's own error).
+    # decided differently (the solver's 1e-8 bounds its own error).
     np.testing.assert_allclose(float(jnp.sum(got * v)), quotient, rtol=1e-5)
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, lv_batch
+from helpers import assert_tree_allclose, lv_batch, lv_loss
 
 import solverkit as sk
 from solverkit import _loop
@@ -21,36 +21,12 @@ from solverkit._adjoint import _checkpoint
 from solverkit._closure._traced import Traced
 
 
-TOL = 1e-8
-
-
 def _data():
     return lv_batch()
 
 
-def _final(rates, y0, adjoint, controller=None):
-    """Lotka-Volterra whose field closes over `rates` (the data's dtype), a float32
-    scale and an int32 index into a table."""
-    table = jnp.array([0.5, 1.0, 2.0])
-    index = jnp.asarray(1, jnp.int32)
-    scale = jnp.asarray(1.0, jnp.float32)
-
-    def field(t, y, args):
-        factor = jax.lax.dynamic_index_in_dim(table, index, keepdims=False)
-        a, b, c, d = rates * scale.astype(rates.dtype) * factor
-        return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
-
-    controller = controller or sk.PIDController(rtol=TOL, atol=TOL)
-    sol = sk.diffeqsolve(
-        sk.ODETerm(field), sk.Tsit5(), 0.0, 3.0, 0.05, y0,
-        stepsize_controller=controller, adjoint=adjoint, max_steps=256,
-    )  # fmt: skip
-    return sol.ys[-1]
-
-
-def _loss(rates, y0, adjoint=sk.RecursiveCheckpointAdjoint(), controller=None):
-    ys = jax.vmap(lambda r, y: _final(r, y, adjoint, controller))(rates, y0)
-    return jnp.sum(ys**2)
+def _loss(rates, y0, adjoint=None, controller=None):
+    return lv_loss(rates, y0, adjoint, controller=controller)
 
 
 class _Untraced(Traced):
