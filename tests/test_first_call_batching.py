@@ -15,7 +15,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, lv_batch
+from helpers import assert_tree_allclose, lv_batch, lv_closing_over, lv_loss
 
 import solverkit as sk
 from solverkit._closure._unvmap import unvmap_first
@@ -31,32 +31,11 @@ def _data():
     return lv_batch()
 
 
-def _solution(rates, y0, adjoint, closed=True):
-    """Final state of Lotka-Volterra whose field closes over float64 `rates`, a
-    float32 scale and an int32 index into a table."""
-    table = jnp.array([0.5, 1.0, 2.0])
-    index = jnp.asarray(1, jnp.int32)
-    scale = jnp.asarray(1.0, jnp.float32)
-
-    def field(t, y, p):
-        # (an unbatched index: a dynamic slice, not a gather, under `vmap`)
-        factor = jax.lax.dynamic_index_in_dim(table, index, keepdims=False)
-        a, b, c, d = p * scale.astype(p.dtype) * factor
-        x, z = y[0], y[1]
-        return jnp.stack([a * x - b * x * z, -c * z + d * x * z])
-
-    term = sk.ODETerm(lambda t, y, args: field(t, y, rates if closed else args))
-    sol = sk.diffeqsolve(
-        term, sk.Tsit5(), 0.0, 3.0, 0.05, y0, None if closed else rates,
-        stepsize_controller=sk.PIDController(rtol=TOL, atol=TOL), adjoint=adjoint,
-        max_steps=256,
-    )  # fmt: skip
-    return sol.ys[-1]
-
-
-def _loss(rates, y0, adjoint=sk.RecursiveCheckpointAdjoint()):
-    ys = jax.vmap(lambda r, y: _solution(r, y, adjoint))(rates, y0)
-    return jnp.sum(ys**2)
+def _loss(rates, y0, adjoint=None):
+    """`helpers.lv_loss`: Lotka-Volterra whose field closes over the rates, a float32
+    scale and an int32 index into a table (an unbatched index: a dynamic slice, not
+    a gather, under `vmap`)."""
+    return lv_loss(rates, y0, adjoint)
 
 
 def _while_loops(jaxpr):
@@ -161,8 +140,8 @@ def test_gradient_against_direct_and_ensemble():
 
 
 def _field_args(y, p):
-    """`_solution`'s field, with its closed-over values folded in (scale 1,
-    table[1] = 1)."""
+    """`helpers.lv_closing_over`'s field, with its closed-over values folded in
+    (scale 1, table[1] = 1)."""
     a, b, c, d = p
     return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
 
@@ -176,7 +155,7 @@ def test_gradient_against_finite_differences():
         jax.vmap(
             jax.grad(
                 lambda r, y: jnp.sum(
-                    _solution(r, y, sk.RecursiveCheckpointAdjoint()) ** 2
+                    lv_closing_over(r, y, sk.RecursiveCheckpointAdjoint()) ** 2
                 )
             )
         )
