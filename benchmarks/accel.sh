@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole benchmark suite on whatever accelerator JAX sees (TPU or GPU), in one
 # command, inside 9.5 minutes on one TPU v5e (the step limits below
-# come from the run in benchmarks/results/tpu-v5-lite/accel/):
+# come from the run in benchmarks/results/tpu-v5-lite/stop48_a/):
 #
 #   bash benchmarks/accel.sh [more `python -m benchmarks` flags, e.g. --out DIR]
 #
@@ -14,19 +14,21 @@
 # records a peer's failure as a row: status `oom` or `error`/`unsupported`, with
 # the message); results are written as rows finish. The steps:
 #
-#   1. Lorenz (DiffEqGPU's ensemble) at N = 4096 and 65,536, 2. the same at 2^20:
-#      adaptive (float32: PID rtol = atol = 1e-5) and fixed-step, forward and
-#      gradient;
-#   3. Lotka-Volterra, N = 4096: forward and the gradient with each adjoint;
-#   4. benchmarks.kernel (the whole-solve Pallas kernel against solverkit's lane
-#      loop; skipped if absent), 5. benchmarks.ensemble (lane refill),
-#   6. benchmarks.stiff_ensemble, 7. benchmarks.events (N = 1024),
-#   8. the neural ODE, N = 256 and 4096 (gradients).
+#   1. Lorenz (DiffEqGPU's ensemble) at N = 4096 and 65,536: adaptive (float32: PID
+#      rtol = atol = 1e-5) forward and gradient, fixed-step forward; 2. its
+#      fixed-step gradient at 4096; 3. at 2^20: the fixed-step gradient (memory),
+#      then the adaptive forward and the rest as time allows;
+#   4. Lotka-Volterra, N = 4096: forward and the gradient with each adjoint;
+#   5. benchmarks.kernel (the whole-solve Pallas kernel against the vmapped loop;
+#      skipped if absent), 6. benchmarks.ensemble (`ensemble_solve`'s defaults
+#      against lockstep `jax.vmap`), 7. benchmarks.stiff_ensemble (VdP, N = 16,384:
+#      Rodas5P vmapped and through `ensemble_solve`, Kvaerno5, BDF),
+#      8. benchmarks.events (N = 1024, forward), 9. the neural ODE, N = 256 and 4096.
 #
 # Steps 1-3 run solverkit twice, as `jax.vmap(diffeqsolve)` (`solverkit`) and
 # through its ensemble API, `ensemble_solve(kernel=None)` (`solverkit-ensemble`: the
 # whole-solve kernel where it supports the solve, the lane loop elsewhere; its rows
-# name the path), beside diffrax (`jax.vmap(diffeqsolve)`) and gradsolve, each row
+# name the path), beside diffrax (`jax.vmap(diffeqsolve)`), each row
 # with its ratio to diffrax's.
 #
 # Every solverkit and diffrax solve runs with `--throw false`, both libraries alike:
@@ -38,13 +40,13 @@
 # no callback at all: it checks on the host.) Pass `--throw true` to time the
 # check too.
 #
-# ACCEL_SECONDS (default 540) is the whole run's budget: each step's limit is cut
+# ACCEL_SECONDS (default 545) is the whole run's budget: each step's limit is cut
 # to what is left. A run that takes over 1 s is timed once (`--repeat-budget 1`:
 # on the chip such runs repeated to within 0.3%), shorter ones twice. KERNEL_ARGS,
 # ENSEMBLE_ARGS, STIFF_ARGS, EVENTS_ARGS replace those modules' flags; extra
 # arguments go to every `python -m benchmarks` step (sizes: LORENZ_SIZES,
 # LORENZ_BIG, LV_SIZE, NODE_SIZES, not --sizes). Try it on a CPU with tiny sizes
-# (the 540 s budget; on 2 loaded cores the step limits cut rows, which are kept):
+# (the 545 s budget; on 2 loaded cores the step limits cut rows, which are kept):
 #
 #   ALLOW_CPU=1 DTYPE=float32 KERNEL_ARGS="--sizes 256 --repeats 1 --methods vmap" \
 #       ENSEMBLE_ARGS="--sizes 256 --repeats 1" EVENTS_ARGS="--quick" \
@@ -66,7 +68,7 @@ dtype_flag=()
 [ -n "${DTYPE:-}" ] && dtype_flag=(--dtype "$DTYPE")
 out=$(bench_out "$@")
 mkdir -p "$out"
-budget="${ACCEL_SECONDS:-540}"
+budget="${ACCEL_SECONDS:-545}"
 rc=0
 
 # limit PLANNED: PLANNED seconds, or what is left of the budget if less (>= 10).
@@ -88,45 +90,57 @@ suite() {
         || { echo "accel.sh: step exited with $?" >&2; rc=1; }
 }
 
-# Step limits (PLANNED DEADLINE) from the chip's costs (results/tpu-v5-lite/accel,
-# first call + runs): at N = 4096 about 45 s for solverkit, diffrax and gradsolve
-# and an estimated 15 s for solverkit-ensemble; at 65,536 about as much, plus
-# diffrax's fixed-step gradient alone ~40 s (15.7 s a run), the last row; at 2^20
-# diffrax's adaptive forward 16 s and its adaptive gradient an estimated 25 s. So
-# the variants the kernel serves (adaptive) go first, each variant's solverkit
-# rows before diffrax's, and a deadline leaves out the last rows (recorded as
-# skipped; a row cut by the limit itself is lost). The first step writes afresh,
-# the others --append; the 2^20 fixed-step gradient (its memory: see
-# docs/benchmarks.md) comes last.
-LORENZ_VARIANTS=adaptive-forward,adaptive-grad,fixed-forward,fixed-grad
-suite 140 100 --cases lorenz --sizes "${LORENZ_SIZES:-4096,65536}" \
-    --variants "$LORENZ_VARIANTS" "$@"
-suite 80 50 --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
-    --variants "$LORENZ_VARIANTS" --grad-max-size 1048576 --append "$@"
-suite 70 50 --cases lotka_volterra --sizes "${LV_SIZE:-4096}" --append "$@"
+# Step limits (PLANNED DEADLINE) from the chip's costs (results/tpu-v5-lite/
+# stop48_a, first call + runs; each step's process start-up and exit ~10 s): at
+# N = 4096 and 65,536 the adaptive variants and the fixed-step forward take ~85 s
+# for solverkit, solverkit-ensemble and diffrax; the fixed-step gradient at 4096
+# ~25 s (at 65,536 diffrax's alone takes ~41 s, 15.7 s a run: left out, its figure
+# in results/tpu-v5-lite/accel); at 2^20 the fixed-step gradient (the memory
+# measurement) goes first, then the adaptive forward (diffrax's ~17 s). A deadline
+# leaves out the last rows of a step (recorded as skipped) so that each step ends
+# by itself inside its limit; a row cut by the limit itself is lost. The first step
+# writes afresh, the others --append. The peers are solverkit (`jax.vmap`), its
+# ensemble API and diffrax (ACCEL_PEERS; gradsolve, float32 in its fixed-step rows
+# only, costs ~10 s of first calls: ACCEL_PEERS=solverkit,solverkit-ensemble,diffrax,gradsolve).
+peers=(--peers "${ACCEL_PEERS:-solverkit,solverkit-ensemble,diffrax}")
+suite 115 95 "${peers[@]}" --cases lorenz --sizes "${LORENZ_SIZES:-4096,65536}" \
+    --variants adaptive-forward,adaptive-grad,fixed-forward "$@"
+suite 40 25 "${peers[@]}" --cases lorenz --sizes "${LORENZ_SIZES%%,*}" \
+    --variants fixed-grad --append "$@"
+suite 85 60 "${peers[@]}" --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
+    --variants fixed-grad,adaptive-forward,adaptive-grad,fixed-forward \
+    --grad-max-size 1048576 --append "$@"
+suite 70 45 "${peers[@]}" --cases lotka_volterra --sizes "${LV_SIZE:-4096}" --append "$@"
 
-# The kernel against solverkit's lane loop (kernel=False), with steps and time per
-# step; its rows beside diffrax (and at 2^20) are steps 1-2's solverkit-ensemble.
+# The kernel against the vmapped loop at one size, with steps and time per step;
+# its rows beside diffrax are steps 1-3's solverkit-ensemble.
 # shellcheck disable=SC2086  # the flags are meant to split
-bench_module "$(limit 30)" kernel ${KERNEL_ARGS:---sizes 4096,65536 \
+bench_module "$(limit 25)" kernel ${KERNEL_ARGS:---sizes 65536 \
     --methods kernel,vmap --cases lorenz --repeats 2} \
     ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/kernel" || rc=1
+# `ensemble_solve` with every default (`--lanes k`: the whole-solve kernel where it
+# supports the solve) against the lockstep `jax.vmap`, Lorenz rho <= 100 and 28,
+# t <= 10 (the VdP sweep: the stiff step's rodas5p-ensemble row).
 # shellcheck disable=SC2086
-bench_module "$(limit 40)" ensemble ${ENSEMBLE_ARGS:---sizes 16384 --repeats 2} \
+bench_module "$(limit 40)" ensemble ${ENSEMBLE_ARGS:---sizes 16384 --lanes k \
+    --cases lorenz100,lorenz28 --no-chunked --repeats 2 --budget-s 20} \
     ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/ensemble.md" || rc=1
 # Van der Pol, N = 16,384, each solver at the tolerance where it matched or beat
 # diffrax's error on the chip (results/tpu-v5-lite/stiff_ensemble_fix: Rodas5P 1e-6,
-# Kvaerno5 1e-7; BDF at 1e-5 here, since at 1e-7 it did not finish in 40 s), then
-# diffrax's Kvaerno5 at 1e-3 (it did not finish in 40 s either: its row says so).
+# Kvaerno5 1e-7; BDF at 1e-5, 5.3 s a run), each case in its own process under its
+# own limit. diffrax's Kvaerno5 is left out: it did not finish in 40 s even at 1e-3
+# (stop 43; `STIFF_ARGS` with diffrax-kvaerno5:16384:1e-3:40 to see it again).
 # shellcheck disable=SC2086
 bench_module "$(limit 90)" stiff_ensemble ${STIFF_ARGS:---plan \
-    rodas5p-vmap:16384:1e-6,kvaerno5-vmap:16384:1e-7,bdf-vmap:16384:1e-5,diffrax-kvaerno5:16384:1e-3,rodas5p-ensemble:16384:1e-6 \
-    --repeats 2 --case-timeout 22} \
+    rodas5p-vmap:16384:1e-6:25,rodas5p-ensemble:16384:1e-6:25,kvaerno5-vmap:16384:1e-7:25,bdf-vmap:16384:1e-5:30 \
+    --repeats 1 --budget 75} \
     ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/stiff_ensemble" | tee "$out/stiff_ensemble.md" || rc=1
+# The spiking network's forward solve (its gradient's first calls, ~60 s with
+# diffrax's, do not fit: `python -m benchmarks.events --dtype float32 --size 1024`).
 # shellcheck disable=SC2086
-bench_module "$(limit 50)" events ${EVENTS_ARGS:---size 1024 --repeats 2} \
+bench_module "$(limit 45)" events ${EVENTS_ARGS:---size 1024 --repeats 2 --variants forward} \
     ${dtype_flag[@]+"${dtype_flag[@]}"} --json "$out/events.json" || rc=1
 # The neural ODE last: the other steps are the accelerator issues' measurements.
-suite 40 30 --cases neural_ode --sizes "${NODE_SIZES:-256,4096}" --append "$@"
+suite 35 20 "${peers[@]}" --cases neural_ode --sizes "${NODE_SIZES:-256,4096}" --append "$@"
 echo "accel.sh: done in ${SECONDS} s; results in $out" >&2
 exit "$rc"
