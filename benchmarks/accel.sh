@@ -82,6 +82,10 @@ limit() {
 suite() {
     local seconds deadline="$2"
     seconds=$(limit "$1")
+    # A limit cut by the budget cuts the deadline alike (the rows' end, then the
+    # tables and plots, ~15 s): the step still ends by itself.
+    [ $((seconds - $1 + deadline)) -lt "$deadline" ] && deadline=$((seconds - $1 + deadline))
+    [ "$deadline" -lt 1 ] && deadline=1
     shift 2
     echo "accel.sh: benchmarks $* (deadline ${deadline} s, limit ${seconds} s)" >&2
     timeout --signal=INT --kill-after=20 "$seconds" "$PYTHON" -m benchmarks \
