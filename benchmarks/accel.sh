@@ -106,45 +106,68 @@ suite() {
 # writes afresh, the others --append. The peers are solverkit (`jax.vmap`), its
 # ensemble API and diffrax (ACCEL_PEERS; gradsolve, float32 in its fixed-step rows
 # only, costs ~10 s of first calls: ACCEL_PEERS=solverkit,solverkit-ensemble,diffrax,gradsolve).
+# ACCEL_STEPS (e.g. 2,3,6) runs only those of the nine steps (numbered as above).
+want() { [[ ",${ACCEL_STEPS:-1,2,3,4,5,6,7,8,9}," == *",$1,"* ]]; }
 peers=(--peers "${ACCEL_PEERS:-solverkit,solverkit-ensemble,diffrax}")
-suite 115 95 "${peers[@]}" --cases lorenz --sizes "${LORENZ_SIZES:-4096,65536}" \
-    --variants adaptive-forward,adaptive-grad,fixed-forward "$@"
-suite 40 25 "${peers[@]}" --cases lorenz --sizes "${LORENZ_SIZES%%,*}" \
-    --variants fixed-grad --append "$@"
-suite 85 60 "${peers[@]}" --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
-    --variants fixed-grad,adaptive-forward,adaptive-grad,fixed-forward \
-    --grad-max-size 1048576 --append "$@"
-suite 70 45 "${peers[@]}" --cases lotka_volterra --sizes "${LV_SIZE:-4096}" --append "$@"
+lorenz_sizes="${LORENZ_SIZES:-4096,65536}"
+if want 1; then
+    suite 115 95 "${peers[@]}" --cases lorenz --sizes "$lorenz_sizes" \
+        --variants adaptive-forward,adaptive-grad,fixed-forward "$@"
+fi
+if want 2; then
+    suite 40 25 "${peers[@]}" --cases lorenz --sizes "${lorenz_sizes%%,*}" \
+        --variants fixed-grad --append "$@"
+fi
+if want 3; then
+    suite 85 60 "${peers[@]}" --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
+        --variants fixed-grad,adaptive-forward,adaptive-grad,fixed-forward \
+        --grad-max-size 1048576 --append "$@"
+fi
+if want 4; then
+    suite 70 45 "${peers[@]}" --cases lotka_volterra --sizes "${LV_SIZE:-4096}" --append "$@"
+fi
 
 # The kernel against the vmapped loop at one size, with steps and time per step;
 # its rows beside diffrax are steps 1-3's solverkit-ensemble.
 # shellcheck disable=SC2086  # the flags are meant to split
-bench_module "$(limit 25)" kernel ${KERNEL_ARGS:---sizes 65536 \
-    --methods kernel,vmap --cases lorenz --repeats 2} \
-    ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/kernel" || rc=1
+if want 5; then
+    bench_module "$(limit 25)" kernel ${KERNEL_ARGS:---sizes 65536 \
+        --methods kernel,vmap --cases lorenz --repeats 2} \
+        ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/kernel" || rc=1
+fi
 # `ensemble_solve` with every default (`--lanes k`: the whole-solve kernel where it
 # supports the solve) against the lockstep `jax.vmap`, Lorenz rho <= 100 and 28,
 # t <= 10 (the VdP sweep: the stiff step's rodas5p-ensemble row).
 # shellcheck disable=SC2086
-bench_module "$(limit 40)" ensemble ${ENSEMBLE_ARGS:---sizes 16384 --lanes k \
-    --cases lorenz100,lorenz28 --no-chunked --repeats 2 --budget-s 20} \
-    ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/ensemble.md" || rc=1
+if want 6; then
+    lim=$(limit 40)  # nothing starts after its limit less 20 s
+    bench_module "$lim" ensemble --budget-s $((lim - 20)) ${ENSEMBLE_ARGS:---sizes 16384 \
+        --lanes k --cases lorenz100,lorenz28 --no-chunked --repeats 2} \
+        ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/ensemble.md" || rc=1
+fi
 # Van der Pol, N = 16,384, each solver at the tolerance where it matched or beat
 # diffrax's error on the chip (results/tpu-v5-lite/stiff_ensemble_fix: Rodas5P 1e-6,
 # Kvaerno5 1e-7; BDF at 1e-5, 5.3 s a run), each case in its own process under its
 # own limit. diffrax's Kvaerno5 is left out: it did not finish in 40 s even at 1e-3
 # (stop 43; `STIFF_ARGS` with diffrax-kvaerno5:16384:1e-3:40 to see it again).
 # shellcheck disable=SC2086
-bench_module "$(limit 90)" stiff_ensemble ${STIFF_ARGS:---plan \
-    rodas5p-vmap:16384:1e-6:25,rodas5p-ensemble:16384:1e-6:25,kvaerno5-vmap:16384:1e-7:25,bdf-vmap:16384:1e-5:30 \
-    --repeats 1 --budget 75} \
-    ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/stiff_ensemble" | tee "$out/stiff_ensemble.md" || rc=1
+if want 7; then
+    lim=$(limit 90)  # each case's limit cut to what is left of its limit less 15 s
+    bench_module "$lim" stiff_ensemble --budget $((lim - 15)) ${STIFF_ARGS:---plan \
+        rodas5p-vmap:16384:1e-6:25,rodas5p-ensemble:16384:1e-6:25,kvaerno5-vmap:16384:1e-7:25,bdf-vmap:16384:1e-5:30 \
+        --repeats 1} \
+        ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/stiff_ensemble" | tee "$out/stiff_ensemble.md" || rc=1
+fi
 # The spiking network's forward solve (its gradient's first calls, ~60 s with
 # diffrax's, do not fit: `python -m benchmarks.events --dtype float32 --size 1024`).
 # shellcheck disable=SC2086
-bench_module "$(limit 45)" events ${EVENTS_ARGS:---size 1024 --repeats 2 --variants forward} \
-    ${dtype_flag[@]+"${dtype_flag[@]}"} --json "$out/events.json" || rc=1
+if want 8; then
+    bench_module "$(limit 45)" events ${EVENTS_ARGS:---size 1024 --repeats 2 --variants forward} \
+        ${dtype_flag[@]+"${dtype_flag[@]}"} --json "$out/events.json" || rc=1
+fi
 # The neural ODE last: the other steps are the accelerator issues' measurements.
-suite 35 20 "${peers[@]}" --cases neural_ode --sizes "${NODE_SIZES:-256,4096}" --append "$@"
+if want 9; then
+    suite 35 20 "${peers[@]}" --cases neural_ode --sizes "${NODE_SIZES:-256,4096}" --append "$@"
+fi
 echo "accel.sh: done in ${SECONDS} s; results in $out" >&2
 exit "$rc"

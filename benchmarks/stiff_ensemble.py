@@ -154,7 +154,8 @@ def _solverkit(name: str, kind: str, dtype, max_steps: int, tol: float, lanes=No
                 max_steps=max_steps, throw=False, lanes=lanes,
             )  # fmt: skip
             ok = sol.result == sk.RESULTS.successful
-            policy = (sol.stats["lanes"], sol.stats["refill"])
+            # refill -1: the whole-solve kernel (the default on a TPU), no refill
+            policy = (sol.stats.get("lanes", -1), sol.stats.get("refill", -1))
             return sol.ys[:, -1], sol.stats["num_steps"], ok, policy
 
         return jax.jit(batch)
@@ -336,7 +337,7 @@ def _table(rows: list[dict]) -> str:
         ):
             per_vmap = f"{r['run_s'] / own:.3f}"
         if "lanes" in r:
-            policy = f"{r['lanes']}, {r['refill']}"
+            policy = f"{r['lanes']}, {r['refill']}" if r["refill"] >= 0 else "kernel"
         body += (
             f"| {r['case']} | {r['size']} | {r['tol']:g} | {r['dtype']} | "
             f"{r['status']} | "
