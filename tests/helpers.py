@@ -7,6 +7,7 @@ as it has no `__init__.py`).
 """
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -335,3 +336,24 @@ def lv_loss(rates, y0, adjoint=None, **kwargs):
     ys = jax.vmap(lambda r, y: lv_closing_over(r, y, adjoint, **kwargs))(rates, y0)
     return jnp.sum(ys**2)
 
+
+# `SOLVERKIT_FULL_MATRIX=1` runs the cases that the suite leaves out because another
+# test covers the same feature x transformation (each names that test).
+FULL_MATRIX = os.environ.get("SOLVERKIT_FULL_MATRIX", "") not in ("", "0")
+
+
+def full_matrix_only(covered_by: str) -> pytest.MarkDecorator:
+    """A mark for a test (or a `pytest.param`) that runs only with
+    `SOLVERKIT_FULL_MATRIX=1`, skipped otherwise.
+
+    **Arguments:**
+
+    - `covered_by`: the test that covers it in the suite (the skip reason names it).
+
+    **Returns:**
+
+    The mark (a `skipif`).
+    """
+    return pytest.mark.skipif(
+        not FULL_MATRIX, reason=f"SOLVERKIT_FULL_MATRIX only: covered by {covered_by}"
+    )
