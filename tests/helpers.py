@@ -284,6 +284,26 @@ def finite_difference(f, x, eps: float = 1e-6):
     return grad
 
 
+def grad_and_central_difference(loss, x: float, eps: float):
+    """The gradient of a scalar `loss` at the scalar `x`, and its central
+    difference with step `eps`, from one jitted `value_and_grad`: a jitted `loss`
+    for the difference would be a second compiled solve.
+
+    **Arguments:**
+
+    - `loss`: a function of one scalar array.
+    - `x`, `eps`: the point and the step.
+
+    **Returns:**
+
+    `(gradient, central difference)`, two scalar arrays.
+    """
+    both = jax.jit(jax.value_and_grad(loss))
+    grad = both(jnp.asarray(x))[1]
+    plus, minus = both(jnp.asarray(x + eps))[0], both(jnp.asarray(x - eps))[0]
+    return grad, (plus - minus) / (2 * eps)
+
+
 def count_equations(jaxpr, name: str) -> int:
     """The equations of primitive `name` in `jaxpr` and in its sub-jaxprs (loop
     bodies, branches, custom rules), for tests of what a program traces."""
