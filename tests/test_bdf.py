@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_equations, full_matrix_only
+from helpers import count_equations, FULL_MATRIX, full_matrix_only
 
 import solverkit as sk
 from benchmarks.stiff_problems import HIRES, ROBER, VDPOL
@@ -502,10 +502,23 @@ def _central(f, x, eps):
     return (f(x + eps) - f(x - eps)) / (2 * eps)
 
 
-@functools.partial(jax.jit, static_argnames=("problem", "solver", "adjoint"))
+@functools.partial(jax.jit, static_argnames=("solver", "adjoint"))
+def _rober_grads(solver, adjoint, x, y0):
+    """The gradient of ROBER's loss with respect to `k1` and to `y0`, one program:
+    test_grad_rober reads the first, test_forward_mode_and_y0 the second."""
+    loss = lambda x, y0: _rober_loss(x, solver, adjoint, y0=y0)  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1))(x, y0)
+
+
+@functools.partial(jax.jit, static_argnames=("solver", "adjoint"))
+def _bruss_grad(solver, adjoint, x):
+    return jax.grad(lambda x: _bruss_loss(x, solver, adjoint))(x)
+
+
 def _grad(problem, solver, adjoint, x):
-    loss = {"rober": _rober_loss, "bruss": _bruss_loss}[problem]
-    return jax.grad(lambda x: loss(x, solver, adjoint))(x)
+    if problem == "rober":
+        return _rober_grads(solver, adjoint, x, jnp.array([1.0, 0.0, 0.0]))[0]
+    return _bruss_grad(solver, adjoint, x)
 
 
 @jax.jit
@@ -538,14 +551,23 @@ ADJOINTS = [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 # The matrix-free solver's gradient is test_grad_brusselator_matrix_free's;
 # `SOLVERKIT_FULL_MATRIX=1` runs it on ROBER too (both adjoints).
 _MATRIX_FREE = full_matrix_only("test_grad_brusselator_matrix_free")
+# DirectAdjoint through BDF (a vmapped gradient against the checkpointed adjoint's
+# and finite differences) is tests/test_linear_solver_grad.py::test_gradient's
+# BDF-sparse-banded-direct and tests/test_krylov_grad.py::test_other_adjoints;
+# `SOLVERKIT_FULL_MATRIX=1` runs it on ROBER and the Brusselator too.
+_DIRECT = "test_linear_solver_grad.py::test_gradient[BDF-sparse-banded-direct]"
 
 
-@pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize(
+    "adjoint",
+    [ADJOINTS[0], pytest.param(ADJOINTS[1], marks=full_matrix_only(_DIRECT))],
+    ids=lambda a: type(a).__name__,
+)
 @pytest.mark.parametrize(
     "linear_solver",
     [sk.DenseLinearSolver(), pytest.param(MatrixFree(), marks=_MATRIX_FREE)],
 )
-# Quick loop: one case; DirectAdjoint in the full suite.
+# Quick loop: one case.
 @pytest.mark.quick_cases("linear_solver0-RecursiveCheckpointAdjoint")
 def test_grad_rober(adjoint, linear_solver):
     x = jnp.asarray(0.04)
@@ -554,29 +576,25 @@ def test_grad_rober(adjoint, linear_solver):
     assert jnp.allclose(g, fd, rtol=2e-5), (g, fd)
 
 
-# DirectAdjoint through BDF is test_grad_rober[linear_solver0-DirectAdjoint];
-# `SOLVERKIT_FULL_MATRIX=1` runs it on the Brusselator too.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "adjoint",
-    [
-        ADJOINTS[0],
-        pytest.param(
-            ADJOINTS[1],
-            marks=full_matrix_only("test_grad_rober[linear_solver0-DirectAdjoint]"),
-        ),
-    ],
+    [ADJOINTS[0], pytest.param(ADJOINTS[1], marks=full_matrix_only(_DIRECT))],
     ids=lambda a: type(a).__name__,
 )
 def test_grad_brusselator(adjoint):
-    """The 6×6 Brusselator: BDF's gradient against finite differences and
-    Rodas5P's."""
+    """The 6×6 Brusselator: BDF's gradient against finite differences (and, with
+    `SOLVERKIT_FULL_MATRIX=1`, Rodas5P's: a Rosenbrock method's adaptive-step
+    gradient against finite differences is tests/test_krylov_grad.py::
+    test_rosenbrock_preconditioner_closing_over_parameters's dense reference and
+    tests/test_dae.py::test_grad_wrt_mass_matrix_matches_fd[Rodas5P-*])."""
     x = jnp.asarray(0.02)
     g = _grad("bruss", sk.BDF(), adjoint, x)
     fd = _fd("bruss", x)
-    rodas = _grad("bruss", sk.Rodas5P(), sk.RecursiveCheckpointAdjoint(), x)
     assert jnp.allclose(g, fd, rtol=1e-5), (g, fd)
-    assert jnp.allclose(g, rodas, rtol=1e-5), (g, rodas)
+    if FULL_MATRIX:
+        rodas = _grad("bruss", sk.Rodas5P(), sk.RecursiveCheckpointAdjoint(), x)
+        assert jnp.allclose(g, rodas, rtol=1e-5), (g, rodas)
 
 
 @pytest.mark.slow
@@ -770,8 +788,9 @@ def test_rejected_steps_keep_their_jacobians(monkeypatch):
 def test_forward_mode_and_y0():
     """Forward mode (`ForwardMode`, `jax.jacfwd`) agrees with finite differences;
     the gradient with respect to `y0` with the reverse one. (Both forward-mode
-    derivatives, wrt `k1` and `y0`, are one program; the finite differences are
-    `_rober_reference`'s, compiled once.)"""
+    derivatives, wrt `k1` and `y0`, are one program, the reverse one
+    test_grad_rober's; the finite differences are `_rober_reference`'s, compiled
+    once.)"""
 
     def loss(x, y0, adjoint):
         return _rober_loss(x, sk.BDF(), adjoint, y0=y0)
@@ -780,9 +799,9 @@ def test_forward_mode_and_y0():
     forward = jax.jit(jax.jacfwd(loss, argnums=(0, 1)), static_argnums=2)
     g, fwd = forward(x, y0, sk.ForwardMode())
     assert jnp.allclose(g, _fd("rober", x), rtol=2e-5), g
-    rev = jax.jit(jax.grad(loss, argnums=1), static_argnums=2)(
-        x, y0, sk.RecursiveCheckpointAdjoint()
-    )
+    # test_grad_rober's program (reverse mode, dense solver), compiled there.
+    solver = sk.BDF(linear_solver=sk.DenseLinearSolver())
+    rev = _rober_grads(solver, sk.RecursiveCheckpointAdjoint(), x, y0)[1]
     assert jnp.allclose(rev, fwd, rtol=1e-6, atol=1e-8), (rev, fwd)
     e = jnp.eye(3)[0] * 1e-6
     fd0 = (_rober_reference(x, y0 + e) - _rober_reference(x, y0 - e)) / 2e-6
