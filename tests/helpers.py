@@ -7,6 +7,7 @@ as it has no `__init__.py`).
 """
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -283,6 +284,26 @@ def finite_difference(f, x, eps: float = 1e-6):
     return grad
 
 
+def grad_and_central_difference(loss, x: float, eps: float):
+    """The gradient of a scalar `loss` at the scalar `x`, and its central
+    difference with step `eps`, from one jitted `value_and_grad`: a jitted `loss`
+    for the difference would be a second compiled solve.
+
+    **Arguments:**
+
+    - `loss`: a function of one scalar array.
+    - `x`, `eps`: the point and the step.
+
+    **Returns:**
+
+    `(gradient, central difference)`, two scalar arrays.
+    """
+    both = jax.jit(jax.value_and_grad(loss))
+    grad = both(jnp.asarray(x))[1]
+    plus, minus = both(jnp.asarray(x + eps))[0], both(jnp.asarray(x - eps))[0]
+    return grad, (plus - minus) / (2 * eps)
+
+
 def count_equations(jaxpr, name: str) -> int:
     """The equations of primitive `name` in `jaxpr` and in its sub-jaxprs (loop
     bodies, branches, custom rules), for tests of what a program traces."""
@@ -335,3 +356,24 @@ def lv_loss(rates, y0, adjoint=None, **kwargs):
     ys = jax.vmap(lambda r, y: lv_closing_over(r, y, adjoint, **kwargs))(rates, y0)
     return jnp.sum(ys**2)
 
+
+# `SOLVERKIT_FULL_MATRIX=1` runs the cases that the suite leaves out because another
+# test covers the same feature x transformation (each names that test).
+FULL_MATRIX = os.environ.get("SOLVERKIT_FULL_MATRIX", "") not in ("", "0")
+
+
+def full_matrix_only(covered_by: str) -> pytest.MarkDecorator:
+    """A mark for a test (or a `pytest.param`) that runs only with
+    `SOLVERKIT_FULL_MATRIX=1`, skipped otherwise.
+
+    **Arguments:**
+
+    - `covered_by`: the test that covers it in the suite (the skip reason names it).
+
+    **Returns:**
+
+    The mark (a `skipif`).
+    """
+    return pytest.mark.skipif(
+        not FULL_MATRIX, reason=f"SOLVERKIT_FULL_MATRIX only: covered by {covered_by}"
+    )

@@ -48,6 +48,11 @@ def _solver(lower):
     return jax.jit(lambda bands, rhs: band_lu_solve(band_lu(bands, lower), rhs))
 
 
+# Jitted (each case a few compiles; op by op, `band_lu` and `dense_to_bands` were
+# ~55 small compiles a case).
+_bands = jax.jit(dense_to_bands, static_argnums=(1, 2))
+
+
 @pytest.mark.parametrize("n, lower, upper", _CASES)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 # Quick loop: every shape in float64; float32 once unblocked and once blocked.
@@ -58,11 +63,11 @@ def test_matches_dense(n, lower, upper, dtype):
     with jax.enable_x64(dtype == "float64"):
         a = _matrix(n, lower, upper)
         b = np.random.default_rng(1).normal(size=n)
-        bands = dense_to_bands(jnp.asarray(a, dtype), lower, upper)
-        lu = band_lu(bands, lower)
+        bands = _bands(jnp.asarray(a, dtype), lower, upper)
+        lu = jax.eval_shape(lambda bands: band_lu(bands, lower), bands)
         blocked = _BLOCKED_FROM <= max(lower, upper) <= _BLOCKED_TO
         assert isinstance(lu, BlockedBandLU if blocked else BandLU)
-        x = band_lu_solve(lu, jnp.asarray(b, dtype))
+        x = _solver(lower)(bands, jnp.asarray(b, dtype))
         assert x.dtype == jnp.dtype(dtype)
         expected = np.linalg.solve(a, b)
         tol = 1e-10 if dtype == "float64" else 2e-3
@@ -77,7 +82,7 @@ def test_vmap_over_matrices_and_rhs(lower, upper):
     n, k = 80, 3
     mats = np.stack([_matrix(n, lower, upper, seed=s) for s in range(k)])
     rhs = np.random.default_rng(2).normal(size=(k, n))
-    bands = jax.vmap(lambda m: dense_to_bands(m, lower, upper))(jnp.asarray(mats))
+    bands = jax.jit(jax.vmap(lambda m: dense_to_bands(m, lower, upper)))(mats)
     x = jax.vmap(_solver(lower))(bands, jnp.asarray(rhs))
     expected = np.linalg.solve(mats, rhs[..., None])[..., 0]
     np.testing.assert_allclose(np.asarray(x), expected, rtol=1e-8, atol=1e-8)
@@ -103,11 +108,14 @@ def test_grad_matches_dense_and_finite_differences(lower, upper):
         return w @ jnp.linalg.solve(m, b * p[2])
 
     p = jnp.asarray([0.3, -0.2, 1.1])
-    g = jax.grad(loss_band)(p)
-    np.testing.assert_allclose(g, jax.grad(loss_dense)(p), rtol=1e-9, atol=1e-10)
+    # One jitted program for the gradient and the differences' values.
+    both = jax.jit(jax.value_and_grad(loss_band))
+    g = both(p)[1]
+    dense = jax.jit(jax.grad(loss_dense))(p)
+    np.testing.assert_allclose(g, dense, rtol=1e-9, atol=1e-10)
     eps = 1e-6
     fd = [
-        (loss_band(p.at[i].add(eps)) - loss_band(p.at[i].add(-eps))) / (2 * eps)
+        (both(p.at[i].add(eps))[0] - both(p.at[i].add(-eps))[0]) / (2 * eps)
         for i in range(3)
     ]
     np.testing.assert_allclose(g, np.asarray(fd), rtol=1e-6, atol=1e-8)
@@ -120,5 +128,5 @@ def test_singular_gives_nan(lower):
     n = 70
     a = _matrix(n, lower, lower)
     a[:, 5] = 0  # an empty column
-    x = _solver(lower)(dense_to_bands(jnp.asarray(a), lower, lower), jnp.ones(n))
+    x = _solver(lower)(_bands(jnp.asarray(a), lower, lower), jnp.ones(n))
     assert np.all(np.isnan(np.asarray(x)))

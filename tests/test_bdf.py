@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_equations
+from helpers import count_equations, FULL_MATRIX, full_matrix_only
 
 import solverkit as sk
 from benchmarks.stiff_problems import HIRES, ROBER, VDPOL
@@ -353,7 +353,10 @@ def _norm_steps(rates, problem, norm, tol):
     One program for every case: the problem (`True`: ROBER, `False`: `_copies`),
     the norm (an index into `_NORMS`) and the tolerance are operands, the field and
     the norm the ones a select chooses (the same values, bit for bit, as a program
-    for each case)."""
+    for each case). The states and times come out of the gradient's forward pass
+    (`has_aux`): no second forward program (12.9 -> 12.2 CPU s side by side). (A
+    norm closing over a traced value is traced 113 times here, a plain one 15:
+    about 4 of the program's 7 CPU s of tracing.)"""
 
     def norm_fn(x):
         values = [fn(x) for fn in _NORMS.values()]
@@ -383,12 +386,13 @@ def _norm_steps(rates, problem, norm, tol):
         )
 
     def loss(rate):
-        ys = run(rate).ys
+        sol = run(rate)
         weights = jnp.array([[1.0, 1e4, 1.0]])
-        return jnp.sum(jnp.where(jnp.isfinite(ys), ys, 0) * weights)
+        value = jnp.sum(jnp.where(jnp.isfinite(sol.ys), sol.ys, 0) * weights)
+        return value, (sol.ts, sol.ys)
 
-    sols = jax.vmap(run)(rates)
-    return sols.ts, sols.ys, jax.vmap(jax.grad(loss))(rates)
+    (_, (ts, ys)), grads = jax.vmap(jax.value_and_grad(loss, has_aux=True))(rates)
+    return ts, ys, grads
 
 
 # The full suite: a vmapped BDF gradient is a ~15 CPU-second compile (one, shared
@@ -468,12 +472,12 @@ def test_clip_controller():
 # --- gradients --------------------------------------------------------------------
 
 
-def _rober_loss(k1, solver, adjoint, rtol=1e-8):
+def _rober_loss(k1, solver, adjoint, rtol=1e-8, y0=None):
     sol = _solve(
         _rober(k1),
         solver,
         10.0,
-        jnp.array([1.0, 0, 0]),
+        jnp.array([1.0, 0, 0]) if y0 is None else y0,
         rtol,
         1e-3 * rtol,
         adjoint=adjoint,
@@ -498,18 +502,42 @@ def _central(f, x, eps):
     return (f(x + eps) - f(x - eps)) / (2 * eps)
 
 
-@functools.partial(jax.jit, static_argnames=("problem", "solver", "adjoint"))
+@functools.partial(jax.jit, static_argnames=("solver", "adjoint"))
+def _rober_grads(solver, adjoint, x, y0):
+    """The gradient of ROBER's loss with respect to `k1` and to `y0`, one program:
+    test_grad_rober reads the first, test_forward_mode_and_y0 the second."""
+    loss = lambda x, y0: _rober_loss(x, solver, adjoint, y0=y0)  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1))(x, y0)
+
+
+@functools.partial(jax.jit, static_argnames=("solver", "adjoint"))
+def _bruss_grad(solver, adjoint, x):
+    return jax.grad(lambda x: _bruss_loss(x, solver, adjoint))(x)
+
+
 def _grad(problem, solver, adjoint, x):
-    loss = {"rober": _rober_loss, "bruss": _bruss_loss}[problem]
-    return jax.grad(lambda x: loss(x, solver, adjoint))(x)
+    if problem == "rober":
+        return _rober_grads(solver, adjoint, x, jnp.array([1.0, 0.0, 0.0]))[0]
+    return _bruss_grad(solver, adjoint, x)
+
+
+@jax.jit
+def _rober_reference(x, y0):
+    """ROBER's loss at rtol 1e-11 as a function of `k1` and `y0`, compiled once for
+    the central differences in both."""
+    return _rober_loss(x, sk.BDF(), sk.RecursiveCheckpointAdjoint(), 1e-11, y0)
 
 
 @functools.cache
 def _reference_loss(problem):
     """The loss at rtol 1e-11, jitted once: both evaluations of a central difference
     run one compiled solve (a jitted difference would compile the solve twice)."""
-    loss = {"rober": _rober_loss, "bruss": _bruss_loss}[problem]
-    return jax.jit(lambda x: loss(x, sk.BDF(), sk.RecursiveCheckpointAdjoint(), 1e-11))
+    if problem == "rober":
+        return lambda x: _rober_reference(x, jnp.array([1.0, 0.0, 0.0]))
+    loss = functools.partial(
+        _bruss_loss, solver=sk.BDF(), adjoint=sk.RecursiveCheckpointAdjoint()
+    )
+    return jax.jit(lambda x: loss(x, rtol=1e-11))
 
 
 def _fd(problem, x):
@@ -520,9 +548,26 @@ def _fd(problem, x):
 ADJOINTS = [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 
 
-@pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
-@pytest.mark.parametrize("linear_solver", [sk.DenseLinearSolver(), MatrixFree()])
-# Quick loop: one case; DirectAdjoint and the matrix-free solver in the full suite.
+# The matrix-free solver's gradient is test_grad_brusselator_matrix_free's;
+# `SOLVERKIT_FULL_MATRIX=1` runs it on ROBER too (both adjoints).
+_MATRIX_FREE = full_matrix_only("test_grad_brusselator_matrix_free")
+# DirectAdjoint through BDF (a vmapped gradient against the checkpointed adjoint's
+# and finite differences) is tests/test_linear_solver_grad.py::test_gradient's
+# BDF-sparse-banded-direct and tests/test_krylov_grad.py::test_other_adjoints;
+# `SOLVERKIT_FULL_MATRIX=1` runs it on ROBER and the Brusselator too.
+_DIRECT = "test_linear_solver_grad.py::test_gradient[BDF-sparse-banded-direct]"
+
+
+@pytest.mark.parametrize(
+    "adjoint",
+    [ADJOINTS[0], pytest.param(ADJOINTS[1], marks=full_matrix_only(_DIRECT))],
+    ids=lambda a: type(a).__name__,
+)
+@pytest.mark.parametrize(
+    "linear_solver",
+    [sk.DenseLinearSolver(), pytest.param(MatrixFree(), marks=_MATRIX_FREE)],
+)
+# Quick loop: one case.
 @pytest.mark.quick_cases("linear_solver0-RecursiveCheckpointAdjoint")
 def test_grad_rober(adjoint, linear_solver):
     x = jnp.asarray(0.04)
@@ -532,16 +577,24 @@ def test_grad_rober(adjoint, linear_solver):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adjoint", ADJOINTS, ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize(
+    "adjoint",
+    [ADJOINTS[0], pytest.param(ADJOINTS[1], marks=full_matrix_only(_DIRECT))],
+    ids=lambda a: type(a).__name__,
+)
 def test_grad_brusselator(adjoint):
-    """The 6×6 Brusselator: BDF's gradient against finite differences and
-    Rodas5P's."""
+    """The 6×6 Brusselator: BDF's gradient against finite differences (and, with
+    `SOLVERKIT_FULL_MATRIX=1`, Rodas5P's: a Rosenbrock method's adaptive-step
+    gradient against finite differences is tests/test_krylov_grad.py::
+    test_rosenbrock_preconditioner_closing_over_parameters's dense reference and
+    tests/test_dae.py::test_grad_wrt_mass_matrix_matches_fd[Rodas5P-*])."""
     x = jnp.asarray(0.02)
     g = _grad("bruss", sk.BDF(), adjoint, x)
     fd = _fd("bruss", x)
-    rodas = _grad("bruss", sk.Rodas5P(), sk.RecursiveCheckpointAdjoint(), x)
     assert jnp.allclose(g, fd, rtol=1e-5), (g, fd)
-    assert jnp.allclose(g, rodas, rtol=1e-5), (g, rodas)
+    if FULL_MATRIX:
+        rodas = _grad("bruss", sk.Rodas5P(), sk.RecursiveCheckpointAdjoint(), x)
+        assert jnp.allclose(g, rodas, rtol=1e-5), (g, rodas)
 
 
 @pytest.mark.slow
@@ -551,10 +604,12 @@ def test_grad_brusselator_matrix_free():
     assert jnp.allclose(g, _fd("bruss", x), rtol=1e-5)
 
 
-# The full suite only: a vmapped BDF gradient is a ~14 CPU-second compile, and the
-# quick loop has one (test_controller_norms, over a closed-over float rate); the int
-# index vmapped through a closure is in test_vmap_jit_closures.
+# `SOLVERKIT_FULL_MATRIX=1` only (a vmapped BDF gradient, 7.5 CPU s): BDF's gradient
+# vmapped over a closed-over int index, against finite differences, is
+# tests/test_linear_solver_grad.py::test_gradient's dense reference (BDF, vmapped
+# over the int `k` its field closes over) and tests/test_krylov_grad.py's.
 @pytest.mark.slow
+@full_matrix_only("tests/test_linear_solver_grad.py::test_gradient")
 def test_grad_vmapped_index():
     """Gradient with respect to a closed-over float, vmapped over a closed-over int
     index."""
@@ -727,27 +782,27 @@ def test_rejected_steps_keep_their_jacobians(monkeypatch):
         np.testing.assert_allclose(sol.ys[-1], VDPOL.reference, rtol=1e-3, atol=1e-6)
 
 
-# The full suite (a 17 CPU-second compile); ForwardMode's quick test is in
+# The full suite (a 10 CPU-second compile); ForwardMode's quick test is in
 # tests/test_diffrax_scripts.py.
 @pytest.mark.slow
 def test_forward_mode_and_y0():
     """Forward mode (`ForwardMode`, `jax.jacfwd`) agrees with finite differences;
-    the gradient with respect to `y0` with the reverse one."""
-    x = jnp.asarray(0.04)
-    g = jax.jit(jax.jacfwd(lambda x: _rober_loss(x, sk.BDF(), sk.ForwardMode())))(x)
+    the gradient with respect to `y0` with the reverse one. (Both forward-mode
+    derivatives, wrt `k1` and `y0`, are one program, the reverse one
+    test_grad_rober's; the finite differences are `_rober_reference`'s, compiled
+    once.)"""
+
+    def loss(x, y0, adjoint):
+        return _rober_loss(x, sk.BDF(), adjoint, y0=y0)
+
+    x, y0 = jnp.asarray(0.04), jnp.array([1.0, 0.0, 0.0])
+    forward = jax.jit(jax.jacfwd(loss, argnums=(0, 1)), static_argnums=2)
+    g, fwd = forward(x, y0, sk.ForwardMode())
     assert jnp.allclose(g, _fd("rober", x), rtol=2e-5), g
-
-    def loss(y0, adjoint):
-        sol = _solve(_rober(0.04), sk.BDF(), 10.0, y0, 1e-8, 1e-11, adjoint=adjoint)
-        return sol.ys[-1, 0] + 1e4 * sol.ys[-1, 1]
-
-    # Jitted (each a few compiles instead of one per eager operation); the two
-    # evaluations of the finite difference share one.
-    y0 = jnp.array([1.0, 0.0, 0.0])
-    rev = jax.jit(jax.grad(loss), static_argnums=1)(y0, sk.RecursiveCheckpointAdjoint())
-    fwd = jax.jit(jax.jacfwd(loss), static_argnums=1)(y0, sk.ForwardMode())
+    # test_grad_rober's program (reverse mode, dense solver), compiled there.
+    solver = sk.BDF(linear_solver=sk.DenseLinearSolver())
+    rev = _rober_grads(solver, sk.RecursiveCheckpointAdjoint(), x, y0)[1]
     assert jnp.allclose(rev, fwd, rtol=1e-6, atol=1e-8), (rev, fwd)
     e = jnp.eye(3)[0] * 1e-6
-    value = jax.jit(loss, static_argnums=1)
-    fd0 = (value(y0 + e, sk.ForwardMode()) - value(y0 - e, sk.ForwardMode())) / 2e-6
+    fd0 = (_rober_reference(x, y0 + e) - _rober_reference(x, y0 - e)) / 2e-6
     assert jnp.allclose(rev[0], fd0, rtol=1e-4), (rev[0], fd0)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg
-from helpers import quick_params
+from helpers import grad_and_central_difference, quick_params
 
 import solverkit as sk
 
@@ -216,10 +216,7 @@ def test_grad_wrt_closed_over_float_matches_fd(form):
         ys = _solve_sing(scale, jnp.asarray(1), form, "Rodas5P").ys
         return jnp.sum(ys[:, 0] ** 2)
 
-    grad = jax.jit(jax.grad(loss))(jnp.asarray(0.7))
-    eps = 1e-5
-    f = jax.jit(loss)
-    fd = (f(jnp.asarray(0.7 + eps)) - f(jnp.asarray(0.7 - eps))) / (2 * eps)
+    grad, fd = grad_and_central_difference(loss, 0.7, 1e-5)
 
     def exact_loss(scale):
         return jnp.sum(_exact(2.0 * scale, jnp.asarray(TS))[:, 0] ** 2)
@@ -259,10 +256,7 @@ def test_grad_wrt_mass_matrix_matches_fd(name, form):
         )
         return sol.ys[-1, 0]
 
-    grad = jax.jit(jax.grad(loss))(jnp.asarray(1.3))
-    f = jax.jit(loss)
-    eps = 1e-5
-    fd = (f(jnp.asarray(1.3 + eps)) - f(jnp.asarray(1.3 - eps))) / (2 * eps)
+    grad, fd = grad_and_central_difference(loss, 1.3, 1e-5)
     np.testing.assert_allclose(grad, fd, rtol=1e-6)
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import grad_and_central_difference
 
 import solverkit as sk
 
@@ -84,10 +85,7 @@ def test_grad_with_user_linear_solver_matches_fd():
     def loss(scale):
         return _solve(scale, 0, solver).ys[-1, 0]
 
-    grad = jax.jit(jax.grad(loss))(jnp.asarray(1.0))
-    f = jax.jit(loss)
-    eps = 1e-6
-    fd = (f(jnp.asarray(1.0 + eps)) - f(jnp.asarray(1.0 - eps))) / (2 * eps)
+    grad, fd = grad_and_central_difference(loss, 1.0, 1e-6)
     np.testing.assert_allclose(grad, fd, rtol=1e-5)
 
 
@@ -157,11 +155,8 @@ def test_grad_with_reuse_matches_fd():
         solver = sk.Kvaerno5(reuse_jacobian=reuse)
         return _solve(scale, 0, solver).ys[-1, 0]
 
-    grad = jax.jit(jax.grad(lambda s: loss(s, True)))(jnp.asarray(1.0))
+    grad, fd = grad_and_central_difference(lambda s: loss(s, True), 1.0, 1e-6)
     grad_off = jax.jit(jax.grad(lambda s: loss(s, False)))(jnp.asarray(1.0))
-    f = jax.jit(lambda s: loss(s, True))
-    eps = 1e-6
-    fd = (f(jnp.asarray(1.0 + eps)) - f(jnp.asarray(1.0 - eps))) / (2 * eps)
     np.testing.assert_allclose(grad, fd, rtol=1e-5)
     np.testing.assert_allclose(grad, grad_off, rtol=1e-5)
 

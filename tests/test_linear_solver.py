@@ -125,7 +125,7 @@ def test_grad_against_dense_and_finite_differences(solver):
     matrix = _banded_matrix(_N, 2, 1)
     params = jnp.concatenate([jnp.array([0.3]), jnp.cos(jnp.arange(_N) * 1.0)])
     grad = jax.jit(jax.grad(_loss(solver, matrix)))(params)
-    grad_dense = jax.grad(_loss(sk.DenseLinearSolver(), matrix))(params)
+    grad_dense = jax.jit(jax.grad(_loss(sk.DenseLinearSolver(), matrix)))(params)
     # A forward and a transposed solve, each within n·cond·eps ~ 3e-12 (cond ~ 1e3).
     np.testing.assert_allclose(grad, grad_dense, rtol=1e-9, atol=1e-11)
     fd = finite_difference(jax.jit(_loss(solver, matrix)), params)
@@ -238,7 +238,7 @@ def test_sparse_grad_against_dense_and_finite_differences(kind):
     solver = sk.SparseLinearSolver(matrix != 0)
     params = jnp.concatenate([jnp.array([0.3]), jnp.cos(jnp.arange(_N) * 1.0)])
     grad = jax.jit(jax.grad(_loss(solver, matrix)))(params)
-    grad_dense = jax.grad(_loss(sk.DenseLinearSolver(), matrix))(params)
+    grad_dense = jax.jit(jax.grad(_loss(sk.DenseLinearSolver(), matrix)))(params)
     # A forward and a transposed solve, each within n·cond·eps ~ 3e-12 (cond ~ 1e3).
     np.testing.assert_allclose(grad, grad_dense, rtol=1e-9, atol=1e-11)
     fd = finite_difference(jax.jit(_loss(solver, matrix)), params)
@@ -337,6 +337,39 @@ _EXACT = {
 }
 
 
+def _zero_vectors_loss(s, params, k, which: str, rhs_kind: str):
+    """A solve or tangent solve of `s` whose right-hand side is zero (`rhs_kind`
+    "zero"), or one-hot at `k` (then the cotangent the transposed solve gets is zero
+    off row `k`), for test_bicgstab_gradient_with_zero_vectors; the field closes
+    over a float32 and the int `k`."""
+    a = jnp.asarray(_banded_matrix(_N, 1, 1))
+    w = jnp.asarray(1.5, jnp.float32)
+    x = jnp.linspace(-1.0, 1.0, _N)
+    p, scale = params[0], params[1]
+
+    def fn(y):
+        sink = p * w.astype(y.dtype) * y**2 * (jnp.arange(_N) == k)
+        return a @ jnp.tanh(y) + sink
+
+    one_hot = (jnp.arange(_N) == k).astype(x.dtype)
+    _, jac = s.linearise(fn, x)
+    factor = s.factorise(jac, jnp.asarray(0.1), None)
+    if rhs_kind == "zero":
+        out = getattr(s, which)(factor, scale * 0 * one_hot, fn)
+        return jnp.sum(out**2)
+    out = getattr(s, which)(factor, scale * one_hot, fn)
+    return out[k] + jnp.sum(out**2)
+
+
+# vmapped over the int `k`; jitted with the solver, `which` and `rhs_kind` static:
+# the dense references are shared by the three preconditioners' cases.
+_zero_vectors_grads = jax.jit(
+    jax.vmap(jax.grad(_zero_vectors_loss, argnums=1), (None, None, 0, None, None)),
+    static_argnums=(0, 3, 4),
+)
+_zero_vectors_value = jax.jit(_zero_vectors_loss, static_argnums=(0, 3, 4))
+
+
 # Quick loop: one case; the other solves, preconditioners and right-hand sides in the
 # full suite.
 @pytest.mark.parametrize("rhs_kind", ["zero", "one-hot"])
@@ -351,38 +384,20 @@ def test_bicgstab_gradient_with_zero_vectors(which, preconditioner, rhs_kind):
     and Rodas5P. Against the dense solver and central differences, under `jit`
     and `vmap` over a closed-over int, with a closed-over float32 and a
     differentiated float64."""
-    a = jnp.asarray(_banded_matrix(_N, 1, 1))
-    w = jnp.asarray(1.5, jnp.float32)
-    x = jnp.linspace(-1.0, 1.0, _N)
     solver = sk.KrylovLinearSolver(
         "bicgstab", rtol=1e-13, atol=1e-14, preconditioner=_EXACT[preconditioner]
     )
-
-    def loss(s, params, k):
-        p, scale = params[0], params[1]
-
-        def fn(y):
-            sink = p * w.astype(y.dtype) * y**2 * (jnp.arange(_N) == k)
-            return a @ jnp.tanh(y) + sink
-
-        one_hot = (jnp.arange(_N) == k).astype(x.dtype)
-        _, jac = s.linearise(fn, x)
-        factor = s.factorise(jac, jnp.asarray(0.1), None)
-        if rhs_kind == "zero":
-            out = getattr(s, which)(factor, scale * 0 * one_hot, fn)
-            return jnp.sum(out**2)
-        out = getattr(s, which)(factor, scale * one_hot, fn)
-        return out[k] + jnp.sum(out**2)
-
     params = jnp.array([0.7, 1.3])
     ks = jnp.array([0, 5, 11], jnp.int32)
-    grads = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, None, 0))
-    got = jax.jit(grads, static_argnums=0)(solver, params, ks)
-    want = grads(sk.DenseLinearSolver(), params, ks)
+    got = _zero_vectors_grads(solver, params, ks, which, rhs_kind)
+    dense = sk.DenseLinearSolver()
+    want = _zero_vectors_grads(dense, params, ks, which, rhs_kind)
     # BiCGStab's rtol 1e-13 times the condition number (< 1e3 here).
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
     for i, k in enumerate(ks):
-        fd = finite_difference(lambda q: loss(sk.DenseLinearSolver(), q, k), params)
+        fd = finite_difference(
+            lambda q: _zero_vectors_value(dense, q, k, which, rhs_kind), params
+        )
         # Central differences with step 1e-6: O(1e-12) truncation, 1e-10 rounding.
         np.testing.assert_allclose(got[i], fd, rtol=1e-6, atol=1e-8)
 
