@@ -183,14 +183,15 @@ def test_dense_solve_grad_is_the_solves(n):
         matrix = jnp.eye(n) - gamma_h * jac
         return jnp.sum(w * jnp.linalg.solve(matrix, b))
 
-    grad = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), (0, 0, None))
-    want = jax.vmap(jax.grad(exact, argnums=(0, 1, 2)), (0, 0, None))
+    # Each a jitted program (op by op, the gradients were ~80 compiles).
+    grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), (0, 0, None)))
+    want = jax.jit(jax.vmap(jax.grad(exact, argnums=(0, 1, 2)), (0, 0, None)))
     got, ref = grad(jac, b, 0.3), want(jac, b, 0.3)
     matrices = np.eye(n)[None] - 0.3 * np.asarray(jac)
     tol = 100 * np.linalg.cond(matrices).max() ** 2 * 1e-16
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, rtol=tol, atol=tol * np.abs(r).max())
-    fd = finite_difference(lambda j: loss(j, b[0], 0.3), jac[0])
+    fd = finite_difference(jax.jit(lambda j: loss(j, b[0], 0.3)), jac[0])
     np.testing.assert_allclose(got[0][0], fd, rtol=1e-5, atol=1e-6)
     if n <= SMALL_MAX:
         jaxpr = jax.make_jaxpr(jax.grad(loss))(jac[0], b[0], 0.3).jaxpr
