@@ -48,16 +48,18 @@ def test_small_inverse_matches_numpy(n, dtype):
 @pytest.mark.usefixtures("x64")
 def test_small_inverse_batch_axes_and_vmap_agree():
     a = jnp.asarray(_matrices(3))
-    assert jnp.array_equal(small_inverse(a), jax.vmap(small_inverse)(a))
-    assert jnp.array_equal(small_inverse(a[0]), small_inverse(a)[0])
+    inverse = jax.jit(small_inverse)  # (op by op: ~50 compiles)
+    assert jnp.array_equal(inverse(a), jax.jit(jax.vmap(small_inverse))(a))
+    assert jnp.array_equal(inverse(a[0]), inverse(a)[0])
 
 
 def test_small_inverse_pivots():
     # No pivoting would divide by the zero leading entry.
+    inverse = jax.jit(small_inverse)
     perm = jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    assert jnp.array_equal(small_inverse(perm), perm.T)
+    assert jnp.array_equal(inverse(perm), perm.T)
     a = jnp.array([[1e-30, 1.0], [1.0, 1.0]])
-    assert jnp.allclose(small_inverse(a), jnp.array([[-1.0, 1.0], [1.0, 0.0]]))
+    assert jnp.allclose(inverse(a), jnp.array([[-1.0, 1.0], [1.0, 0.0]]))
 
 
 @pytest.mark.parametrize("a", [[[0.0, 0.0], [0.0, 0.0]], [[1.0, 2.0], [2.0, 4.0]]])
@@ -74,9 +76,10 @@ def test_small_inverse_singular_is_not_finite(a):
 def test_small_inverse_grad_matches_lu():
     a = jnp.asarray(_matrices(4, count=1)[0])
     w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 4)))
-    mine = jax.grad(lambda a: jnp.sum(w * small_inverse(a)))(a)
-    lu = jax.grad(lambda a: jnp.sum(w * jnp.linalg.inv(a)))(a)
-    fd = finite_difference(lambda a: jnp.sum(w * small_inverse(a)), a)
+    loss = jax.jit(lambda a: jnp.sum(w * small_inverse(a)))  # (op by op: ~35 compiles)
+    mine = jax.jit(jax.grad(loss))(a)
+    lu = jax.jit(jax.grad(lambda a: jnp.sum(w * jnp.linalg.inv(a))))(a)
+    fd = finite_difference(loss, a)
     # Derivatives of a^-1 are a^-1 (.) a^-1: rounding grows like cond(a)^2 * eps.
     tol = 100 * np.linalg.cond(np.asarray(a)) ** 2 * 1e-16
     assert jnp.allclose(mine, lu, rtol=tol, atol=tol * jnp.abs(lu).max())
