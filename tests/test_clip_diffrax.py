@@ -129,6 +129,9 @@ def test_by_hand_under_vmap():
 
 @pytest.mark.parametrize("solver", ["Heun", "Tsit5"])
 @pytest.mark.parametrize("clip", [False, True])
+# Quick loop: each solver and each controller once; the rest of the product in the
+# full suite.
+@pytest.mark.quick_cases("False-Heun", "True-Tsit5")
 def test_initial_step_by_hand(solver, clip):
     # `init(..., dt0=None, ..., func, ...)` calls `func(terms, t, y, args)`, as diffrax
     # does with `solver.func` (it was called as `func(t, y, args)`: a TypeError).
