@@ -28,11 +28,34 @@ _FIELDS = ("compiles", "cache_hits", "trace_s", "lower_s", "compile_s", "cpu_s")
 
 
 def load(where: pathlib.Path) -> list[dict]:
-    """The rows of every `*.jsonl` file under `where` (one row per test)."""
+    """The rows of every `*.jsonl` file under `where` (one row per test), each with
+    the process that ran it (`worker`: the file's name)."""
     rows = []
     for path in sorted(where.glob("*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line]
+        lines = path.read_text().splitlines()
+        rows += [dict(json.loads(line), worker=path.stem) for line in lines if line]
     return rows
+
+
+def workers(rows: list[dict]) -> str:
+    """Markdown: per pytest process, its tests, CPU time and when its last test
+    ended, in seconds after the first test of the run started (pytest-xdist's
+    workers should end near together; rows recorded before these times were kept
+    have none)."""
+    timed = [r for r in rows if "started" in r]
+    if not timed:
+        return ""
+    start = min(r["started"] for r in timed)
+    lines = ["## Workers", "| process | tests | CPU s | last test ended at s |"]
+    lines.append("|---|---|---|---|")
+    per = collections.defaultdict(list)
+    for r in timed:
+        per[r["worker"]].append(r)
+    for name, own in sorted(per.items()):
+        end = max(r["ended"] for r in own) - start
+        cpu = sum(r["cpu_s"] for r in own)
+        lines.append(f"| {name} | {len(own)} | {cpu:.1f} | {end:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def totals(rows: list[dict]) -> dict[str, float]:
@@ -92,6 +115,8 @@ def main() -> None:
         quick = set(args.quick_ids.read_text().splitlines())
         rows = [dict(r, slow=r["nodeid"] not in quick) for r in rows]
     text = report(rows, args.top)
+    table = workers(rows)
+    text += "\n" + table if table else ""
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import os
 import pathlib
 import resource
 import threading
+import time
 
 import jax
 import pytest
@@ -67,12 +68,14 @@ class Profile:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
         with self.lock:
             before = dict(self.totals)
-        cpu = self._cpu()
+        cpu, started = self._cpu(), time.time()
         yield
         cpu = self._cpu() - cpu
         with self.lock:
             row = {k: round(v - before[k], 4) for k, v in self.totals.items()}
         row["cpu_s"] = round(cpu, 4)
+        # Wall-clock times (seconds since the epoch): how the workers' ends line up.
+        row["started"], row["ended"] = round(started, 2), round(time.time(), 2)
         row["nodeid"] = item.nodeid
         row["slow"] = item.get_closest_marker("slow") is not None
         self.out.write(json.dumps(row) + "\n")

@@ -101,7 +101,7 @@ def test_preconditioner_inverts_the_iteration_matrix(order):
     assert errors[2] < 1e-4, errors
 
     no_diffusion = dict(params, alpha=np.float64(0.0))
-    p0 = problems.bruss_preconditioner(no_diffusion, order)
+    p0 = jax.jit(problems.bruss_preconditioner(no_diffusion, order))
     jac0 = _jacobian(N, point, no_diffusion)
     matrix0 = np.eye(2 * N * N) - 0.3 * jac0
     x0 = p0(jnp.asarray(matrix0 @ v), jnp.asarray(point).reshape(-1), 0.3)

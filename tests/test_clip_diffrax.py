@@ -118,15 +118,20 @@ def test_by_hand_under_vmap():
         )
         return out[1], out[2], out[3]
 
-    got = jax.vmap(lambda t: ends(ours, t))(starts)
+    # Jitted (op by op, the two were ~110 compiles).
+    got = jax.jit(jax.vmap(lambda t: ends(ours, t)))(starts)
+    alone = jax.jit(lambda t: ends(ref, t))
     for i, t0 in enumerate(starts):
-        want = ends(ref, t0)
+        want = alone(t0)
         assert [float(g[i]) for g in got[:2]] == [float(w) for w in want[:2]]
         assert bool(got[2][i]) == bool(want[2])
 
 
 @pytest.mark.parametrize("solver", ["Heun", "Tsit5"])
 @pytest.mark.parametrize("clip", [False, True])
+# Quick loop: each solver and each controller once; the rest of the product in the
+# full suite.
+@pytest.mark.quick_cases("False-Heun", "True-Tsit5")
 def test_initial_step_by_hand(solver, clip):
     # `init(..., dt0=None, ..., func, ...)` calls `func(terms, t, y, args)`, as diffrax
     # does with `solver.func` (it was called as `func(t, y, args)`: a TypeError).

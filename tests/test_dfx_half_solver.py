@@ -137,13 +137,17 @@ def test_half_solver_jit_vmap_grad(solver_cls):
     # vmap over the int index and the bool flag.
     idx = jnp.array([0, 1, 2], jnp.int32)
     flags = jnp.array([True, False, True])
-    vm = lambda f: jax.vmap(f, in_axes=(None, 0, 0))(k, idx, flags)
-    np.testing.assert_allclose(vm(ours), vm(theirs), rtol=SAME)
+    # Against diffrax element by element (its program above, the index and the
+    # flag operands: no batched diffrax program).
+    want = np.stack([theirs(k, i, f) for i, f in zip(idx, flags)])
+    got = jax.vmap(ours, in_axes=(None, 0, 0))(k, idx, flags)
+    np.testing.assert_allclose(got, want, rtol=SAME)
     # grad through the adaptive steps: diffrax's (the same discretisation, so to
     # round-off), and the exact d/dk of 1.5 exp(-k[1]) to the solve's accuracy
     # (global error <= T sqrt(rtol) |y0| for a half-step estimate, see above).
-    g = jax.grad(lambda k: ours(k, index, flag))(k)
-    g_ref = jax.grad(lambda k: theirs(k, index, flag))(k)
+    # Each gradient one jitted program.
+    g = jax.jit(jax.grad(lambda k: ours(k, index, flag)))(k)
+    g_ref = jax.jit(jax.grad(lambda k: theirs(k, index, flag)))(k)
     np.testing.assert_allclose(g, g_ref, rtol=1e-9, atol=1e-12)
     exact = np.array([0.0, -1.5 * np.exp(-0.9), 0.0])
     np.testing.assert_allclose(g, exact, rtol=0, atol=1.0 * np.sqrt(1e-6) * 1.5)

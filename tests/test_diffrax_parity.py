@@ -161,8 +161,26 @@ _ERRORS = [
 ]  # fmt: skip
 
 
+# The full suite: a second case of the same check and message (each compiles a
+# solve in both libraries first); the quick loop keeps the first ("saveat ts after
+# t1", "saveat ts not monotonic", "evaluate without dense").
+_FULL_SUITE_ERRORS = (
+    "saveat ts before t0",
+    "saveat ts against the direction",
+    "derivative without dense",
+)
+
+
 @pytest.mark.parametrize(
-    "snippet, error, words", [c[1:] for c in _ERRORS], ids=[c[0] for c in _ERRORS]
+    "snippet, error, words",
+    [
+        pytest.param(
+            *c[1:],
+            id=c[0],
+            marks=pytest.mark.slow if c[0] in _FULL_SUITE_ERRORS else (),
+        )
+        for c in _ERRORS
+    ],
 )
 def test_errors_as_diffrax(snippet, error, words):
     for lib in LIBS:

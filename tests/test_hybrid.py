@@ -346,9 +346,12 @@ def test_occurrence_at_t0_and_backwards_in_time():
         assert back.result == sk.RESULTS.successful
 
 
+# The full suite (5 CPU s for float32); the quick loop's accumulation check:
+# test_zeno_point_is_a_result_not_a_fall_through_the_floor; float32 occurrences
+# under jit(vmap) and grad: test_hybrid_steps.py::
+# test_occurrence_is_never_before_the_crossing[float32].
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-# Quick loop: float32, the dtype of the defect (float64 in the full suite).
-@pytest.mark.quick_cases("float32")
 def test_step_ending_just_before_a_crossing_is_not_an_accumulation(dtype):
     """A step that ends within a hundred ulps before a crossing, which the next step
     finds: an occurrence like any other, not a Zeno point (the solve stopped there

@@ -174,9 +174,13 @@ def _grads(rates, y0, **kwargs):
     )
 
 
+# The full suite (4-5 CPU s a case); the quick loop checks that the programs are
+# pruned (test_pullback_program_is_pruned) and the pruned gradient's values against
+# DirectAdjoint and differences (test_traced_step.py::
+# test_gradient_against_direct_and_differences[False], the same LV loss).
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("saveat", [None, "ts", "steps"])
-@pytest.mark.quick_cases("None")  # ts / steps: the full suite (5 CPU s each)
 def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
     # The same primitives in the same order, less the dead ones: the same
     # gradients, bit for bit (`vmap` of `grad`, `jit`; float64 rates, float32
@@ -194,9 +198,13 @@ def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+# The full suite (5 CPU s a case); the quick loop's checkpointed gradient of the same
+# LV loss against DirectAdjoint and differences: test_traced_step.py::
+# test_gradient_against_direct_and_differences[False]; through `SaveAt(ts)`:
+# test_ts_gradients.py::test_checkpointed_equals_direct[default].
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("checkpoints", [None, 4])
-@pytest.mark.quick_cases("None")  # 4 slots: the full suite
 def test_gradient_against_direct_and_differences(checkpoints):
     rates, y0 = lv_batch()
     adjoint = sk.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
@@ -220,7 +228,9 @@ def test_gradient_against_direct_and_differences(checkpoints):
 
 
 # The full suite; the quick loop compares the pruned programs' gradients with
-# DirectAdjoint's in float64 (above: the same programs, another precision).
+# DirectAdjoint's in float64 (test_traced_step.py::
+# test_gradient_against_direct_and_differences[False]: the same programs, another
+# precision).
 @pytest.mark.slow
 def test_float32_gradient_against_direct():
     rates, y0 = (x.astype(jnp.float32) for x in lv_batch())
@@ -255,6 +265,9 @@ _INT_LIMITS = dict(factormin=0, factormax=5, safety=1)
 
 @pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("factors", [{}, _INT_LIMITS], ids=["floats", "ints"])
+# Quick loop: each factor's values once (x64 checks float32 and float64); the other
+# two of the product in the full suite.
+@pytest.mark.quick_cases("floats-False", "ints-True")
 def test_controller_limits_as_before(x64, factors):
     # The step-size factor's limits and the inverse error's fix, against the old
     # code's `jnp.clip`/`jnp.isinf`/`jnp.where` on the same inputs (0, inf, NaN,

@@ -188,6 +188,7 @@ def test_controller_sizes_the_next_step_after_the_replayed_decision():
             return controller.loop_adapt_step_size(*args)
         return controller.loop_adapt_step_size(*args, keep=keep)
 
+    adapt = jax.jit(adapt)  # (op by op: ~45 compiles)
     with float64():
         for err, other in ((0.999, 1.001), (1.001, 0.999)):
             want = adapt(other)
@@ -223,8 +224,9 @@ def test_recorded_step_end_is_recovered_within_32_spacings(dtype):
             assert replay is not None
             return _replay.step_end(record, 2, moved(t, n)), replay
 
-        got, replay = jax.vmap(
-            lambda t: jax.vmap(lambda n: recovered(t, n))(shifts)
+        # Each batch one jitted program (op by op: ~40-70 compiles).
+        got, replay = jax.jit(
+            jax.vmap(lambda t: jax.vmap(lambda n: recovered(t, n))(shifts))
         )(ends)
         assert bool(jnp.all(replay.accepted)) and not bool(jnp.any(replay.lands))
         want = jnp.broadcast_to(ends[:, None], got.shape)
@@ -232,7 +234,7 @@ def test_recorded_step_end_is_recovered_within_32_spacings(dtype):
         assert bool(jnp.all((got == want) & ~jnp.isnan(got)))
         # Past the window: another float (bit patterns: near 0 they are subnormal,
         # which XLA's CPU compares as 0).
-        far, _ = jax.vmap(lambda t: recovered(t, 40))(ends)
+        far, _ = jax.jit(jax.vmap(lambda t: recovered(t, 40)))(ends)
         bits = lambda x: jax.lax.bitcast_convert_type(x, _INT[dtype])  # noqa: E731
         assert not bool(jnp.any(bits(far) == bits(ends)))
 

@@ -48,16 +48,18 @@ def test_small_inverse_matches_numpy(n, dtype):
 @pytest.mark.usefixtures("x64")
 def test_small_inverse_batch_axes_and_vmap_agree():
     a = jnp.asarray(_matrices(3))
-    assert jnp.array_equal(small_inverse(a), jax.vmap(small_inverse)(a))
-    assert jnp.array_equal(small_inverse(a[0]), small_inverse(a)[0])
+    inverse = jax.jit(small_inverse)  # (op by op: ~50 compiles)
+    assert jnp.array_equal(inverse(a), jax.jit(jax.vmap(small_inverse))(a))
+    assert jnp.array_equal(inverse(a[0]), inverse(a)[0])
 
 
 def test_small_inverse_pivots():
     # No pivoting would divide by the zero leading entry.
+    inverse = jax.jit(small_inverse)
     perm = jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    assert jnp.array_equal(small_inverse(perm), perm.T)
+    assert jnp.array_equal(inverse(perm), perm.T)
     a = jnp.array([[1e-30, 1.0], [1.0, 1.0]])
-    assert jnp.allclose(small_inverse(a), jnp.array([[-1.0, 1.0], [1.0, 0.0]]))
+    assert jnp.allclose(inverse(a), jnp.array([[-1.0, 1.0], [1.0, 0.0]]))
 
 
 @pytest.mark.parametrize("a", [[[0.0, 0.0], [0.0, 0.0]], [[1.0, 2.0], [2.0, 4.0]]])
@@ -74,9 +76,10 @@ def test_small_inverse_singular_is_not_finite(a):
 def test_small_inverse_grad_matches_lu():
     a = jnp.asarray(_matrices(4, count=1)[0])
     w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 4)))
-    mine = jax.grad(lambda a: jnp.sum(w * small_inverse(a)))(a)
-    lu = jax.grad(lambda a: jnp.sum(w * jnp.linalg.inv(a)))(a)
-    fd = finite_difference(lambda a: jnp.sum(w * small_inverse(a)), a)
+    loss = jax.jit(lambda a: jnp.sum(w * small_inverse(a)))  # (op by op: ~35 compiles)
+    mine = jax.jit(jax.grad(loss))(a)
+    lu = jax.jit(jax.grad(lambda a: jnp.sum(w * jnp.linalg.inv(a))))(a)
+    fd = finite_difference(loss, a)
     # Derivatives of a^-1 are a^-1 (.) a^-1: rounding grows like cond(a)^2 * eps.
     tol = 100 * np.linalg.cond(np.asarray(a)) ** 2 * 1e-16
     assert jnp.allclose(mine, lu, rtol=tol, atol=tol * jnp.abs(lu).max())
@@ -183,14 +186,15 @@ def test_dense_solve_grad_is_the_solves(n):
         matrix = jnp.eye(n) - gamma_h * jac
         return jnp.sum(w * jnp.linalg.solve(matrix, b))
 
-    grad = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), (0, 0, None))
-    want = jax.vmap(jax.grad(exact, argnums=(0, 1, 2)), (0, 0, None))
+    # Each a jitted program (op by op, the gradients were ~80 compiles).
+    grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), (0, 0, None)))
+    want = jax.jit(jax.vmap(jax.grad(exact, argnums=(0, 1, 2)), (0, 0, None)))
     got, ref = grad(jac, b, 0.3), want(jac, b, 0.3)
     matrices = np.eye(n)[None] - 0.3 * np.asarray(jac)
     tol = 100 * np.linalg.cond(matrices).max() ** 2 * 1e-16
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, rtol=tol, atol=tol * np.abs(r).max())
-    fd = finite_difference(lambda j: loss(j, b[0], 0.3), jac[0])
+    fd = finite_difference(jax.jit(lambda j: loss(j, b[0], 0.3)), jac[0])
     np.testing.assert_allclose(got[0][0], fd, rtol=1e-5, atol=1e-6)
     if n <= SMALL_MAX:
         jaxpr = jax.make_jaxpr(jax.grad(loss))(jac[0], b[0], 0.3).jaxpr

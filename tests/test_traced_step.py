@@ -73,7 +73,9 @@ def test_same_program_bitwise(monkeypatch):
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("constant", [False, True])
-@pytest.mark.quick_cases(dict(constant=False))  # ConstantStepSize: the full suite
+# Quick loop: the PID case, also the quick check of the pruned programs' gradient
+# (test_pruned_programs.py); ConstantStepSize: the full suite.
+@pytest.mark.quick_cases(dict(constant=False))
 def test_gradient_against_direct_and_differences(constant):
     # ConstantStepSize: leaves the step returns unchanged are kept once.
     controller = sk.ConstantStepSize() if constant else None
