@@ -241,7 +241,11 @@ def main() -> None:
     args = parser.parse_args()
     DT_MAX = args.dtmax
     steps = args.steps or (3 if args.quick else 200)
-    refinements = 1 if args.quick else 8
+    # --quick: no Levenberg-Marquardt step (its Jacobian through the events, a
+    # jacrev, was a third of the quick run's CPU time; tests/test_hybrid.py's
+    # test_gradient_of_later_spike_times_under_an_adaptive_controller checks jacrev
+    # through spike times).
+    refinements = 0 if args.quick else 8
     args.out.mkdir(parents=True, exist_ok=True)
 
     teacher_key, student_key = jax.random.split(jax.random.key(args.seed))

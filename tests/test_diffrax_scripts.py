@@ -155,7 +155,7 @@ def _dense_errors(lib, name: str, steps, reference):
             solver,
             0.0,
             2.0,
-            h,
+            jnp.asarray(h),  # one program for both step sizes
             jnp.array([1.0, 0.0]),
             saveat=lib.SaveAt(dense=True),
             max_steps=100,

@@ -36,12 +36,14 @@ GROUPS = [
         "pharmacokinetics",
         "brusselator",
     ],
-    ["quickstart", "fit_lotka_volterra", "neural_ode", "forced_system"],
+    # float32 examples, then every python block of docs/*.md (which may turn float64
+    # on, as dae.md's does, for the blocks after it, as when they ran alone).
+    ["quickstart", "fit_lotka_volterra", "neural_ode", "forced_system", "docs"],
     ["ensemble"],  # sets XLA_FLAGS (8 host devices) before JAX starts
     ["multi_process"],  # launches two JAX processes (jax.distributed, gloo on CPU)
 ]
-EXAMPLES = [job for group in GROUPS for job in group]
 DOCS = "docs"
+EXAMPLES = [job for group in GROUPS for job in group if job != DOCS]
 TIMEOUT = 600  # seconds per job; each takes well under a minute on an idle machine
 
 # Runs every ```python block of the Markdown files given as arguments, each in a
@@ -57,7 +59,8 @@ for path in sys.argv[1:]:
 
 # Runs each example given as `script out` argument pairs as `__main__` with `--quick
 # --out out`, in `out`, its output in `out/output.log` and its exit code in
-# `out/exit_code`; a failing example does not stop the next.
+# `out/exit_code`; a failing example does not stop the next. A `script` that is a
+# directory stands for the docs: `RUN_DOC_BLOCKS` on its Markdown files.
 RUN_EXAMPLES = """
 import contextlib, os, pathlib, runpy, sys, traceback
 import matplotlib.pyplot as plt
@@ -65,9 +68,13 @@ for script, out in zip(sys.argv[1::2], sys.argv[2::2]):
     os.chdir(out)
     with open("output.log", "w") as log:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            sys.argv = [script, "--quick", "--out", out]
+            pages = sorted(str(p) for p in pathlib.Path(script).glob("*.md"))
+            sys.argv = [script, *pages] if pages else [script, "--quick", "--out", out]
             try:
-                runpy.run_path(script, run_name="__main__")
+                if pages:
+                    exec(RUN_DOC_BLOCKS, {"__name__": "docs"})
+                else:
+                    runpy.run_path(script, run_name="__main__")
                 code = 0
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
@@ -77,6 +84,10 @@ for script, out in zip(sys.argv[1::2], sys.argv[2::2]):
     pathlib.Path("exit_code").write_text(str(code))
     plt.close("all")
 """
+
+
+def _script(job: str) -> pathlib.Path:
+    return ROOT / "examples" / f"{job}.py"
 
 
 class _Group:
@@ -93,15 +104,15 @@ class _Group:
             pages = sorted(str(p) for p in (ROOT / "docs").glob("*.md"))
             command = [sys.executable, "-c", RUN_DOC_BLOCKS, *pages]
         elif not others:  # alone: as a user runs it
-            script = ROOT / "examples" / f"{job}.py"
-            command = [sys.executable, str(script), "--quick", "--out", str(out)]
+            command = [sys.executable, str(_script(job)), "--quick", "--out", str(out)]
         else:
             pairs = [
                 str(a)
                 for job, out in jobs.items()
-                for a in (ROOT / "examples" / f"{job}.py", out)
+                for a in (ROOT / DOCS if job == DOCS else _script(job), out)
             ]
-            command = [sys.executable, "-c", RUN_EXAMPLES, *pairs]
+            runner = f"RUN_DOC_BLOCKS = {RUN_DOC_BLOCKS!r}\n{RUN_EXAMPLES}"
+            command = [sys.executable, "-c", runner, *pairs]
         with open(log, "wb") as f:
             self.process = subprocess.Popen(
                 command,
@@ -149,7 +160,7 @@ def jobs(request, tmp_path_factory):
         if getattr(item, "callspec", None) and "job" in item.callspec.params
     }
     started, groups = {}, []
-    for group in [*GROUPS, [DOCS]]:
+    for group in GROUPS:
         outs = {job: tmp_path_factory.mktemp(job) for job in group if job in selected}
         if not outs:
             continue

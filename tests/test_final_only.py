@@ -29,14 +29,21 @@ def _solve(rates, y0, saveat, adjoint):
     return sol.ts, sol.ys
 
 
+# Each `SaveAt` with the checkpointed adjoint; `DirectAdjoint` (another backward
+# pass through the same `_save.finish_save`) with `t1` only.
+_CASES = [
+    (sk.SaveAt(t1=True), sk.RecursiveCheckpointAdjoint()),
+    (sk.SaveAt(t0=True, t1=True), sk.RecursiveCheckpointAdjoint()),
+    (sk.SaveAt(t0=True), sk.RecursiveCheckpointAdjoint()),
+    (sk.SaveAt(t1=True), sk.DirectAdjoint()),
+]
+
+
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize(
-    "saveat",
-    [sk.SaveAt(t1=True), sk.SaveAt(t0=True, t1=True), sk.SaveAt(t0=True)],
-    ids=["t1", "t0-t1", "t0"],
-)
-@pytest.mark.parametrize(
-    "adjoint", [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()], ids=str
+    "saveat, adjoint",
+    _CASES,
+    ids=["t1-checkpoint", "t0-t1-checkpoint", "t0-checkpoint", "t1-direct"],
 )
 # The full suite (each case compiles a gradient twice); the quick loop checks the
 # shorter program (test_shorter_program), and `SaveAt(t1=True)`'s values and

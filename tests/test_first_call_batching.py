@@ -112,36 +112,15 @@ def test_bodies_batched_once(monkeypatch):
     assert len({id(c) for c in large}) == len(large), [len(c.jaxpr.eqns) for c in large]
 
 
-# The full suite; the quick loop's checkpointed-against-direct gradient of this
-# batch: test_traced_step.py::test_gradient_against_direct_and_differences[False];
-# its ensemble gradient: test_ensemble.py::test_gradient_matches_vmap.
-@pytest.mark.slow
-def test_gradient_against_direct_and_ensemble():
-    rates, y0 = _data()
-    got = jax.jit(jax.grad(_loss, (0, 1)))(rates, y0)
-    # The same discrete steps differentiated by another schedule: equal up to
-    # round-off of float64 sums (times the ~1e2 gain of the steps' controller).
-    want = jax.jit(jax.grad(lambda r, y: _loss(r, y, sk.DirectAdjoint()), (0, 1)))(
-        rates, y0
-    )
-    assert_tree_allclose(got, want, rtol=1e-10, atol=1e-12)
-
-    def ensemble_loss(rates, y0):
-        # Each lane's steps are those of its own solve (rtol as above).
-        term = sk.ODETerm(lambda t, y, p: _field_args(y, p))
-        sol = sk.ensemble_solve(
-            term, sk.Tsit5(), 0.0, 3.0, 0.05, y0, rates, lanes=2, max_steps=256,
-            stepsize_controller=sk.PIDController(rtol=TOL, atol=TOL),
-        )  # fmt: skip
-        return jnp.sum(sol.ys[:, -1] ** 2)
-
-    ensemble = jax.jit(jax.grad(ensemble_loss, (0, 1)))(rates, y0)
-    assert_tree_allclose(got, ensemble, rtol=1e-10, atol=1e-12)
+# This batch's checkpointed gradient against DirectAdjoint's (the same `lv_loss`,
+# data and tolerance) and central differences: test_traced_step.py::
+# test_gradient_against_direct_and_differences; against `ensemble_solve`'s:
+# test_ensemble.py::test_gradient_matches_vmap.
 
 
 def _field_args(y, p):
     """`helpers.lv_closing_over`'s field, with its closed-over values folded in
-    (scale 1, table[1] = 1)."""
+    (scale 1, table[1] = 1): the same steps."""
     a, b, c, d = p
     return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
 

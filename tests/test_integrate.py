@@ -632,15 +632,10 @@ def test_small_reductions_match_numpy():
         )
 
 
-@pytest.mark.parametrize(
-    "solver, adjoint",
-    [
-        ("Tsit5", "BacksolveAdjoint"),  # the backward pass's stages in a loop
-        ("Kvaerno5", "RecursiveCheckpointAdjoint"),  # stage sums, `(I - γhJ)^-1`
-        ("Rodas5P", "RecursiveCheckpointAdjoint"),  # dense output coefficients
-    ],
-)
-@pytest.mark.quick_cases("Tsit5-BacksolveAdjoint")
+# Tsit5 with the backward pass's stages in a loop, vmapped and lowered; every
+# solver's products (Kvaerno5's stage sums and `(I - γhJ)^-1`, Rodas5P's dense output
+# coefficients, ...), forward and reverse, are test_precision.py's.
+@pytest.mark.parametrize("solver, adjoint", [("Tsit5", "BacksolveAdjoint")])
 def test_float32_products_use_full_precision(solver, adjoint):
     """Every matrix product the engine makes in float32 asks for full precision: at
     default precision a GPU runs a large batched product in TF32 (10-bit mantissa),

@@ -214,8 +214,10 @@ def test_stiff_vdp_ensemble_float32_against_float64(solver):
     path agrees with a float64 solve at a tight tolerance, and takes no more steps
     than float32 needs: no rejection loop."""
 
-    def solve(dtype, rtol, mus):
+    @jax.jit
+    def batch(mus, rtol):  # the tolerance an operand: one program per dtype
         def one(mu):
+            dtype = mus.dtype
             y0 = jnp.asarray([2.0, 0.0], dtype)
             sol = sk.diffeqsolve(
                 sk.ODETerm(_vdp), solver, jnp.asarray(0.0, dtype),
@@ -225,7 +227,10 @@ def test_stiff_vdp_ensemble_float32_against_float64(solver):
             )  # fmt: skip
             return sol.ys[-1], sol.stats["num_steps"]
 
-        return jax.jit(jax.vmap(one))(mus.astype(dtype))
+        return jax.vmap(one)(mus)
+
+    def solve(dtype, rtol, mus):
+        return batch(mus.astype(dtype), jnp.asarray(rtol, dtype))
 
     with float64():
         mus = jnp.asarray(np.logspace(0, 2, 6))

@@ -158,43 +158,9 @@ def test_vmap_of_grad_equals_grad_of_vmap():
     _assert_close(summed, want, rtol=1e-9)
 
 
-@pytest.mark.slow
-def test_ensemble_lane_loop_backward_equals_direct():
-    # `ensemble_solve(kernel=False)` pulls each trajectory back through the same
-    # adjoint; here against the vmapped solve through `DirectAdjoint`.
-    def field(t, y, args):
-        rate, k = args
-        return jnp.stack([-rate * y[0] + k * y[1], -y[0] + jnp.sin(t)])
-
-    def loss(rates, ks, ts, solve):
-        ys = solve(rates, ks, ts)
-        return jnp.sum(jnp.arange(1.0, 1.0 + ts.shape[0])[None, :, None] * ys**2)
-
-    controller = sk.PIDController(rtol=1e-8, atol=1e-8)
-
-    def ensemble(rates, ks, ts):
-        return sk.ensemble_solve(
-            sk.ODETerm(field), sk.Tsit5(), 0.0, 2.0, 0.1, jnp.asarray(Y0),
-            (rates, ks), saveat=sk.SaveAt(ts=ts), stepsize_controller=controller,
-            kernel=False, lanes=2, max_steps=128,
-        ).ys  # fmt: skip
-
-    def vmapped(rates, ks, ts):
-        def one(y0, rate, k):
-            return sk.diffeqsolve(
-                sk.ODETerm(field), sk.Tsit5(), 0.0, 2.0, 0.1, y0, (rate, k),
-                saveat=sk.SaveAt(ts=ts), stepsize_controller=controller,
-                adjoint=DIRECT, max_steps=128,
-            ).ys  # fmt: skip
-
-        return jax.vmap(one)(jnp.asarray(Y0), rates, ks)
-
-    rates = jnp.asarray(TABLE[INDEX])
-    inputs = (rates, jnp.asarray(ARGS), jnp.asarray(TS))
-    got = jax.jit(jax.grad(functools.partial(loss, solve=ensemble), (0, 1, 2)))(*inputs)
-    want = jax.jit(jax.grad(functools.partial(loss, solve=vmapped), (0, 1, 2)))(*inputs)
-    # Same steps per trajectory: rounding only (see `test_checkpointed_equals_direct`).
-    _assert_close(got, want, rtol=1e-9)
+# `ensemble_solve(kernel=False)`'s gradient through save times (2 lanes: refilled
+# forwards, chunks backwards) against the vmapped solve's: tests/test_ensemble_ts_grad
+# .py::test_ensemble_equals_vmap[*-shared-chunked] (and per-trajectory save times).
 
 
 def _gradient_flops(num_ts: int) -> float | None:
