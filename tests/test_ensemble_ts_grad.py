@@ -129,6 +129,11 @@ def _assert_close(got, want, rtol):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
 
 
+# The chunked gradients of each path, by save times: the two paths' are compared
+# once both are in (`path` runs every case of one path, then of the other).
+_CHUNKED: dict[tuple[str, str], list] = {}
+
+
 # Quick loop: per-trajectory save times in the lockstep loop; shared ones, chunked:
 # test_against_finite_differences[one-hot-shared].
 @pytest.mark.quick_cases("one-hot-rows-lockstep")
@@ -144,6 +149,19 @@ def test_ensemble_equals_vmap(path, ts, lanes):
     want = _grad(_vmapped, None, path)(*inputs)
     _assert_close(got, want, rtol=1e-9)
     assert np.all(np.asarray(got[3]) != 0)  # every save time has its own derivative
+    if lanes == 2:
+        _assert_paths_equal(got, path, "rows" if ts.ndim == 2 else "shared")
+
+
+def _assert_paths_equal(got, path, ts_id):
+    """The paths' gradients (test_paths_equal, before it shared these programs):
+    the same operations but for how a row is read and written (exactly, both), so
+    equal to rounding (a sum of one row and zeros is exact; the rest is the order
+    XLA fuses in)."""
+    _CHUNKED[(path, ts_id)] = got
+    other = _CHUNKED.get(("index" if path == "one-hot" else "one-hot", ts_id))
+    if other is not None:
+        _assert_close(got, other, rtol=1e-12)
 
 
 # The programs of test_ensemble_equals_vmap[one-hot-rows-*]: compiled once for both.
@@ -166,22 +184,6 @@ def test_jitted_gradient_second_call_does_not_compile(path, solve, lanes):
         got = jax.block_until_ready(grad(*new))
     assert counter.count == 0
     assert all(np.all(np.isfinite(g)) for g in got)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
-def test_paths_equal(ts):
-    # The same operations but for how a row is read and written (exactly, both):
-    # equal to rounding (a sum of one row and zeros is exact; the rest is the
-    # order XLA fuses in).
-    inputs = _inputs(ts)
-    grads = []
-    # The active path first: its programs may be compiled already.
-    first = "one-hot" if _save.ONE_HOT_BACKENDS else "index"
-    for path in sorted(("one-hot", "index"), key=lambda p: p != first):
-        with _rows_by(path):
-            grads.append(_grad(_ensemble, 2, path)(*inputs))
-    _assert_close(*grads, rtol=1e-12)
 
 
 # The full suite; the quick loop's gradient through the rows:
