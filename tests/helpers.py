@@ -7,6 +7,7 @@ as it has no `__init__.py`).
 """
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -335,3 +336,16 @@ def lv_loss(rates, y0, adjoint=None, **kwargs):
     ys = jax.vmap(lambda r, y: lv_closing_over(r, y, adjoint, **kwargs))(rates, y0)
     return jnp.sum(ys**2)
 
+
+# --- Cases left to the full matrix ---------------------------------------------------
+
+# `SOLVERKIT_FULL_MATRIX=1` runs every case of the matrices; by default a case whose
+# feature x transformation another test checks is skipped, naming that test.
+FULL_MATRIX = os.environ.get("SOLVERKIT_FULL_MATRIX", "") not in ("", "0")
+
+
+def skip_unless_full_matrix(covered_by: str) -> None:
+    """Skips the calling test unless `SOLVERKIT_FULL_MATRIX=1`, with a reason that
+    names the test(s) that cover it (`covered_by`)."""
+    if not FULL_MATRIX:
+        pytest.skip(f"SOLVERKIT_FULL_MATRIX=1 only: covered by {covered_by}")
