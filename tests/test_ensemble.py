@@ -161,30 +161,6 @@ def test_failed_trajectories_throw_false_and_true():
         jax.block_until_ready(ensemble(y0, args, throw=True, lanes=4, **kw).ys)
 
 
-# The full suite; the quick loop's ensemble events:
-# test_every_field_matches_vmap[both_events].
-@pytest.mark.slow
-def test_events_match_vmap():
-    # A real-valued condition (located on the dense output) fires for some
-    # trajectories only: x falls back to 1 / 2 after rising.
-    y0, args = inputs()
-
-    def cond(t, y, args, **kwargs):
-        return y[0] - 0.5
-
-    kw = dict(
-        saveat=sk.SaveAt(t1=True),
-        stepsize_controller=PID,
-        event=sk.Event(cond, direction=False),
-    )
-    ref = vmapped(y0, args, **kw)
-    fired = np.asarray(ref.result.code) == sk.RESULTS.event_occurred.code
-    assert fired.any() and not fired.all()
-    sol = ensemble(y0, args, lanes=4, **kw)
-    same(sol, ref)
-    np.testing.assert_array_equal(sol.event_mask, ref.event_mask)
-
-
 def test_zero_length_and_one_trajectory():
     y0, args = inputs(1)
     sol = sk.ensemble_solve(TERM, sk.Tsit5(), 0.5, 0.5, 0.01, y0, args)
@@ -667,6 +643,12 @@ def test_every_field_matches_vmap(feature):
         assert ref.event_mask is not None or ref.events is not None
     if ref.events is not None:
         assert np.asarray(ref.events.num).max() > 0
+    # test_events_match_vmap solved this case again: its checks are here now.
+    if feature == "terminating_event":
+        # A real-valued condition (located on the dense output) fires for some
+        # trajectories only: x falls back to 1 / 2 after rising.
+        fired = np.asarray(ref.result.code) == sk.RESULTS.event_occurred.code
+        assert fired.any() and not fired.all()
     got, want = _fields(sol), _fields(ref)
     assert set(got) == set(want)
     for name in want:
