@@ -11,7 +11,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tree_allclose
+from helpers import skip_unless_full_matrix, tree_allclose
 
 import solverkit as sk
 
@@ -705,6 +705,12 @@ def test_float32_agrees_to_the_tolerance():
 def test_refill_sizes_match_vmap(lanes, refill, feature):
     # Any refill size (1: one lane at a time; 3 of 4 lanes; all lanes), with events
     # located as a refilled lane is finished: every field as the vmapped solve's.
+    if feature == "continuing_event" and lanes != 4:
+        skip_unless_full_matrix(
+            "[terminating_event-5-5] and [terminating_event-3-None] (these refill "
+            "sizes), [continuing_event-4-3] (a continuing event's rows refilled "
+            "several lanes at a time)"
+        )
     kw = FEATURES[feature]
     y0, args = inputs()
     sol = ensemble(y0, args, lanes=lanes, refill=refill, **kw)
