@@ -770,18 +770,25 @@ def test_repeated_equations_merged():
     keys = _equation_keys(closed.jaxpr)
     assert len(keys) == len(set(keys))
     assert len(closed.jaxpr.eqns) < len(jax.make_jaxpr(field)(y).jaxpr.eqns)
-    np.testing.assert_allclose(closed(y), field(y))
-    np.testing.assert_allclose(jax.jacrev(closed)(y), jax.jacrev(field)(y))
+    # Each side one jitted program (eagerly, every op was a compile).
+    both = lambda f: jax.jit(lambda y: (f(y), jax.jacrev(f)(y)))(y)  # noqa: E731
+    for a, b in zip(both(closed), both(field), strict=True):
+        np.testing.assert_allclose(a, b)
     loss = lambda c, y: jnp.sum(c(y) ** 2)
-    grad_c = jax.grad(loss)(closed, y).consts
+    grad_c = eqx.filter_jit(jax.grad(loss))(closed, y).consts
     np.testing.assert_allclose(
         grad_c[0],
-        jax.grad(
-            lambda q: jnp.sum(
-                jnp.stack(
-                    [q[0] * y[0] - q[1] * y[0] * y[1], q[3] * y[0] * y[1] - q[2] * y[1]]
+        jax.jit(
+            jax.grad(
+                lambda q: jnp.sum(
+                    jnp.stack(
+                        [
+                            q[0] * y[0] - q[1] * y[0] * y[1],
+                            q[3] * y[0] * y[1] - q[2] * y[1],
+                        ]
+                    )
+                    ** 2
                 )
-                ** 2
             )
         )(p),
         rtol=1e-6,
