@@ -357,8 +357,10 @@ def lv_loss(rates, y0, adjoint=None, **kwargs):
     return jnp.sum(ys**2)
 
 
-# `SOLVERKIT_FULL_MATRIX=1` runs the cases that the suite leaves out because another
-# test covers the same feature x transformation (each names that test).
+# --- Cases left to the full matrix ---------------------------------------------------
+
+# `SOLVERKIT_FULL_MATRIX=1` runs every case of the matrices; by default a case whose
+# feature x transformation another test checks is skipped, naming that test.
 FULL_MATRIX = os.environ.get("SOLVERKIT_FULL_MATRIX", "") not in ("", "0")
 
 
@@ -375,5 +377,12 @@ def full_matrix_only(covered_by: str) -> pytest.MarkDecorator:
     The mark (a `skipif`).
     """
     return pytest.mark.skipif(
-        not FULL_MATRIX, reason=f"SOLVERKIT_FULL_MATRIX only: covered by {covered_by}"
+        not FULL_MATRIX, reason=f"SOLVERKIT_FULL_MATRIX=1 only: covered by {covered_by}"
     )
+
+
+def skip_unless_full_matrix(covered_by: str) -> None:
+    """`full_matrix_only` from inside a test (for a case of a parametrization known
+    only in its body): skips it unless `SOLVERKIT_FULL_MATRIX=1`."""
+    if not FULL_MATRIX:
+        pytest.skip(f"SOLVERKIT_FULL_MATRIX=1 only: covered by {covered_by}")

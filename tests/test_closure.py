@@ -770,18 +770,25 @@ def test_repeated_equations_merged():
     keys = _equation_keys(closed.jaxpr)
     assert len(keys) == len(set(keys))
     assert len(closed.jaxpr.eqns) < len(jax.make_jaxpr(field)(y).jaxpr.eqns)
-    np.testing.assert_allclose(closed(y), field(y))
-    np.testing.assert_allclose(jax.jacrev(closed)(y), jax.jacrev(field)(y))
+    # Each side one jitted program (eagerly, every op was a compile).
+    both = lambda f: jax.jit(lambda y: (f(y), jax.jacrev(f)(y)))(y)  # noqa: E731
+    for a, b in zip(both(closed), both(field), strict=True):
+        np.testing.assert_allclose(a, b)
     loss = lambda c, y: jnp.sum(c(y) ** 2)
-    grad_c = jax.grad(loss)(closed, y).consts
+    grad_c = eqx.filter_jit(jax.grad(loss))(closed, y).consts
     np.testing.assert_allclose(
         grad_c[0],
-        jax.grad(
-            lambda q: jnp.sum(
-                jnp.stack(
-                    [q[0] * y[0] - q[1] * y[0] * y[1], q[3] * y[0] * y[1] - q[2] * y[1]]
+        jax.jit(
+            jax.grad(
+                lambda q: jnp.sum(
+                    jnp.stack(
+                        [
+                            q[0] * y[0] - q[1] * y[0] * y[1],
+                            q[3] * y[0] * y[1] - q[2] * y[1],
+                        ]
+                    )
+                    ** 2
                 )
-                ** 2
             )
         )(p),
         rtol=1e-6,
@@ -823,15 +830,24 @@ def test_slices_become_one_split(name):
     text = str(closed.jaxpr)
     untouched = name in ("two axes", "strided", "empty")
     assert ("split[" in text) != untouched
-    np.testing.assert_allclose(closed(y), field(y))
-    for jac in (jax.jacrev, jax.jacfwd):
-        np.testing.assert_allclose(jac(closed)(y), jac(field)(y))
+    # Each side one jitted program (eagerly, every op was a compile).
     ys = jnp.stack([y, 2 * y, -y])
-    np.testing.assert_allclose(
-        jax.vmap(jax.jacrev(closed))(ys), jax.vmap(jax.jacrev(field))(ys)
-    )
+    got, want = (jax.jit(_values_and_jacobians(f))(y, ys) for f in (closed, field))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b)
     grad = jax.make_jaxpr(jax.grad(lambda y: jnp.sum(closed(y))))(y)
     assert ("= pad[" in str(grad)) == untouched
+
+
+def _values_and_jacobians(f):
+    """`f(y)`, its Jacobians by `jacrev` and `jacfwd` at `y`, and by `jacrev` under
+    `vmap` over `ys`."""
+    return lambda y, ys: (
+        f(y),
+        jax.jacrev(f)(y),
+        jax.jacfwd(f)(y),
+        jax.vmap(jax.jacrev(f))(ys),
+    )
 
 
 def test_repeated_equations_merged_inside_jit():

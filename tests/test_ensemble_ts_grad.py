@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_compiles
+from helpers import count_compiles, skip_unless_full_matrix
 from jax.extend import core as jcore
 from jax.flatten_util import ravel_pytree
 
@@ -129,6 +129,11 @@ def _assert_close(got, want, rtol):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
 
 
+# The chunked gradients of each path, by save times: the two paths' are compared
+# once both are in (`path` runs every case of one path, then of the other).
+_CHUNKED: dict[tuple[str, str], list] = {}
+
+
 # Quick loop: per-trajectory save times in the lockstep loop; shared ones, chunked:
 # test_against_finite_differences[one-hot-shared].
 @pytest.mark.quick_cases("one-hot-rows-lockstep")
@@ -139,11 +144,29 @@ def test_ensemble_equals_vmap(path, ts, lanes):
     # loop, refilled): float64 rounding over ~20 steps forward and back, ~1e-13 of
     # the gradient's scale; 1e-9 leaves a wide margin. With 2 lanes the forward pass
     # refills and the backward pass runs in chunks.
+    if lanes == N and ts.ndim == 1:
+        skip_unless_full_matrix(
+            "this test's [path-rows-lockstep] (the lockstep loop's gradient) and "
+            "[path-shared-chunked] (shared save times)"
+        )
     inputs = _inputs(ts)
     got = _grad(_ensemble, lanes, path)(*inputs)
     want = _grad(_vmapped, None, path)(*inputs)
     _assert_close(got, want, rtol=1e-9)
     assert np.all(np.asarray(got[3]) != 0)  # every save time has its own derivative
+    if lanes == 2:
+        _assert_paths_equal(got, path, "rows" if ts.ndim == 2 else "shared")
+
+
+def _assert_paths_equal(got, path, ts_id):
+    """The paths' gradients (test_paths_equal, before it shared these programs):
+    the same operations but for how a row is read and written (exactly, both), so
+    equal to rounding (a sum of one row and zeros is exact; the rest is the order
+    XLA fuses in)."""
+    _CHUNKED[(path, ts_id)] = got
+    other = _CHUNKED.get(("index" if path == "one-hot" else "one-hot", ts_id))
+    if other is not None:
+        _assert_close(got, other, rtol=1e-12)
 
 
 # The programs of test_ensemble_equals_vmap[one-hot-rows-*]: compiled once for both.
@@ -168,22 +191,6 @@ def test_jitted_gradient_second_call_does_not_compile(path, solve, lanes):
     assert all(np.all(np.isfinite(g)) for g in got)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
-def test_paths_equal(ts):
-    # The same operations but for how a row is read and written (exactly, both):
-    # equal to rounding (a sum of one row and zeros is exact; the rest is the
-    # order XLA fuses in).
-    inputs = _inputs(ts)
-    grads = []
-    # The active path first: its programs may be compiled already.
-    first = "one-hot" if _save.ONE_HOT_BACKENDS else "index"
-    for path in sorted(("one-hot", "index"), key=lambda p: p != first):
-        with _rows_by(path):
-            grads.append(_grad(_ensemble, 2, path)(*inputs))
-    _assert_close(*grads, rtol=1e-12)
-
-
 # The full suite; the quick loop's gradient through the rows:
 # test_ensemble_equals_vmap[one-hot-rows-lockstep]; gradients through save times
 # against DirectAdjoint: tests/test_ts_gradients.py::test_checkpointed_equals_direct.
@@ -195,6 +202,11 @@ def test_against_finite_differences(path, ts):
     # discrete solution's derivative by the truncation (~eps^2), the rounding
     # (1e-16 / 1e-6) and the step sizes' smooth dependence on the inputs (which
     # reverse mode holds fixed: ~rtol); 1e-5 relative as the other adjoint tests.
+    if path == "index":
+        skip_unless_full_matrix(
+            "test_against_finite_differences[one-hot-*] and the paths' gradients "
+            "equal to 1e-12 (test_ensemble_equals_vmap[*-chunked])"
+        )
     inputs = _inputs(ts)
     flat, unravel = ravel_pytree(inputs)
     value = jax.jit(lambda x: _loss(*unravel(x), solve=_ensemble, lanes=2))

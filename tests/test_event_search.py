@@ -245,10 +245,15 @@ def test_spiking_neurons_second_adam_step():
     # ~5,700 evaluations of the condition here; the old code's loop never ended.
     counter = _Counter(limit=50_000)
 
-    def record(w):
-        return jax.vmap(lambda k: _neuron(w, k, counter).events)(jnp.arange(8))
+    def loss(w):
+        events = jax.vmap(lambda k: _neuron(w, k, counter).events)(jnp.arange(8))
+        ts = events.ts
+        return jnp.sum(jnp.where(jnp.isfinite(ts), ts, 0.0)), events
 
-    events = jax.jit(record)(weights)
+    # The spike times and their gradient from one program (the gradient's forward
+    # pass): the condition's evaluations forwards and backwards, about twice the
+    # forward's work.
+    grad, events = jax.jit(jax.grad(loss, has_aux=True))(weights)
     unbounded = _Counter(limit=2**62)
     solve = jax.jit(lambda w, k, t0: _neuron(w, k, unbounded, t0, terminal=True))
     for k in range(8):
@@ -261,12 +266,6 @@ def test_spiking_neurons_second_adam_step():
         # the next spikes: 12 of them within 1e-5 ms.
         np.testing.assert_allclose(events.ts[k, :n], spikes, rtol=0, atol=1e-5)
 
-    def loss(w):
-        ts = record(w).ts
-        return jnp.sum(jnp.where(jnp.isfinite(ts), ts, 0.0))
-
-    counter.calls = 0  # forwards and backwards: about twice the forward's work
-    grad = jax.jit(jax.grad(loss))(weights)
     for k in (3, 7):
         expected = jax.grad(lambda w: sum(_restart_loop(w, k, solve)))(weights)
         # The same steps: equal to rounding (3e-13 here); a different step would

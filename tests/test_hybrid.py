@@ -143,21 +143,25 @@ def test_integrate_and_fire_closures_vmap_grad():
     with float64():
         thresholds = jnp.array([1.0, 1.5])
         ks = jnp.array([0, 1])
-        sols = jax.vmap(lambda k: _neuron(2.0, 0.2, thresholds, k))(ks)
+
+        def third(reset, k):
+            events = _neuron(2.0, reset, thresholds, k).events
+            return events.ts[2], events
+
+        # The spikes and the gradient from one solve (the gradient's forward pass).
+        grads, events = jax.vmap(jax.grad(third, has_aux=True), in_axes=(None, 0))(
+            0.2, ks
+        )
         for i, k in enumerate(np.asarray(ks)):
-            n = int(sols.events.num[i])
+            n = int(events.num[i])
             expected = _spikes(2.0, 0.2, float(thresholds[k]), 64)
             assert n == int(np.sum(expected < 5.0))
-            np.testing.assert_allclose(sols.events.ts[i, :n], expected[:n], atol=1e-9)
+            np.testing.assert_allclose(events.ts[i, :n], expected[:n], atol=1e-9)
 
         # d(third spike time)/d(reset) = -2 tau / (I - reset): the reset is only
         # in the effect's closure. (The derivative of the computed spike times
         # converges with the tolerance: measured errors 1e-5, 4e-7, 3e-9 at
         # rtol 1e-6, 1e-8, 1e-12.)
-        def third(reset, k):
-            return _neuron(2.0, reset, thresholds, k).events.ts[2]
-
-        grads = jax.vmap(jax.grad(third), in_axes=(None, 0))(0.2, ks)
         np.testing.assert_allclose(grads, -2 * TAU / (2.0 - 0.2), rtol=1e-7)
 
 
@@ -273,7 +277,9 @@ def test_spike_time_gradient_after_many_spikes():
         # level of the local errors over 15 spikes: measured 1.4e-6 to 2e-6 (JAX
         # 0.10 and 0.12, XLA optimizations on and off). So 1e-5 at tol 1e-11: ten
         # times tighter than at 1e-8, which is the convergence this test shows.
+        # (The tolerance an operand: one program for both.)
         for tol, h, rtol in [(1e-8, 1e-6, 1e-4), (1e-11, 1e-4, 1e-5)]:
+            tol = jnp.asarray(tol)
             got = jax.grad(spike)(1.5, tol)
             fd = (spike(1.5 + h, tol) - spike(1.5 - h, tol)) / (2 * h)
             np.testing.assert_allclose(got, fd, rtol=rtol)
@@ -389,20 +395,20 @@ def test_step_ending_just_before_a_crossing_is_not_an_accumulation(dtype):
             )
             return sol.events.ts, sol.result.code, sol.stats["num_steps"]
 
+        def total(a):
+            out = jax.vmap(spikes, in_axes=(None, 0))(a, ds)
+            times = out[0]
+            return jnp.sum(jnp.where(jnp.isfinite(times), times, 0)), out
+
+        # The values and the gradient from one program (the gradient's forward pass).
         a = jnp.asarray(1.0, dtype)
-        ts, code, steps = jax.jit(jax.vmap(spikes, in_axes=(None, 0)))(a, ds)
+        got, (ts, code, steps) = jax.jit(jax.grad(total, has_aux=True))(a)
         np.testing.assert_array_equal(code, sk.RESULTS.successful.code)
         # 11 grid steps, and at most one more a crossing (the rest of a cut step).
         assert np.all(np.asarray(steps) <= 16)
         want = np.array([1.0, 2.0, 3.0, 4.0, 5.0] + [np.inf] * 3)
         # Each location exact to the rounding of the times (Tsit5 is exact here).
         np.testing.assert_allclose(ts, np.broadcast_to(want, ts.shape), rtol=20 * eps)
-
-        def total(a):
-            times = jax.vmap(spikes, in_axes=(None, 0))(a, ds)[0]
-            return jnp.sum(jnp.where(jnp.isfinite(times), times, 0))
-
-        got = jax.jit(jax.grad(total))(a)
         # Each d's five spike times: -(1 + ... + 5) / a**2 = -15, to rounding.
         np.testing.assert_allclose(got, -15.0 * len(ds), rtol=100 * eps)
 
@@ -418,12 +424,16 @@ def test_event_rows_written_by_one_hot_selects_as_by_index(monkeypatch):
     vmap over the restitution and grad."""
     from solverkit import _save
 
+    def third(e):
+        events = _ball(e, max_events=8).events
+        return events.ts[2], (events.ts, events.ys)
+
     def run():
+        # The rows and the gradient from one program (the gradient's forward pass).
         with float64():
             es = jnp.array([0.8, 0.85, 0.9])
-            sol = jax.jit(jax.vmap(lambda e: _ball(e, max_events=8)))(es)
-            grad = jax.jit(jax.vmap(jax.grad(lambda e: _ball(e).events.ts[2])))(es)
-            return sol.events.ts, sol.events.ys, grad
+            grad, (ts, ys) = jax.jit(jax.vmap(jax.grad(third, has_aux=True)))(es)
+            return ts, ys, grad
 
     by_index = run()
     monkeypatch.setattr(_save, "ONE_HOT_BACKENDS", (jax.default_backend(),))

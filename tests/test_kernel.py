@@ -109,23 +109,38 @@ def _loss(kernel, y0, rho, sigma, beta):
     return jnp.sum(sol.ys[:, 1:] ** 2)
 
 
+@functools.cache
+def _vmapped_value_and_grad(kernel):
+    """`_loss` and its gradient with respect to y0, rho, sigma and beta (closed
+    over), jitted and vmapped over sigma: one program per path."""
+    value_and_grad = jax.value_and_grad(
+        lambda y0, rho, s, b: _loss(kernel, y0, rho, s, b), argnums=(0, 1, 2, 3)
+    )
+    return jax.jit(jax.vmap(value_and_grad, in_axes=(None, None, 0, None)))
+
+
 @pytest.mark.slow
-def test_gradients_float64(x64):
+def test_gradients_and_vmap_of_grad_float64(x64):
+    """The gradient with respect to y0, a per-trajectory float and two closed-over
+    arrays, under `jit`, and `jax.vmap` over a closed-over float of the loss and of
+    its gradient (one program: it was two tests of three programs each)."""
     n = 128
     y0, (rho, _) = _problem(jnp.float64, n)
-    sigma, beta = jnp.asarray(10.0), jnp.asarray(8 / 3)
-    grad = jax.jit(jax.grad(_loss, argnums=(1, 2, 3, 4)), static_argnums=0)
-    g_kernel = grad(True, y0, rho, sigma, beta)
-    g_ref = grad(False, y0, rho, sigma, beta)
+    beta = jnp.asarray(8 / 3)
+    e = 1e-5
+    sigmas = jnp.asarray([9.0, 10.0, 10.0 + e, 10.0 - e])
+    v_kernel, g_kernel = _vmapped_value_and_grad(True)(y0, rho, sigmas, beta)
+    v_ref, g_ref = _vmapped_value_and_grad(False)(y0, rho, sigmas, beta)
+    # The forward pass to round-off (same steps, same arithmetic).
+    np.testing.assert_allclose(v_kernel, v_ref, rtol=1e-10)
     # The backward pass is the vmap path's: equal up to round-off.
     for a, b in zip(g_kernel, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
-    # ... and a central difference in sigma (step 1e-5: error ~1e-10 x curvature).
-    e = 1e-5
-    fd = (
-        _loss(False, y0, rho, sigma + e, beta) - _loss(False, y0, rho, sigma - e, beta)
-    ) / (2 * e)
-    np.testing.assert_allclose(g_kernel[2], fd, rtol=1e-4)
+    np.testing.assert_allclose(g_kernel[2], g_ref[2], rtol=1e-10)
+    # ... and a central difference in sigma at 10 (step 1e-5: error ~1e-10 x
+    # curvature).
+    fd = (v_ref[2] - v_ref[3]) / (2 * e)
+    np.testing.assert_allclose(g_kernel[2][1], fd, rtol=1e-4)
 
 
 # The full suite; the quick loop's kernel reaching max_steps:
@@ -228,24 +243,6 @@ def test_event_float64(x64, cond):
     if cond == "real":  # the analytic time of the fall, to the tolerance's order
         exact = jnp.sqrt(2 * y0[:, 0] / (9.81 * a))
         np.testing.assert_allclose(kern.t1, exact, rtol=1e-6)
-
-
-@pytest.mark.slow
-def test_vmap_of_grad_float64(x64):
-    """`jax.vmap` over a closed-over float, of a gradient with respect to it."""
-    y0, (rho, k) = _problem(jnp.float64, 128)
-
-    def loss(sigma, kernel):
-        ts = jnp.linspace(0, 0.5, 3)
-        sol = _solve(y0, (rho, k), sigma, 8 / 3, kernel, sk.Tsit5(), 1e-8, ts)
-        return jnp.sum(sol.ys**2)
-
-    sigmas = jnp.asarray([9.0, 10.0])
-    for f in (loss, jax.grad(loss)):
-        got = jax.jit(jax.vmap(lambda s: f(s, True)))(sigmas)
-        want = jax.jit(jax.vmap(lambda s: f(s, False)))(sigmas)
-        # The forward pass to round-off (same steps); the backward pass is the same.
-        np.testing.assert_allclose(got, want, rtol=1e-10)
 
 
 # The full suite; the quick loop's kernel values: test_event_float64[real].

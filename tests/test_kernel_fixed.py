@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import FULL_MATRIX
 from test_kernel import _lorenz, _problem, assert_kernel_selects_on_real_tiles
 
 import solverkit as sk
@@ -151,28 +152,38 @@ def _vmapped_grad(kernel):
     return jax.jit(jax.vmap(grad, in_axes=(None, None, 0)))
 
 
-def _grads(backward, monkeypatch):
-    """`(inputs, the kernel's gradients with `backward`, kernel=False's)`."""
+def _grads(monkeypatch):
+    """`(inputs, {backward: the kernel's gradients with it})`, each against
+    kernel=False's (computed once)."""
     y0, (rho, _) = _problem(jnp.float64, N)
     sigmas = jnp.asarray([9.0, 10.0])
     want = _vmapped_grad(False)(y0, rho, sigmas)
-    monkeypatch.setattr(_kernel_solve, "BACKWARD", backward)
-    got = _vmapped_grad(True)(y0, rho, sigmas)
-    for a, b in zip(got, want):
-        # The same derivative of the same discrete solve (step times have no
-        # derivative in either): round-off over 34 steps, far below 1e-8.
-        scale = float(jnp.max(jnp.abs(b)))
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * scale)
+    got = {}
+    # The loop's backward pass from the kernel's steps with SOLVERKIT_FULL_MATRIX=1
+    # only: test_kernel_tangent.py::test_tangent_backward_matches_loop_float64
+    # checks it (adaptive steps), and the tangents here check the fixed steps.
+    for backward in ("tangent", "loop") if FULL_MATRIX else ("tangent",):
+        monkeypatch.setattr(_kernel_solve, "BACKWARD", backward)
+        got[backward] = _vmapped_grad(True)(y0, rho, sigmas)
+        for a, b in zip(got[backward], want):
+            # The same derivative of the same discrete solve (step times have no
+            # derivative in either): round-off over 34 steps, far below 1e-8.
+            scale = float(jnp.max(jnp.abs(b)))
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * scale)
     return (y0, rho), got
 
 
-# The full suite (16 CPU s); the quick loop's kernel gradient:
+# The full suite (10 CPU s); the quick loop's kernel gradient:
 # tests/test_kernel_tangent.py.
 @pytest.mark.slow
-def test_gradients_tangent_float64(x64, monkeypatch):
-    """Forward sensitivities in the kernel (the default backward pass), under `jit`
-    and `vmap`: `kernel=False`'s gradient and a central difference."""
-    (y0, rho), got = _grads("tangent", monkeypatch)
+def test_gradients_tangent_and_loop_backward_float64(x64, monkeypatch):
+    """Forward sensitivities in the kernel (the default backward pass) and, with
+    SOLVERKIT_FULL_MATRIX=1, the lane loop's backward pass (where the kernel's does
+    not apply: an event, more than 32 inputs) from the kernel's step counts, under
+    `jit` and `vmap`: `kernel=False`'s gradient (computed once for both; they were
+    two tests) and a central difference."""
+    (y0, rho), got = _grads(monkeypatch)
+    monkeypatch.setattr(_kernel_solve, "BACKWARD", "tangent")
     # A central difference along a direction of (y0, rho, sigma): the discrete
     # solve is smooth in them (fixed steps), so O(e^2) = 1e-10 relative, plus
     # round-off ~1e-16 / e.
@@ -181,16 +192,9 @@ def test_gradients_tangent_float64(x64, monkeypatch):
     e = 1e-5
     pair = jax.jit(jax.vmap(along))(jnp.asarray([e, -e]))
     fd = (pair[0] - pair[1]) / (2 * e)
-    g_y, g_r, g_s = (x[1] for x in got)  # at sigma = 10
+    g_y, g_r, g_s = (x[1] for x in got["tangent"])  # at sigma = 10
     exact = jnp.sum(g_y * dy) + jnp.sum(g_r * dr) + g_s
     np.testing.assert_allclose(exact, fd, rtol=1e-6)
-
-
-@pytest.mark.slow
-def test_gradients_loop_backward_float64(x64, monkeypatch):
-    """The lane loop's backward pass (where the kernel's does not apply: an event,
-    more than 32 inputs), from the kernel's step counts."""
-    _grads("loop", monkeypatch)
 
 
 def test_unsupported_controllers_and_missing_dt0():
