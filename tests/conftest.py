@@ -8,7 +8,7 @@ plain helper functions, problems and solver lists live in `helpers.py`.
 
 Markers (registered in pyproject.toml, `--strict-markers`): `slow` marks the example
 and benchmark subprocesses and the long checks; `python -m pytest -q -m "not slow"` is
-the quick loop (about 3 minutes on two cores; the budget is 2), `python -m pytest -q`
+the quick loop (about 3.5 minutes on two cores; the budget is 2), `python -m pytest -q`
 runs everything.
 `quick_cases(...)` on a parametrized test keeps the named cases in the quick loop and
 marks the others slow: one representative per feature there, the products in the full
