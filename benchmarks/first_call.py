@@ -56,6 +56,7 @@ QUICK = [
     ("lorenz", "fixed-forward", 256),
     ("lorenz", "adaptive-forward", 256),
     ("lorenz", "adaptive-grad", 256),
+    ("lorenz", "fixed-grad", 256),  # the accel table's largest single-shot ratio
     ("neural_ode", "grad-backsolve", 256),
     ("stiff", "rober", 64),
     ("stiff", "hires", 64),
