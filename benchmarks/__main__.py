@@ -283,15 +283,21 @@ def run_task(
         record.note = f"error check failed: {first_line(e)}"
 
 
-def _references(case: Case, sizes: list[int]) -> dict[int, Reference | None]:
+def _references(
+    case: Case, sizes: list[int], deadline: float = math.inf
+) -> dict[int, Reference | None]:
     """Every size's reference, computed before any timing (timing clears JAX's
-    caches, and the reference compiles once for all sizes)."""
+    caches, and the reference compiles once for all sizes); none past `deadline`
+    (`time.monotonic()`'s), where no row would run."""
     references: dict[int, Reference | None] = {}
     # On the host CPU where JAX has one: references are float64, which an
     # accelerator may lack or emulate (diffrax's float64 solves fail on a TPU).
     cpus = jax.devices("cpu") if _has_cpu() else []
     where = jax.default_device(cpus[0]) if cpus else contextlib.nullcontext()
     for size in sizes:
+        if time.monotonic() > deadline:
+            references[size] = None
+            continue
         try:
             with where:
                 references[size] = case.reference(size)
@@ -359,7 +365,7 @@ def run_case(
     too_slow: dict[tuple[str, str], int] = {}  # (variant, library) -> size past budget
     todo = plan(case, sizes, libs, args)
     progress(f"{case.name}: references")
-    references = _references(case, sorted({size for size, _ in todo}))
+    references = _references(case, sorted({size for size, _ in todo}), deadline)
     for size, task in todo:
         progress(f"{case.name} N={size} {task.variant} {task.library}")
         record = Record(case.name, task.variant, size, task.library, task.dtype)

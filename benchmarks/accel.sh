@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The whole benchmark suite on whatever accelerator JAX sees (TPU or GPU), in one
 # command, inside 9.5 minutes on one TPU v5e (the step limits below
-# come from the run in benchmarks/results/tpu-v5-lite/stop48_a/):
+# come from the runs in benchmarks/results/tpu-v5-lite/stop48_a/ and stop49_a/):
 #
 #   bash benchmarks/accel.sh [more `python -m benchmarks` flags, e.g. --out DIR]
 #
 # Writes benchmarks/results/<device-kind>/ (e.g. tpu-v5-lite/): results.json,
-# results.md and one PNG per case (no PNGs without matplotlib), ensemble.md,
-# stiff_ensemble.md, events.json. On a TPU everything runs in float32 (float64 is
+# results.md, ensemble.md, stiff_ensemble.md, events.json, and one PNG per case
+# where matplotlib is installed (it is not installed for the run, see MPL_INDEX:
+# `python -m benchmarks.report DIR` draws them afterwards from results.json). On a TPU everything runs in float32 (float64 is
 # emulated there, and diffrax's float64 solves fail); DTYPE=float32 forces it
 # elsewhere. Each step runs in its own process under its own time limit, so a crash
 # or an out-of-memory in one loses that step's unfinished rows only (the suite
@@ -23,7 +24,8 @@
 #      skipped if absent), 6. benchmarks.ensemble (`ensemble_solve`'s defaults
 #      against lockstep `jax.vmap`), 7. benchmarks.stiff_ensemble (VdP, N = 16,384:
 #      Rodas5P vmapped and through `ensemble_solve`, Kvaerno5, BDF),
-#      8. benchmarks.events (N = 1024, forward), 9. the neural ODE, N = 256 and 4096.
+#      8. benchmarks.events (N = 1024, forward); 9. the neural ODE, N = 256 and 4096,
+#      only when asked for (ACCEL_STEPS=9: it does not fit the 10 minutes).
 #
 # Steps 1-3 run solverkit twice, as `jax.vmap(diffeqsolve)` (`solverkit`) and
 # through its ensemble API, `ensemble_solve(kernel=None)` (`solverkit-ensemble`: the
@@ -57,12 +59,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-MPL_INDEX="${MPL_INDEX:-file:///opt/pypi/simple}"
+# No matplotlib is installed for the run (pip and the plots cost the budget): draw
+# the plots afterwards with `python -m benchmarks.report OUT` anywhere, or set
+# MPL_INDEX (e.g. file:///opt/pypi/simple, a local index) to install it first.
+MPL_INDEX="${MPL_INDEX:-}"
 # shellcheck source=benchmarks/common.sh
 . benchmarks/common.sh
 bench_packages || exit 1
 backend=$(bench_backend accel.sh tpu gpu) || exit 1
-"$PYTHON" -c "import jax; print('accel.sh: jax', jax.__version__, jax.devices())" >&2
 if [ "$backend" = "tpu" ]; then DTYPE="${DTYPE:-float32}"; fi
 dtype_flag=()
 [ -n "${DTYPE:-}" ] && dtype_flag=(--dtype "$DTYPE")
@@ -94,6 +98,9 @@ suite() {
         || { echo "accel.sh: step exited with $?" >&2; rc=1; }
 }
 
+# ended N START: say when step N (begun at START s) ended.
+ended() { echo "accel.sh: step $1 ended after $((SECONDS - $2)) s (${SECONDS} s in all)" >&2; }
+
 # Step limits (PLANNED DEADLINE) from the chip's costs (results/tpu-v5-lite/
 # stop48_a, first call + runs; each step's process start-up and exit ~10 s): at
 # N = 4096 and 65,536 the adaptive variants and the fixed-step forward take ~85 s
@@ -106,25 +113,30 @@ suite() {
 # writes afresh, the others --append. The peers are solverkit (`jax.vmap`), its
 # ensemble API and diffrax (ACCEL_PEERS; gradsolve, float32 in its fixed-step rows
 # only, costs ~10 s of first calls: ACCEL_PEERS=solverkit,solverkit-ensemble,diffrax,gradsolve).
-# ACCEL_STEPS (e.g. 2,3,6) runs only those of the nine steps (numbered as above).
-want() { [[ ",${ACCEL_STEPS:-1,2,3,4,5,6,7,8,9}," == *",$1,"* ]]; }
+# ACCEL_STEPS (default 1-8; e.g. 2,3,6) runs only those of the nine steps
+# (numbered as above). Each step's end is logged with the seconds it took.
+want() { [[ ",${ACCEL_STEPS:-1,2,3,4,5,6,7,8}," == *",$1,"* ]] && start=$SECONDS; }
 peers=(--peers "${ACCEL_PEERS:-solverkit,solverkit-ensemble,diffrax}")
 lorenz_sizes="${LORENZ_SIZES:-4096,65536}"
 if want 1; then
     suite 115 95 "${peers[@]}" --cases lorenz --sizes "$lorenz_sizes" \
         --variants adaptive-forward,adaptive-grad,fixed-forward "$@"
+    ended 1 "$start"
 fi
 if want 2; then
-    suite 40 25 "${peers[@]}" --cases lorenz --sizes "${lorenz_sizes%%,*}" \
+    suite 50 25 "${peers[@]}" --cases lorenz --sizes "${lorenz_sizes%%,*}" \
         --variants fixed-grad --append "$@"
+    ended 2 "$start"
 fi
 if want 3; then
     suite 85 60 "${peers[@]}" --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
         --variants fixed-grad,adaptive-forward,adaptive-grad,fixed-forward \
         --grad-max-size 1048576 --append "$@"
+    ended 3 "$start"
 fi
 if want 4; then
     suite 70 45 "${peers[@]}" --cases lotka_volterra --sizes "${LV_SIZE:-4096}" --append "$@"
+    ended 4 "$start"
 fi
 
 # The kernel against the vmapped loop at one size, with steps and time per step;
@@ -134,6 +146,7 @@ if want 5; then
     bench_module "$(limit 25)" kernel ${KERNEL_ARGS:---sizes 65536 \
         --methods kernel,vmap --cases lorenz --repeats 2} \
         ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/kernel" || rc=1
+    ended 5 "$start"
 fi
 # `ensemble_solve` with every default (`--lanes k`: the whole-solve kernel where it
 # supports the solve) against the lockstep `jax.vmap`, Lorenz rho <= 100 and 28,
@@ -144,6 +157,7 @@ if want 6; then
     bench_module "$lim" ensemble --budget-s $((lim - 20)) ${ENSEMBLE_ARGS:---sizes 16384 \
         --lanes k --cases lorenz100,lorenz28 --no-chunked --repeats 2} \
         ${dtype_flag[@]+"${dtype_flag[@]}"} | tee "$out/ensemble.md" || rc=1
+    ended 6 "$start"
 fi
 # Van der Pol, N = 16,384, each solver at the tolerance where it matched or beat
 # diffrax's error on the chip (results/tpu-v5-lite/stiff_ensemble_fix: Rodas5P 1e-6,
@@ -152,11 +166,12 @@ fi
 # (stop 43; `STIFF_ARGS` with diffrax-kvaerno5:16384:1e-3:40 to see it again).
 # shellcheck disable=SC2086
 if want 7; then
-    lim=$(limit 90)  # each case's limit cut to what is left of its limit less 15 s
+    lim=$(limit 105)  # each case's limit cut to what is left of its limit less 15 s
     bench_module "$lim" stiff_ensemble --budget $((lim - 15)) ${STIFF_ARGS:---plan \
         rodas5p-vmap:16384:1e-6:25,rodas5p-ensemble:16384:1e-6:25,kvaerno5-vmap:16384:1e-7:25,bdf-vmap:16384:1e-5:30 \
         --repeats 1} \
         ${dtype_flag[@]+"${dtype_flag[@]}"} --out "$out/stiff_ensemble" | tee "$out/stiff_ensemble.md" || rc=1
+    ended 7 "$start"
 fi
 # The spiking network's forward solve (its gradient's first calls, ~60 s with
 # diffrax's, do not fit: `python -m benchmarks.events --dtype float32 --size 1024`).
@@ -164,10 +179,15 @@ fi
 if want 8; then
     bench_module "$(limit 45)" events ${EVENTS_ARGS:---size 1024 --repeats 2 --variants forward} \
         ${dtype_flag[@]+"${dtype_flag[@]}"} --json "$out/events.json" || rc=1
+    ended 8 "$start"
 fi
-# The neural ODE last: the other steps are the accelerator issues' measurements.
+# The neural ODE, not in the default plan: its first calls (three adjoints at two
+# sizes, diffrax's among them) and its float64 reference (~35 s on the TPU host's
+# CPU) take minutes, and the other steps are the accelerator issues' measurements.
+# `ACCEL_STEPS=9 bash benchmarks/accel.sh --out DIR` runs it alone.
 if want 9; then
-    suite 35 20 "${peers[@]}" --cases neural_ode --sizes "${NODE_SIZES:-256,4096}" --append "$@"
+    suite 300 240 "${peers[@]}" --cases neural_ode --sizes "${NODE_SIZES:-256,4096}" --append "$@"
+    ended 9 "$start"
 fi
 echo "accel.sh: done in ${SECONDS} s; results in $out" >&2
 exit "$rc"

@@ -45,7 +45,13 @@ bench_packages() {
 bench_backend() {
     local name="$1" backend
     shift
-    backend=$("$PYTHON" -c "import jax; print(jax.default_backend())")
+    # One process: JAX's version, devices and start-up time (stderr), and the process's
+    # whole time with its exit (a TPU runtime's start and shutdown take seconds).
+    local t0=$EPOCHREALTIME
+    backend=$("$PYTHON" -c "import sys, time; import jax; t = time.perf_counter(); \
+b = jax.default_backend(); print(b); print(f'$name: jax {jax.__version__} {jax.devices()}, \
+backend up in {time.perf_counter() - t:.1f} s', file=sys.stderr)")
+    echo "$name: that process took $(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $t0 }") s with its exit" >&2
     for want in "$@"; do
         [ "$backend" = "$want" ] && { echo "$backend"; return 0; }
     done

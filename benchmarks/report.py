@@ -316,3 +316,39 @@ def write_all(
     for case in dict.fromkeys(r.case for r in records):
         plot(out / f"{case}.png", case, records)
     return text
+
+
+def read_json(path: pathlib.Path) -> tuple[dict[str, Any], list[Record]]:
+    """The `(meta, records)` of a `results.json` (its ratio columns dropped: they are
+    recomputed from the rows)."""
+    data = json.loads(path.read_text())
+    fields = {f.name for f in dataclasses.fields(Record)}
+    records = [
+        Record(**{k: v for k, v in row.items() if k in fields})
+        for row in data["results"]
+    ]
+    return data["meta"], records
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m benchmarks.report DIR`: write DIR's `results.md` and plots afresh
+    from its `results.json`: a run on a machine without matplotlib (the accelerator
+    suite installs none) gets its plots drawn afterwards, anywhere."""
+    import argparse
+
+    from .cases import CASES
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("dir", type=pathlib.Path, help="a folder with results.json")
+    args = parser.parse_args(argv)
+    if plt is None:
+        raise SystemExit("benchmarks.report: needs matplotlib to draw the plots")
+    meta, records = read_json(args.dir / "results.json")
+    names = dict.fromkeys(r.case for r in records)
+    cases = {n: CASES[n].description for n in names if n in CASES}
+    write_all(args.dir, meta, records, cases)
+    print(f"wrote {args.dir}/results.md and its plots")
+
+
+if __name__ == "__main__":
+    main()
