@@ -17,8 +17,8 @@
 #
 #   1. Lorenz (DiffEqGPU's ensemble) at N = 4096 and 65,536: adaptive (float32: PID
 #      rtol = atol = 1e-5) forward and gradient, fixed-step forward; 2. its
-#      fixed-step gradient at 4096; 3. at 2^20: the fixed-step gradient (memory),
-#      then the adaptive forward and the rest as time allows;
+#      fixed-step gradient at 4096; 3. at 2^20: the gradients (memory: fixed-step,
+#      then adaptive), then the adaptive forward and the rest as time allows;
 #   4. Lotka-Volterra, N = 4096: forward and the gradient with each adjoint;
 #   5. benchmarks.kernel (the whole-solve Pallas kernel against the vmapped loop;
 #      skipped if absent), 6. benchmarks.ensemble (`ensemble_solve`'s defaults
@@ -107,7 +107,8 @@ ended() { echo "accel.sh: step $1 ended after $((SECONDS - $2)) s (${SECONDS} s 
 # for solverkit, solverkit-ensemble and diffrax; the fixed-step gradient at 4096
 # ~25 s (at 65,536 diffrax's alone takes ~41 s, 15.7 s a run: left out, its figure
 # in results/tpu-v5-lite/accel); at 2^20 the fixed-step gradient (the memory
-# measurement) goes first, then the adaptive forward (diffrax's ~17 s). A deadline
+# measurement) goes first, then the adaptive one, then the adaptive forward
+# (diffrax's ~17 s). A deadline
 # leaves out the last rows of a step (recorded as skipped) so that each step ends
 # by itself inside its limit; a row cut by the limit itself is lost. The first step
 # writes afresh, the others --append. The peers are solverkit (`jax.vmap`), its
@@ -130,7 +131,7 @@ if want 2; then
 fi
 if want 3; then
     suite 85 60 "${peers[@]}" --cases lorenz --sizes "${LORENZ_BIG:-1048576}" \
-        --variants fixed-grad,adaptive-forward,adaptive-grad,fixed-forward \
+        --variants fixed-grad,adaptive-grad,adaptive-forward,fixed-forward \
         --grad-max-size 1048576 --append "$@"
     ended 3 "$start"
 fi
