@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 from test_kernel import _inner_jaxprs, _splat_selects
 
 import solverkit as sk
@@ -177,9 +178,15 @@ def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * scale)
 
 
-# The full suite (15 CPU s); the quick loop's kernel gradient:
-# test_tangent_backward_matches_loop_float64.
+# The full suite (12 CPU s) with SOLVERKIT_FULL_MATRIX=1; the kernel's tangent
+# backward pass under vmap: test_kernel.py::test_gradients_and_vmap_of_grad_float64
+# (the default backward pass, against the lane loop's); against the loop's backward
+# pass: test_tangent_backward_matches_loop_float64.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_kernel.py::test_gradients_and_vmap_of_grad_float64 (vmap of the tangent "
+    "backward pass) and test_tangent_backward_matches_loop_float64"
+)
 def test_tangent_backward_vmap_float32(monkeypatch):
     """float32, `jax.vmap` of the gradient over a closed-over float, against the
     loop's backward pass; float32's steps may differ by a step or two where an error
