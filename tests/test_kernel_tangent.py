@@ -13,7 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import full_matrix_only
-from test_kernel import _inner_jaxprs, _splat_selects
+from test_kernel import (
+    _inner_jaxprs,
+    _splat_selects,
+    assert_kernel_selects_on_real_tiles,
+)
 
 import solverkit as sk
 from solverkit import _kernel
@@ -65,9 +69,14 @@ def _problem(y0, args, sigma, beta):
     return captured["problem"], captured["y0"], captured["args"]
 
 
-# The full suite (12 CPU s); the quick loop's kernel tangents:
-# test_tangent_backward_matches_loop_float64.
+# The full suite (10 CPU s) with SOLVERKIT_FULL_MATRIX=1; the tangents at every save
+# time through the gradient built from them: test_tangent_backward_matches_loop_
+# float64; the tangent kernel's selects: test_tangent_kernel_selects_on_real_tiles.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_tangent_backward_matches_loop_float64 (the tangents' values, through the "
+    "gradient) and test_tangent_kernel_selects_on_real_tiles (its selects)"
+)
 def test_tangents_match_vmap_jacobian_float64(x64):
     y0 = (
         jnp.tile(jnp.asarray([1.0, 0.0, 0.0]), (N, 1))
@@ -141,6 +150,37 @@ def test_tangents_match_vmap_jacobian_float64(x64):
     np.testing.assert_array_equal(
         _solve._per_trajectory(counts[0], N), plain.stats["num_steps"]
     )
+
+
+@pytest.mark.slow
+def test_tangent_kernel_selects_on_real_tiles(x64):
+    """Mosaic's lesson (test_kernel): no select in the kernel takes a splat, in the
+    kernel that carries tangents (the default backward pass's) too. Traced only."""
+    y0, rho, k = _inputs(jnp.float64)
+
+    def loss(y0, rho, sigma):
+        sol = sk.ensemble_solve(
+            sk.ODETerm(_field(sigma, 8 / 3)), sk.Tsit5(), 0.0, 1.0, None, y0,
+            (rho, k), saveat=_saveat(), stepsize_controller=_controller(),
+            kernel=True,
+        )  # fmt: skip
+        return jnp.sum(sol.ys**2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    jaxpr = jax.make_jaxpr(grad)(y0, rho, jnp.asarray(10.0)).jaxpr
+    rows = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                rows.append(eqn.outvars[0].aval.shape[0])
+            for inner in _inner_jaxprs(eqn):
+                walk(inner)
+
+    walk(jaxpr)
+    # The state's 3 rows, and with its tangents along y0 (3), rho and sigma: 18.
+    assert 3 + 3 * 5 in rows, rows
+    assert_kernel_selects_on_real_tiles(jaxpr)
 
 
 def _loss(backward, y0, rho, k, sigma, monkeypatch):
