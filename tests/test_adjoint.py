@@ -86,7 +86,8 @@ def test_gradients_agree_across_adjoints_and_finite_differences():
     assert_tree_allclose(g_rca, g_direct, rtol=1e-9, atol=1e-12)
     # Finite differences of the forward solve, leaf by leaf.
     flat, unflatten = jax.flatten_util.ravel_pytree(params)
-    fd = finite_difference(lambda x: _lv_value(unflatten(x)), flat, eps=1e-5)
+    value = jax.jit(lambda x: _lv_value(unflatten(x)))  # (unflatten op by op: 14)
+    fd = finite_difference(value, flat, eps=1e-5)
     np.testing.assert_allclose(jax.flatten_util.ravel_pytree(g_rca)[0], fd, rtol=1e-5)
     # d/dt1 of the loss is 2 * 4 * y(t1) . f(t1, y(t1)) (only the t1 row moves).
     y0, args, t1 = params
@@ -538,11 +539,12 @@ def test_implicit_adjoint_steady_state_gradient():
     expected = np.stack([dy0 * (1 + 3 / c) for c in (2.0, 4.0)])
     np.testing.assert_allclose(grads, expected, rtol=1e-6)
     # The same as differentiating the whole solve, and forward mode agrees.
-    direct = jax.grad(
-        lambda p: jnp.dot(_steady(p, 0, sk.DirectAdjoint(), False), weights)
+    direct = jax.jit(  # (each derivative jitted: op by op, 12 compiles more)
+        jax.grad(lambda p: jnp.dot(_steady(p, 0, sk.DirectAdjoint(), False), weights))
     )
     np.testing.assert_allclose(grads[0], direct(p), rtol=1e-6)
-    _, tangent = jax.jvp(lambda p: loss(p, 0), (p,), (jnp.array([1.0, 0.0]),))
+    jvp = jax.jit(lambda p, v: jax.jvp(lambda p: loss(p, 0), (p,), (v,)))
+    _, tangent = jvp(p, jnp.array([1.0, 0.0]))
     np.testing.assert_allclose(tangent, expected[0, 0], rtol=1e-6)
 
 

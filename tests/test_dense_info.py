@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg
+from helpers import full_matrix_only
 
 import solverkit as sk
 
@@ -271,7 +272,21 @@ def test_implicit_interpolation_cls_is_diffraxs(name):
 # The full suite (11 CPU s); the quick loop's dense output under jit, vmap and grad:
 # test_dense_info_under_jit_vmap_grad[Tsit5].
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["Kvaerno5", "KenCarp4"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        # The Hermite interpolant (Kvaerno5's) under jit, vmap and grad:
+        # test_dense_info_under_jit_vmap_grad[Heun]; an implicit step's: [KenCarp4].
+        pytest.param(
+            "Kvaerno5",
+            marks=full_matrix_only(
+                "test_implicit_dense_info_under_jit_vmap_grad[KenCarp4] and "
+                "test_dense_info_under_jit_vmap_grad[Heun]"
+            ),
+        ),
+        "KenCarp4",
+    ],
+)
 def test_implicit_dense_info_under_jit_vmap_grad(name):
     # As for the explicit solvers: a batch of initial states, the interpolant at
     # mid-step and its gradient with respect to the initial state, against diffrax.

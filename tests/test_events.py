@@ -166,16 +166,16 @@ def test_event_time_gradient():
         return t1 + 10 * y1
 
     y0, theta = 1.5, 0.8
-    g_y0, g_theta = jax.jit(jax.grad(loss, argnums=(0, 1)))(
-        jnp.asarray(y0), jnp.asarray(theta)
-    )
+    # The gradient and the differences' values from one program.
+    both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    g_y0, g_theta = both(jnp.asarray(y0), jnp.asarray(theta))[1]
     t_star = _t_star(y0, theta)
     np.testing.assert_allclose(g_y0, 1 / (theta * y0), rtol=1e-5)
     np.testing.assert_allclose(g_theta, -t_star / theta, rtol=1e-5)
     # And against central finite differences of the (located) event time.
     eps = 1e-5
-    plus = loss(jnp.asarray(y0), jnp.asarray(theta + eps))
-    minus = loss(jnp.asarray(y0), jnp.asarray(theta - eps))
+    plus = both(jnp.asarray(y0), jnp.asarray(theta + eps))[0]
+    minus = both(jnp.asarray(y0), jnp.asarray(theta - eps))[0]
     np.testing.assert_allclose(g_theta, (plus - minus) / (2 * eps), rtol=1e-4)
 
 
@@ -203,11 +203,13 @@ def test_boolean_event_true_at_t0_ends_before_any_step():
         )
         return sol.ts, sol.ys, sol.event_mask, sol.stats["num_steps"]
 
-    ours = jax.jit(lambda c: solve(sk, c))(0.0)
+    # Both cases from one program (vmapped and jitted; eagerly, 12 compiles).
+    both = jax.jit(jax.vmap(lambda c: solve(sk, c)))(jnp.array([0.0, -1.0]))
+    ours = jax.tree.map(lambda x: x[0], both)
     assert_tree_allclose(ours, solve(diffrax, 0.0), rtol=1e-12)
     # With c = -1 the boolean never holds and the real event ends the solve at
     # t = 2 (diffrax, without a root finder, would stop at the step's end).
-    ts, ys, mask, steps = jax.vmap(lambda c: solve(sk, c))(jnp.array([0.0, -1.0]))
+    ts, ys, mask, steps = both
     assert steps.tolist()[0] == 0 and steps.tolist()[1] > 0
     last = [int(np.max(np.nonzero(np.isfinite(t))[0])) for t in ts]  # final point
     assert ts[0, last[0]] == 0.0
@@ -489,7 +491,7 @@ def test_accumulation_time_gradient():
         return _ball_to(e, jnp.asarray(1.5), 10.0, 1e-10).ts[-1]
 
     e = 0.5
-    got = jax.grad(t_end)(e)
+    got = jax.jit(jax.grad(t_end))(jnp.asarray(e))  # (eagerly: 8 compiles)
     # ~50 impacts' rounding in a sum whose terms shrink geometrically: 1e-7 is ample.
     np.testing.assert_allclose(got, np.sqrt(2 * 1.5 / _G) * 2 / (1 - e) ** 2, rtol=1e-7)
 
@@ -545,15 +547,18 @@ def test_optimistix_root_finder_that_diverges_falls_back_to_the_bracket():
     built-in bracketed search finds the crossing: the same time as with no root
     finder (the same dense output), under jit, vmap and grad."""
     newton = optx.Newton(rtol=1e-12, atol=1e-12)
-    t_user = jax.jit(lambda y0: _arctan_event(100.0, y0, newton).ts[-1])
-    t_own = jax.jit(lambda y0: _arctan_event(100.0, y0, None).ts[-1])
-    y0 = jnp.array([1.0, 1.2])
-    got, want = jax.vmap(t_user)(y0), jax.vmap(t_own)(y0)
+    # Times and their gradients from one program per root finder (the gradient's
+    # forward pass; eagerly, each `grad` of a jitted solve compiled two more).
+    def times(finder):
+        t = lambda y0: _arctan_event(100.0, y0, finder).ts[-1]  # noqa: E731
+        return jax.jit(jax.vmap(jax.value_and_grad(t)))(jnp.array([1.0, 1.2]))
+
+    (got, g_user), (want, g_own) = times(newton), times(None)
     # Both locate the root of one interpolant to the root finders' tolerances.
     np.testing.assert_allclose(got, want, rtol=1e-10)
     assert np.all(got > 0.5)  # not the clipped start of the step
     # The crossing's time moves with y0 as the dense output's root does.
-    np.testing.assert_allclose(jax.grad(t_user)(1.0), jax.grad(t_own)(1.0), rtol=1e-8)
+    np.testing.assert_allclose(g_user[0], g_own[0], rtol=1e-8)
 
 
 @pytest.mark.usefixtures("x64")
@@ -613,12 +618,9 @@ def test_effect_singular_away_from_events_gives_finite_gradients():
     es = jnp.array([0.5, 0.8])
     # Tsit5 integrates each parabola exactly: times and derivatives exact to
     # rounding (~1e-13); 1e-9 leaves room for the location's tolerance.
-    np.testing.assert_allclose(
-        jax.jit(jax.vmap(_ball_singular_effect))(es),
-        t_1 * (1 + 2 * es + 2 * es**2),
-        rtol=1e-9,
-    )
+    # The values under vmap from the vmapped gradient's forward pass (one program).
+    value, got = jax.jit(jax.vmap(jax.value_and_grad(_ball_singular_effect)))(es)
+    np.testing.assert_allclose(value, t_1 * (1 + 2 * es + 2 * es**2), rtol=1e-9)
+    np.testing.assert_allclose(got, t_1 * (2 + 4 * es), rtol=1e-9)
     got = jax.jit(jax.grad(_ball_singular_effect))(0.5)
     np.testing.assert_allclose(got, t_1 * (2 + 4 * 0.5), rtol=1e-9)
-    got = jax.jit(jax.vmap(jax.grad(_ball_singular_effect)))(es)
-    np.testing.assert_allclose(got, t_1 * (2 + 4 * es), rtol=1e-9)

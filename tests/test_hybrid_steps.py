@@ -120,7 +120,8 @@ def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
         sol = _solve(current, reset, controller, saveat=saveat)
         return sol, jax.vmap(sol.evaluate)(grid)
 
-    sols, dense = jax.jit(jax.vmap(one))(currents, resets)
+    # On the host (indexed on the device, each slice was a compile of its own).
+    sols, dense = jax.device_get(jax.jit(jax.vmap(one))(currents, resets))
     for i, (current, reset) in enumerate(zip(currents.tolist(), resets.tolist())):
         spikes = _spike_times(current, reset)
         n = int(sols.events.num[i])
@@ -167,7 +168,8 @@ def test_occurrence_is_never_before_the_crossing(dtype):
             sol = _solve(current, reset, controller, v0=jnp.zeros((), dtype))
             return sol.events.ts, sol.events.ys, sol.events.num
 
-        ts, ys, num = jax.jit(jax.vmap(one))(currents, resets)
+        # On the host (indexed on the device, each slice was a compile of its own).
+        ts, ys, num = jax.device_get(jax.jit(jax.vmap(one))(currents, resets))
         for i in range(len(currents)):
             n = int(num[i])
             assert n == len(_spike_times(float(currents[i]), float(resets[i])))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 import solverkit as sk
 from solverkit._errors import UnsupportedError
@@ -74,7 +75,17 @@ def _both(dtype, solver, rtol):
 
 @pytest.mark.parametrize(
     "solver",
-    [sk.Tsit5(), sk.Dopri5()],
+    [
+        sk.Tsit5(),
+        # Dopri5 in the kernel against the lane loop: test_t1_only_pytree_state_dt0.
+        pytest.param(
+            sk.Dopri5(),
+            marks=full_matrix_only(
+                "test_values_float64[tsit5] (adaptive steps, saves at ts and t1, "
+                "float64) and test_t1_only_pytree_state_dt0 (Dopri5's tableau)"
+            ),
+        ),
+    ],
     ids=["tsit5", "dopri5"],
 )
 # The full suite; the quick loop's kernel values (float64, adaptive, saved at `ts`

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FULL_MATRIX
+from helpers import FULL_MATRIX, full_matrix_only
 from test_kernel import _lorenz, _problem, assert_kernel_selects_on_real_tiles
 
 import solverkit as sk
@@ -45,9 +45,13 @@ def _both(dtype):
     return [_solve(y0, args, sigma, kernel) for kernel in (True, False)]
 
 
-# The full suite; the quick loop's fixed-step kernel:
-# test_values_match_lane_loop_float32.
+# The full suite with SOLVERKIT_FULL_MATRIX=1; float64's fixed-step kernel against
+# the lane loop: test_max_steps_and_nonfinite_result and test_event_float64.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_values_match_lane_loop_float32 (the same grid, counts and saves) and "
+    "test_max_steps_and_nonfinite_result (float64 values to round-off)"
+)
 def test_values_match_lane_loop_float64(x64):
     _check_values(jnp.dtype("float64"))
 

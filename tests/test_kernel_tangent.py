@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernel import _inner_jaxprs, _splat_selects
+from helpers import full_matrix_only
+from test_kernel import (
+    _inner_jaxprs,
+    _splat_selects,
+    assert_kernel_selects_on_real_tiles,
+)
 
 import solverkit as sk
 from solverkit import _kernel
@@ -64,9 +69,14 @@ def _problem(y0, args, sigma, beta):
     return captured["problem"], captured["y0"], captured["args"]
 
 
-# The full suite (12 CPU s); the quick loop's kernel tangents:
-# test_tangent_backward_matches_loop_float64.
+# The full suite (10 CPU s) with SOLVERKIT_FULL_MATRIX=1; the tangents at every save
+# time through the gradient built from them: test_tangent_backward_matches_loop_
+# float64; the tangent kernel's selects: test_tangent_kernel_selects_on_real_tiles.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_tangent_backward_matches_loop_float64 (the tangents' values, through the "
+    "gradient) and test_tangent_kernel_selects_on_real_tiles (its selects)"
+)
 def test_tangents_match_vmap_jacobian_float64(x64):
     y0 = (
         jnp.tile(jnp.asarray([1.0, 0.0, 0.0]), (N, 1))
@@ -142,6 +152,37 @@ def test_tangents_match_vmap_jacobian_float64(x64):
     )
 
 
+@pytest.mark.slow
+def test_tangent_kernel_selects_on_real_tiles(x64):
+    """Mosaic's lesson (test_kernel): no select in the kernel takes a splat, in the
+    kernel that carries tangents (the default backward pass's) too. Traced only."""
+    y0, rho, k = _inputs(jnp.float64)
+
+    def loss(y0, rho, sigma):
+        sol = sk.ensemble_solve(
+            sk.ODETerm(_field(sigma, 8 / 3)), sk.Tsit5(), 0.0, 1.0, None, y0,
+            (rho, k), saveat=_saveat(), stepsize_controller=_controller(),
+            kernel=True,
+        )  # fmt: skip
+        return jnp.sum(sol.ys**2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    jaxpr = jax.make_jaxpr(grad)(y0, rho, jnp.asarray(10.0)).jaxpr
+    rows = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                rows.append(eqn.outvars[0].aval.shape[0])
+            for inner in _inner_jaxprs(eqn):
+                walk(inner)
+
+    walk(jaxpr)
+    # The state's 3 rows, and with its tangents along y0 (3), rho and sigma: 18.
+    assert 3 + 3 * 5 in rows, rows
+    assert_kernel_selects_on_real_tiles(jaxpr)
+
+
 def _loss(backward, y0, rho, k, sigma, monkeypatch):
     monkeypatch.setattr(_solve, "BACKWARD", backward)
     sol = sk.ensemble_solve(
@@ -177,9 +218,15 @@ def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * scale)
 
 
-# The full suite (15 CPU s); the quick loop's kernel gradient:
-# test_tangent_backward_matches_loop_float64.
+# The full suite (12 CPU s) with SOLVERKIT_FULL_MATRIX=1; the kernel's tangent
+# backward pass under vmap: test_kernel.py::test_gradients_and_vmap_of_grad_float64
+# (the default backward pass, against the lane loop's); against the loop's backward
+# pass: test_tangent_backward_matches_loop_float64.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_kernel.py::test_gradients_and_vmap_of_grad_float64 (vmap of the tangent "
+    "backward pass) and test_tangent_backward_matches_loop_float64"
+)
 def test_tangent_backward_vmap_float32(monkeypatch):
     """float32, `jax.vmap` of the gradient over a closed-over float, against the
     loop's backward pass; float32's steps may differ by a step or two where an error

@@ -17,6 +17,7 @@ import solverkit as sk
 TS = np.linspace(0.0, 60.0, 61)
 
 
+@jax.jit  # (op by op, each call compiled a dozen small programs)
 def _analytic(t, ka, ke, amount, doses):
     """Gut and central amounts after oral doses at `doses` (the left limit at each)."""
     s = jnp.asarray(t)[:, None] - doses[None, :]
@@ -74,7 +75,7 @@ def test_gradients_against_analytic(adjoint):
             return jnp.sum(_analytic(TS, p[0], p[1], p[2], p[3:])[:, 1] ** 2)
 
         p = jnp.array([1.2, 0.2, 100.0, 0.0, 12.3, 24.0, 36.5])
-        got, want = jax.grad(loss)(p), jax.grad(exact)(p)
+        got, want = jax.jit(jax.grad(loss))(p), jax.jit(jax.grad(exact))(p)
         np.testing.assert_allclose(got, want, rtol=1e-7)
 
 
@@ -88,9 +89,8 @@ def test_time_gradients_do_not_grow_with_the_steps():
         doses = jnp.array([1.0, 12.3, 24.5, 36.5])
         loss = lambda d: jnp.sum(_pk(1.2, 0.2, 100.0, d).ys[:, 1] ** 2)
         exact = lambda d: jnp.sum(_analytic(TS, 1.2, 0.2, 100.0, d)[:, 1] ** 2)
-        np.testing.assert_allclose(
-            jax.grad(loss)(doses), jax.grad(exact)(doses), rtol=1e-7
-        )
+        got, want = jax.jit(jax.grad(loss))(doses), jax.jit(jax.grad(exact))(doses)
+        np.testing.assert_allclose(got, want, rtol=1e-7)
 
 
 def test_interval_count_and_one_amount_per_dose():
@@ -148,17 +148,18 @@ def test_effect_closes_over_anything_under_vmap_and_grad():
     with float64():
         ks = jnp.array([0, 2])
         doses = jnp.array([[1.0, 4.0, 7.5], [0.5, 2.0, 9.0]])
-        got = jax.jit(jax.vmap(final, (None, 0, 0)))(2.0, ks, doses)
-        np.testing.assert_allclose(
-            got, jax.vmap(exact, (None, 0, 0))(2.0, ks, doses), rtol=1e-9
-        )
-        grad = jax.grad(
-            lambda s, d: jax.vmap(final, (None, 0, 0))(s, ks, d).sum(), (0, 1)
-        )
-        want = jax.grad(
-            lambda s, d: jax.vmap(exact, (None, 0, 0))(s, ks, d).sum(), (0, 1)
-        )
-        for g, w in zip(grad(2.0, doses), want(2.0, doses)):
+
+        def values_and_grads(f):
+            # The values and the gradient from one program (its forward pass).
+            def total(s, d):
+                values = jax.vmap(f, (None, 0, 0))(s, ks, d)
+                return values.sum(), values
+
+            return jax.jit(jax.grad(total, (0, 1), has_aux=True))(2.0, doses)
+
+        (grad, got), (want, exact_values) = map(values_and_grads, (final, exact))
+        np.testing.assert_allclose(got, exact_values, rtol=1e-9)
+        for g, w in zip(grad, want):
             np.testing.assert_allclose(g, w, rtol=1e-8)
 
 
@@ -364,7 +365,7 @@ def test_exact_effect_and_amounts_are_accepted_under_jit_vmap_grad():
     got = jax.jit(jax.vmap(solve))(a)
     # Tolerance 1e-7 in float32: errors of ~1e-6 relative.
     np.testing.assert_allclose(got, exact(np.asarray(a)), rtol=2e-5)
-    grad = jax.grad(lambda a: jnp.sum(solve(a)))(jnp.array([0.5, 1.0]))
+    grad = jax.jit(jax.grad(lambda a: jnp.sum(solve(a))))(jnp.array([0.5, 1.0]))
     np.testing.assert_allclose(grad, [np.exp(-0.5) + 2 * np.exp(-0.25)] * 2, rtol=2e-5)
     scalar = sk.diffeqsolve(
         term,
@@ -485,11 +486,13 @@ def test_traced_schedule_solves_and_differentiates():
 
     d = 0.75
     # rtol 1e-6 in float32: errors of a few 1e-6 relative.
-    np.testing.assert_allclose(jax.jit(y_end)(d), exact(d), rtol=2e-5)
-    got = jax.vmap(y_end)(jnp.array([0.5, 0.75]))
+    # The values under jit and vmap and the gradient at `d` from one program (the
+    # gradient's forward pass; eagerly, vmap and grad compiled op by op).
+    got, grad = jax.jit(jax.vmap(jax.value_and_grad(y_end)))(jnp.array([0.5, d]))
+    np.testing.assert_allclose(got[1], exact(d), rtol=2e-5)
     np.testing.assert_allclose(got, [exact(0.5), exact(0.75)], rtol=2e-5)
     slope = sum(k * np.exp(-(2.5 - k * d)) for k in range(3))
-    np.testing.assert_allclose(jax.grad(y_end)(d), slope, rtol=1e-4)
+    np.testing.assert_allclose(grad[1], slope, rtol=1e-4)
 
 
 def test_one_traced_time():
