@@ -298,7 +298,8 @@ def step(
     not that of the step taken, and a recomputation that decides otherwise leaves
     the forward pass's steps. A built-in controller then sizes the next step as
     after the replayed decision (so the steps agree to round-off); a controller of
-    the user's own decides itself, and only its decision is replaced."""
+    the user's own decides itself, and only its decision is replaced. A decision
+    that is `True` whatever the state (a fixed step's) is kept (`_decision`)."""
     t0 = carry.t
     t1, t_timed = _event.step_end(problem, carry, jnp.minimum(carry.tnext, problem.t1))
     y1, y_error, info, solver_state, solver_result = _solver_step(problem, carry, t1)
