@@ -298,7 +298,8 @@ def step(
     not that of the step taken, and a recomputation that decides otherwise leaves
     the forward pass's steps. A built-in controller then sizes the next step as
     after the replayed decision (so the steps agree to round-off); a controller of
-    the user's own decides itself, and only its decision is replaced."""
+    the user's own decides itself, and only its decision is replaced. A decision
+    that is `True` whatever the state (a fixed step's) is kept (`_decision`)."""
     t0 = carry.t
     t1, t_timed = _event.step_end(problem, carry, jnp.minimum(carry.tnext, problem.t1))
     y1, y_error, info, solver_state, solver_result = _solver_step(problem, carry, t1)
@@ -319,7 +320,7 @@ def step(
             **({} if keep is None else {"keep": keep}),
         )
     )
-    accepted = replayed(jnp.asarray(accepted if keep is None else keep))
+    accepted = replayed(jnp.asarray(_decision(accepted, keep)))
     finite = _all_finite(y1)
     result = _step_result(
         problem, carry, accepted, finite, failed, solver_result, controller_result
@@ -342,6 +343,19 @@ def step(
     lands = replayed(_lands_on_t1(problem, new.tnext) if lands is None else lands)
     tnext = replayed(_landing(accepted, t0, t1, new.tnext, problem.t1, lands))
     return new._replace(tnext=tnext), out._replace(lands=lands)
+
+
+def _decision(accepted, keep):
+    """The step's decision: the controller's, or `keep` (the replayed one) where
+    given, except where the controller's is `True` whatever the state (a fixed
+    step): the forward pass accepted every step, and a replayed `True`, known only
+    at run time, would turn each `where` of the step into a select and each select's
+    pullback into two (vmapped fixed-step Lorenz gradient: the pullback's body
+    1795 -> 1636 instructions of XLA's CPU program, 57 -> 33 selects)."""
+    if keep is None:
+        return accepted
+    known = concrete(accepted)
+    return True if known is not None and known.shape == () and bool(known) else keep
 
 
 def body(
