@@ -180,10 +180,12 @@ def main() -> None:
     # The gradient through the solver (RecursiveCheckpointAdjoint: reverse mode through
     # every step, stage iterations included), against central differences.
     value_and_grad = jax.jit(jax.value_and_grad(loss))
-    log_kappa = jnp.log(INITIAL_KAPPA)
+    # Not weakly typed, as Adam's updated values: one compile of `value_and_grad`.
+    log_kappa = jnp.log(jnp.asarray(INITIAL_KAPPA, float))
     _, grad = value_and_grad(log_kappa)
     eps = 1e-6
-    fd = (loss(log_kappa + eps) - loss(log_kappa - eps)) / (2 * eps)
+    plus, minus = value_and_grad(log_kappa + eps)[0], value_and_grad(log_kappa - eps)[0]
+    fd = (plus - minus) / (2 * eps)
     print(f"d loss / d log kappa at kappa = {INITIAL_KAPPA}:")
     print(f"  RecursiveCheckpointAdjoint {float(grad): .8e}")
     print(f"  central finite difference  {float(fd): .8e}")

@@ -148,13 +148,14 @@ def main() -> None:
         print(f"{name:>9} {float(t):8.3f} {float(g):8.3f} {float(f):8.3f}")
 
     ts = jnp.linspace(0.0, T1, 721)
-    curves = jax.jit(all_patients)(fitted, PATIENTS, ts)
+    curves_of = jax.jit(all_patients)  # the fitted and the true curves: one program
+    curves = curves_of(fitted, PATIENTS, ts)
     exact = jax.vmap(analytic, (None, 0, None))(fitted, PATIENTS, ts)
     print(f"fitted curves vs analytic: max abs error "
           f"{float(jnp.max(jnp.abs(curves - exact))):.1e} mg/L")  # fmt: skip
 
     fig, axes = plt.subplots(3, 1, figsize=(7, 7.4), sharex=True, layout="constrained")
-    truth = all_patients(TRUE_PARAMS, PATIENTS, ts)
+    truth = curves_of(TRUE_PARAMS, PATIENTS, ts)
     for k, ax in enumerate(axes):
         label = f"{int(AMOUNTS[k])} mg every {int(INTERVALS[k])} h"
         ax.plot(ts, truth[k], "--", color="k", lw=1, label="true")

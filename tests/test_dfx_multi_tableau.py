@@ -115,29 +115,28 @@ def test_implicit_pair():
     k1, index = jnp.array(0.3), jnp.array(1, jnp.int32)
     pid = lambda lib: lib.PIDController(rtol=1e-8, atol=1e-10)
     chord = lambda lib: lib.VeryChord(rtol=1e-10, atol=1e-10)
-    solver = _double(sk, "Kvaerno5", chord(sk))
-    ours = _solve(sk, solver, _terms(sk, k1, K2, index), pid(sk))
-    theirs = _solve(
-        diffrax,
-        _double(diffrax, "Kvaerno5", chord(diffrax)),
-        _terms(diffrax, k1, K2, index),
-        pid(diffrax),
-    )
+
+    # The solve and its reverse mode (through the stage solves: optimistix's
+    # implicit derivative inside the converted step) in one program a library.
+    def final(lib, k1):
+        terms = _terms(lib, k1, K2, index)
+        solver = _double(lib, "Kvaerno5", chord(lib))
+        sol = _solve(lib, solver, terms, pid(lib))
+        return sol.ys[-1, 0], sol  # pyright: ignore
+
+    def solve_and_grad(lib):
+        fn = jax.value_and_grad(lambda k: final(lib, k), has_aux=True)
+        (_, sol), grad = jax.jit(fn)(k1)
+        return sol, grad
+
+    (ours, g), (theirs, g_theirs) = solve_and_grad(sk), solve_and_grad(diffrax)
     assert ours.ts is not None and ours.ys is not None
     assert int(ours.stats["num_steps"]) == int(theirs.stats["num_steps"])
     np.testing.assert_allclose(ours.ys, theirs.ys, rtol=1e-8)
     exact = jnp.outer(jnp.exp(-(0.3 + float(K2[1])) * ours.ts), jnp.array([1.0, 2.0]))
     np.testing.assert_allclose(ours.ys[-1], exact[-1], rtol=1e-3)
-
-    # Reverse mode through the stage solves (optimistix's implicit derivative inside
-    # the converted step): as diffrax's, to the stage solves' 1e-10.
-    def final(lib, k1):
-        terms = _terms(lib, k1, K2, index)
-        solver = _double(lib, "Kvaerno5", chord(lib))
-        return _solve(lib, solver, terms, pid(lib)).ys[-1, 0]  # pyright: ignore
-
-    g = jax.grad(lambda k: final(sk, k))(k1)
-    np.testing.assert_allclose(g, jax.grad(lambda k: final(diffrax, k))(k1), rtol=1e-8)
+    # Reverse mode as diffrax's, to the stage solves' 1e-10.
+    np.testing.assert_allclose(g, g_theirs, rtol=1e-8)
 
 
 def test_single_step_matches_the_builtin_on_a_multiterm():
