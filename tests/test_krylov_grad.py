@@ -140,8 +140,8 @@ def test_bdf_krylov_gradient():
 def test_bdf_krylov_gradient_against_dense():
     """The dense solver's gradient (it does not depend on the linear solver or the
     preconditioner). (BiCGStab without a preconditioner is left to
-    `SOLVERKIT_FULL_MATRIX=1`: its transposed solve is
-    tests/test_linear_solver.py::test_solve_tangent_transposes[bicgstab-*], and
+    `SOLVERKIT_FULL_MATRIX=1`: its transposed iteration is
+    tests/test_linear_solver.py::test_solve_tangent_transposes[*-bicgstab-blocks], and
     BiCGStab through BDF's gradient the preconditioned case here and
     test_other_adjoints' backsolve. GMRES through BDF's gradient:
     tests/test_linear_solver_grad.py's BDF-gmres-sparse.)"""
@@ -161,7 +161,7 @@ def test_rosenbrock_preconditioner_closing_over_parameters():
 # Left to `SOLVERKIT_FULL_MATRIX=1` (a 20 CPU-second compile), as checked by other
 # cases: BDF's GMRES gradient preconditioned by a linear solver is
 # tests/test_linear_solver_grad.py::test_gradient[BDF-gmres-sparse-recursive], and a
-# banded preconditioner's transposed solve [BDF-bicgstab-banded-recursive] there.
+# banded solver's transposed solve [BDF-banded-recursive] there.
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("SOLVERKIT_FULL_MATRIX"),
