@@ -293,6 +293,6 @@ def test_start_at_equilibrium(method):
     (value, steps), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(1.0, krylov)
     assert value == pytest.approx(4.0)
     assert steps < 10
-    dense = jax.grad(lambda t: loss(t, sk.DenseLinearSolver())[0])(1.0)
+    dense = jax.jit(jax.grad(lambda t: loss(t, sk.DenseLinearSolver())[0]))(1.0)
     assert np.isfinite(grad)
     np.testing.assert_allclose(grad, dense, rtol=1e-8)
