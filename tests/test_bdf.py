@@ -196,10 +196,10 @@ def test_saveat_ts_and_dense():
     ts = jnp.linspace(0.0, 3.0, 7)
     exact = jnp.exp(-1.5 * ts)[:, None] * jnp.array([[1.0, 2.0]])
     assert jnp.allclose(sol.ys, exact, rtol=1e-6, atol=1e-12)
-    for t in (0.1, 1.234, 2.99):
-        assert jnp.allclose(
-            sol.evaluate(t), jnp.exp(-1.5 * t) * jnp.array([1.0, 2.0]), rtol=1e-5
-        )
+    ts = jnp.array([0.1, 1.234, 2.99])
+    dense = eqx.filter_jit(lambda s, ts: jax.vmap(s.evaluate)(ts))(sol, ts)
+    for t, y in zip(ts, dense):
+        assert jnp.allclose(y, jnp.exp(-1.5 * t) * jnp.array([1.0, 2.0]), rtol=1e-5)
 
 
 # The full suite; the quick loop's events: tests/test_events.py.
@@ -576,7 +576,12 @@ def test_grad_rober(adjoint, linear_solver):
     assert jnp.allclose(g, fd, rtol=2e-5), (g, fd)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (6.5 CPU s at stop 48): the Brusselator's BDF
+# gradient against finite differences is test_grad_brusselator_matrix_free (the same
+# solve, its Newton matrix by a user's linear solver), the dense solver's BDF gradient
+# test_grad_rober's and tests/test_linear_solver_grad.py's reference (vmapped).
 @pytest.mark.slow
+@full_matrix_only("test_grad_brusselator_matrix_free and test_grad_rober")
 @pytest.mark.parametrize(
     "adjoint",
     [ADJOINTS[0], pytest.param(ADJOINTS[1], marks=full_matrix_only(_DIRECT))],
@@ -653,7 +658,7 @@ def test_backsolve():
         )
         return jnp.sum(sol.ys[-1])
 
-    g = jax.grad(lambda k: loss(k, sk.BDF()))(1.5)
+    g = jax.jit(jax.grad(lambda k: loss(k, sk.BDF())))(1.5)  # one program
     assert jnp.allclose(g, -2 * 3.0 * jnp.exp(-4.5), rtol=1e-5)
     with pytest.raises(ValueError, match="BacksolveAdjoint"):
         jax.grad(lambda k: loss(k, sk.BDF(mass_matrix=jnp.ones(2))))(1.5)
@@ -711,18 +716,22 @@ def test_revert_keeps_the_cache_of_a_rejected_step():
     """A rejected step reverts the differences, the step size and the order, and
     keeps the step's Jacobian and factor (as SciPy's BDF does)."""
     solver, term = sk.BDF(rtol=1e-6, atol=1e-10), sk.ODETerm(_rober(0.04))
-    y0 = jnp.array([1.0, 0.0, 0.0])
-    old = solver.init(term, 0.0, 1.0, y0, None)
-    *_, new, _ = solver.step(term, 0.0, 1e-3, y0, None, old, False)
+
+    @jax.jit  # one program (op by op: 97 compiles)
+    def states(y0):
+        old = solver.init(term, 0.0, 1.0, y0, None)
+        *_, new, _ = solver.step(term, 0.0, 1e-3, y0, None, old, False)
+        reverted = [solver.revert(jnp.asarray(b), new, old) for b in (False, True)]
+        return old, new, *reverted
+
+    old, new, rejected, accepted = states(jnp.array([1.0, 0.0, 0.0]))
     same = lambda a, b: all(  # noqa: E731
-        bool(jnp.array_equal(x, y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
     )
     assert not same(new.cache, old.cache)  # the step made a factor
-    rejected = solver.revert(jnp.asarray(False), new, old)
     assert same(rejected._replace(cache=None), old._replace(cache=None))
     assert same(rejected.cache, new.cache)
-    assert same(solver.revert(jnp.asarray(True), new, old), new)
+    assert same(accepted, new)
 
 
 def test_difference_rows_reverse_mode_has_no_pads():

@@ -8,12 +8,13 @@ singular iteration matrix. Everything runs in float64; the solves are shared jit
 functions.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg
-from helpers import grad_and_central_difference, quick_params
+from helpers import FULL_MATRIX, grad_and_central_difference, quick_params
 
 import solverkit as sk
 
@@ -38,6 +39,10 @@ Y0_REG = np.array([1.0, 0.5])
 
 def _linear(t, y, args):
     return jnp.asarray(A_REG) @ y
+
+
+# Dense output, one program (op by op: ~15 compiles a call).
+_evaluate = eqx.filter_jit(lambda sol, t: sol.evaluate(t))
 
 
 @pytest.mark.parametrize(
@@ -69,7 +74,7 @@ def test_regular_mass_matches_exact(name, form):
     # Dense output between the steps (Ros3P's Hermite slopes need M⁻¹f).
     t = 1.2345
     np.testing.assert_allclose(
-        sol.evaluate(t), scipy.linalg.expm(t * b) @ Y0_REG, rtol=0, atol=10 * tol
+        _evaluate(sol, t), scipy.linalg.expm(t * b) @ Y0_REG, rtol=0, atol=10 * tol
     )
 
 
@@ -111,7 +116,9 @@ def _rober(k, mass_diag, mass_dense):
         ).ys
 
     out = {}
-    for name in ("Rodas4", "Rodas5P"):
+    # Rodas4 with `SOLVERKIT_FULL_MATRIX=1` (half the program): its singular mass
+    # matrices are test_singular_mass_matches_exact[Rodas4-*]'s.
+    for name in ("Rodas4", "Rodas5P") if FULL_MATRIX else ("Rodas5P",):
         cls = getattr(sk, name)
         out[name] = (
             run(_rober_ode, cls()),
@@ -193,7 +200,7 @@ def test_singular_mass_matches_exact(name, form):
     w = 2.0
     np.testing.assert_allclose(sol.ys, _exact(w, jnp.asarray(TS)), rtol=0, atol=1e-7)
     t = 1.2345
-    np.testing.assert_allclose(sol.evaluate(t), _exact(w, t), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(_evaluate(sol, t), _exact(w, t), rtol=0, atol=1e-6)
 
 
 def test_vmap_over_closed_over_int_index():
@@ -222,7 +229,8 @@ def test_grad_wrt_closed_over_float_matches_fd(form):
         return jnp.sum(_exact(2.0 * scale, jnp.asarray(TS))[:, 0] ** 2)
 
     np.testing.assert_allclose(grad, fd, rtol=1e-6)
-    np.testing.assert_allclose(grad, jax.grad(exact_loss)(0.7), rtol=1e-5)
+    exact = jax.jit(jax.grad(exact_loss))(0.7)  # one program (op by op: ~35)
+    np.testing.assert_allclose(grad, exact, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

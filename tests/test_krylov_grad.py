@@ -56,15 +56,18 @@ def _jacobi(alpha, k):
 
 
 def _solver(name: str, alpha, k):
+    """BiCGStab's Krylov solvers: GMRES's reverse mode compiles about twice as long,
+    and its gradient through BDF is test_linear_solver_grad.py's BDF-gmres-sparse."""
     method, linear = name.split("-")
+    krylov = functools.partial(
+        sk.KrylovLinearSolver, "bicgstab", rtol=1e-12, atol=1e-14
+    )
     if linear == "dense":
         ls = sk.DenseLinearSolver()
     elif linear == "banded":  # preconditioned by a linear solver
-        pre = sk.BandedLinearSolver(1, 1, check=False)
-        ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14, preconditioner=pre)
+        ls = krylov(preconditioner=sk.BandedLinearSolver(1, 1, check=False))
     else:
-        pre = _jacobi(alpha, k) if linear == "pre" else None
-        ls = sk.KrylovLinearSolver(rtol=1e-12, atol=1e-14, preconditioner=pre)
+        ls = krylov(preconditioner=_jacobi(alpha, k) if linear == "pre" else None)
     return sk.BDF(linear_solver=ls) if method == "bdf" else sk.Rodas5P(linear_solver=ls)
 
 
@@ -136,10 +139,11 @@ def test_bdf_krylov_gradient():
 @pytest.mark.slow
 def test_bdf_krylov_gradient_against_dense():
     """The dense solver's gradient (it does not depend on the linear solver or the
-    preconditioner). (GMRES without a preconditioner is left to
-    `SOLVERKIT_FULL_MATRIX=1`, a 10 CPU-second program: its transposed solve is
-    tests/test_linear_solver.py::test_solve_tangent_transposes[gmres-*], GMRES
-    through BDF's gradient the preconditioned case here and
+    preconditioner). (BiCGStab without a preconditioner is left to
+    `SOLVERKIT_FULL_MATRIX=1`: its transposed iteration is
+    tests/test_linear_solver.py::test_solve_tangent_transposes[*-bicgstab-blocks], and
+    BiCGStab through BDF's gradient the preconditioned case here and
+    test_other_adjoints' backsolve. GMRES through BDF's gradient:
     tests/test_linear_solver_grad.py's BDF-gmres-sparse.)"""
     dense = _unbatched("bdf-dense")
     np.testing.assert_allclose(_grads("bdf-pre"), dense, rtol=1e-9)
@@ -157,7 +161,7 @@ def test_rosenbrock_preconditioner_closing_over_parameters():
 # Left to `SOLVERKIT_FULL_MATRIX=1` (a 20 CPU-second compile), as checked by other
 # cases: BDF's GMRES gradient preconditioned by a linear solver is
 # tests/test_linear_solver_grad.py::test_gradient[BDF-gmres-sparse-recursive], and a
-# banded preconditioner's transposed solve [BDF-bicgstab-banded-recursive] there.
+# banded solver's transposed solve [BDF-banded-recursive] there.
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("SOLVERKIT_FULL_MATRIX"),
@@ -289,6 +293,6 @@ def test_start_at_equilibrium(method):
     (value, steps), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(1.0, krylov)
     assert value == pytest.approx(4.0)
     assert steps < 10
-    dense = jax.grad(lambda t: loss(t, sk.DenseLinearSolver())[0])(1.0)
+    dense = jax.jit(jax.grad(lambda t: loss(t, sk.DenseLinearSolver())[0]))(1.0)
     assert np.isfinite(grad)
     np.testing.assert_allclose(grad, dense, rtol=1e-8)

@@ -167,11 +167,16 @@ def test_banded_bad_arguments():
 def test_banded_singular_gives_nan():
     matrix = np.diag(np.arange(_N, dtype=np.float64))  # J[0, 0] = 0
     solver = sk.BandedLinearSolver(1, 1)
-    _, jac = solver.linearise(lambda x: jnp.asarray(matrix) @ x, jnp.ones(_N))
+
+    @jax.jit  # one program (op by op: ~39 compiles)
+    def solve(matrix, mass):
+        _, jac = solver.linearise(lambda x: matrix @ x, jnp.ones(_N))
+        factor = solver.factorise(jac, jnp.asarray(-1.0), mass)
+        return solver.solve(factor, jnp.ones(_N), _unused)
+
     # M - γh J with M = diag(e_0 ...): row 0 vanishes.
     mass = jnp.asarray(np.arange(_N) > 0, jnp.float64)
-    factor = solver.factorise(jac, jnp.asarray(-1.0), mass)
-    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), _unused)))
+    assert np.all(np.isnan(solve(jnp.asarray(matrix), mass)))
 
 
 def _sparse_matrix(kind, seed=0):
@@ -274,9 +279,14 @@ def test_sparse_bad_arguments():
 def test_sparse_singular_gives_nan(kind):
     matrix = _sparse_matrix(kind)
     solver = sk.SparseLinearSolver(matrix != 0)
-    _, jac = solver.linearise(_field(matrix), jnp.zeros(_N))
-    factor = solver.factorise(jnp.zeros_like(jac), jnp.asarray(0.5), jnp.zeros(_N))
-    assert np.all(np.isnan(solver.solve(factor, jnp.ones(_N), _unused)))
+
+    @jax.jit  # one program (op by op: up to 55 compiles)
+    def solve():
+        _, jac = solver.linearise(_field(matrix), jnp.zeros(_N))
+        factor = solver.factorise(jnp.zeros_like(jac), jnp.asarray(0.5), jnp.zeros(_N))
+        return solver.solve(factor, jnp.ones(_N), _unused)
+
+    assert np.all(np.isnan(solve()))
 
 
 def _laplacian_2d(m):

@@ -156,15 +156,18 @@ _QUICK: set[tuple[str, str, str]] = set()
 #
 # Left to `SOLVERKIT_FULL_MATRIX=1`, as checked by another case:
 # - BDF with "gmres" and Rodas5P with "gmres-sparse" (tests/test_krylov_grad.py: BDF's
-#   and Rodas5P's GMRES gradients against the dense solver's, with and without a
-#   preconditioner), and BDF-sparse-banded-recursive (BDF-sparse-banded-direct here:
+#   and Rodas5P's Krylov (BiCGStab) gradients against the dense solver's, with and
+#   without a preconditioner; GMRES's BDF-gmres-sparse-recursive here), and
+#   BDF-sparse-banded-recursive (BDF-sparse-banded-direct here:
 #   the same transposed solves under the other checkpointing);
-# - Rodas5P-gmres-direct: a Rosenbrock method's GMRES gradient is
-#   test_krylov_grad.py::test_rosenbrock_preconditioner_closing_over_parameters, the
-#   DirectAdjoint through a Krylov solve test_krylov_grad.py::test_other_adjoints;
+# - Rodas5P-gmres-direct: a Rosenbrock method's Krylov gradient is
+#   test_krylov_grad.py::test_rosenbrock_preconditioner_closing_over_parameters
+#   (BiCGStab), the DirectAdjoint through a Krylov solve test_krylov_grad.py::
+#   test_other_adjoints;
 # - Rodas5P-bicgstab-banded-recursive: BiCGStab's transposed iteration preconditioned
-#   by a banded solver is BDF-bicgstab-banded-recursive here, a Rosenbrock method's
-#   Krylov gradient the test_krylov_grad.py test above;
+#   by a linear solver is test_linear_solver.py::
+#   test_solve_tangent_transposes[*-bicgstab-blocks], a Rosenbrock method's BiCGStab
+#   gradient the test_krylov_grad.py test above;
 # - BDF-sparse-dense-recursive: the full-pattern layout of SparseLinearSolver differs
 #   from the others in its factorisation, whose solve and transposed solve
 #   tests/test_linear_solver.py checks (test_sparse_matches_dense[*-dense],
@@ -177,8 +180,20 @@ _QUICK: set[tuple[str, str, str]] = set()
 #   tests/test_linear_solver.py::test_sparse_grad_against_dense_and_finite_differences.
 # - Kvaerno3-sparse-blocks-recursive (7 CPU s): an ESDIRK method's gradient through a
 #   linear solver of the protocol is tests/test_implicit_linear_solver.py::
-#   test_grad_with_user_linear_solver_matches_fd, the sparse-blocks solver's VJP
-#   BDF-sparse-blocks-recursive here and test_linear_solver.py's sparse gradient.
+#   test_grad_with_user_linear_solver_matches_fd, the sparse solver's VJP
+#   BDF-sparse-banded-direct here and test_linear_solver.py's sparse gradient.
+# - BDF-sparse-blocks-recursive (8.5 CPU s, stop 48): SparseLinearSolver's
+#   transposed solve through BDF's gradient is BDF-sparse-banded-direct here (the
+#   same solver, another pattern), the blocks layout's transposed solve
+#   tests/test_linear_solver.py::test_solve_tangent_transposes[*-sparse-blocks], and
+#   the blocks solver under BDF BDF-sparse-blocks-backsolve's forward pass here.
+# - BDF-bicgstab-banded-recursive (11.8 CPU s): BiCGStab through BDF's gradient is
+#   tests/test_krylov_grad.py::test_bdf_krylov_gradient (preconditioned by a callable
+#   closing over the differentiated parameter and a vmapped int), a linear solver as
+#   a Krylov preconditioner BDF-gmres-sparse-recursive here, BiCGStab's transposed
+#   iteration preconditioned by a linear solver test_linear_solver.py::
+#   test_solve_tangent_transposes[*-bicgstab-blocks], and the banded solver's
+#   transposed solve BDF-banded-recursive here.
 _SLOW = {
     *(("BDF", linear, "recursive") for linear in _LINEARS),
     ("BDF", "sparse-banded", "direct"),
@@ -186,6 +201,8 @@ _SLOW = {
     ("BDF", "gmres", "recursive"),
     ("BDF", "sparse-banded", "recursive"),
     ("BDF", "sparse-dense", "recursive"),
+    ("BDF", "sparse-blocks", "recursive"),
+    ("BDF", "bicgstab-banded", "recursive"),
 }
 
 

@@ -9,6 +9,7 @@ import functools
 import itertools
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -413,7 +414,7 @@ def test_event_and_dense_output(name, x64):
     assert sol.result == sk.RESULTS.event_occurred
     np.testing.assert_allclose(float(sol.ts[-1]), 1.0, rtol=1e-6)
     ts = jnp.linspace(0.05, 0.95, 7)
-    dense = jax.vmap(sol.evaluate)(ts)[:, 0]
+    dense = eqx.filter_jit(lambda s, ts: jax.vmap(s.evaluate)(ts))(sol, ts)[:, 0]
     np.testing.assert_allclose(np.asarray(dense), 1 / (1 + np.asarray(ts)), rtol=1e-6)
 
 
@@ -471,18 +472,21 @@ def test_ros3p_error_estimate_blind_to_linear_part(x64):
     null = np.linalg.svd(conditions)[2][-1]
     np.testing.assert_allclose(np.abs(null / null[0]), [1, 1, 0], atol=1e-14)
 
-    a = jnp.array([[-1.0, 0.5], [0.0, -100.0]])
-    y0 = jnp.array([1.0, 1.0])
-    t0, t1 = jnp.asarray(0.0), jnp.asarray(0.1)
-    errors = []
-    for square in (False, True):
-        term = sk.ODETerm(
-            lambda t, y, args: (
-                a @ y + jnp.stack([t**2 if square else 3 * t, 2.0 + 0 * t])
+    @jax.jit  # one program (op by op: 62 compiles)
+    def estimates(a, y0, t0, t1):
+        errors = []
+        for square in (False, True):
+            term = sk.ODETerm(
+                lambda t, y, args: (
+                    a @ y + jnp.stack([t**2 if square else 3 * t, 2.0 + 0 * t])
+                )
             )
-        )
-        solver = sk.Ros3P()
-        state = solver.init(term, t0, t1, y0, None)
-        errors.append(solver.step(term, t0, t1, y0, None, state, False)[1])
+            solver = sk.Ros3P()
+            state = solver.init(term, t0, t1, y0, None)
+            errors.append(solver.step(term, t0, t1, y0, None, state, False)[1])
+        return errors
+
+    a = jnp.array([[-1.0, 0.5], [0.0, -100.0]])
+    errors = estimates(a, jnp.array([1.0, 1.0]), jnp.asarray(0.0), jnp.asarray(0.1))
     assert float(jnp.max(jnp.abs(errors[0]))) < 1e-14
     assert float(jnp.max(jnp.abs(errors[1]))) > 1e-6

@@ -186,10 +186,6 @@ def _invariant(step: Traced, problem: Problem, carry: Carry) -> tuple[bool, ...]
     than in every row. Read from the program `step` is traced to, which the loop
     then evaluates: no trace of its own."""
     sources = step.passed_through(problem, carry)  # outputs: the new carry first
-    if sources is None:  # not kept (see `Traced`): a trace of its own
-        new = lambda c: step.fn(problem, c)[0]  # noqa: E731
-        jaxpr = jax.make_jaxpr(new)(carry).jaxpr
-        return tuple(i is o for i, o in zip(jaxpr.invars, jaxpr.outvars))
     first = len(jtu.tree_leaves(problem))
     count = len(jtu.tree_leaves(carry))
     return tuple(sources[i] == first + i for i in range(count))
