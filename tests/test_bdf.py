@@ -191,6 +191,8 @@ def _decay_dense(k):
     )
 
 
+# Quick loop: test_stiff_test_set[rober].
+@pytest.mark.slow
 def test_saveat_ts_and_dense():
     sol = _decay_dense(1.5)
     ts = jnp.linspace(0.0, 3.0, 7)
@@ -227,6 +229,8 @@ def _rober_batch(scales, index):
     return jax.vmap(one)(scales, index).ys[:, -1]
 
 
+# Quick loop: test_bdf_vmap.py::test_vmapped_solve_is_elementwise.
+@pytest.mark.slow
 def test_vmap_jit_closures():
     scales = jnp.array([1.0, 0.5, 2.0])
     index = jnp.array([1, 2, 0], jnp.int32)
@@ -423,6 +427,8 @@ def test_controller_norms(name):
         np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-14)
 
 
+# Quick loop: the error tests of test_errors.py.
+@pytest.mark.slow
 def test_bad_input():
     vf = lambda t, y, args: -y
     y0 = jnp.ones(2)
@@ -707,6 +713,8 @@ def test_jacobian_and_factor_reuse():
     assert int(state.cache.jac_age) <= 50 and int(state.cache.factor_age) <= 20
 
 
+# Quick loop: test_stiff_test_set[rober].
+@pytest.mark.slow
 def test_revert_keeps_the_cache_of_a_rejected_step():
     """A rejected step reverts the differences, the step size and the order, and
     keeps the step's Jacobian and factor (as SciPy's BDF does)."""

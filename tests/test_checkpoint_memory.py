@@ -81,6 +81,8 @@ def test_fixed_step_gradient_memory_per_trajectory():
     assert total / n <= (129 + 32) * 13 * 4 * 1.05
 
 
+# Quick loop: test_controllers.py::test_constant_steps_differentiable_in_dt0.
+@pytest.mark.slow
 def test_fixed_step_gradient_matches_direct_adjoint():
     # The gradient from checkpoints without the fixed leaves equals DirectAdjoint's
     # (same operations, so to a few float32 roundings of the 1000-step solve).

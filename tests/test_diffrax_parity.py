@@ -193,6 +193,8 @@ def test_errors_as_diffrax(snippet, error, words):
         snippet(sk)
 
 
+# Quick loop: test_diffrax_api.py::test_max_steps_none.
+@pytest.mark.slow
 def test_reverse_mode_without_max_steps_as_diffrax():
     import jax
 
@@ -226,7 +228,8 @@ def test_stats_as_diffrax():
     [dict(dtmin=0.3), dict(dtmax=0.02), dict(dtmin=0.2, force_dtmin=False)],
     ids=str,
 )
-@pytest.mark.quick_cases("{'dtmax': 0.02}")
+# Quick loop: test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
+@pytest.mark.slow
 def test_pid_clips_given_dt0_as_diffrax(options):
     """A given `dt0` is clipped to `[dtmin, dtmax]` (diffrax's `init` does so)."""
 
@@ -268,6 +271,8 @@ def test_results_names_and_messages_as_diffrax():
         )
 
 
+# Quick loop: test_errors.py::test_throw_false_sets_result[dt_min].
+@pytest.mark.slow
 def test_dt_min_reached_message_as_diffrax():
     """With `force_dtmin=False` both stop with `dt_min_reached`, and its message
     holds diffrax's words."""

@@ -27,6 +27,8 @@ def _euler_event(lib, steps: bool, root_finder):
 
 
 @pytest.mark.parametrize("steps", [False, pytest.param(True, marks=pytest.mark.slow)])
+# Quick loop: test_dense_info.py::test_dense_info_is_diffraxs[Tsit5].
+@pytest.mark.slow
 def test_euler_dense_output_is_linear_as_diffrax(steps):
     with float64():
         ts, ys = _euler_event(sk, steps, None)

@@ -51,6 +51,8 @@ def _while_loops(jaxpr):
                     yield from _while_loops(sub)
 
 
+# Quick loop: test_stores_stay_row_writes.
+@pytest.mark.slow
 def test_every_loop_carry_batched():
     # Fails with a counter carried unbatched (then the body is batched twice).
     jaxpr = jax.make_jaxpr(jax.grad(_loss))(*_data()).jaxpr
@@ -77,6 +79,8 @@ def test_stores_stay_row_writes():
                 assert eqn.invars[1].aval.shape[:1] != (N,), name
 
 
+# Quick loop: test_stores_stay_row_writes.
+@pytest.mark.slow
 def test_bodies_batched_once(monkeypatch):
     # How often `vmap` traces each large loop body: once (twice on the old code).
     # JAX caches a batching by its batched inputs and outputs; a miss traces the

@@ -97,6 +97,8 @@ def test_gradient_through_impact_times_and_effects(adjoint):
         np.testing.assert_allclose(grad, 2 * v0 / G * (1 + 2 * 0.8), rtol=1e-9)
 
 
+# Quick loop: test_events.py::test_event_under_vmap.
+@pytest.mark.slow
 def test_vmap_and_jit_over_restitution():
     with float64():
         es = jnp.array([0.8, 0.85, 0.9])  # all bounce on past t = 3.5
@@ -305,6 +307,8 @@ def _zeno_ball(e, y0, t1, **kwargs):
     )
 
 
+# Quick loop: test_bouncing_ball_against_analytic.
+@pytest.mark.slow
 def test_zeno_point_is_a_result_not_a_fall_through_the_floor():
     """A ball whose bounces shrink to nothing at t = t_1 (1 + e) / (1 - e): the solve
     follows the bounces down to the resolution of time, then stops there with

@@ -339,6 +339,8 @@ def _clipped_ground(t, y, a, **kwargs):  # and in the condition (under `jax.jvp`
 
 
 @pytest.mark.parametrize("wheres", [False, True], ids=["plain", "wheres"])
+# Quick loop: [plain].
+@pytest.mark.quick_cases("plain")
 def test_selects_on_real_tiles(x64, wheres):
     """Every `select_n` in the kernel body takes real tiles (no splats, no 0-d
     operands): the TPU's compiler (Mosaic) fails on a select mixing layouts."""

@@ -194,6 +194,8 @@ def _vdp_solve(solver, y0, args, kernel=True, **kw):
     )  # fmt: skip
 
 
+# Quick loop: test_kernel.py::test_unsupported_raises_or_falls_back.
+@pytest.mark.slow
 def test_unsupported_rosenbrock():
     y0, args = _vdp_inputs(jnp.float32, 128)
     cases = {
@@ -261,6 +263,8 @@ def test_jvp_of_kinks_float64(x64):
     np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-12, atol=1e-12)
 
 
+# Quick loop: test_kernel_fixed.py::test_lowers_for_tpu_with_real_tiles.
+@pytest.mark.slow
 def test_lowers_for_tpu_with_real_tiles(monkeypatch):
     """The Rosenbrock kernel lowers for a TPU (Mosaic's lowering rules, on the CPU),
     and every select in it (the pivoting's included) takes real tiles: Mosaic fails

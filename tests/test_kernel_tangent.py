@@ -64,8 +64,7 @@ def _problem(y0, args, sigma, beta):
     return captured["problem"], captured["y0"], captured["args"]
 
 
-# The full suite (12 CPU s); the quick loop's kernel tangents:
-# test_tangent_backward_matches_loop_float64.
+# The full suite (12 CPU s); no kernel tangents in the quick loop (tests/README.md).
 @pytest.mark.slow
 def test_tangents_match_vmap_jacobian_float64(x64):
     y0 = (
@@ -158,6 +157,9 @@ def _inputs(dtype, n=N):
     return y0, jnp.linspace(1.0, 21.0, n, dtype=dtype), jnp.arange(n) % 3
 
 
+# Quick loop: ensemble_solve x grad:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+@pytest.mark.slow
 def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
     """`BACKWARD = "tangent"`: the gradient with respect to y0, a per-trajectory
     float, a closed-over array (with an integer per-trajectory argument alongside)
@@ -177,8 +179,7 @@ def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * scale)
 
 
-# The full suite (15 CPU s); the quick loop's kernel gradient:
-# test_tangent_backward_matches_loop_float64.
+# The full suite (15 CPU s); no kernel gradient in the quick loop (tests/README.md).
 @pytest.mark.slow
 def test_tangent_backward_vmap_float32(monkeypatch):
     """float32, `jax.vmap` of the gradient over a closed-over float, against the

@@ -117,6 +117,8 @@ def test_dce_keeps_effects_and_order():
 
 
 @pytest.mark.parametrize("adjoint", ["checkpoint", "direct", "forward"])
+# Quick loop: [direct].
+@pytest.mark.quick_cases("direct", "forward")
 def test_no_nested_jit_in_a_pid_solve(adjoint):
     # Fails on the old code: 20 nested `jit`s in the checkpointed gradient (the
     # controller's `jnp.clip`, `jnp.isinf`, `where(keep, 1, factormin)`,
@@ -267,7 +269,8 @@ _INT_LIMITS = dict(factormin=0, factormax=5, safety=1)
 @pytest.mark.parametrize("factors", [{}, _INT_LIMITS], ids=["floats", "ints"])
 # Quick loop: each factor's values once (x64 checks float32 and float64); the other
 # two of the product in the full suite.
-@pytest.mark.quick_cases("floats-False", "ints-True")
+# Quick loop: [ints-True].
+@pytest.mark.quick_cases("ints-True")
 def test_controller_limits_as_before(x64, factors):
     # The step-size factor's limits and the inverse error's fix, against the old
     # code's `jnp.clip`/`jnp.isinf`/`jnp.where` on the same inputs (0, inf, NaN,

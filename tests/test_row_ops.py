@@ -111,6 +111,8 @@ def _jit_names(jaxpr) -> list[str]:
     return names
 
 
+# Quick loop: test_same_as_lax[float32].
+@pytest.mark.slow
 def test_no_row_jits():
     # Fails on the old code (12 such calls in this gradient).
     rates = jnp.array([[1.5, 1.0, 3.0, 1.0], [1.2, 0.8, 2.5, 1.1]], jnp.float32)
