@@ -131,9 +131,8 @@ def test_by_hand_under_vmap():
 
 @pytest.mark.parametrize("solver", ["Heun", "Tsit5"])
 @pytest.mark.parametrize("clip", [False, True])
-# Quick loop: each solver and each controller once; the rest of the product in the
-# full suite.
-# Quick loop: [False-Heun].
+# Quick loop: one case (Tsit5 and clipping: test_by_hand_under_vmap,
+# test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts).
 @pytest.mark.quick_cases("False-Heun")
 def test_initial_step_by_hand(solver, clip):
     # `init(..., dt0=None, ..., func, ...)` calls `func(terms, t, y, args)`, as diffrax

@@ -235,8 +235,7 @@ def _close_steps(name, a, b, scale):
 
 
 @pytest.mark.parametrize("name", _ESDIRK + _IMEX)
-# Quick loop: one IMEX solver (Kvaerno5 in the full suite).
-# Quick loop: test_dense_info_is_diffraxs[Tsit5].
+# The full suite; the quick loop's dense info: test_dense_info_is_diffraxs[Tsit5].
 @pytest.mark.slow
 def test_implicit_dense_info_is_diffraxs(name):
     y0 = _y0()
@@ -314,8 +313,8 @@ def test_implicit_loop_dense_output_unchanged_by_public_form():
 
 
 @pytest.mark.parametrize("name", ["Rosenbrock23", "Ros3P", "Rodas4", "Rodas5P", "BDF"])
-# Quick loop: one Rosenbrock solver (BDF's dense output: tests/test_bdf.py).
-# Quick loop: test_dense_info_under_jit_vmap_grad[Tsit5].
+# The full suite; the quick loop's dense output:
+# test_dense_info_under_jit_vmap_grad[Tsit5].
 @pytest.mark.slow
 def test_own_solvers_interpolation_cls_from_step(name):
     # `interpolation_cls(t0=, t1=, **dense_info)` works on `step`'s output (a dict;

@@ -644,9 +644,8 @@ def _feature_reference(feature: str) -> sk.Solution:
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-# Quick loop: both kinds of event with their effects at once (saves at `ts`:
-# test_adaptive_ts_matches_vmap[None]).
-# Quick loop: ensemble events: test_refill_sizes_match_vmap[terminating_event-4-3].
+# The full suite; the quick loop's ensemble events:
+# test_refill_sizes_match_vmap[terminating_event-4-3].
 @pytest.mark.slow
 def test_every_field_matches_vmap(feature):
     kw = FEATURES[feature]

@@ -91,8 +91,8 @@ def test_interpolator_matches_interpolate_under_jit_and_vmap(solver):
 
 
 @pytest.mark.parametrize("solver", _SOLVERS, ids=lambda s: type(s).__name__)
-# Dopri8 (the costliest compile) in the full suite.
-# Quick loop: test_interpolator_matches_interpolate_under_jit_and_vmap[Tsit5].
+# The full suite; the quick loop's interpolator:
+# test_interpolator_matches_interpolate_under_jit_and_vmap[Tsit5].
 @pytest.mark.slow
 def test_interpolator_derivatives(solver):
     """Its derivatives in `t` and in what the step depends on (the initial state,

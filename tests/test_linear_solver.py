@@ -54,8 +54,8 @@ def _run(solver, fn, x, gamma_h, mass, rhs):
 _run_jit = jax.jit(_run, static_argnums=(0, 1))
 
 
-# Quick loop: one band shape and mass; the other shapes and masses in the full suite.
-# Quick loop: test_banded.py::test_grad_matches_dense_and_finite_differences[2-1].
+# The full suite; the quick loop's banded solver:
+# test_banded.py::test_grad_matches_dense_and_finite_differences[2-1].
 @pytest.mark.slow
 @pytest.mark.parametrize("lower,upper", [(1, 1), (2, 0), (0, 3), (2, 3)])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
@@ -481,9 +481,8 @@ def test_krylov_bad_arguments():
     ],
     ids=["banded", "sparse", "krylov"],
 )
-# Quick loop: a solver that calls the field only to linearise, and one that calls it
-# in every solve.
-# Quick loop: [krylov].
+# Quick loop: a solver that calls the field in every solve (one that calls it only
+# to linearise: test_solve_tangent_transposes[0-banded]).
 @pytest.mark.quick_cases("krylov")
 def test_closure_over_float_and_vmapped_int(solver):
     """The field closes over a differentiated float and a vmapped int index."""
@@ -541,8 +540,7 @@ def _transpose_cases():
 
 @pytest.mark.parametrize("name", sorted(_transpose_cases()))
 @pytest.mark.parametrize("mass_index", [0, 1])
-# Quick loop: every linear solver once, without a mass matrix.
-# Quick loop: [0-gmres]; [0-sparse-dense].
+# Quick loop: each kind of linear solver once, without a mass matrix.
 @pytest.mark.quick_cases("0-banded", "0-dense", "0-gmres", "0-sparse-dense")
 def test_solve_tangent_transposes(name, mass_index):
     """`solve_tangent` is transposable in its right-hand side (reverse mode through

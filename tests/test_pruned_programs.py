@@ -267,9 +267,7 @@ _INT_LIMITS = dict(factormin=0, factormax=5, safety=1)
 
 @pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("factors", [{}, _INT_LIMITS], ids=["floats", "ints"])
-# Quick loop: each factor's values once (x64 checks float32 and float64); the other
-# two of the product in the full suite.
-# Quick loop: [ints-True].
+# Quick loop: one case (x64 checks float32 and float64); the rest in the full suite.
 @pytest.mark.quick_cases("ints-True")
 def test_controller_limits_as_before(x64, factors):
     # The step-size factor's limits and the inverse error's fix, against the old

@@ -167,8 +167,7 @@ def test_small_solve_reverse_mode_has_no_pads():
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("n", [2, SMALL_MAX, SMALL_MAX + 1])
-# Quick loop: the largest small inverse and the smallest LU (n = 2 in the full suite).
-# Quick loop: [3].
+# Quick loop: the largest small inverse (the LU, n = 4, and n = 2 in the full suite).
 @pytest.mark.quick_cases("3")
 def test_dense_solve_grad_is_the_solves(n):
     """The refined solve's derivative is the solve's, `A^{-1} (db - dA x)`, the

@@ -73,9 +73,8 @@ def test_same_program_bitwise(monkeypatch):
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("constant", [False, True])
-# Quick loop: the PID case, also the quick check of the pruned programs' gradient
-# (test_pruned_programs.py); ConstantStepSize: the full suite.
-# Quick loop: test_integrate.py::test_traced_once_inside_jit_under_transformations.
+# The full suite; the quick loop's traced steps:
+# test_integrate.py::test_traced_once_inside_jit_under_transformations.
 @pytest.mark.slow
 def test_gradient_against_direct_and_differences(constant):
     # ConstantStepSize: leaves the step returns unchanged are kept once.
