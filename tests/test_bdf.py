@@ -149,7 +149,8 @@ def test_stiff_test_set(name):
 
 
 @pytest.mark.parametrize("max_order", [1, 2])
-@pytest.mark.quick_cases(dict(max_order=2))
+# Quick loop: test_stiff_test_set[rober].
+@pytest.mark.slow
 def test_fixed_step_order(max_order):
     """With a constant step the error falls as `dt^max_order` (linear problem)."""
     a = jnp.array([[-1.0, 2.0], [-2.0, -1.0]])

@@ -47,6 +47,8 @@ def _linear(t, y, args):
         quick=[("Rodas5P", "dense")],
     ),
 )
+# Quick loop: test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
+@pytest.mark.slow
 def test_regular_mass_matches_exact(name, form):
     mass = M_REG if form == "dense" else np.diag(M_REG)
     full = M_REG if form == "dense" else np.diag(np.diag(M_REG))
@@ -263,7 +265,7 @@ def test_grad_wrt_mass_matrix_matches_fd(name, form):
 # --- Errors -------------------------------------------------------------------------
 
 
-# Quick loop: test_regular_mass_matches_exact[Rodas5P-dense].
+# Quick loop: test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
 @pytest.mark.slow
 def test_inconsistent_initial_values():
     y0 = jnp.array([1.0, 0.5])  # y2(0) must be cos(0) = 1
@@ -310,7 +312,7 @@ def test_bad_linear_solver():
         sk.Rodas5P(linear_solver="dense")  # type: ignore[arg-type]
 
 
-# Quick loop: test_regular_mass_matches_exact[Rodas5P-dense].
+# Quick loop: test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
 @pytest.mark.slow
 def test_singular_iteration_matrix():
     # The algebraic equation `0 = 0` leaves y2 undetermined: M - γhJ is singular
@@ -368,7 +370,7 @@ def test_user_linear_solver():
     assert a.stats["num_steps"] == b.stats["num_steps"]
 
 
-# Quick loop: test_regular_mass_matches_exact[Rodas5P-dense].
+# Quick loop: test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
 @pytest.mark.slow
 def test_pytree_state_ravelled_order():
     # `mass_matrix` is in the order of `ravel_pytree(y0)`: here (y1, y2) as a tuple.

@@ -81,7 +81,8 @@ def test_dense_info_is_diffraxs(name):
 
 
 @pytest.mark.parametrize("name", _EXPLICIT)
-@pytest.mark.quick_cases("Dopri5")
+# Quick loop: test_dense_info_is_diffraxs[Tsit5].
+@pytest.mark.slow
 def test_interpolation_cls_is_diffraxs(name):
     y0 = _y0()
     solver, (_, _, info, _, _) = _step(sk, name, y0)
@@ -254,7 +255,8 @@ def test_implicit_dense_info_is_diffraxs(name):
 
 
 @pytest.mark.parametrize("name", _ESDIRK + _IMEX)
-@pytest.mark.quick_cases("KenCarp4")
+# Quick loop: test_dense_info_is_diffraxs[Tsit5].
+@pytest.mark.slow
 def test_implicit_interpolation_cls_is_diffraxs(name):
     y0 = _y0()
     solver, (_, _, info, _, _) = _implicit_step(sk, name, y0)

@@ -296,6 +296,8 @@ def test_dt_min_reached_message_as_diffrax():
 # --- Differences kept on purpose (docs/migrating.md, "What differs") -----------------
 
 
+# Quick loop: test_saveat.py::test_t0_ts_t1_and_dense.
+@pytest.mark.slow
 def test_solution_t1_is_where_the_solve_ended():
     """diffrax's `Solution.t1` is the `t1` passed in; solverkit's is where the solve
     ended (the event time, or where it stopped); `ts` agree."""

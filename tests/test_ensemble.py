@@ -739,6 +739,8 @@ def test_refill_sizes_match_vmap(lanes, refill, feature):
                 np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
 
 
+# Quick loop: test_adaptive_ts_matches_vmap[None].
+@pytest.mark.slow
 def test_lockstep_when_lanes_cover_the_batch():
     # N lanes or more: the lockstep loop, no refill (stats["refill"] == 0), each
     # lane stepping until the longest trajectory has finished.

@@ -251,8 +251,8 @@ def _per_trajectory_row_ops(jaxpr, batch: int, rows: int) -> list[str]:
 
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 @pytest.mark.parametrize("solve", [_ensemble, _vmapped], ids=["ensemble", "vmap"])
-# Quick loop: each path, each solve, once.
-@pytest.mark.quick_cases("one-hot-ensemble-rows", "index-vmap-rows")
+# Quick loop: [one-hot-ensemble-rows].
+@pytest.mark.quick_cases("one-hot-ensemble-rows")
 def test_no_per_trajectory_gather_or_scatter_in_loops(path, solve, ts):
     # By index: 2-6 gathers and 2-3 scatters by a per-trajectory row in the loops of
     # the gradient (reading and writing a saved row, adding the cotangent of a save

@@ -51,7 +51,7 @@ def _while_loops(jaxpr):
                     yield from _while_loops(sub)
 
 
-# Quick loop: test_stores_stay_row_writes.
+# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
 @pytest.mark.slow
 def test_every_loop_carry_batched():
     # Fails with a counter carried unbatched (then the body is batched twice).
@@ -65,6 +65,8 @@ def test_every_loop_carry_batched():
         assert unbatched == [], unbatched
 
 
+# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
+@pytest.mark.slow
 def test_stores_stay_row_writes():
     # The counters are read unbatched: checkpoints and recomputed carries are
     # written and read as rows, never by a per-element index (under `vmap` a row
@@ -79,7 +81,7 @@ def test_stores_stay_row_writes():
                 assert eqn.invars[1].aval.shape[:1] != (N,), name
 
 
-# Quick loop: test_stores_stay_row_writes.
+# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
 @pytest.mark.slow
 def test_bodies_batched_once(monkeypatch):
     # How often `vmap` traces each large loop body: once (twice on the old code).

@@ -388,7 +388,7 @@ def _terms_as_asked(library, solver):
 
 
 @pytest.mark.parametrize("name", ["KenCarp3", "Kvaerno3"])
-# Quick loop: test_imex_stiff.py::test_rober_stiff_implicit_term[KenCarp4].
+# Quick loop: test_kencarp5_error_at_step_ends_and_between[0.0].
 @pytest.mark.slow
 def test_term_structure_as_diffrax(name):
     # Code that builds terms from `term_structure` (as diffrax's tests do) builds

@@ -620,6 +620,8 @@ def test_stages_in_a_loop_match_unrolled(solver_cls):
     assert_tree_allclose(dense_l, dense_u, rtol=1e-6, atol=1e-7)
 
 
+# Quick loop: test_convergence_order[Tsit5-5-True].
+@pytest.mark.slow
 def test_small_reductions_match_numpy():
     # The error norm and the finiteness check reduce small arrays element by element
     # (solverkit/_reduce.py); they must agree with the ordinary reductions, batched too.

@@ -77,8 +77,8 @@ def _both(dtype, solver, rtol):
     [sk.Tsit5(), sk.Dopri5()],
     ids=["tsit5", "dopri5"],
 )
-# The full suite; the quick loop's kernel values (float64, adaptive, saved at `ts`
-# and `t1`, against the lane loop): test_event_float64[real].
+# The full suite; the quick loop's kernel values:
+# test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
 @pytest.mark.slow
 def test_values_float64(x64, solver):
     kern, ref = _both(jnp.float64, solver, 1e-8)
@@ -158,6 +158,8 @@ def test_max_steps_and_result(x64):
     assert np.all(sol.result._value == sk.RESULTS.max_steps_reached.code)
 
 
+# Quick loop: test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
+@pytest.mark.slow
 def test_unsupported_raises_or_falls_back():
     y0, args = _problem(jnp.float32, 128)
     kw = dict(stepsize_controller=sk.PIDController(rtol=1e-4, atol=1e-4))
@@ -214,6 +216,8 @@ def _fall_inputs(n=128):
 @pytest.mark.parametrize(
     "cond", ["real", pytest.param("boolean", marks=pytest.mark.slow)]
 )
+# Quick loop: test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
+@pytest.mark.slow
 def test_event_float64(x64, cond):
     y0, a = _fall_inputs()
     fn = _ground if cond == "real" else (lambda t, y, a, **kw: y[0] < 0)
@@ -245,7 +249,8 @@ def test_event_float64(x64, cond):
         np.testing.assert_allclose(kern.t1, exact, rtol=1e-6)
 
 
-# The full suite; the quick loop's kernel values: test_event_float64[real].
+# The full suite; the quick loop's kernel values:
+# test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
 @pytest.mark.slow
 def test_t1_only_pytree_state_dt0():
     """`SaveAt(t1=True)` (the default), a pytree state, a given `dt0`, float32."""
@@ -377,7 +382,7 @@ def assert_kernel_selects_on_real_tiles(jaxpr):
     assert not found, "\n".join(str(e) for e in found[:5])
 
 
-# The full suite; the quick loop's kernel events: test_event_float64.
+# The full suite; the quick loop's kernel: test_kernel_fixed.py.
 @pytest.mark.slow
 def test_wheres_in_field_and_event_float64(x64):
     """`jnp.where`s with constants in the field and in the event's condition (the

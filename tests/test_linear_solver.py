@@ -193,8 +193,8 @@ def _sparse_matrix(kind, seed=0):
     return np.where(rng.uniform(size=(_N, _N)) < 0.5, a, 0) + 3 * np.eye(_N)
 
 
-# Quick loop: one pattern and mass; the other patterns and masses in the full suite.
-@pytest.mark.quick_cases("0-blocks")
+# Quick loop: test_solve_tangent_transposes[0-sparse-dense].
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
 def test_sparse_matches_dense(kind, mass_index):
@@ -216,6 +216,8 @@ def test_sparse_matches_dense(kind, mass_index):
     np.testing.assert_allclose(sol, sol_d, rtol=1e-10, atol=1e-12)
 
 
+# Quick loop: test_solve_tangent_transposes[0-sparse-dense].
+@pytest.mark.slow
 def test_sparse_vmap_over_rhs_and_point():
     matrix = _sparse_matrix("blocks")
     fn = _field(matrix)
@@ -272,7 +274,8 @@ def test_sparse_bad_arguments():
         solver.linearise(lambda x: x, jnp.zeros(4))
 
 
-# The full suite; the quick loop's sparse solver: test_sparse_matches_dense[0-blocks].
+# The full suite; the quick loop's sparse solver:
+# test_solve_tangent_transposes[0-sparse-dense].
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
 def test_sparse_singular_gives_nan(kind):
@@ -379,7 +382,8 @@ _zero_vectors_value = jax.jit(_zero_vectors_loss, static_argnums=(0, 3, 4))
 @pytest.mark.parametrize("rhs_kind", ["zero", "one-hot"])
 @pytest.mark.parametrize("preconditioner", sorted(_EXACT))
 @pytest.mark.parametrize("which", ["solve", "solve_tangent"])
-@pytest.mark.quick_cases("solve-none-one-hot")
+# Quick loop: test_solve_tangent_transposes[0-gmres].
+@pytest.mark.slow
 def test_bicgstab_gradient_with_zero_vectors(which, preconditioner, rhs_kind):
     """Reverse mode through BiCGStab where a right-hand side is zero: the forward
     one, and then the cotangent of the sum of squares that the transposed solve
@@ -481,9 +485,8 @@ def test_krylov_bad_arguments():
     ],
     ids=["banded", "sparse", "krylov"],
 )
-# Quick loop: a solver that calls the field in every solve (one that calls it only
-# to linearise: test_solve_tangent_transposes[0-banded]).
-@pytest.mark.quick_cases("krylov")
+# Quick loop: test_solve_tangent_transposes[0-gmres]; test_closure_matrix.py's cells.
+@pytest.mark.slow
 def test_closure_over_float_and_vmapped_int(solver):
     """The field closes over a differentiated float and a vmapped int index."""
     a = jnp.asarray(_banded_matrix(_N, 2, 1))

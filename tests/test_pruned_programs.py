@@ -140,6 +140,8 @@ def test_no_nested_jit_in_a_pid_solve(adjoint):
     assert names <= {"dynamic_index_in_dim"}, names
 
 
+# Quick loop: test_no_nested_jit_in_a_pid_solve[direct].
+@pytest.mark.slow
 def test_pullback_program_is_pruned(monkeypatch):
     # The checkpointed backward pass: the pullback loop's body holds fewer
     # equations than with every traced program kept whole (the old code's), and
@@ -176,10 +178,9 @@ def _grads(rates, y0, **kwargs):
     )
 
 
-# The full suite (4-5 CPU s a case); the quick loop checks that the programs are
-# pruned (test_pullback_program_is_pruned) and the pruned gradient's values against
-# DirectAdjoint and differences (test_traced_step.py::
-# test_gradient_against_direct_and_differences[False], the same LV loss).
+# The full suite (4-5 CPU s a case), as are test_pullback_program_is_pruned and
+# test_traced_step.py::test_gradient_against_direct_and_differences (the same LV
+# loss); the quick loop's pruned programs: test_no_nested_jit_in_a_pid_solve[direct].
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("saveat", [None, "ts", "steps"])
