@@ -402,7 +402,7 @@ def _norm_steps(rates, problem, norm, tol):
 
 # The full suite: a vmapped BDF gradient is a ~15 CPU-second compile (one, shared
 # by the four solves of both cases); the quick loop differentiates BDF in
-# test_grad_rober and vmaps it in test_vmap_jit_closures.
+# test_grad_rober and vmaps it in test_bdf_vmap.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["two", "max"])
 def test_controller_norms(name):
@@ -688,8 +688,7 @@ class _Counting(AbstractLinearSolver):
         return sk.DenseLinearSolver().solve(factor, rhs, fn)
 
 
-# The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py and
-# test_revert_keeps_the_cache_of_a_rejected_step.
+# The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py.
 @pytest.mark.slow
 def test_jacobian_and_factor_reuse():
     """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
@@ -756,8 +755,8 @@ def test_difference_rows_reverse_mode_has_no_pads():
     assert count_equations(jaxpr, "pad") == 0
 
 
-# The full suite (a long solve, twice); the quick loop checks what a rejection keeps
-# in test_revert_keeps_the_cache_of_a_rejected_step.
+# The full suite (a long solve, twice), as is what a rejection keeps
+# (test_revert_keeps_the_cache_of_a_rejected_step).
 @pytest.mark.slow
 def test_rejected_steps_keep_their_jacobians(monkeypatch):
     """On Van der Pol (mu = 1000, many rejected steps) keeping the Jacobian and factor

@@ -65,7 +65,7 @@ def test_constant_step_invariants_detected():
 
 
 # The full suite; the quick loop's fixed-step gradient:
-# test_fixed_step_gradient_matches_direct_adjoint.
+# test_controllers.py::test_constant_steps_differentiable_in_dt0.
 @pytest.mark.slow
 def test_fixed_step_gradient_memory_per_trajectory():
     # Rows: 129 checkpoint slots + 32 recomputation rows (the default layout for

@@ -293,8 +293,7 @@ def test_implicit_dense_info_under_jit_vmap_grad(name):
     _close_steps(name, ours_grad, ref_grad, 4.0)
 
 
-# The full suite; the quick loop's implicit dense output:
-# test_implicit_dense_info_is_diffraxs.
+# The full suite; the quick loop's dense output: test_dense_info_is_diffraxs[Tsit5].
 @pytest.mark.slow
 def test_implicit_loop_dense_output_unchanged_by_public_form():
     # Kvaerno5 is stiffly accurate: the loop's cubic Hermite (slopes at both ends)

@@ -238,8 +238,8 @@ def _oscillator(lib, solver, dt0, controller=None, t1=3.0, saveat=None):
 
 
 # The full suite; the quick loop's SemiImplicitEuler: test_semi_implicit_euler_is_
-# symplectic and test_semi_implicit_euler_jit_vmap_grad; HalfSolver as diffrax's:
-# test_half_solver_steps_as_diffrax[Tsit5].
+# symplectic and test_semi_implicit_euler_jit_vmap_grad; HalfSolver:
+# test_half_solver_accuracy_and_first_step.
 @pytest.mark.slow
 def test_semi_implicit_euler_as_diffrax():
     ours = _oscillator(sk, sk.SemiImplicitEuler(), 0.01)

@@ -310,7 +310,7 @@ def test_solution_t1_is_where_the_solve_ended():
 
 
 # The full suite; the quick loop's dense output against diffrax's:
-# test_dense_info.py::test_implicit_dense_info_is_diffraxs[KenCarp4].
+# test_dense_info.py::test_dense_info_is_diffraxs[Tsit5].
 @pytest.mark.slow
 def test_dense_output_past_t1_extrapolates():
     """diffrax's `evaluate` past the end of the solve is NaN; solverkit's extends the

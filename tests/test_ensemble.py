@@ -149,8 +149,8 @@ def test_backwards_pytree_state_and_saveat_fn():
     same(sol, ref)
 
 
-# The full suite; the quick loop's failed ensemble trajectory, raised and not:
-# test_kernel_outside.py::test_throw_same_values_and_raises[t1].
+# The full suite; the quick loop's failed solve, raised and not:
+# test_errors.py::test_throw_under_jit_and_vmap.
 @pytest.mark.slow
 def test_failed_trajectories_throw_false_and_true():
     y0, args = inputs()
@@ -424,9 +424,9 @@ def test_per_trajectory_times_match_vmap(t0, t1, ts):
     same(ensemble_times(t0, t1, y0, args["rho"], ts), want, tol=1e-10)
 
 
-# The full suite; the quick loop has per-trajectory times
-# (test_per_trajectory_times_match_vmap[all]) and events
-# (test_every_field_matches_vmap[both_events]).
+# The full suite; the quick loop's per-trajectory save times:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep]; its
+# events: test_refill_sizes_match_vmap[terminating_event-4-3].
 @pytest.mark.slow
 def test_per_trajectory_times_with_events():
     y0, args = inputs()

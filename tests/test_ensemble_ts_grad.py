@@ -192,8 +192,8 @@ def test_jitted_gradient_second_call_does_not_compile(path, solve, lanes):
 
 
 # The full suite; the quick loop's gradient through the rows:
-# test_ensemble_equals_vmap[one-hot-rows-lockstep]; gradients through save times
-# against DirectAdjoint: tests/test_ts_gradients.py::test_checkpointed_equals_direct.
+# test_ensemble_equals_vmap[one-hot-rows-lockstep] (against DirectAdjoint:
+# tests/test_ts_gradients.py, full suite).
 @pytest.mark.slow
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 def test_against_finite_differences(path, ts):

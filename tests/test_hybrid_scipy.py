@@ -255,8 +255,8 @@ def _scipy_bounces(t1):
         y = np.array([0.0, -E * y[1]])
 
 
-# The full suite; the quick loop's bouncing ball against SciPy:
-# test_bouncing_ball_terminal_count_stops_before_the_effect.
+# The full suite; the quick loop's bouncing ball:
+# test_hybrid.py::test_bouncing_ball_against_analytic.
 @pytest.mark.slow
 def test_bouncing_ball_with_drag_against_scipy_restart_loop():
     with float64():

@@ -102,8 +102,8 @@ def test_no_extra_step_per_occurrence(x64, constant):
         assert rejected == 0
 
 
-# The full suite; the quick loop's step count at occurrences:
-# test_no_extra_step_per_occurrence.
+# The full suite; the quick loop's events:
+# test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
     """`SaveAt(ts=...)` rows, step rows and the dense output, under `jit(vmap)` over

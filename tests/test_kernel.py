@@ -144,7 +144,6 @@ def test_gradients_and_vmap_of_grad_float64(x64):
 
 
 # The full suite; the quick loop's kernel reaching max_steps:
-# test_kernel_outside.py::test_throw_same_values_and_raises[t1] (adaptive) and
 # test_kernel_fixed.py::test_max_steps_and_nonfinite_result (fixed steps).
 @pytest.mark.slow
 def test_max_steps_and_result(x64):

@@ -91,7 +91,7 @@ def _decay(kernel, lam):
 
 
 # The full suite; the quick loop's float32 step edge:
-# test_rejected_step_near_t1_float32.
+# test_float32_steps.py::test_rejected_step_near_t1_is_not_retried_on_t1[tsit5].
 @pytest.mark.slow
 def test_steps_below_time_spacing():
     # λ <= 0.1: the first step (dt0 = 1e-3 < 0.125) advances one spacing and grows

@@ -411,8 +411,8 @@ def test_bicgstab_gradient_with_zero_vectors(which, preconditioner, rhs_kind):
 
 
 @pytest.mark.parametrize("which", ["solve", "solve_tangent"])
-# Quick loop: test_bruss_preconditioner.py::test_preconditioner_inverts_the_iteration_ma
-# trix[reaction-first].
+# Quick loop: test_bruss_preconditioner.py::
+# test_preconditioner_inverts_the_iteration_matrix[reaction-first].
 @pytest.mark.slow
 def test_bicgstab_exact_preconditioner(which):
     """A preconditioner that is the exact inverse: the first half step solves

@@ -201,10 +201,9 @@ def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-# The full suite (5 CPU s a case); the quick loop's checkpointed gradient of the same
-# LV loss against DirectAdjoint and differences: test_traced_step.py::
-# test_gradient_against_direct_and_differences[False]; through `SaveAt(ts)`:
-# test_ts_gradients.py::test_checkpointed_equals_direct[default].
+# The full suite (5 CPU s a case), as are the checkpointed gradients of the same LV
+# loss (test_traced_step.py) and through `SaveAt(ts)` (test_ts_gradients.py); the
+# quick loop's checkpointed gradients: test_closure_matrix.py's checkpoint cells.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("checkpoints", [None, 4])
@@ -230,10 +229,9 @@ def test_gradient_against_direct_and_differences(checkpoints):
     np.testing.assert_allclose(float(jnp.sum(got * v)), quotient, rtol=1e-5)
 
 
-# The full suite; the quick loop compares the pruned programs' gradients with
-# DirectAdjoint's in float64 (test_traced_step.py::
-# test_gradient_against_direct_and_differences[False]: the same programs, another
-# precision).
+# The full suite, as is the float64 comparison with DirectAdjoint (test_traced_step.py::
+# test_gradient_against_direct_and_differences); the quick loop's pruned programs:
+# test_no_nested_jit_in_a_pid_solve[direct].
 @pytest.mark.slow
 def test_float32_gradient_against_direct():
     rates, y0 = (x.astype(jnp.float32) for x in lv_batch())

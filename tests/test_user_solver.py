@@ -126,7 +126,7 @@ def test_adjoints_that_need_the_vector_field_say_so():
 
 
 # The full suite; the quick loop's user solver:
-# test_solver_reaches_its_term_as_in_diffrax.
+# test_protocol.py::test_crank_nicolson_solves_the_heat_equation.
 @pytest.mark.slow
 def test_wrapped_terms_of_a_multiterm_as_in_diffrax():
     """Each term of a `MultiTerm` is wrapped, as diffrax wraps them, under an
