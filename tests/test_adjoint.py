@@ -211,6 +211,8 @@ def _force_layout(monkeypatch, layout) -> list:
         quick=[((4, 2, 3), 43)],
     ),
 )
+# Quick loop: test_few_checkpoints[1-40].
+@pytest.mark.slow
 def test_mid_checkpoints(layout, max_steps, monkeypatch):
     used = _force_layout(monkeypatch, layout)
     grad = eqx.filter_jit(jax.grad(_euler_final))
@@ -229,6 +231,8 @@ def test_mid_checkpoints(layout, max_steps, monkeypatch):
         ((40, 50, 0), 46),  # the buffer has more rows than the store (41)
     ],
 )
+# Quick loop: [layout0-45].
+@pytest.mark.quick_cases("layout0-45")
 def test_every_step_stored_copied_into_the_buffer(layout, max_steps, monkeypatch):
     used = _force_layout(monkeypatch, layout)
     grad = eqx.filter_jit(jax.grad(_euler_final))
@@ -623,7 +627,8 @@ def test_hessians_both_ways_against_finite_differences():
 @pytest.mark.parametrize(
     "adjoint", [RCA, sk.BacksolveAdjoint()], ids=["checkpoint", "backsolve"]
 )
-@pytest.mark.quick_cases("checkpoint")
+# Quick loop: the error tests of test_errors.py.
+@pytest.mark.slow
 def test_reverse_over_reverse_says_what_to_use(adjoint):
     # Their backward passes are loops of data-dependent length: not differentiable in
     # reverse mode. The error names what is (not JAX's error about the loop).

@@ -27,7 +27,10 @@ def _loss(t0, t1, ts, adjoint, kind):
     return jnp.sum(sol.ts**2) + jnp.sum(sol.ys)
 
 
-@pytest.mark.quick_cases("ts-forwards")
+# Quick loop: save-time gradients:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep];
+# BacksolveAdjoint: test_closure_matrix.py's backsolve cells.
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", ["forwards", "backwards"])
 @pytest.mark.parametrize("kind", ["t1", "t0t1", "ts"])
 def test_backsolve_time_cotangents_match_the_checkpointed_adjoint(x64, kind, direction):

@@ -149,7 +149,8 @@ def test_stiff_test_set(name):
 
 
 @pytest.mark.parametrize("max_order", [1, 2])
-@pytest.mark.quick_cases(dict(max_order=2))
+# Quick loop: test_stiff_test_set[rober].
+@pytest.mark.slow
 def test_fixed_step_order(max_order):
     """With a constant step the error falls as `dt^max_order` (linear problem)."""
     a = jnp.array([[-1.0, 2.0], [-2.0, -1.0]])
@@ -191,6 +192,8 @@ def _decay_dense(k):
     )
 
 
+# Quick loop: test_stiff_test_set[rober].
+@pytest.mark.slow
 def test_saveat_ts_and_dense():
     sol = _decay_dense(1.5)
     ts = jnp.linspace(0.0, 3.0, 7)
@@ -227,6 +230,8 @@ def _rober_batch(scales, index):
     return jax.vmap(one)(scales, index).ys[:, -1]
 
 
+# Quick loop: test_bdf_vmap.py::test_vmapped_solve_is_elementwise.
+@pytest.mark.slow
 def test_vmap_jit_closures():
     scales = jnp.array([1.0, 0.5, 2.0])
     index = jnp.array([1, 2, 0], jnp.int32)
@@ -397,7 +402,7 @@ def _norm_steps(rates, problem, norm, tol):
 
 # The full suite: a vmapped BDF gradient is a ~15 CPU-second compile (one, shared
 # by the four solves of both cases); the quick loop differentiates BDF in
-# test_grad_rober and vmaps it in test_vmap_jit_closures.
+# test_grad_rober and vmaps it in test_bdf_vmap.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["two", "max"])
 def test_controller_norms(name):
@@ -423,6 +428,8 @@ def test_controller_norms(name):
         np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-14)
 
 
+# Quick loop: the error tests of test_errors.py.
+@pytest.mark.slow
 def test_bad_input():
     vf = lambda t, y, args: -y
     y0 = jnp.ones(2)
@@ -686,8 +693,7 @@ class _Counting(AbstractLinearSolver):
         return sk.DenseLinearSolver().solve(factor, rhs, fn)
 
 
-# The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py and
-# test_revert_keeps_the_cache_of_a_rejected_step.
+# The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py.
 @pytest.mark.slow
 def test_jacobian_and_factor_reuse():
     """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
@@ -712,6 +718,8 @@ def test_jacobian_and_factor_reuse():
     assert int(state.cache.jac_age) <= 50 and int(state.cache.factor_age) <= 20
 
 
+# Quick loop: test_stiff_test_set[rober].
+@pytest.mark.slow
 def test_revert_keeps_the_cache_of_a_rejected_step():
     """A rejected step reverts the differences, the step size and the order, and
     keeps the step's Jacobian and factor (as SciPy's BDF does)."""
@@ -756,8 +764,8 @@ def test_difference_rows_reverse_mode_has_no_pads():
     assert count_equations(jaxpr, "pad") == 0
 
 
-# The full suite (a long solve, twice); the quick loop checks what a rejection keeps
-# in test_revert_keeps_the_cache_of_a_rejected_step.
+# The full suite (a long solve, twice), as is what a rejection keeps
+# (test_revert_keeps_the_cache_of_a_rejected_step).
 @pytest.mark.slow
 def test_rejected_steps_keep_their_jacobians(monkeypatch):
     """On Van der Pol (mu = 1000, many rejected steps) keeping the Jacobian and factor

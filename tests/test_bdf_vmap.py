@@ -112,8 +112,8 @@ def test_vmapped_solve_is_elementwise():
     assert not bad & set(names), sorted(bad & set(names))
 
 
-# The full suite (7 CPU s); the quick loop's float32 stiff ensemble against float64:
-# test_small_linalg.py::test_stiff_vdp_ensemble_float32_against_float64[solver1].
+# The full suite (7 CPU s); the quick loop's vmapped BDF:
+# test_vmapped_solve_is_elementwise.
 @pytest.mark.slow
 def test_float32_ensemble_against_float64():
     """Float32 BDF at rtol = atol = 1e-5 on 8 Van der Pol trajectories: as accurate

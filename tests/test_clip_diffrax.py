@@ -63,7 +63,7 @@ def _walk(lib, controller, errors, jit):
 
 
 # The full suite (every controller call made eagerly, in both libraries); the quick
-# loop's clipped steps: test_by_hand_under_vmap, test_nested_by_diffraxs_rule.
+# loop's clipped steps: test_by_hand_under_vmap.
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(_CASES))
 def test_step_ends_are_diffraxs_exactly(case):
@@ -79,6 +79,8 @@ def test_step_ends_are_diffraxs_exactly(case):
         np.testing.assert_allclose(mine[1:3], theirs[1:3], rtol=8 * np.finfo(float).eps)
 
 
+# Quick loop: test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
+@pytest.mark.slow
 def test_nested_by_diffraxs_rule():
     # diffrax's rule stated on its own: ends one ulp before each jump, the next start
     # one ulp after it, an inner jump and an outer step time both respected.
@@ -129,9 +131,9 @@ def test_by_hand_under_vmap():
 
 @pytest.mark.parametrize("solver", ["Heun", "Tsit5"])
 @pytest.mark.parametrize("clip", [False, True])
-# Quick loop: each solver and each controller once; the rest of the product in the
-# full suite.
-@pytest.mark.quick_cases("False-Heun", "True-Tsit5")
+# Quick loop: one case (Tsit5 and clipping: test_by_hand_under_vmap,
+# test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts).
+@pytest.mark.quick_cases("False-Heun")
 def test_initial_step_by_hand(solver, clip):
     # `init(..., dt0=None, ..., func, ...)` calls `func(terms, t, y, args)`, as diffrax
     # does with `solver.func` (it was called as `func(t, y, args)`: a TypeError).

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.usefixtures("x64")
 # --- ConstantStepSize, StepTo, PIDController ------------------------------------------
 
 
+# Quick loop: test_constant_steps_differentiable_in_dt0.
+@pytest.mark.slow
 def test_constant_steps_do_not_accumulate_rounding():
     # 0.01 is not a float32 number: summing it 4000 times overshoots or undershoots
     # 40 and leaves a sliver of a step; step ends are fractions of the interval.

@@ -52,6 +52,8 @@ _evaluate = eqx.filter_jit(lambda sol, t: sol.evaluate(t))
         quick=[("Rodas5P", "dense")],
     ),
 )
+# Quick loop: test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
+@pytest.mark.slow
 def test_regular_mass_matches_exact(name, form):
     mass = M_REG if form == "dense" else np.diag(M_REG)
     full = M_REG if form == "dense" else np.diag(np.diag(M_REG))
@@ -271,6 +273,8 @@ def test_grad_wrt_mass_matrix_matches_fd(name, form):
 # --- Errors -------------------------------------------------------------------------
 
 
+# Quick loop: test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
+@pytest.mark.slow
 def test_inconsistent_initial_values():
     y0 = jnp.array([1.0, 0.5])  # y2(0) must be cos(0) = 1
     sol = _solve_sing_jit(
@@ -316,6 +320,8 @@ def test_bad_linear_solver():
         sk.Rodas5P(linear_solver="dense")  # type: ignore[arg-type]
 
 
+# Quick loop: test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
+@pytest.mark.slow
 def test_singular_iteration_matrix():
     # The algebraic equation `0 = 0` leaves y2 undetermined: M - γhJ is singular
     # for every step size.
@@ -353,6 +359,8 @@ class _LUSolver(sk.AbstractLinearSolver):
         return jax.scipy.linalg.lu_solve(factor, rhs)
 
 
+# Quick loop: test_implicit_linear_solver.py::test_user_linear_solver_matches_default.
+@pytest.mark.slow
 def test_user_linear_solver():
     def run(linear_solver):
         return sk.diffeqsolve(
@@ -370,6 +378,8 @@ def test_user_linear_solver():
     assert a.stats["num_steps"] == b.stats["num_steps"]
 
 
+# Quick loop: test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
+@pytest.mark.slow
 def test_pytree_state_ravelled_order():
     # `mass_matrix` is in the order of `ravel_pytree(y0)`: here (y1, y2) as a tuple.
     def f(t, y, args):

@@ -82,7 +82,8 @@ def test_dense_info_is_diffraxs(name):
 
 
 @pytest.mark.parametrize("name", _EXPLICIT)
-@pytest.mark.quick_cases("Dopri5")
+# Quick loop: test_dense_info_is_diffraxs[Tsit5].
+@pytest.mark.slow
 def test_interpolation_cls_is_diffraxs(name):
     y0 = _y0()
     solver, (_, _, info, _, _) = _step(sk, name, y0)
@@ -141,6 +142,8 @@ def _values_and_grads(value, scales):
     return jax.jit(jax.vmap(jax.value_and_grad(value, has_aux=True)))(scales)
 
 
+# Quick loop: test_dense_info_under_jit_vmap_grad[Tsit5].
+@pytest.mark.slow
 def test_loop_dense_output_unchanged_by_public_form():
     # The loop keeps its own form of `dense_info`; a solve's dense output still equals
     # the public step's interpolant on the first step (fixed step, so the same step).
@@ -234,8 +237,8 @@ def _close_steps(name, a, b, scale):
 
 
 @pytest.mark.parametrize("name", _ESDIRK + _IMEX)
-# Quick loop: one IMEX solver (Kvaerno5 in the full suite).
-@pytest.mark.quick_cases("KenCarp4")
+# The full suite; the quick loop's dense info: test_dense_info_is_diffraxs[Tsit5].
+@pytest.mark.slow
 def test_implicit_dense_info_is_diffraxs(name):
     y0 = _y0()
     _, (y1, _, ours, _, result) = _implicit_step(sk, name, y0)
@@ -253,7 +256,8 @@ def test_implicit_dense_info_is_diffraxs(name):
 
 
 @pytest.mark.parametrize("name", _ESDIRK + _IMEX)
-@pytest.mark.quick_cases("KenCarp4")
+# Quick loop: test_dense_info_is_diffraxs[Tsit5].
+@pytest.mark.slow
 def test_implicit_interpolation_cls_is_diffraxs(name):
     y0 = _y0()
     solver, (_, _, info, _, _) = _implicit_step(sk, name, y0)
@@ -304,8 +308,7 @@ def test_implicit_dense_info_under_jit_vmap_grad(name):
     _close_steps(name, ours_grad, ref_grad, 4.0)
 
 
-# The full suite; the quick loop's implicit dense output:
-# test_implicit_dense_info_is_diffraxs.
+# The full suite; the quick loop's dense output: test_dense_info_is_diffraxs[Tsit5].
 @pytest.mark.slow
 def test_implicit_loop_dense_output_unchanged_by_public_form():
     # Kvaerno5 is stiffly accurate: the loop's cubic Hermite (slopes at both ends)
@@ -326,8 +329,9 @@ def test_implicit_loop_dense_output_unchanged_by_public_form():
 
 
 @pytest.mark.parametrize("name", ["Rosenbrock23", "Ros3P", "Rodas4", "Rodas5P", "BDF"])
-# Quick loop: one Rosenbrock solver (BDF's dense output: tests/test_bdf.py).
-@pytest.mark.quick_cases("Rodas5P")
+# The full suite; the quick loop's dense output:
+# test_dense_info_under_jit_vmap_grad[Tsit5].
+@pytest.mark.slow
 def test_own_solvers_interpolation_cls_from_step(name):
     # `interpolation_cls(t0=, t1=, **dense_info)` works on `step`'s output (a dict;
     # a NamedTuple before, which `**` rejects) and gives the loop's dense output.

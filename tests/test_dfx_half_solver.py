@@ -37,7 +37,8 @@ def _decay(lib, solver, k, dt0=0.05, rtol=1e-4, atol=1e-7):
 
 
 @pytest.mark.parametrize("inner", ["Euler", "Heun", "Tsit5"])
-@pytest.mark.quick_cases("Tsit5")
+# Quick loop: test_half_solver_accuracy_and_first_step.
+@pytest.mark.slow
 def test_half_solver_steps_as_diffrax(inner):
     k = jnp.array(1.3)
     ours = _decay(sk, sk.HalfSolver(getattr(sk, inner)()), k)
@@ -71,7 +72,8 @@ def test_half_solver_accuracy_and_first_step():
 
 
 @pytest.mark.parametrize("inner", ["ImplicitEuler", "Kvaerno3"])
-@pytest.mark.quick_cases("Kvaerno3")
+# Quick loop: test_half_solver_accuracy_and_first_step.
+@pytest.mark.slow
 def test_half_solver_implicit(inner):
     # diffrax 0.7.2 can't run these (its tolerance lookup asks the wrapper for
     # `root_finder`): the wrapped solver gets the controller's tolerances here. A
@@ -125,6 +127,8 @@ def _closed_over_solve(lib, solver_cls, k, index, flag):
 # Euler only: the wrapper under jit, vmap and grad; the wrapped Heun's (and Tsit5's)
 # steps against diffrax's are test_half_solver_steps_as_diffrax's.
 @pytest.mark.parametrize("solver_cls", [lambda lib: lib.Euler()])
+# Quick loop: test_half_solver_adjoints[adjoint0].
+@pytest.mark.slow
 def test_half_solver_jit_vmap_grad(solver_cls):
     k = jnp.array([0.3, 0.9, 1.4])
     index, flag = jnp.array(1, jnp.int32), jnp.array(True)
@@ -234,8 +238,8 @@ def _oscillator(lib, solver, dt0, controller=None, t1=3.0, saveat=None):
 
 
 # The full suite; the quick loop's SemiImplicitEuler: test_semi_implicit_euler_is_
-# symplectic and test_semi_implicit_euler_jit_vmap_grad; HalfSolver as diffrax's:
-# test_half_solver_steps_as_diffrax[Tsit5].
+# symplectic and test_semi_implicit_euler_jit_vmap_grad; HalfSolver:
+# test_half_solver_accuracy_and_first_step.
 @pytest.mark.slow
 def test_semi_implicit_euler_as_diffrax():
     ours = _oscillator(sk, sk.SemiImplicitEuler(), 0.01)

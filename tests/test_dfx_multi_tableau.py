@@ -71,7 +71,7 @@ def _solve(lib, solver, terms, controller, y0=None, t1=1.0):
 K2 = jnp.array([0.5, 0.7], jnp.float32)
 
 
-# The full suite; the quick loop solves with the explicit pair in test_jit_vmap_grad.
+# The full suite; the quick loop's user tableau: test_diffrax_form_explicit_tableau.
 @pytest.mark.slow
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_explicit_pair_is_the_summed_method(adaptive):
@@ -102,8 +102,7 @@ def test_explicit_pair_is_the_summed_method(adaptive):
     np.testing.assert_allclose(ours.ys[rows], ref.ys[rows], rtol=1e-12)  # pyright: ignore
 
 
-# The full suite; the quick loop's pair under jit, vmap and grad: test_jit_vmap_grad;
-# a user's implicit tableau: test_diffrax_form_esdirk_tableau.
+# The full suite; the quick loop's user tableau: test_diffrax_form_explicit_tableau.
 @pytest.mark.slow
 def test_implicit_pair():
     # Dopri5 on the first term, Kvaerno5's ESDIRK tableau on the second (its stages
@@ -163,6 +162,8 @@ def test_single_step_matches_the_builtin_on_a_multiterm():
         np.testing.assert_allclose(y1, jnp.exp(-kh) * y0, rtol=kh**6 / 720)
 
 
+# Quick loop: test_diffrax_form_explicit_tableau[True].
+@pytest.mark.slow
 def test_jit_vmap_grad():
     index = jnp.array(1, jnp.int32)
 
@@ -307,6 +308,8 @@ def test_diffrax_form_explicit_tableau(adaptive):
     np.testing.assert_allclose(ours.ys[rows], ref.ys[rows], rtol=1e-12)  # pyright: ignore
 
 
+# Quick loop: test_diffrax_form_explicit_tableau[True].
+@pytest.mark.slow
 def test_diffrax_form_esdirk_tableau():
     # The trapezoidal rule as an ESDIRK, fixed steps on a stiff decay: second order
     # (error x1/4 when h halves, 3.5 to 4.5 allowed), A-stable (no blow-up at

@@ -27,6 +27,8 @@ def _euler_event(lib, steps: bool, root_finder):
 
 
 @pytest.mark.parametrize("steps", [False, pytest.param(True, marks=pytest.mark.slow)])
+# Quick loop: test_dense_info.py::test_dense_info_is_diffraxs[Tsit5].
+@pytest.mark.slow
 def test_euler_dense_output_is_linear_as_diffrax(steps):
     with float64():
         ts, ys = _euler_event(sk, steps, None)
@@ -63,8 +65,8 @@ def test_scalar_zero_term_in_a_multiterm_as_diffrax():
     np.testing.assert_allclose(solve(sk), solve(diffrax), rtol=1e-6)
 
 
-# The full suite; the quick loop's nested clip controllers:
-# test_clip_diffrax.py::test_nested_by_diffraxs_rule.
+# The full suite; the quick loop's clip controller:
+# test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
 @pytest.mark.slow
 def test_nested_clip_controllers_take_python_float_times():
     """Called by hand with Python-float times, nested clip controllers take diffrax's

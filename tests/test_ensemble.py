@@ -107,6 +107,8 @@ def test_under_jit_and_the_work_done():
     assert sol.stats["lane_steps"] < N * steps.max()
 
 
+# Quick loop: test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
+@pytest.mark.slow
 def test_fixed_steps_and_step_saves():
     y0, args = inputs()
     kw = dict(saveat=sk.SaveAt(t1=True, steps=True), max_steps=120)
@@ -122,6 +124,8 @@ def test_fixed_steps_and_step_saves():
     assert np.all(np.asarray(sol.stats["num_steps"]) == 100)
 
 
+# Quick loop: test_adaptive_ts_matches_vmap[None].
+@pytest.mark.slow
 def test_backwards_pytree_state_and_saveat_fn():
     # A dict state, integrated from 1 back to 0, saving a function of it.
     y0, args = inputs(6)
@@ -145,8 +149,8 @@ def test_backwards_pytree_state_and_saveat_fn():
     same(sol, ref)
 
 
-# The full suite; the quick loop's failed ensemble trajectory, raised and not:
-# test_kernel_outside.py::test_throw_same_values_and_raises[t1].
+# The full suite; the quick loop's failed solve, raised and not:
+# test_errors.py::test_throw_under_jit_and_vmap.
 @pytest.mark.slow
 def test_failed_trajectories_throw_false_and_true():
     y0, args = inputs()
@@ -168,6 +172,8 @@ def test_zero_length_and_one_trajectory():
     assert sol.stats["num_steps"].tolist() == [0]
 
 
+# Quick loop: test_progress.py::test_text_progress_meter_under_jit_and_grad.
+@pytest.mark.slow
 def test_progress_meter_counts_trajectories(capsys):
     y0, args = inputs()
     meter = sk.TextProgressMeter(minimum_increase=0.1)
@@ -179,6 +185,8 @@ def test_progress_meter_counts_trajectories(capsys):
     assert values == sorted(values) and len(values) > 2
 
 
+# Quick loop: test_progress.py::test_text_progress_meter_under_jit_and_grad.
+@pytest.mark.slow
 def test_progress_meter_lockstep(capsys):
     # As many lanes as trajectories: the vmapped single solve's meter (the slowest
     # trajectory's time), from 0% to 100%, the solution that of jax.vmap.
@@ -273,6 +281,9 @@ def assert_gradients_agree(got, want, rtol=1e-10):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
 
 
+# Quick loop: test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-
+# lockstep].
+@pytest.mark.slow
 def test_gradient_matches_vmap():
     got = loss_gradient(ensemble_ys)(*grad_inputs())
     want = loss_gradient(vmapped_ys)(*grad_inputs())
@@ -401,7 +412,9 @@ def ensemble_times(t0, t1, y0, rho, ts, term=TERM, **kw):
     ],
     ids=["all", "t1-shared-ts", "t0", "backwards"],
 )
-@pytest.mark.quick_cases("all")  # backwards: test_backwards_pytree_state_and_saveat_fn
+# Quick loop: per-trajectory save times:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+@pytest.mark.slow
 def test_per_trajectory_times_match_vmap(t0, t1, ts):
     y0, args = inputs()
     got = jax.jit(ensemble_times)(t0, t1, y0, args["rho"], ts)
@@ -411,9 +424,9 @@ def test_per_trajectory_times_match_vmap(t0, t1, ts):
     same(ensemble_times(t0, t1, y0, args["rho"], ts), want, tol=1e-10)
 
 
-# The full suite; the quick loop has per-trajectory times
-# (test_per_trajectory_times_match_vmap[all]) and events
-# (test_every_field_matches_vmap[both_events]).
+# The full suite; the quick loop's per-trajectory save times:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep]; its
+# events: test_refill_sizes_match_vmap[terminating_event-4-3].
 @pytest.mark.slow
 def test_per_trajectory_times_with_events():
     y0, args = inputs()
@@ -631,9 +644,9 @@ def _feature_reference(feature: str) -> sk.Solution:
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-# Quick loop: both kinds of event with their effects at once (saves at `ts`:
-# test_adaptive_ts_matches_vmap[None]).
-@pytest.mark.quick_cases("both_events")
+# The full suite; the quick loop's ensemble events:
+# test_refill_sizes_match_vmap[terminating_event-4-3].
+@pytest.mark.slow
 def test_every_field_matches_vmap(feature):
     kw = FEATURES[feature]
     y0, args = inputs()
@@ -672,6 +685,8 @@ def test_every_field_matches_vmap(feature):
             np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=name)
 
 
+# Quick loop: test_adaptive_ts_matches_vmap[None].
+@pytest.mark.slow
 def test_float32_agrees_to_the_tolerance():
     # In float32 the two paths need not take the same steps: XLA compiles the
     # element-wise arithmetic of a batch differently for different batch sizes
@@ -724,6 +739,8 @@ def test_refill_sizes_match_vmap(lanes, refill, feature):
                 np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
 
 
+# Quick loop: test_adaptive_ts_matches_vmap[None].
+@pytest.mark.slow
 def test_lockstep_when_lanes_cover_the_batch():
     # N lanes or more: the lockstep loop, no refill (stats["refill"] == 0), each
     # lane stepping until the longest trajectory has finished.
@@ -767,6 +784,8 @@ def test_refill_stays_a_branch_under_vmap():
         np.testing.assert_allclose(ys[k], solve(scales[k]), rtol=1e-9, atol=1e-9)
 
 
+# Quick loop: test_bad_batches_raise.
+@pytest.mark.slow
 def test_bad_refill_raises():
     y0, args = inputs()
     with pytest.raises(ValueError, match="`refill` must be a positive int"):

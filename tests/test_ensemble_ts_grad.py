@@ -195,8 +195,8 @@ def test_jitted_gradient_second_call_does_not_compile(path, solve, lanes):
 
 
 # The full suite; the quick loop's gradient through the rows:
-# test_ensemble_equals_vmap[one-hot-rows-lockstep]; gradients through save times
-# against DirectAdjoint: tests/test_ts_gradients.py::test_checkpointed_equals_direct.
+# test_ensemble_equals_vmap[one-hot-rows-lockstep] (against DirectAdjoint:
+# tests/test_ts_gradients.py, full suite).
 @pytest.mark.slow
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 def test_against_finite_differences(path, ts):
@@ -254,8 +254,8 @@ def _per_trajectory_row_ops(jaxpr, batch: int, rows: int) -> list[str]:
 
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 @pytest.mark.parametrize("solve", [_ensemble, _vmapped], ids=["ensemble", "vmap"])
-# Quick loop: each path, each solve, once.
-@pytest.mark.quick_cases("one-hot-ensemble-rows", "index-vmap-rows")
+# Quick loop: [one-hot-ensemble-rows].
+@pytest.mark.quick_cases("one-hot-ensemble-rows")
 def test_no_per_trajectory_gather_or_scatter_in_loops(path, solve, ts):
     # By index: 2-6 gathers and 2-3 scatters by a per-trajectory row in the loops of
     # the gradient (reading and writing a saved row, adding the cotangent of a save

@@ -65,6 +65,8 @@ def _y0():
 
 
 @pytest.mark.parametrize("solver", _SOLVERS, ids=lambda s: type(s).__name__)
+# Quick loop: [Tsit5].
+@pytest.mark.quick_cases("Tsit5")
 def test_interpolator_matches_interpolate_under_jit_and_vmap(solver):
     args = jnp.asarray(0.7)
     info, t0, t1 = _step(solver, _y0(), args)
@@ -89,8 +91,9 @@ def test_interpolator_matches_interpolate_under_jit_and_vmap(solver):
 
 
 @pytest.mark.parametrize("solver", _SOLVERS, ids=lambda s: type(s).__name__)
-# Dopri8 (the costliest compile) in the full suite.
-@pytest.mark.quick_cases("Tsit5", "Dopri5", "Bosh3")
+# The full suite; the quick loop's interpolator:
+# test_interpolator_matches_interpolate_under_jit_and_vmap[Tsit5].
+@pytest.mark.slow
 def test_interpolator_derivatives(solver):
     """Its derivatives in `t` and in what the step depends on (the initial state,
     the closed-over `args`) are `interpolate`'s."""
@@ -114,6 +117,8 @@ def test_interpolator_derivatives(solver):
             assert float(jnp.max(jnp.abs(f - s))) <= 1e3 * np.finfo(np.float64).eps
 
 
+# Quick loop: test_events.py::test_real_event_located_exactly.
+@pytest.mark.slow
 def test_the_search_uses_it():
     """A continuing event's occurrence times with Tsit5 (its `interpolator`)
     against the exact ones: `y' = 1`, reset to 0 at `y = 0.3`, so occurrences at

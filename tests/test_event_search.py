@@ -100,6 +100,8 @@ def test_a_crossing_within_an_ulp_of_newtons_iterate_is_found_at_once(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+# Quick loop: [float32].
+@pytest.mark.quick_cases("float32")
 def test_search_ends_under_vmap(dtype):
     """The spiking neurons' hang, reduced: under `jit(vmap)`, the crossing that
     rounds onto its bracket's end beside a smooth one. Both located on the far
@@ -274,7 +276,8 @@ def test_spiking_neurons_second_adam_step():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.quick_cases("float32")  # float64 in the full suite
+# Quick loop: test_events.py::test_real_event_located_exactly.
+@pytest.mark.slow
 def test_settle_moves_an_occurrence_located_before_the_crossing(monkeypatch, dtype):
     """`settle` (#37 A1): where the located time's state has not crossed (there by
     rounding; here the search's result moved 16 ulps back, before the crossing it

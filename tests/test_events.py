@@ -88,6 +88,8 @@ def test_real_event_located_exactly():
 
 
 @pytest.mark.usefixtures("x64")
+# Quick loop: test_optimistix_root_after_an_occurrence_is_not_the_previous_one.
+@pytest.mark.slow
 def test_real_event_with_optimistix_root_finder():
     sol = _event_solve(
         jnp.asarray(1.0),
@@ -355,6 +357,8 @@ def test_event_condition_must_be_bool_or_float():
         )
 
 
+# Quick loop: test_real_event_located_exactly.
+@pytest.mark.slow
 def test_constant_vector_field_with_event():
     """A vector field returning a Python float, with a real-valued event."""
     sol = sk.diffeqsolve(
@@ -375,6 +379,8 @@ def test_constant_vector_field_with_event():
     np.testing.assert_allclose(sol.ts, [10.0], atol=tol)
 
 
+# Quick loop: test_adjoint.py::test_implicit_adjoint_steady_state_gradient.
+@pytest.mark.slow
 def test_steady_state_event_and_context_keywords():
     seen = {}
 
@@ -447,7 +453,8 @@ def _ball_to(e, h0, t1, tol, dtype=jnp.float64, max_events=1000):
 
 @pytest.mark.parametrize("tol", [1e-8, 1e-10])
 @pytest.mark.usefixtures("x64")
-@pytest.mark.quick_cases("1e-08")
+# Quick loop: test_hybrid.py::test_bouncing_ball_against_analytic.
+@pytest.mark.slow
 def test_bounces_accumulate_never_fall_through_the_floor(tol):
     """After any occurrence the state never crosses the condition unseen: however
     far past the accumulation point `t1` lies, the solve stops there with

@@ -51,6 +51,8 @@ def _while_loops(jaxpr):
                     yield from _while_loops(sub)
 
 
+# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
+@pytest.mark.slow
 def test_every_loop_carry_batched():
     # Fails with a counter carried unbatched (then the body is batched twice).
     jaxpr = jax.make_jaxpr(jax.grad(_loss))(*_data()).jaxpr
@@ -63,6 +65,8 @@ def test_every_loop_carry_batched():
         assert unbatched == [], unbatched
 
 
+# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
+@pytest.mark.slow
 def test_stores_stay_row_writes():
     # The counters are read unbatched: checkpoints and recomputed carries are
     # written and read as rows, never by a per-element index (under `vmap` a row
@@ -77,6 +81,8 @@ def test_stores_stay_row_writes():
                 assert eqn.invars[1].aval.shape[:1] != (N,), name
 
 
+# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
+@pytest.mark.slow
 def test_bodies_batched_once(monkeypatch):
     # How often `vmap` traces each large loop body: once (twice on the old code).
     # JAX caches a batching by its batched inputs and outputs; a miss traces the
@@ -125,8 +131,8 @@ def _field_args(y, p):
     return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
 
 
-# The full suite; the quick loop's checkpointed gradient of this batch against
-# central differences: test_traced_step.py::test_gradient_against_direct_and_...
+# The full suite; the quick loop's gradient of a batch:
+# test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
 @pytest.mark.slow
 def test_gradient_against_finite_differences():
     rates, y0 = _data()
@@ -162,8 +168,8 @@ def test_unvmap_first():
         unvmap_first(jnp.ones(2, jnp.int32))
 
 
-# The full suite; the quick loop's vmapped fixed-step gradient against DirectAdjoint:
-# test_checkpoint_memory.py::test_fixed_step_gradient_matches_direct_adjoint.
+# The full suite; the quick loop's fixed-step gradient:
+# test_controllers.py::test_constant_steps_differentiable_in_dt0.
 @pytest.mark.slow
 def test_fixed_step_gradient_against_direct():
     # Fixed steps keep the forward loop's times and counters unbatched; the

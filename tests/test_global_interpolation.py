@@ -88,6 +88,8 @@ def _compare_paths(mine, theirs, rtol=1e-10):
     ],
     ids=["complete", "missing", "fill-end-deriv0", "all-options"],
 )
+# Quick loop: [all-options].
+@pytest.mark.quick_cases("all-options")
 def test_cubic_against_diffrax(ys, options):
     with float64():
         theirs = diffrax.backward_hermite_coefficients(

@@ -98,6 +98,8 @@ def test_gradient_through_impact_times_and_effects(adjoint):
         np.testing.assert_allclose(grad, 2 * v0 / G * (1 + 2 * 0.8), rtol=1e-9)
 
 
+# Quick loop: test_events.py::test_event_under_vmap.
+@pytest.mark.slow
 def test_vmap_and_jit_over_restitution():
     with float64():
         es = jnp.array([0.8, 0.85, 0.9])  # all bounce on past t = 3.5
@@ -310,6 +312,8 @@ def _zeno_ball(e, y0, t1, **kwargs):
     )
 
 
+# Quick loop: test_bouncing_ball_against_analytic.
+@pytest.mark.slow
 def test_zeno_point_is_a_result_not_a_fall_through_the_floor():
     """A ball whose bounces shrink to nothing at t = t_1 (1 + e) / (1 - e): the solve
     follows the bounces down to the resolution of time, then stops there with
@@ -357,10 +361,10 @@ def test_occurrence_at_t0_and_backwards_in_time():
         assert back.result == sk.RESULTS.successful
 
 
-# The full suite (5 CPU s for float32); the quick loop's accumulation check:
-# test_zeno_point_is_a_result_not_a_fall_through_the_floor; float32 occurrences
-# under jit(vmap) and grad: test_hybrid_steps.py::
-# test_occurrence_is_never_before_the_crossing[float32].
+# The full suite (5 CPU s for float32), as are the accumulation and occurrence
+# checks (test_zeno_point_is_a_result_not_a_fall_through_the_floor,
+# test_hybrid_steps.py); the quick loop's events:
+# test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype",
@@ -433,7 +437,7 @@ def test_step_ending_just_before_a_crossing_is_not_an_accumulation(dtype):
 
 
 # The full suite (13 CPU s); the quick loop's event rows under vmap and grad:
-# test_hybrid.py's test_vmap_and_jit_over_restitution and impact-time gradient.
+# test_events.py::test_event_under_vmap and this file's impact-time gradient.
 @pytest.mark.slow
 def test_event_rows_written_by_one_hot_selects_as_by_index(monkeypatch):
     """The occurrences' rows written as on a TPU (a select against a one-hot mask of

@@ -88,7 +88,8 @@ def _duffing_jnp(t, y):
     [(None, 0), (True, 1), (False, -1)],
     ids=["any", "up", "down"],
 )
-@pytest.mark.quick_cases("any")
+# Quick loop: test_harmonic_oscillator_zero_crossings.
+@pytest.mark.slow
 def test_non_terminal_crossings_match_scipy(direction, scipy_direction):
     """`Event(cond, direction=..., terminal=False)` records every crossing, as
     SciPy's non-terminal event with `direction = 0, +1, -1` does; the solve runs
@@ -118,7 +119,8 @@ def test_non_terminal_crossings_match_scipy(direction, scipy_direction):
 
 
 @pytest.mark.parametrize("direction, scipy_direction", [(True, 1), (False, -1)])
-@pytest.mark.quick_cases("True-1")
+# Quick loop: test_harmonic_oscillator_zero_crossings.
+@pytest.mark.slow
 def test_backward_in_time_directions_match_scipy(direction, scipy_direction):
     """Solving from 0 back to -10: a direction is that of the change of sign in the
     order of integration, as in SciPy."""
@@ -161,6 +163,8 @@ def test_harmonic_oscillator_zero_crossings():
         np.testing.assert_allclose(_recorded(sol), exact, atol=1e-9)
 
 
+# Quick loop: test_harmonic_oscillator_zero_crossings.
+@pytest.mark.slow
 def test_two_conditions_record_the_union_in_time_order():
     """A pytree of conditions: `sol.events` holds the occurrences of all of them
     in time order, SciPy's `t_events` one list per condition."""
@@ -187,7 +191,9 @@ def test_two_conditions_record_the_union_in_time_order():
 
 
 @pytest.mark.parametrize("k", [1, 4])
-@pytest.mark.quick_cases("4")
+# Quick loop:
+# test_hybrid.py::test_terminal_count_stops_at_that_occurrence_before_its_effect.
+@pytest.mark.slow
 def test_terminal_count_matches_scipy(k):
     """`terminal=k` stops at the k-th occurrence, as SciPy's `event.terminal = k`
     (an int count, SciPy >= 1.12): same stop time, same state there."""
@@ -249,8 +255,8 @@ def _scipy_bounces(t1):
         y = np.array([0.0, -E * y[1]])
 
 
-# The full suite; the quick loop's bouncing ball against SciPy:
-# test_bouncing_ball_terminal_count_stops_before_the_effect.
+# The full suite; the quick loop's bouncing ball:
+# test_hybrid.py::test_bouncing_ball_against_analytic.
 @pytest.mark.slow
 def test_bouncing_ball_with_drag_against_scipy_restart_loop():
     with float64():
@@ -272,6 +278,9 @@ def test_bouncing_ball_with_drag_against_scipy_restart_loop():
         np.testing.assert_allclose(sol.ys[-1], final, rtol=0, atol=1e-8)
 
 
+# Quick loop:
+# test_hybrid.py::test_terminal_count_stops_at_that_occurrence_before_its_effect.
+@pytest.mark.slow
 def test_bouncing_ball_terminal_count_stops_before_the_effect():
     """With an effect and `terminal=3`, the solve ends at the third impact, with the
     state just before it: SciPy's restart loop's third impact."""

@@ -78,7 +78,8 @@ def _restart_loop(current: float, reset: float, controller):
 
 
 @pytest.mark.parametrize("constant", [True, False], ids=["constant", "pid"])
-@pytest.mark.quick_cases("pid")
+# Quick loop: test_events.py::test_real_event_located_exactly.
+@pytest.mark.slow
 def test_no_extra_step_per_occurrence(x64, constant):
     """As many steps as the restart loop: there was one more per occurrence (a
     found crossing undid its step, and a step landing on it followed)."""
@@ -101,8 +102,8 @@ def test_no_extra_step_per_occurrence(x64, constant):
         assert rejected == 0
 
 
-# The full suite; the quick loop's step count at occurrences:
-# test_no_extra_step_per_occurrence.
+# The full suite; the quick loop's events:
+# test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
     """`SaveAt(ts=...)` rows, step rows and the dense output, under `jit(vmap)` over
@@ -150,7 +151,8 @@ def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.quick_cases("float32")  # float64 in the full suite
+# Quick loop: test_events.py::test_real_event_located_exactly.
+@pytest.mark.slow
 def test_occurrence_is_never_before_the_crossing(dtype):
     """Each step that finds a crossing is cut where the condition has crossed on
     its dense output (#37 A1, D15): the state recorded at every spike is at or

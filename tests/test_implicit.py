@@ -265,6 +265,8 @@ def test_stiff_against_radau(fn, t1, y0, rtol):
 
 
 @pytest.mark.parametrize("explicit_share", [0.0, 0.3])
+# Quick loop: [0.0].
+@pytest.mark.quick_cases("0.0")
 def test_kencarp5_error_at_step_ends_and_between(explicit_share):
     """KenCarp5 on a stiff linear pair (eigenvalues -20.1, -1.9), its field split
     between the terms: the error at the last step end is within 10 rtol (measured
@@ -345,6 +347,8 @@ def _one_step(jac_scale, max_steps: int, h: float = 10.0):
     return solver.step(term, 0.0, h, y0, None, state)
 
 
+# Quick loop: test_stiff_against_radau[vdp1000].
+@pytest.mark.slow
 def test_chord_slow_convergence_is_not_divergence():
     with float64():
         # With half the Jacobian and γh = 4.4 the iteration contracts by ~0.69.
@@ -384,7 +388,8 @@ def _terms_as_asked(library, solver):
 
 
 @pytest.mark.parametrize("name", ["KenCarp3", "Kvaerno3"])
-@pytest.mark.quick_cases("KenCarp3")
+# Quick loop: test_kencarp5_error_at_step_ends_and_between[0.0].
+@pytest.mark.slow
 def test_term_structure_as_diffrax(name):
     # Code that builds terms from `term_structure` (as diffrax's tests do) builds
     # the same terms for solverkit, and the solves agree with diffrax's.

@@ -139,6 +139,8 @@ def _reuse_pair(scale):
     return run(False), run(True)
 
 
+# Quick loop: test_user_linear_solver_matches_default.
+@pytest.mark.slow
 def test_reuse_matches_and_reuses():
     (a, _, na), (b, state, nb) = _reuse_pair(jnp.asarray(1.0))
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-12)

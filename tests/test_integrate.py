@@ -52,6 +52,14 @@ _ROOT_TOL = 1e-12
 
 
 @pytest.mark.parametrize("solver_cls, order, _", solver_params(ALL_SOLVERS))
+# Quick loop: these cases (Kvaerno3: test_implicit.py::test_convergence_order).
+@pytest.mark.quick_cases(
+    "Euler-1-False",
+    "Tsit5-5-True",
+    "LeapfrogMidpoint-2-False",
+    "KenCarp3-3-True",
+    "Rosenbrock23-2-True",
+)
 def test_convergence_order(solver_cls, order, _):
     assert solver_cls().order(None) == order
     t1 = 2.0
@@ -612,6 +620,8 @@ def test_stages_in_a_loop_match_unrolled(solver_cls):
     assert_tree_allclose(dense_l, dense_u, rtol=1e-6, atol=1e-7)
 
 
+# Quick loop: test_convergence_order[Tsit5-5-True].
+@pytest.mark.slow
 def test_small_reductions_match_numpy():
     # The error norm and the finiteness check reduce small arrays element by element
     # (solverkit/_reduce.py); they must agree with the ordinary reductions, batched too.
@@ -636,6 +646,8 @@ def test_small_reductions_match_numpy():
 # solver's products (Kvaerno5's stage sums and `(I - γhJ)^-1`, Rodas5P's dense output
 # coefficients, ...), forward and reverse, are test_precision.py's.
 @pytest.mark.parametrize("solver, adjoint", [("Tsit5", "BacksolveAdjoint")])
+# Quick loop: test_precision.py::test_adjoint_products_are_highest.
+@pytest.mark.slow
 def test_float32_products_use_full_precision(solver, adjoint):
     """Every matrix product the engine makes in float32 asks for full precision: at
     default precision a GPU runs a large batched product in TF32 (10-bit mantissa),

@@ -88,8 +88,8 @@ def _both(dtype, solver, rtol):
     ],
     ids=["tsit5", "dopri5"],
 )
-# The full suite; the quick loop's kernel values (float64, adaptive, saved at `ts`
-# and `t1`, against the lane loop): test_event_float64[real].
+# The full suite; the quick loop's kernel values:
+# test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
 @pytest.mark.slow
 def test_values_float64(x64, solver):
     kern, ref = _both(jnp.float64, solver, 1e-8)
@@ -155,7 +155,6 @@ def test_gradients_and_vmap_of_grad_float64(x64):
 
 
 # The full suite; the quick loop's kernel reaching max_steps:
-# test_kernel_outside.py::test_throw_same_values_and_raises[t1] (adaptive) and
 # test_kernel_fixed.py::test_max_steps_and_nonfinite_result (fixed steps).
 @pytest.mark.slow
 def test_max_steps_and_result(x64):
@@ -169,6 +168,8 @@ def test_max_steps_and_result(x64):
     assert np.all(sol.result._value == sk.RESULTS.max_steps_reached.code)
 
 
+# Quick loop: test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
+@pytest.mark.slow
 def test_unsupported_raises_or_falls_back():
     y0, args = _problem(jnp.float32, 128)
     kw = dict(stepsize_controller=sk.PIDController(rtol=1e-4, atol=1e-4))
@@ -225,6 +226,8 @@ def _fall_inputs(n=128):
 @pytest.mark.parametrize(
     "cond", ["real", pytest.param("boolean", marks=pytest.mark.slow)]
 )
+# Quick loop: test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
+@pytest.mark.slow
 def test_event_float64(x64, cond):
     y0, a = _fall_inputs()
     fn = _ground if cond == "real" else (lambda t, y, a, **kw: y[0] < 0)
@@ -256,7 +259,8 @@ def test_event_float64(x64, cond):
         np.testing.assert_allclose(kern.t1, exact, rtol=1e-6)
 
 
-# The full suite; the quick loop's kernel values: test_event_float64[real].
+# The full suite; the quick loop's kernel values:
+# test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
 @pytest.mark.slow
 def test_t1_only_pytree_state_dt0():
     """`SaveAt(t1=True)` (the default), a pytree state, a given `dt0`, float32."""
@@ -350,6 +354,8 @@ def _clipped_ground(t, y, a, **kwargs):  # and in the condition (under `jax.jvp`
 
 
 @pytest.mark.parametrize("wheres", [False, True], ids=["plain", "wheres"])
+# Quick loop: [plain].
+@pytest.mark.quick_cases("plain")
 def test_selects_on_real_tiles(x64, wheres):
     """Every `select_n` in the kernel body takes real tiles (no splats, no 0-d
     operands): the TPU's compiler (Mosaic) fails on a select mixing layouts."""
@@ -386,7 +392,7 @@ def assert_kernel_selects_on_real_tiles(jaxpr):
     assert not found, "\n".join(str(e) for e in found[:5])
 
 
-# The full suite; the quick loop's kernel events: test_event_float64.
+# The full suite; the quick loop's kernel: test_kernel_fixed.py.
 @pytest.mark.slow
 def test_wheres_in_field_and_event_float64(x64):
     """`jnp.where`s with constants in the field and in the event's condition (the

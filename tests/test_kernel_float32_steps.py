@@ -43,6 +43,9 @@ def _check_exact(sol, omegas, rtol):
     assert np.all(np.abs(np.asarray(sol.ys[:, -1], np.float64) - exact) <= bound)
 
 
+# Quick loop:
+# test_float32_steps.py::test_rejected_step_near_t1_is_not_retried_on_t1[tsit5].
+@pytest.mark.slow
 def test_rejected_step_near_t1_float32():
     # t in [199, 200]: the landing window is ~2.4e-3, steps 1e-3 to 7e-3. Before the
     # fix 48 of these 128 kernel solves ended at max_steps (4096 steps).
@@ -88,7 +91,7 @@ def _decay(kernel, lam):
 
 
 # The full suite; the quick loop's float32 step edge:
-# test_rejected_step_near_t1_float32.
+# test_float32_steps.py::test_rejected_step_near_t1_is_not_retried_on_t1[tsit5].
 @pytest.mark.slow
 def test_steps_below_time_spacing():
     # λ <= 0.1: the first step (dt0 = 1e-3 < 0.125) advances one spacing and grows

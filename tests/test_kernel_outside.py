@@ -95,7 +95,8 @@ def test_error_check_takes_a_scalar():
 
 
 @pytest.mark.parametrize("saveat", ["t1", "t0_ts_t1"])
-@pytest.mark.quick_cases("t1")
+# Quick loop: test_errors.py::test_throw_under_jit_and_vmap.
+@pytest.mark.slow
 def test_throw_same_values_and_raises(saveat):
     """`throw=True` returns `throw=False`'s values (the saved `y0` bit for bit,
     signed zeros too) and raises, under `jit`, when a trajectory reaches
@@ -160,7 +161,8 @@ def _eager_solve(kernel: bool, max_steps: int, throw: bool = True):
     )  # fmt: skip
 
 
-# The full suite; the quick loop's run-time checks: test_throw_same_values_and_raises.
+# The full suite; the quick loop's run-time checks:
+# test_errors.py::test_throw_under_jit_and_vmap.
 @pytest.mark.slow
 def test_eager_checks_on_the_host(monkeypatch):
     """Called eagerly, `ensemble_solve` compiles no error check (no host callback)

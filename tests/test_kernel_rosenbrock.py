@@ -96,6 +96,8 @@ def _steps(sol):
     ],
     ids=["rodas5p", "rodas4", "rosenbrock23"],
 )
+# Quick loop: test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
+@pytest.mark.slow
 def test_vdp_float64(x64, solver):
     kern, ref = _vdp_both(jnp.float64, solver, 1e-7)
     np.testing.assert_array_equal(kern.result._value, ref.result._value)
@@ -113,8 +115,8 @@ def test_vdp_float64(x64, solver):
     np.testing.assert_array_equal(kern.ts, ref.ts)
 
 
-# The full suite: the quick loop's Rosenbrock kernel is test_vdp_float64[rodas5p]
-# (float32 kernels there: test_kernel_float32_steps.py, test_kernel_fixed.py).
+# The full suite: no Rosenbrock kernel in the quick loop (its kernels:
+# test_kernel_float32_steps.py, test_kernel_fixed.py).
 @pytest.mark.slow
 def test_vdp_float32():
     rtol = 1e-4
@@ -160,7 +162,7 @@ def _linear_exact(y0, s, t):
     return gt + (decay * coords) @ _P.T
 
 
-@pytest.mark.slow  # the full suite; the quick loop's kernel: test_vdp_float64
+@pytest.mark.slow  # the full suite; the quick loop's kernel: test_kernel_fixed.py
 def test_linear_stiff_closed_form_float64(x64):
     n = 128
     a = jnp.asarray(_P @ np.diag(_LAM) @ np.linalg.inv(_P))
@@ -194,6 +196,8 @@ def _vdp_solve(solver, y0, args, kernel=True, **kw):
     )  # fmt: skip
 
 
+# Quick loop: test_kernel_fixed.py::test_max_steps_and_nonfinite_result.
+@pytest.mark.slow
 def test_unsupported_rosenbrock():
     y0, args = _vdp_inputs(jnp.float32, 128)
     cases = {
@@ -261,6 +265,8 @@ def test_jvp_of_kinks_float64(x64):
     np.testing.assert_allclose(kern.ys, ref.ys, rtol=1e-12, atol=1e-12)
 
 
+# Quick loop: test_kernel_fixed.py::test_lowers_for_tpu_with_real_tiles.
+@pytest.mark.slow
 def test_lowers_for_tpu_with_real_tiles(monkeypatch):
     """The Rosenbrock kernel lowers for a TPU (Mosaic's lowering rules, on the CPU),
     and every select in it (the pivoting's included) takes real tiles: Mosaic fails
@@ -291,7 +297,7 @@ def test_lowers_for_tpu_with_real_tiles(monkeypatch):
     assert_kernel_selects_on_real_tiles(jax.make_jaxpr(solve)(y0, args).jaxpr)
 
 
-# The full suite (~90 s here); the quick loop's Rosenbrock kernel: test_vdp_float64.
+# The full suite (~90 s here), as is every Rosenbrock kernel test.
 @pytest.mark.slow
 def test_vmap_jit_and_gradient_float64(x64):
     """`jax.vmap` over a closed-over float, of the solve and of its gradient (the
@@ -328,7 +334,7 @@ def test_vmap_jit_and_gradient_float64(x64):
     np.testing.assert_allclose(got[1][0], fd, rtol=1e-5)
 
 
-# The full suite (16 s); the quick loop's Rosenbrock kernel: test_vdp_float64.
+# The full suite (16 s), as is every Rosenbrock kernel test.
 @pytest.mark.slow
 def test_event_float64(x64):
     """A terminal event located on the last Rosenbrock step's dense output (the
@@ -350,8 +356,8 @@ def test_event_float64(x64):
     np.testing.assert_allclose(kern.ys[fired][:, -1, 0], 0, atol=1e-10)
 
 
-# The full suite; the quick loop's Rosenbrock kernel: test_vdp_float64 (a given
-# `dt0`; the first-step heuristic: test_linear_stiff_closed_form_float64, full suite).
+# The full suite, as is every Rosenbrock kernel test (a given `dt0`; the first-step
+# heuristic: test_linear_stiff_closed_form_float64).
 @pytest.mark.slow
 def test_constant_step_size_float64(x64):
     """`ConstantStepSize` (no error estimate used; saves between steps): the vmap

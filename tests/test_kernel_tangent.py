@@ -199,6 +199,9 @@ def _inputs(dtype, n=N):
     return y0, jnp.linspace(1.0, 21.0, n, dtype=dtype), jnp.arange(n) % 3
 
 
+# Quick loop: ensemble_solve x grad:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+@pytest.mark.slow
 def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
     """`BACKWARD = "tangent"`: the gradient with respect to y0, a per-trajectory
     float, a closed-over array (with an integer per-trajectory argument alongside)

@@ -54,8 +54,9 @@ def _run(solver, fn, x, gamma_h, mass, rhs):
 _run_jit = jax.jit(_run, static_argnums=(0, 1))
 
 
-# Quick loop: one band shape and mass; the other shapes and masses in the full suite.
-@pytest.mark.quick_cases("0-1-1")
+# The full suite; the quick loop's banded solver:
+# test_banded.py::test_grad_matches_dense_and_finite_differences[2-1].
+@pytest.mark.slow
 @pytest.mark.parametrize("lower,upper", [(1, 1), (2, 0), (0, 3), (2, 3)])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
 def test_banded_matches_dense(lower, upper, mass_index):
@@ -73,6 +74,8 @@ def test_banded_matches_dense(lower, upper, mass_index):
     np.testing.assert_allclose(sol, sol_d, rtol=1e-10, atol=1e-12)
 
 
+# Quick loop: test_banded.py::test_vmap_over_matrices_and_rhs[2-1].
+@pytest.mark.slow
 def test_banded_vmap_over_rhs_and_point():
     fn = _field(_banded_matrix(_N, 1, 2))
     solver = sk.BandedLinearSolver(1, 2)
@@ -132,7 +135,7 @@ def test_grad_against_dense_and_finite_differences(solver):
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
-# The full suite; the quick loop's banded solver: test_banded_matches_dense[0-1-1].
+# The full suite; the quick loop's banded solver: test_banded.py.
 @pytest.mark.slow
 def test_banded_wrong_bandwidth_is_detected():
     fn = _field(_banded_matrix(_N, 2, 2))
@@ -144,7 +147,7 @@ def test_banded_wrong_bandwidth_is_detected():
     sk.BandedLinearSolver(1, 1, check=False).linearise(fn, x)
 
 
-# The full suite; the quick loop's banded solver: test_banded_matches_dense[0-1-1].
+# The full suite; the quick loop's banded solver: test_banded.py.
 @pytest.mark.slow
 def test_banded_mass_outside_bands_is_detected():
     solver = sk.BandedLinearSolver(1, 1)
@@ -162,7 +165,7 @@ def test_banded_bad_arguments():
         sk.BandedLinearSolver(1, 1).linearise(lambda x: x[:2], jnp.zeros(4))
 
 
-# The full suite; the quick loop's banded solver: test_banded_matches_dense[0-1-1].
+# The full suite; the quick loop's banded solver: test_banded.py.
 @pytest.mark.slow
 def test_banded_singular_gives_nan():
     matrix = np.diag(np.arange(_N, dtype=np.float64))  # J[0, 0] = 0
@@ -195,8 +198,8 @@ def _sparse_matrix(kind, seed=0):
     return np.where(rng.uniform(size=(_N, _N)) < 0.5, a, 0) + 3 * np.eye(_N)
 
 
-# Quick loop: one pattern and mass; the other patterns and masses in the full suite.
-@pytest.mark.quick_cases("0-blocks")
+# Quick loop: test_solve_tangent_transposes[0-sparse-dense].
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
 def test_sparse_matches_dense(kind, mass_index):
@@ -218,6 +221,8 @@ def test_sparse_matches_dense(kind, mass_index):
     np.testing.assert_allclose(sol, sol_d, rtol=1e-10, atol=1e-12)
 
 
+# Quick loop: test_solve_tangent_transposes[0-sparse-dense].
+@pytest.mark.slow
 def test_sparse_vmap_over_rhs_and_point():
     matrix = _sparse_matrix("blocks")
     fn = _field(matrix)
@@ -236,7 +241,8 @@ def test_sparse_vmap_over_rhs_and_point():
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.quick_cases("blocks")
+# Quick loop: test_solve_tangent_transposes[0-sparse-dense].
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["blocks", "banded"])
 def test_sparse_grad_against_dense_and_finite_differences(kind):
     matrix = _sparse_matrix(kind)
@@ -273,7 +279,8 @@ def test_sparse_bad_arguments():
         solver.linearise(lambda x: x, jnp.zeros(4))
 
 
-# The full suite; the quick loop's sparse solver: test_sparse_matches_dense[0-blocks].
+# The full suite; the quick loop's sparse solver:
+# test_solve_tangent_transposes[0-sparse-dense].
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["blocks", "banded", "dense"])
 def test_sparse_singular_gives_nan(kind):
@@ -385,7 +392,8 @@ _zero_vectors_value = jax.jit(_zero_vectors_loss, static_argnums=(0, 3, 4))
 @pytest.mark.parametrize("rhs_kind", ["zero", "one-hot"])
 @pytest.mark.parametrize("preconditioner", sorted(_EXACT))
 @pytest.mark.parametrize("which", ["solve", "solve_tangent"])
-@pytest.mark.quick_cases("solve-none-one-hot")
+# Quick loop: test_solve_tangent_transposes[0-gmres].
+@pytest.mark.slow
 def test_bicgstab_gradient_with_zero_vectors(which, preconditioner, rhs_kind):
     """Reverse mode through BiCGStab where a right-hand side is zero: the forward
     one, and then the cotangent of the sum of squares that the transposed solve
@@ -413,7 +421,9 @@ def test_bicgstab_gradient_with_zero_vectors(which, preconditioner, rhs_kind):
 
 
 @pytest.mark.parametrize("which", ["solve", "solve_tangent"])
-@pytest.mark.quick_cases("solve")  # the transposed solve: test_solve_tangent_transposes
+# Quick loop: test_bruss_preconditioner.py::
+# test_preconditioner_inverts_the_iteration_matrix[reaction-first].
+@pytest.mark.slow
 def test_bicgstab_exact_preconditioner(which):
     """A preconditioner that is the exact inverse: the first half step solves
     `(I - γh J) x = b` to the last bit, `s = 0`, where lineax's BiCGStab formed
@@ -485,9 +495,8 @@ def test_krylov_bad_arguments():
     ],
     ids=["banded", "sparse", "krylov"],
 )
-# Quick loop: a solver that calls the field only to linearise, and one that calls it
-# in every solve.
-@pytest.mark.quick_cases("banded", "krylov")
+# Quick loop: test_solve_tangent_transposes[0-gmres]; test_closure_matrix.py's cells.
+@pytest.mark.slow
 def test_closure_over_float_and_vmapped_int(solver):
     """The field closes over a differentiated float and a vmapped int index."""
     a = jnp.asarray(_banded_matrix(_N, 2, 1))
@@ -544,8 +553,8 @@ def _transpose_cases():
 
 @pytest.mark.parametrize("name", sorted(_transpose_cases()))
 @pytest.mark.parametrize("mass_index", [0, 1])
-# Quick loop: every linear solver once, without a mass matrix.
-@pytest.mark.quick_cases(dict(mass_index=0))
+# Quick loop: each kind of linear solver once, without a mass matrix.
+@pytest.mark.quick_cases("0-banded", "0-dense", "0-gmres", "0-sparse-dense")
 def test_solve_tangent_transposes(name, mass_index):
     """`solve_tangent` is transposable in its right-hand side (reverse mode through
     BDF's implicit derivative and through a Krylov preconditioner transposes it):

@@ -117,6 +117,8 @@ def test_dce_keeps_effects_and_order():
 
 
 @pytest.mark.parametrize("adjoint", ["checkpoint", "direct", "forward"])
+# Quick loop: [direct].
+@pytest.mark.quick_cases("direct", "forward")
 def test_no_nested_jit_in_a_pid_solve(adjoint):
     # Fails on the old code: 20 nested `jit`s in the checkpointed gradient (the
     # controller's `jnp.clip`, `jnp.isinf`, `where(keep, 1, factormin)`,
@@ -138,6 +140,8 @@ def test_no_nested_jit_in_a_pid_solve(adjoint):
     assert names <= {"dynamic_index_in_dim"}, names
 
 
+# Quick loop: test_no_nested_jit_in_a_pid_solve[direct].
+@pytest.mark.slow
 def test_pullback_program_is_pruned(monkeypatch):
     # The checkpointed backward pass: the pullback loop's body holds fewer
     # equations than with every traced program kept whole (the old code's), and
@@ -174,10 +178,9 @@ def _grads(rates, y0, **kwargs):
     )
 
 
-# The full suite (4-5 CPU s a case); the quick loop checks that the programs are
-# pruned (test_pullback_program_is_pruned) and the pruned gradient's values against
-# DirectAdjoint and differences (test_traced_step.py::
-# test_gradient_against_direct_and_differences[False], the same LV loss).
+# The full suite (4-5 CPU s a case), as are test_pullback_program_is_pruned and
+# test_traced_step.py::test_gradient_against_direct_and_differences (the same LV
+# loss); the quick loop's pruned programs: test_no_nested_jit_in_a_pid_solve[direct].
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("saveat", [None, "ts", "steps"])
@@ -198,10 +201,9 @@ def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-# The full suite (5 CPU s a case); the quick loop's checkpointed gradient of the same
-# LV loss against DirectAdjoint and differences: test_traced_step.py::
-# test_gradient_against_direct_and_differences[False]; through `SaveAt(ts)`:
-# test_ts_gradients.py::test_checkpointed_equals_direct[default].
+# The full suite (5 CPU s a case), as are the checkpointed gradients of the same LV
+# loss (test_traced_step.py) and through `SaveAt(ts)` (test_ts_gradients.py); the
+# quick loop's checkpointed gradients: test_closure_matrix.py's checkpoint cells.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("checkpoints", [None, 4])
@@ -227,10 +229,9 @@ def test_gradient_against_direct_and_differences(checkpoints):
     np.testing.assert_allclose(float(jnp.sum(got * v)), quotient, rtol=1e-5)
 
 
-# The full suite; the quick loop compares the pruned programs' gradients with
-# DirectAdjoint's in float64 (test_traced_step.py::
-# test_gradient_against_direct_and_differences[False]: the same programs, another
-# precision).
+# The full suite, as is the float64 comparison with DirectAdjoint (test_traced_step.py::
+# test_gradient_against_direct_and_differences); the quick loop's pruned programs:
+# test_no_nested_jit_in_a_pid_solve[direct].
 @pytest.mark.slow
 def test_float32_gradient_against_direct():
     rates, y0 = (x.astype(jnp.float32) for x in lv_batch())
@@ -265,9 +266,8 @@ _INT_LIMITS = dict(factormin=0, factormax=5, safety=1)
 
 @pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("factors", [{}, _INT_LIMITS], ids=["floats", "ints"])
-# Quick loop: each factor's values once (x64 checks float32 and float64); the other
-# two of the product in the full suite.
-@pytest.mark.quick_cases("floats-False", "ints-True")
+# Quick loop: one case (x64 checks float32 and float64); the rest in the full suite.
+@pytest.mark.quick_cases("ints-True")
 def test_controller_limits_as_before(x64, factors):
     # The step-size factor's limits and the inverse error's fix, against the old
     # code's `jnp.clip`/`jnp.isinf`/`jnp.where` on the same inputs (0, inf, NaN,

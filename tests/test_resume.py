@@ -70,6 +70,8 @@ def _one(k, solver=None, controller=None, t1=3.0):
 @pytest.mark.parametrize(
     "solver", ["Tsit5", pytest.param("Kvaerno5", marks=pytest.mark.slow)]
 )
+# Quick loop: test_solver_state_is_used_and_made_jump_renews_it.
+@pytest.mark.slow
 def test_chained_solves_as_diffrax(solver):
     """The same steps as diffrax's chained solves: the controller's error history and
     the first step `dt0` carry over as in diffrax."""
@@ -87,7 +89,8 @@ def test_chained_solves_as_diffrax(solver):
             np.testing.assert_allclose(ours, theirs, rtol=1e-7, atol=1e-9)
 
 
-# The full suite; the quick loop chains solves in test_chained_solves_as_diffrax.
+# The full suite; the quick loop resumes solves in
+# test_solver_state_is_used_and_made_jump_renews_it.
 @pytest.mark.slow
 def test_chained_constant_steps_are_one_solve():
     """With steps on a common grid, the chained solves are one solve (the first-same-
@@ -160,7 +163,8 @@ def test_chained_solves_under_jit_and_vmap():
         np.testing.assert_allclose(jitted, batched[1], rtol=1e-12)
 
 
-# The full suite; the quick loop chains solves in test_chained_solves_as_diffrax.
+# The full suite; the quick loop resumes solves in
+# test_solver_state_is_used_and_made_jump_renews_it.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "adjoint",
@@ -188,6 +192,8 @@ def test_gradient_through_chained_adaptive_solves(adjoint):
             np.testing.assert_allclose(grad, checkpointed, rtol=1e-12)
 
 
+# Quick loop: test_solver_state_is_used_and_made_jump_renews_it.
+@pytest.mark.slow
 def test_states_that_do_not_fit_are_errors():
     first = sk.diffeqsolve(
         sk.ODETerm(_field),

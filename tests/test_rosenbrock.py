@@ -370,6 +370,8 @@ def test_forward_mode_direct_adjoint(x64):
 # --- Backward time, events, dense output, errors ------------------------------------
 
 
+# Quick loop: test_integrate.py::test_backwards_against_analytic.
+@pytest.mark.slow
 def test_backwards_in_time(x64):
     solve = jax.jit(
         lambda t0, t1, y0: sk.diffeqsolve(
@@ -458,6 +460,8 @@ def test_saveat_progress_key_and_throw(x64, capsys):
         solve(3, True)
 
 
+# Quick loop: test_convergence_order[Rodas5P].
+@pytest.mark.slow
 def test_ros3p_error_estimate_blind_to_linear_part(x64):
     """ROS3P's published pair (Lang & Verwer 2001): `α21 + γ21 = 0`, so on
     `y' = Ay + bt + c` the first two stages agree and the estimate `(k1 - k2)/3`

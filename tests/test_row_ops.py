@@ -63,8 +63,7 @@ _SAVES = {
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("save", list(_SAVES))
 # The full suite (each case compiles a gradient twice); the quick loop checks that the
-# row operations are those of `lax` (test_same_as_lax) and are not jits
-# (test_no_row_jits).
+# row operations are those of `lax` (test_same_as_lax).
 @pytest.mark.slow
 def test_gradient_bitwise(monkeypatch, save):
     # 8 checkpoint slots: the stacks' rows are recomputed and read back.
@@ -111,6 +110,8 @@ def _jit_names(jaxpr) -> list[str]:
     return names
 
 
+# Quick loop: test_same_as_lax[float32].
+@pytest.mark.slow
 def test_no_row_jits():
     # Fails on the old code (12 such calls in this gradient).
     rates = jnp.array([[1.5, 1.0, 3.0, 1.0], [1.2, 0.8, 2.5, 1.1]], jnp.float32)

@@ -185,6 +185,8 @@ _LAYOUTS = {
         ids=lambda case: f"{case[0]}-{'event' if case[1] else 'no-event'}",
     ),
 )
+# Quick loop: test_steps_true_and_every_n.
+@pytest.mark.slow
 def test_rows_laid_out_as_diffrax(layout, event):
     """Rows in time order (ts and step saves interleaved), the final point after
     them, padding last; an event removes rows past it."""

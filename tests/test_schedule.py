@@ -91,6 +91,8 @@ def test_any_layout_walks_every_step_back_from_a_stored_carry(slots, buffer, mid
     "max_steps",
     [1, 7, 100, 4096, 5000, pytest.param(20000, marks=pytest.mark.slow)],
 )
+# Quick loop: [4096].
+@pytest.mark.quick_cases("1", "7", "100", "4096")
 def test_default_layout_recomputes_a_step_at_most_twice(max_steps):
     layout = _schedule.layout(max_steps, None)
     for n in sorted({1, max_steps // 3 + 1, max_steps}):

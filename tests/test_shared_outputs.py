@@ -100,6 +100,9 @@ CENTRAL = 1e-7
         ),
     ],
 )
+# Quick loop: grad of vmap:
+# test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
+@pytest.mark.slow
 def test_grad_of_vmapped_fixed_step_solves(adjoint):
     """`grad` over `vmap(diffeqsolve)`: the step grid is shared by the batch."""
     got = np.array(_grad(1.3, T1, adjoint))
@@ -108,8 +111,8 @@ def test_grad_of_vmapped_fixed_step_solves(adjoint):
     np.testing.assert_allclose(got, _central(_direct_loss, 1.3, T1), rtol=CENTRAL)
 
 
-# The full suite; the quick loop's shared outputs under `grad` of `vmap`:
-# test_grad_of_vmapped_fixed_step_solves[online].
+# The full suite; the quick loop's `grad` of `vmap`:
+# test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
 @pytest.mark.slow
 def test_vmap_of_grad_over_a_closed_over_float():
     """`vmap` over the closed-over float of `grad` of `vmap(diffeqsolve)` over the
@@ -129,8 +132,8 @@ def test_vmap_of_grad_over_a_closed_over_float():
         np.testing.assert_allclose(got[:, k], want, rtol=SAME_STEPS)
 
 
-# The full suite; the quick loop's shared outputs: test_grad_of_vmapped_fixed_step_
-# solves[online]; its ensemble gradient: test_ensemble.py::test_gradient_matches_vmap.
+# The full suite; the quick loop's ensemble gradient:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
 @pytest.mark.slow
 def test_fixed_step_ensemble_gradient():
     """`ensemble_solve(kernel=False)` with fixed steps: its gradient, and under `vmap`

@@ -77,6 +77,8 @@ def test_small_inverse_singular_is_not_finite(a):
 
 
 @pytest.mark.usefixtures("x64")
+# Quick loop: test_dense_solve_grad_is_the_solves[3].
+@pytest.mark.slow
 def test_small_inverse_grad_matches_lu():
     a = jnp.asarray(_matrices(4, count=1)[0])
     w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 4)))
@@ -169,8 +171,8 @@ def test_small_solve_reverse_mode_has_no_pads():
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("n", [2, SMALL_MAX, SMALL_MAX + 1])
-# Quick loop: the largest small inverse and the smallest LU (n = 2 in the full suite).
-@pytest.mark.quick_cases(dict(n=SMALL_MAX), dict(n=SMALL_MAX + 1))
+# Quick loop: the largest small inverse (the LU, n = 4, and n = 2 in the full suite).
+@pytest.mark.quick_cases("3")
 def test_dense_solve_grad_is_the_solves(n):
     """The refined solve's derivative is the solve's, `A^{-1} (db - dA x)`, the
     inverse not differentiated: against LU's gradient (to the rounding of two
@@ -212,7 +214,8 @@ def _vdp(t, y, mu):
 
 
 @pytest.mark.parametrize("solver", [sk.Rodas5P(), sk.Kvaerno5(), sk.BDF()])
-@pytest.mark.quick_cases("solver1")
+# Quick loop: test_bdf_vmap.py::test_vmapped_solve_is_elementwise.
+@pytest.mark.slow
 def test_stiff_vdp_ensemble_float32_against_float64(solver):
     """A vmapped float32 Van der Pol ensemble (mu in [1, 100]) through the small
     path agrees with a float64 solve at a tight tolerance, and takes no more steps
@@ -248,6 +251,8 @@ def test_stiff_vdp_ensemble_float32_against_float64(solver):
     assert np.all(np.asarray(steps32) <= 1.2 * np.asarray(steps64) + 10)
 
 
+# Quick loop: test_small_inverse_batch_axes_and_vmap_agree.
+@pytest.mark.slow
 def test_sliced_entries_as_unstacked(monkeypatch):
     """The entries taken by a slice each (on a TPU: `_linalg._SLICE_BACKENDS`, where
     the unstacked form ran Rodas5P 7% slower) are the unstacked ones: the same

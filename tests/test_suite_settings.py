@@ -95,6 +95,8 @@ def test_session_compiles_with_most_optimizations_off():
     assert all(flag in given for flag in known)
 
 
+# Quick loop: (suite settings; no public feature).
+@pytest.mark.slow
 def test_xla_flags_set_after_importing_jax_are_read():
     # conftest sets `XLA_FLAGS` after `import jax`, before the first array: XLA
     # must read them when the backend is made (an unknown flag aborts).

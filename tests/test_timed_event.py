@@ -45,6 +45,8 @@ def _pk(ka, ke, amount, doses, adjoint=None, t1=60.0, ts=TS, y0=None, **kwargs):
     )
 
 
+# Quick loop: test_effect_closes_over_anything_under_vmap_and_grad.
+@pytest.mark.slow
 def test_repeated_dose_against_analytic():
     with float64():
         doses = jnp.array([0.0, 12.0, 24.0, 36.0])
@@ -93,6 +95,8 @@ def test_time_gradients_do_not_grow_with_the_steps():
         np.testing.assert_allclose(got, want, rtol=1e-7)
 
 
+# Quick loop: test_effect_closes_over_anything_under_vmap_and_grad.
+@pytest.mark.slow
 def test_interval_count_and_one_amount_per_dose():
     with float64():
         sol = _pk(1.2, 0.2, 100.0, None, start=2.0, interval=8.0, count=5)
@@ -163,6 +167,8 @@ def test_effect_closes_over_anything_under_vmap_and_grad():
             np.testing.assert_allclose(g, w, rtol=1e-8)
 
 
+# Quick loop: test_effect_closes_over_anything_under_vmap_and_grad.
+@pytest.mark.slow
 def test_backwards_in_time():
     """Events at times decreasing from `t0` to `t1`; a solve backwards from 10 to 0
     of y' = 0 with `+1` at 8, 5 and 2 (and 10, `t0`; 0, `t1`, is not applied)."""
@@ -180,7 +186,8 @@ def test_backwards_in_time():
     np.testing.assert_allclose(sol.ys, [0.0, 1.0, 2.0, 3.0, 4.0])
 
 
-# The full suite; the quick loop's timed events: test_repeated_dose_against_analytic.
+# The full suite; the quick loop's timed events:
+# test_effect_closes_over_anything_under_vmap_and_grad.
 @pytest.mark.slow
 def test_split_solve_equals_one_solve():
     """Times outside `[t0, t1)` are skipped, and one at `t1` is left to the solve
@@ -240,6 +247,8 @@ def _lif_spikes(kicks, amount, t1, threshold=1.5):
     return np.array(spikes), v
 
 
+# Quick loop: test_effect_closes_over_anything_under_vmap_and_grad.
+@pytest.mark.slow
 def test_with_a_continuing_event():
     """A leaky integrate-and-fire neuron, kicked at given times, spiking and reset
     where it crosses a threshold: `event=(Event, TimedEvent)`."""
@@ -470,7 +479,8 @@ def test_bad_schedules_are_errors_also_when_traced(case, how):
             jax.block_until_ready(jax.vmap(solve)(jnp.array([0.75, bad])))
 
 
-# The full suite; the quick loop's traced schedule: test_one_traced_time.
+# The full suite; the quick loop's timed events:
+# test_effect_closes_over_anything_under_vmap_and_grad.
 @pytest.mark.slow
 def test_traced_schedule_solves_and_differentiates():
     """A valid traced schedule solves as a known one, and its interval is
@@ -495,6 +505,8 @@ def test_traced_schedule_solves_and_differentiates():
     np.testing.assert_allclose(grad[1], slope, rtol=1e-4)
 
 
+# Quick loop: test_effect_closes_over_anything_under_vmap_and_grad.
+@pytest.mark.slow
 def test_one_traced_time():
     """A schedule of one traced time (nothing to order) solves under jit and vmap:
     its order check is empty (it used to fail tracing, an argmax of nothing).

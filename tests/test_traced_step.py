@@ -73,9 +73,9 @@ def test_same_program_bitwise(monkeypatch):
 
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("constant", [False, True])
-# Quick loop: the PID case, also the quick check of the pruned programs' gradient
-# (test_pruned_programs.py); ConstantStepSize: the full suite.
-@pytest.mark.quick_cases(dict(constant=False))
+# The full suite; the quick loop's traced steps:
+# test_integrate.py::test_traced_once_inside_jit_under_transformations.
+@pytest.mark.slow
 def test_gradient_against_direct_and_differences(constant):
     # ConstantStepSize: leaves the step returns unchanged are kept once.
     controller = sk.ConstantStepSize() if constant else None
@@ -104,8 +104,8 @@ def test_gradient_against_direct_and_differences(constant):
     np.testing.assert_allclose(float(jnp.sum(got[0] * v)), quotient, rtol=1e-5)
 
 
-# The full suite; the quick loop's float32 checkpointed gradient against DirectAdjoint:
-# test_checkpoint_memory.py::test_fixed_step_gradient_matches_direct_adjoint.
+# The full suite; the quick loop's checkpointed gradients: test_closure_matrix.py's
+# checkpoint cells.
 @pytest.mark.slow
 def test_float32_gradient_against_direct():
     # float32 data (the closed-over index int32, the scale float32).

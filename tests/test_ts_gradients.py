@@ -107,7 +107,9 @@ def test_steps_write_several_rows_and_differ_between_elements():
     [RCA, sk.RecursiveCheckpointAdjoint(checkpoints=4)],
     ids=["default", "recomputed"],
 )
-@pytest.mark.quick_cases("default")
+# Quick loop: save-time gradients:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+@pytest.mark.slow
 def test_checkpointed_equals_direct(adjoint):
     # The same steps differentiated two ways (with 4 checkpoints, from carries
     # recomputed in chunks): float64 rounding over ~30 steps forward and back, and
@@ -178,7 +180,8 @@ def _gradient_flops(num_ts: int) -> float | None:
     return None if not cost or "flops" not in cost else float(cost["flops"])
 
 
-# The full suite; the quick loop's SaveAt(ts) gradient: test_checkpointed_equals_direct.
+# The full suite; the quick loop's SaveAt(ts) gradient:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
 @pytest.mark.slow
 def test_backward_step_does_not_interpolate_at_every_save_time():
     # XLA counts a loop body's work once. A backward step that interpolated at all

@@ -76,7 +76,8 @@ def _solve(lib, operator, t1=1.0, adjoint=None, **kwargs):
 
 
 @pytest.mark.parametrize("t1", [1.0, -1.0], ids=["forwards", "backwards"])
-@pytest.mark.quick_cases("forwards")
+# Quick loop: test_protocol.py::test_crank_nicolson_solves_the_heat_equation.
+@pytest.mark.slow
 def test_solver_reaches_its_term_as_in_diffrax(t1):
     with float64():
         ours = _solve(sk, lambda: jnp.asarray(A), t1).ys
@@ -125,7 +126,7 @@ def test_adjoints_that_need_the_vector_field_say_so():
 
 
 # The full suite; the quick loop's user solver:
-# test_solver_reaches_its_term_as_in_diffrax.
+# test_protocol.py::test_crank_nicolson_solves_the_heat_equation.
 @pytest.mark.slow
 def test_wrapped_terms_of_a_multiterm_as_in_diffrax():
     """Each term of a `MultiTerm` is wrapped, as diffrax wraps them, under an
