@@ -12,12 +12,22 @@ the default device, and reports temporary + argument + output bytes divided by N
 with the largest arrays of solverkit's program (what the bytes are). On an
 accelerator this is that device's layout (a TPU pads narrow minor dimensions), in
 seconds: nothing runs. Writes `lorenz_memory.json` and `.md` into `--out`.
+
+`--run` runs each compiled gradient too (after one warm-up call: `--repeats`
+timed calls, their median in `run_ms`, and the device's peak bytes in use where it
+reports them); a run out of memory is recorded with its error. `--modes` and
+`--libraries` pick the cases (say `--modes adaptive --libraries solverkit`). The
+chip command for the vmapped adaptive float32 gradient at N = 65,536 and 2^20:
+`python -m benchmarks.adjoint_memory --lorenz --run --modes adaptive
+--libraries solverkit --sizes 65536,1048576 --out DIR`.
 """
 
 import argparse
 import json
 import pathlib
 import re
+import statistics
+import time
 from collections import Counter
 
 import jax
@@ -82,16 +92,55 @@ def largest_arrays(hlo: str, n: int, count: int = 6) -> list[str]:
     return out
 
 
-def lorenz(sizes: list[int]) -> list[dict]:
-    """Bytes per trajectory of the Lorenz gradients (see the module docstring)."""
-    import diffrax
+def _peak_bytes() -> int | None:
+    """The default device's peak bytes in use so far, where it reports them."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend has them
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")
 
+
+def _run(compiled, rho, repeats: int) -> dict:
+    """Median milliseconds of `repeats` calls after a warm-up, mean steps, peak
+    bytes; or the error of a failed call (out of memory, say)."""
+    try:
+        _, steps = jax.block_until_ready(compiled(rho))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(rho))
+            times.append(time.perf_counter() - start)
+    except Exception as e:  # noqa: BLE001 - a failure is a result
+        return dict(run_error=str(e)[:200])
+    return dict(
+        run_ms=1e3 * statistics.median(times),
+        repeats=repeats,
+        mean_steps=float(np.mean(np.asarray(steps))),
+        peak_bytes=_peak_bytes(),
+    )
+
+
+def lorenz(
+    sizes: list[int],
+    modes: tuple[str, ...] = ("fixed", "adaptive"),
+    libraries: tuple[str, ...] = ("solverkit", "diffrax"),
+    repeats: int | None = None,
+) -> list[dict]:
+    """Bytes per trajectory of the Lorenz gradients (see the module docstring);
+    with `repeats`, their run times too."""
     from .cases import _lorenz_solve, _sum_of_squares_grad, LORENZ_TOL_32
     from .harness import compiled_memory
 
+    libs = {"solverkit": sk}
+    if "diffrax" in libraries:
+        import diffrax
+
+        libs["diffrax"] = diffrax
     rows = []
-    for mode in ("fixed", "adaptive"):
-        for name, lib in (("solverkit", sk), ("diffrax", diffrax)):
+    for mode in modes:
+        for name in libraries:
+            lib = libs[name]
             for n in sizes:
                 solve = _lorenz_solve(lib, lib is sk, mode, tol=LORENZ_TOL_32)
                 rho = jnp.linspace(0.0, 21.0, n, dtype=jnp.float32)
@@ -110,6 +159,8 @@ def lorenz(sizes: list[int]) -> list[dict]:
                     bytes_per_trajectory=None if total is None else total / n,
                     largest=largest_arrays(compiled.as_text(), n),
                 )
+                if repeats is not None:
+                    row.update(_run(compiled, rho, repeats))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -118,7 +169,7 @@ def lorenz(sizes: list[int]) -> list[dict]:
 def lorenz_markdown(rows: list[dict]) -> str:
     lines = [
         "| gradient | library | N | bytes per trajectory | at N = 2^20 | "
-        "largest arrays |",
+        "run (with --run; peak: the process so far); largest arrays |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -129,8 +180,15 @@ def lorenz_markdown(rows: list[dict]) -> str:
             continue
         per = r["bytes_per_trajectory"]
         cells = "" if per is None else f"{per:,.0f} | {per * 2**20 / 1e9:.1f} GB"
+        ran = ""
+        if "run_ms" in r:
+            peak = r["peak_bytes"]
+            peak = "" if peak is None else f", peak {peak / 1e9:.2f} GB"
+            ran = f"{r['run_ms']:.2f} ms ({r['mean_steps']:.0f} steps{peak}); "
+        elif "run_error" in r:
+            ran = f"run: {r['run_error']}; "
         lines.append(
-            f"| {r['mode']} | {r['library']} | {r['n']} | {cells} | "
+            f"| {r['mode']} | {r['library']} | {r['n']} | {cells} | {ran}"
             + "; ".join(r["largest"][:3])
             + " |"
         )
@@ -143,9 +201,18 @@ def main() -> None:
     parser.add_argument("--lorenz", action="store_true")
     parser.add_argument("--sizes", default="4096,65536")
     parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--run", action="store_true", help="time the gradients too")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--modes", default="fixed,adaptive")
+    parser.add_argument("--libraries", default="solverkit,diffrax")
     args = parser.parse_args()
     if args.lorenz:
-        rows = lorenz([int(s) for s in args.sizes.split(",")])
+        rows = lorenz(
+            [int(s) for s in args.sizes.split(",")],
+            tuple(args.modes.split(",")),
+            tuple(args.libraries.split(",")),
+            args.repeats if args.run else None,
+        )
         text = lorenz_markdown(rows)
         print(text)
         if args.out is not None:
