@@ -65,10 +65,11 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
     carries stored while recomputing its first chunk (two recomputations). So a short
     solve costs the same whatever `max_steps` is, and memory grows slowly with
     `max_steps`: 160 states up to 4096, 192 at `10**5`, 310 at `10**6` (then like
-    its cube root). With adaptive steps the forward pass also records a byte a step
-    (`max_steps` bytes), which the recomputation replays: it takes the forward
-    pass's steps even where another compilation rounds an error estimate to the
-    other side of the tolerance, or a step's end to another float (not with
+    its cube root). With adaptive steps the forward pass also records each step's
+    decisions and next step end (a byte and a time a step: 5 KiB per 1024
+    `max_steps` with float32 times), which the recomputation replays: it takes the
+    forward pass's steps even where another compilation rounds an error estimate
+    to the other side of the tolerance, or sizes a step otherwise (not with
     `max_steps=None`).
 
     **Arguments:**
@@ -130,9 +131,10 @@ class _Record(NamedTuple):
     # batched with adaptive steps (see `_checkpointed_forward`).
     it: jax.Array  # loop iterations so far
     level: jax.Array  # how often the stride has doubled: `w = 2**level`
-    # A byte a step, which the recomputation replays (`_replay.py`); `None` where
-    # nothing is recorded (fixed steps, `max_steps=None`).
-    steps: jax.Array | None = None
+    # Each step's decisions and next step end, which the recomputation replays
+    # (`_replay.py`); `None` where nothing is recorded (fixed steps,
+    # `max_steps=None`).
+    steps: _replay.Record | None = None
 
 
 def _checkpointed_forward(
