@@ -254,3 +254,31 @@ def test_tangent_backward_vmap_float32(monkeypatch):
         # relative, and its gradient by about as much times its growth (<~ 30 here).
         scale = float(jnp.max(jnp.abs(b)))
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * scale)
+
+
+# Quick loop: ensemble_solve x grad:
+# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+@pytest.mark.slow
+def test_backsolve_gradient_is_the_continuous_adjoints(x64):
+    """With `BacksolveAdjoint` the kernel's backward pass is the lane loop's backsolve
+    (the adjoint asked for, not forward sensitivities of the steps): its gradient is
+    `kernel=False`'s to round-off, where the tangents' would differ from it by the
+    adjoint's own error (about the tolerance, 1e-6 here)."""
+    y0, rho, k = _inputs(jnp.float64, n=16)
+    sigma = jnp.asarray(10.0)
+
+    def loss(y0, rho, sigma, kernel):
+        sol = sk.ensemble_solve(
+            sk.ODETerm(_field(sigma, 8 / 3)), sk.Tsit5(), 0.0, 1.0, None, y0,
+            (rho, k), saveat=_saveat(), kernel=kernel,
+            stepsize_controller=_controller(1e-6), adjoint=sk.BacksolveAdjoint(),
+        )  # fmt: skip
+        return jnp.sum(sol.ys**2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    got, want = grad(y0, rho, sigma, True), grad(y0, rho, sigma, False)
+    for a, b in zip(got, want):
+        # The same backward solves from the same forward steps (float64: the kernel
+        # takes the lane loop's steps): round-off of the scale, far below 1e-6.
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * scale)

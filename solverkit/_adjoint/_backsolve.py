@@ -3,7 +3,7 @@ solved backwards in time, as a `custom_vjp` whose operand is the whole `Problem`
 
 import dataclasses
 import functools
-from typing import cast
+from typing import cast, ClassVar
 
 import equinox as eqx
 import jax
@@ -137,6 +137,7 @@ class BacksolveAdjoint(AbstractAdjoint):
 
     solver: AbstractSolver | None = None
     stepsize_controller: AbstractStepSizeController | None = None
+    discrete: ClassVar[bool] = False
 
     def check(self, problem: Problem) -> None:
         unsupported = []

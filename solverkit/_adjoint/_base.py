@@ -15,6 +15,7 @@ import abc
 import contextlib
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -245,7 +246,15 @@ def custom_vjp(
 
 
 class AbstractAdjoint(eqx.Module):
-    """Base class of the adjoints."""
+    """Base class of the adjoints.
+
+    `discrete`: whether its gradient is the derivative of the solve as computed (its
+    steps, to round-off), which forward sensitivities of the same steps give too;
+    `False` for an adjoint with its own approximation (a continuous adjoint solved
+    backwards, the implicit function theorem at a steady state).
+    """
+
+    discrete: ClassVar[bool] = True
 
     @abc.abstractmethod
     def loop(self, problem: Problem) -> Outputs:
@@ -338,6 +347,8 @@ class ImplicitAdjoint(AbstractAdjoint):
         ended there (`sol.result`, or the event that fired). It is the derivative of
         the steady state near the one found, as in diffrax.
     """
+
+    discrete: ClassVar[bool] = False
 
     def check(self, problem: Problem) -> None:
         unsupported = []

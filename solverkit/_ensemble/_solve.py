@@ -213,7 +213,9 @@ def _kernel_solve(problem: Problem, y0, args, throw, plan: Policy, keep: Keep, a
         residuals = (y, a, None, num_steps)
         return backward(static, dynamic, residuals, ct, plan.lanes, keep, adjoint)
 
-    return _kernel.kernel_solve(problem, y0, args, throw, reference, pull_back)
+    return _kernel.kernel_solve(
+        problem, y0, args, throw, reference, pull_back, tangents=adjoint.discrete
+    )
 
 
 def _record(problem: Problem, events) -> EventRecord | None:

@@ -343,8 +343,10 @@ def _differentiable(
     settings: Settings,
     reference: Callable,
     backward: Callable | None,
+    tangents: bool,
 ):
-    """`_forward` with reverse mode: `backward`, the lane loop's backward pass, from
+    """`_forward` with reverse mode: forward sensitivities in the kernel (where
+    `tangents` and they apply); else `backward`, the lane loop's backward pass, from
     the kernel's step counts; or without it, through `reference` (the `vmap` path,
     forward and backward)."""
 
@@ -361,7 +363,7 @@ def _differentiable(
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
         problem = eqx.combine(dynamic, static)
         directions = _backward.directions_of(problem, y0, args_dynamic)
-        if BACKWARD == "tangent" and directions is not None:
+        if tangents and BACKWARD == "tangent" and directions is not None:
             forward = functools.partial(_tangent_rows, settings)
             ct_consts, ct_y, ct_args = _backward.pull_back(
                 forward, problem, y0, args_dynamic, directions, ct["ys"]
@@ -441,6 +443,7 @@ def kernel_solve(
     reference: Callable[[Problem, PyTree, PyTree], Solution],
     backward: Callable | None = None,
     *,
+    tangents: bool = True,
     rows: int | None = None,
     interpret: bool | None = None,
 ) -> Solution:
@@ -459,6 +462,9 @@ def kernel_solve(
         (`_ensemble._backward`), which solves each trajectory again with the
         adjoint, in chunks sorted by the steps each took (the kernel's counts);
         used where forward sensitivities in the kernel (`BACKWARD`) don't apply.
+    - `tangents`: whether forward sensitivities may serve; `False` for an adjoint
+        whose gradient is its own approximation (`BacksolveAdjoint`: the continuous
+        adjoint, and its first call, which `backward` compiles in less time).
     - `rows`: rows of 128 trajectories per block (a multiple of 8 on a TPU);
         default `DEFAULT_ROWS`, else `default_rows(N)`.
     - `interpret`: run the kernel in Pallas' interpreter; default
@@ -478,7 +484,9 @@ def kernel_solve(
     args_dynamic, args_static = eqx.partition(args, eqx.is_array)
     del args_static  # shared by every trajectory: part of the converted field
     with jax.numpy_dtype_promotion("standard"):
-        out = _differentiable(problem, y0, args_dynamic, settings, reference, backward)
+        out = _differentiable(
+            problem, y0, args_dynamic, settings, reference, backward, tangents
+        )
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
     batch = t_end.shape[0]
