@@ -25,6 +25,7 @@ from .._problem import Problem
 from .._select import where
 from .._solution import Result, RESULTS, Solution
 from . import _backward, _field, _pallas, _tangent
+from ._layout import from_lanes, per_trajectory, state_of, to_lanes
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
 
@@ -82,47 +83,6 @@ def supported(problem: Problem, y0, per_trajectory, keep) -> str | None:
     return None
 
 
-def _to_lanes(x, batch: int, rows: int):
-    """`(N, *s)` to `(m, R, 128)`, `m = prod(s)`, padded with trajectory 0."""
-    block = rows * LANES
-    size = -(-batch // block) * block
-    flat = jnp.reshape(x, (batch, -1))
-    if flat.dtype == jnp.bool_:
-        flat = flat.astype(jnp.int32)
-    pad = jnp.broadcast_to(flat[:1], (size - batch, flat.shape[1]))
-    flat = jnp.concatenate([flat, pad]) if size > batch else flat
-    # One component per trajectory: a reshape, not a transpose.
-    flat = flat.reshape(1, size) if flat.shape[1] == 1 else flat.T
-    return flat.reshape(flat.shape[0], size // LANES, LANES)
-
-
-def _from_lanes(x, batch: int):
-    """`(..., m, R, 128)` to `(N, ..., m)`."""
-    lead = x.shape[:-2]
-    flat = x.reshape(lead + (-1,))[..., :batch]
-    return jnp.moveaxis(flat, -1, 0)
-
-
-def _per_trajectory(tile, batch: int):
-    """`(R, 128)` to `(N,)`: a reshape, no transpose (a `(N, k)` array with a small
-    `k` is padded to 128 lanes on a TPU, and its strided slices overflowed scoped
-    VMEM at N = 2^20)."""
-    return tile.reshape(-1)[:batch]
-
-
-def _state_of(flat, y0_example: PyTree, batch: int) -> PyTree:
-    """`(N, ..., n)` components back into the pytree of `y0` (leading `N, ...`)."""
-    leaves, tree = jtu.tree_flatten(y0_example)
-    lead = flat.shape[:-1]
-    out, start = [], 0
-    for leaf in leaves:
-        shape = leaf.shape[1:]
-        size = int(jnp.size(leaf)) // batch
-        out.append(flat[..., start : start + size].reshape(lead + shape))
-        start += size
-    return jtu.tree_unflatten(tree, out)
-
-
 def _event_spec(problem: Problem, y_one, args_one) -> dict:
     """The `Spec` fields of the event's condition (none without an event)."""
     conds = _field.conditions(problem)
@@ -178,11 +138,11 @@ def lane_inputs(
     times = jnp.stack(
         [problem.t0, t1, jnp.asarray(dt0, tdtype), land, *_grid(problem, pid)]
     )
-    y_lanes = jnp.concatenate([_to_lanes(x, batch, rows) for x in leaves])
+    y_lanes = jnp.concatenate([to_lanes(x, batch, rows) for x in leaves])
     n = y_lanes.shape[0]
     starts = [_tangent.initial(d, j, y_lanes[0]) for d in directions for j in range(n)]
     y_lanes = jnp.concatenate([y_lanes, *(s[None] for s in starts)])
-    arg_lanes = [_to_lanes(a, batch, rows) for a in jtu.tree_leaves(args_dynamic)]
+    arg_lanes = [to_lanes(a, batch, rows) for a in jtu.tree_leaves(args_dynamic)]
     spec = _pallas.Spec(
         tableau=problem.solver.tableau,  # pyright: ignore[reportAttributeAccessIssue]
         pid=pid,
@@ -224,8 +184,8 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
     batch = jtu.tree_leaves(y0)[0].shape[0]
     inputs = lane_inputs(problem, y0, args_dynamic, settings.rows)
     y_end, ys_ts, t_end, counts = _pallas.solve_blocks(*inputs, settings.interpret)
-    t_end = _per_trajectory(t_end, batch)
-    y_end = _state_of(_from_lanes(y_end, batch), y0, batch)
+    t_end = per_trajectory(t_end, batch)
+    y_end = state_of(from_lanes(y_end, batch), y0, batch)
     ts_rows, ys_rows = _rows(problem, settings, y0, ys_ts, t_end, y_end)
     return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
 
@@ -240,19 +200,19 @@ def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, direct
     y_end, ys_ts, t_end, _ = _pallas.solve_blocks(
         spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
     )
-    t_end = _per_trajectory(t_end, batch)
+    t_end = per_trajectory(t_end, batch)
     n = spec.own
 
     def rows_of(k: int, start):
         part = slice(n * k, n * (k + 1))
-        end = _state_of(_from_lanes(y_end[part], batch), y0, batch)
+        end = state_of(from_lanes(y_end[part], batch), y0, batch)
         return _rows(problem, settings, start, ys_ts[:, part], t_end, end)[1]
 
     def start_of(direction):
         flat = jnp.zeros((batch, n), ys_ts.dtype)
         if direction[0] == "state":
             flat = flat.at[:, direction[1]].set(1)
-        return _state_of(flat, y0, batch)
+        return state_of(flat, y0, batch)
 
     tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
     return rows_of(0, y0), tangents
@@ -273,7 +233,7 @@ def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
     ts = jnp.zeros((batch, 0), t_end.dtype)
     ys = jtu.tree_map(lambda x: jnp.zeros((batch, 0) + x.shape[1:], x.dtype), y0)
     if save.ts is not None:
-        ys = _state_of(_from_lanes(ys_ts, batch), y0, batch)
+        ys = state_of(from_lanes(ys_ts, batch), y0, batch)
         written = (save.ts[None] <= t_end[:, None]) | (save.ts[None] <= problem.t0)
         ts = where(written, save.ts[None], jnp.inf)
         ys = jtu.tree_map(
@@ -355,7 +315,7 @@ def _differentiable(
 
     def fwd(problem, y0, args_dynamic):
         out = primal(problem, y0, args_dynamic)
-        steps = _per_trajectory(out["counts"][0], out["t1"].shape[0])
+        steps = per_trajectory(out["counts"][0], out["t1"].shape[0])
         return out, (y0, args_dynamic, steps)
 
     def bwd(static, dynamic, residuals, cotangents):
@@ -403,7 +363,7 @@ def _stats(problem: Problem, counts, batch: int) -> dict:
     trajectories the blocks hold (padding included), `lane_steps`: the iterations
     of every block times its lanes (each row of a block holds its iterations)."""
     int_dtype = jnp.result_type(int)
-    count = lambda i: _per_trajectory(counts[i], batch).astype(int_dtype)  # noqa: E731
+    count = lambda i: per_trajectory(counts[i], batch).astype(int_dtype)  # noqa: E731
     max_steps = int(problem.max_steps or 0)
     return dict(
         num_steps=count(0),
@@ -490,7 +450,7 @@ def kernel_solve(
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
     batch = t_end.shape[0]
-    result = _per_trajectory(counts[3], batch)
+    result = per_trajectory(counts[3], batch)
     if throw:
         ts, ys, t_end = _check((ts, ys, t_end), result)
     return Solution(
