@@ -1,13 +1,25 @@
 """Why `jax.vmap(diffeqsolve)` takes ~34 us a step on a TPU: the vmapped Lorenz
 loop (Tsit5, float32, rho closed over and vmapped, t in [0, 1]) with its state as
-one `(3,)` array (the suite's case: a `(N, 3)` carry, whose minor dimension of 3 a
-TPU tile pads to 128) against the same state as a tuple of three scalars (three
-`(N,)` carries), adaptive (PID 1e-5) and fixed (1000 steps of 1e-3); per variant and
-N its run time (and "wrapped": the tuple state, the array field, stacked for it and
-split after) (median of `--repeats`), the kernels (fusions) in each `while`
-body, and the loop's carry as XLA laid it out (the `while` instructions' shapes).
+one `(3,)` array (the suite's case: a `(N, 3)` carry) against the same state as a
+tuple of three scalars (three `(N,)` carries), and "wrapped": the tuple state with
+the array field, stacked for it and split after; adaptive (PID 1e-5) and fixed (1000
+steps of 1e-3); per variant and N its first compile (trace included), run time
+(median of `--repeats`), the kernels (fusions) in each `while` body, and the loop's
+carry as XLA laid it out (the `while` instructions' shapes).
 
 `python -m benchmarks.vmap_layout --out DIR [--sizes 4096,65536] [--repeats 20]`
+
+Stop 50 on a TPU v5e (`benchmarks/results/tpu-v5-lite/stop50_b/vmap_layout`): the
+`(N, 3)` carry is laid out batch-minor (`{0,1:T(4,128)}`), but XLA cuts a step into
+13 (fixed) / 18 (adaptive) kernels; as components, 2 / 3, and "wrapped" the same (XLA
+folds the stack and the split away): fixed 1000 steps 2.48 / 25.6 ms -> 0.82 / 3.17
+ms at N = 4096 / 65,536, adaptive 1.03 / 4.24 -> 0.81 / 1.48 ms. A `diffeqsolve`
+that carried such states as components (tried in stop 50, `stop50_b/accel`) ran
+the vmapped forward rows 2-8x faster, but compiled about twice as long on the chip
+(the forward first calls 0.59-0.66 of diffrax's, repeated, from ~0.45) and its
+gradients gained nothing there while compiling 1.5-2.7x longer (first calls 0.89);
+on a CPU its gradients ran up to 2.8x slower (fixed-step Lorenz, N = 256): so not
+taken.
 """
 
 import argparse

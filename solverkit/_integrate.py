@@ -38,7 +38,6 @@ from ._setup import (
 )
 from ._solution import EventRecord, Result, RESULTS, Solution
 from ._solver import AbstractSolver
-from ._split import with_split
 from ._term import AbstractTerm
 from ._time import flip, flip_finite
 
@@ -130,7 +129,6 @@ def diffeqsolve(
         terms, solver, times, y0, args, saveat, stepsize_controller, event,
         max_steps, progress_meter, dt0, resume
     )  # fmt: skip
-    problem = with_split(problem, saveat, stepsize_controller)
     adjoint.check(problem)
     keep = Keep.of(saveat)
     # The engine mixes dtypes on purpose (float64 times with float32 states, complex

@@ -56,12 +56,6 @@ class Problem(eqx.Module):
     event: "Events" = eqx.field(default_factory=lambda: Events())
     meter: AbstractProgressMeter = NoProgressMeter()
     resume: "Resume | None" = None  # states passed in to continue an earlier solve
-    split: Any = None  # a `_split.Split`: the state carried as its components
-
-    def state(self, y: PyTree) -> PyTree:
-        """A state as the user's functions see it (`y`, a saved row) in the loop's
-        layout."""
-        return y if self.split is None else self.split.parts(y)
 
     @property
     def error_order(self):

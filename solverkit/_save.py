@@ -45,8 +45,6 @@ ROW_SCATTER_BACKENDS = ("tpu",)
 
 
 def _save_value(problem: Problem, save: Save, tau: RealScalarLike, y: Y):
-    if problem.split is not None:  # the user's `fn` takes the state as given
-        y = problem.split.whole(y)
     return save.fn(flip(problem.direction, tau), y, problem.args)
 
 

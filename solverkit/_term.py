@@ -219,16 +219,10 @@ class ClosureTerm(AbstractTerm):
 
     closure: Closure
     direction: Array | None  # None: forwards in time
-    split: typing.Any = None  # a `_split.Split`: the state as its components
 
     def vf(self, tau: RealScalarLike, y: PyTree, args: PyTree) -> PyTree:
-        direction, split = self.direction, self.split
-        if split is None:
-            out = like_state(self.closure(flip(direction, tau), y, args), y)
-        else:
-            whole = split.whole(y)
-            out = like_state(self.closure(flip(direction, tau), whole, args), whole)
-            out = split.parts(out)
+        direction = self.direction
+        out = like_state(self.closure(flip(direction, tau), y, args), y)
         if direction is None:
             return out
         return jtu.tree_map(lambda o: o * direction.astype(o.dtype), out)

@@ -244,8 +244,7 @@ class BacksolveAdjoint(AbstractAdjoint):
         (save,) = problem.saves
         rows_t0 = 1 if save.t0 else 0
         num_ts = 0 if save.ts is None else save.ts.shape[0]
-        # A saved row (and its cotangent) in the loop's layout of the state.
-        take = lambda tree, i: problem.state(jtu.tree_map(lambda x: x[i], tree))
+        take = lambda tree, i: jtu.tree_map(lambda x: x[i], tree)
         zeros_y = jtu.tree_map(jnp.zeros_like, problem.y0)
         ct_y1 = take(ct_ys, rows_t0 + num_ts) if save.t1 else zeros_y
         T = out.t_end
