@@ -369,9 +369,7 @@ def run(
         # every method is seen to compute the same thing before it is timed) ...
         first, compiled, errors, notes, steps = {}, {}, {}, {}, {}
         for name, fn in fns.items():
-            first[name], compiled[name], (result, n_steps) = first_call(
-                fn, args, fresh
-            )
+            first[name], compiled[name], (result, n_steps) = first_call(fn, args, fresh)
             errors[name], notes[name] = check(
                 variant, result, current, times, counts, s
             )
