@@ -36,7 +36,9 @@ Before timing, every method's spike counts, spike times and gradient are checked
 against the exact ones (and so against each other): spike times within 1e-5 (the
 solver's tolerance gives ~6e-8), gradients within 1e-3 relative; a method that fails is
 timed anyway and its row's note says `WRONG` and why. Columns: first call (trace,
-compile and one run after `jax.clear_caches()`, as `harness.measure` times it), run
+compile and one run after `jax.clear_caches()`, as `harness.measure` times it;
+`--quick`, a smoke run, keeps the caches: its methods share traced helpers, 0.8x
+the CPU time, and its first calls are not comparable), run
 time (median [min] of the repeats, the methods taking turns), per spike
 (run time / number of spikes of the ensemble), steps (the most steps a neuron took,
 summed over its solves for a loop), largest error of the spike times / gradient
@@ -320,10 +322,11 @@ def check(
     return error, ""
 
 
-def first_call(fn: Callable, args: tuple):
+def first_call(fn: Callable, args: tuple, fresh: bool = True):
     """`(seconds, compiled, output)`: trace, lower, compile and one run after
-    `jax.clear_caches()`, as `harness.measure` times a first call."""
-    jax.clear_caches()
+    `jax.clear_caches()` (`fresh`), as `harness.measure` times a first call."""
+    if fresh:
+        jax.clear_caches()
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     out = jax.block_until_ready(compiled(*args))
@@ -337,8 +340,14 @@ HEADER = (
 
 
 def run(
-    size: int, repeats: int, max_spikes: int, variants: list[str], s: Settings
+    size: int,
+    repeats: int,
+    max_spikes: int,
+    variants: list[str],
+    s: Settings,
+    fresh: bool = True,
 ) -> list[dict]:
+    """The rows; `fresh=False` (`--quick`) keeps JAX's caches between first calls."""
     current = currents(size)
     times, counts = exact_spikes(current, max_spikes)
     if counts.max() >= max_spikes:
@@ -360,7 +369,7 @@ def run(
         # every method is seen to compute the same thing before it is timed) ...
         first, compiled, errors, notes, steps = {}, {}, {}, {}, {}
         for name, fn in fns.items():
-            first[name], compiled[name], (result, n_steps) = first_call(fn, args)
+            first[name], compiled[name], (result, n_steps) = first_call(fn, args, fresh)
             errors[name], notes[name] = check(
                 variant, result, current, times, counts, s
             )
@@ -419,7 +428,11 @@ def _commit() -> str | None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="N=64, 1 repeat")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="N=64, 1 repeat, JAX's caches kept between first calls",
+    )
     parser.add_argument("--size", type=int, default=None, help="neurons (1024)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--max-spikes", type=int, default=MAX_SPIKES)
@@ -431,7 +444,8 @@ def main(argv=None) -> None:
     jax.config.update("jax_enable_x64", opts.dtype == "float64")
     size = opts.size or (64 if opts.quick else 1024)
     repeats = opts.repeats or (1 if opts.quick else 5)
-    rows = run(size, repeats, opts.max_spikes, opts.variants.split(","), settings)
+    variants = opts.variants.split(",")
+    rows = run(size, repeats, opts.max_spikes, variants, settings, not opts.quick)
     if opts.json:
         meta = {
             "device": jax.devices()[0].device_kind,

@@ -29,7 +29,8 @@ in `<out>/references/` (committed for the default `--out`,
 
 Writes `results.json`, `results.md` (a table per problem, and the ratio of solverkit's
 fastest run against SciPy BDF's at equal or smaller error) and one `<problem>.png`
-work-precision plot per problem into `--out`, after each problem.
+work-precision plot per problem into `--out`, after each configuration (`--quick`:
+once, at the end).
 """
 
 import argparse
@@ -647,7 +648,8 @@ def main(argv=None) -> list[Row]:
             for row in run_config(problem, config, args):
                 _progress(row)
                 rows.append(row)
-            write(args, rows)
+            if not args.quick:  # the results so far (a smoke run's: at the end)
+                write(args, rows)
     result = write(args, rows)
     print((args.out / "results.md").read_text())
     print(json.dumps(result["goals"], indent=1))
