@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stop 50, chip run B (#38): the vmap path with a small 1-D state carried as its
-# components (solverkit/_split.py): the layout experiment at two sizes
+# components (solverkit/_split.py at 49f5cbd, not taken: reverted in 1e04cd0): the layout experiment at two sizes
 # (benchmarks.vmap_layout: the array form against components, the loops' kernels),
 # the Lorenz and Lotka-Volterra steps of the accelerator suite (steps 1, 2, 4: rows
 # with single-shot first calls), and the first calls of the vmap path repeated.
