@@ -17,9 +17,9 @@ ms at N = 4096 / 65,536, adaptive 1.03 / 4.24 -> 0.81 / 1.48 ms. A `diffeqsolve`
 that carried such states as components (tried in stop 50, `stop50_b/accel`) ran
 the vmapped forward rows 2-8x faster, but compiled about twice as long on the chip
 (the forward first calls 0.59-0.66 of diffrax's, repeated, from ~0.45) and its
-gradients gained nothing there while compiling 1.5-2.7x longer (first calls 0.89);
-on a CPU its gradients ran up to 2.8x slower (fixed-step Lorenz, N = 256): so not
-taken.
+gradients ran only 10-20% faster there while compiling 1.5-2.7x longer (first calls
+0.89); on a CPU its gradients ran up to 2.8x slower (fixed-step Lorenz, N = 256): so
+not taken.
 """
 
 import argparse
