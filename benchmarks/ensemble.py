@@ -47,6 +47,7 @@ table) there.
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -480,6 +481,9 @@ def _options(argv):
 
 def main(argv=None) -> None:
     opts = _options(argv)
+    # The lockstep baseline is the vmapped loop: on a TPU `jax.vmap(diffeqsolve)`
+    # would run on the whole-solve kernel (`solverkit._kernel._vmap`).
+    os.environ.setdefault("SOLVERKIT_VMAP_KERNEL", "0")
     jax.config.update("jax_enable_x64", opts.dtype == "float64")
     if opts.profile:
         for name in opts.cases.split(","):

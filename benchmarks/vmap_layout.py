@@ -24,6 +24,7 @@ not taken.
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import statistics
@@ -108,6 +109,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="4096,65536")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    # The lockstep baseline is the vmapped loop: on a TPU `jax.vmap(diffeqsolve)`
+    # would run on the whole-solve kernel (`solverkit._kernel._vmap`).
+    os.environ.setdefault("SOLVERKIT_VMAP_KERNEL", "0")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

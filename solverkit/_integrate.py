@@ -22,6 +22,7 @@ from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import RealScalarLike
 from ._event import Event, TimedEvent
 from ._interpolation._dense import DenseInterpolation
+from ._kernel._vmap import solve as vmapped, vmappable
 from ._problem import Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import SaveAt
@@ -36,7 +37,7 @@ from ._setup import (
     resume_states,
     solve_times,
 )
-from ._solution import EventRecord, Result, RESULTS, Solution
+from ._solution import EventRecord, MESSAGES, Result, RESULTS, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
 from ._time import flip, flip_finite
@@ -138,18 +139,24 @@ def diffeqsolve(
     # Called eagerly, a failure is raised from the host after the solve: no host
     # callback in the program (it costs ~2 ms a call on a TPU, and a program with one
     # is never stored in JAX's persistent compilation cache).
-    on_host = throw and eager(problem)
+    concrete = eager(problem)  # not traced: no vmap to run on the kernel either
+    on_host = throw and concrete
     with jax.numpy_dtype_promotion("standard"), reverse_only(adjoint):
         # Inside a `jit`, under `vmap` or `grad`: traced once, not traced as our own
         # `jit` and then again by each transformation (a first call ~10-30% sooner).
         solve = _solve_body if transformed_in_jit() else _solve
-        sol = solve(problem, adjoint, throw and not on_host, keep)
+        throw = throw and not on_host
+        if not concrete and vmappable(problem, adjoint, keep):
+            # On a TPU: a `vmap` of this solve runs on the whole-solve kernel.
+            body = lambda p: solve(p, adjoint, throw, keep)  # noqa: E731
+            sol = vmapped(body, problem, throw)
+        else:
+            sol = solve(problem, adjoint, throw, keep)
     if on_host:
         raise_failed(sol.result.code, _OK, MESSAGES)
     return sol
 
 
-MESSAGES = [r.message() or "successful" for r in RESULTS]
 _OK = (int(RESULTS.successful.code), int(RESULTS.event_occurred.code))
 
 

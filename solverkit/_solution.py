@@ -222,6 +222,8 @@ class _Results:
 
 
 RESULTS = _Results()
+# The message of each result code, by code: what a failed solve raises.
+MESSAGES = [r.message() or "successful" for r in RESULTS]
 
 
 def is_okay(result: Result) -> Bool[Array, "..."]:

@@ -33,7 +33,6 @@ from .._controller._base import AbstractStepSizeController, ConstantStepSize
 from .._custom_types import RealScalarLike
 from .._errors import concrete, UnsupportedError
 from .._event import Event, TimedEvent
-from .._integrate import MESSAGES
 from .._problem import Problem
 from .._progress import AbstractProgressMeter, NoProgressMeter
 from .._saveat import SaveAt
@@ -46,7 +45,7 @@ from .._setup import (
     make_problem,
     solve_times,
 )
-from .._solution import EventRecord, Result, RESULTS, Solution
+from .._solution import EventRecord, MESSAGES, Result, RESULTS, Solution
 from .._solver import AbstractSolver
 from .._term import AbstractTerm
 from .._time import flip, flip_finite

@@ -20,10 +20,9 @@ from jaxtyping import PyTree
 from .._adjoint._base import custom_vjp, fill_zeros, parameters
 from .._closure._convert import Closure
 from .._closure._unvmap import error_if, unvmap_max
-from .._integrate import MESSAGES as _MESSAGES
 from .._problem import Problem
 from .._select import where
-from .._solution import Result, RESULTS, Solution
+from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
 from . import _backward, _field, _pallas, _tangent
 from ._layout import from_lanes, per_trajectory, state_of, to_lanes
 from ._pallas import LANES

@@ -1,0 +1,165 @@
+"""`jax.vmap(diffeqsolve)` on the whole-solve kernel (`_kernel/_vmap.py`), in Pallas'
+interpreter (`ENABLED = True` here; by default only on a TPU).
+
+The rule takes the kernel when the vmap batches only `y0`, `args` and the values the
+vector field closes over; its solution equals the plain vmap's to the tolerance's
+order (float64, rtol 1e-10 here). Anything else batched falls back to the plain vmap
+of the same traced solve, bit for bit; a differentiated solve never reaches the rule
+(its forward rule is the plain solve's), so gradients are unchanged bit for bit.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import solverkit as sk
+from solverkit._kernel import _vmap
+
+
+pytestmark = pytest.mark.usefixtures("x64")
+N = 6
+TOL = 1e-10
+
+
+@pytest.fixture
+def on(monkeypatch):
+    monkeypatch.setattr(_vmap, "ENABLED", True)
+
+
+def _solve(rho, y0, k, t1=1.0, fixed=False, saveat=None, throw=True, max_steps=4096):
+    """Lorenz closing over a float `rho`, an int `k` and an array `beta`; the
+    kernel can't index with a traced value (it would fall back)."""
+    beta, k = jnp.array([8 / 3]), jnp.asarray(k)
+
+    def field(t, y, args):
+        x, yy, z = y
+        damp = 1 + 0.1 * k.astype(y.dtype)
+        return jnp.stack(
+            [args * (yy - x), x * (rho - z) - yy, x * yy - beta[0] * damp * z]
+        )
+
+    controller = sk.ConstantStepSize() if fixed else sk.PIDController(TOL, TOL)
+    return sk.diffeqsolve(
+        sk.ODETerm(field), sk.Tsit5(), 0.0, t1, 1e-3, y0, 10.0,
+        saveat=saveat or sk.SaveAt(t1=True), stepsize_controller=controller,
+        throw=throw, max_steps=max_steps,
+    )  # fmt: skip
+
+
+def _data():
+    rho = jnp.linspace(10.0, 28.0, N)
+    y0 = jnp.ones((N, 3)) + 0.1 * jnp.arange(N)[:, None]
+    k = jnp.arange(N) % 3
+    return rho, y0, k
+
+
+def _fresh(fn):
+    """`fn` under a new identity: JAX caches traces by function (`jit`, and
+    `make_jaxpr` through it), and the cache does not know `ENABLED`."""
+    return lambda *args: fn(*args)
+
+
+def _uses_kernel(fn, *args) -> bool:
+    return "pallas_call" in str(jax.make_jaxpr(_fresh(fn))(*args))
+
+
+def _assert_same_tree(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert np.shape(x) == np.shape(y) and jnp.result_type(x) == jnp.result_type(y)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_vmap_runs_on_the_kernel_and_matches(fixed, monkeypatch):
+    rho, y0, k = _data()
+    saveat = sk.SaveAt(ts=jnp.linspace(0.0, 1.0, 5), t1=True)
+    run = jax.vmap(lambda r, y, i: _solve(r, y, i, fixed=fixed, saveat=saveat))
+    ref = jax.jit(run)(rho, y0, k)
+    monkeypatch.setattr(_vmap, "ENABLED", True)
+    assert _uses_kernel(run, rho, y0, k)
+    out = jax.jit(_fresh(run))(rho, y0, k)
+    _assert_same_tree(out, ref)
+    scale = jnp.max(jnp.abs(ref.ys))
+    np.testing.assert_allclose(out.ys, ref.ys, rtol=0, atol=1e-7 * scale)
+    np.testing.assert_array_equal(out.ts, ref.ts)
+    np.testing.assert_array_equal(out.result._value, ref.result._value)
+    if fixed:  # the same steps, so the same counts
+        np.testing.assert_array_equal(out.stats["num_steps"], ref.stats["num_steps"])
+    else:
+        steps, ref_steps = out.stats["num_steps"], ref.stats["num_steps"]
+        assert np.all(np.abs(steps - ref_steps) <= 0.02 * ref_steps + 1)
+
+
+def test_in_axes_of_each_kind(on):
+    """Only `y0` batched, only a closed-over int, and an unbatched `jit` call."""
+    rho, y0, k = _data()
+    by_y0 = jax.vmap(lambda y: _solve(20.0, y, 1).ys)
+    by_k = jax.vmap(lambda i: _solve(20.0, y0[0], i).ys)
+    assert _uses_kernel(by_y0, y0) and _uses_kernel(by_k, k)
+    single = jax.jit(lambda y: _solve(20.0, y, 1).ys)
+    for i in range(2):
+        np.testing.assert_allclose(by_y0(y0)[i], single(y0[i]), rtol=1e-7)
+        one = jax.jit(lambda: _solve(20.0, y0[0], i).ys)()
+        np.testing.assert_allclose(by_k(k)[i], one, rtol=1e-7)
+
+
+def test_anything_else_batched_falls_back_bit_for_bit(monkeypatch):
+    rho, y0, k = _data()
+    t1 = jnp.linspace(0.5, 1.0, N)
+    run = jax.vmap(lambda r, y, i, t: _solve(r, y, i, t1=t).ys)
+    ref = jax.jit(run)(rho, y0, k, t1)
+    monkeypatch.setattr(_vmap, "ENABLED", True)
+    assert not _uses_kernel(run, rho, y0, k, t1)
+    np.testing.assert_array_equal(jax.jit(_fresh(run))(rho, y0, k, t1), ref)
+
+
+def test_gradients_are_the_plain_solves(monkeypatch):
+    """grad of vmap and vmap of grad never reach the rule: bit for bit."""
+    rho, y0, _ = _data()
+    loss = lambda r, y: jnp.sum(_solve(r, y, 0).ys ** 2)  # noqa: E731
+    grad_vmap = jax.grad(lambda r, y: jnp.sum(jax.vmap(loss)(r, y)), (0, 1))
+    vmap_grad = jax.vmap(jax.grad(loss, (0, 1)))
+    refs = jax.jit(grad_vmap)(rho, y0), jax.jit(vmap_grad)(rho, y0)
+    monkeypatch.setattr(_vmap, "ENABLED", True)
+    for fn, ref in zip((grad_vmap, vmap_grad), refs):
+        assert not _uses_kernel(fn, rho, y0)
+        out = jax.jit(_fresh(fn))(rho, y0)
+        for a, b in zip(out, ref):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_value_and_grad_and_nested_vmap(on):
+    rho, y0, _ = _data()
+    loss = lambda r: jnp.sum(_solve(r, y0[0], 0).ys ** 2)  # noqa: E731
+    value, grad = jax.value_and_grad(lambda r: jnp.sum(jax.vmap(loss)(r)))(rho)
+    np.testing.assert_allclose(value, jnp.sum(jax.vmap(loss)(rho)), rtol=1e-7)
+    assert np.all(np.isfinite(grad))
+    nested = jax.vmap(jax.vmap(lambda r: _solve(r, y0[0], 0).ys))(rho.reshape(2, 3))
+    flat = jax.vmap(lambda r: _solve(r, y0[0], 0).ys)(rho)
+    np.testing.assert_allclose(nested.reshape(flat.shape), flat, rtol=1e-7)
+
+
+def test_failures_raise_or_are_reported(on):
+    rho, y0, k = _data()
+    run = jax.vmap(lambda r: _solve(r, y0[0], 0, t1=20.0, max_steps=30, throw=False))
+    sol = jax.jit(run)(rho)
+    assert np.all(sol.result._value == sk.RESULTS.max_steps_reached._value)
+    with pytest.raises(Exception, match="maximum number of solver steps"):
+        jax.block_until_ready(
+            jax.jit(jax.vmap(lambda r: _solve(r, y0[0], 0, t1=20.0, max_steps=30)))(rho)
+        )
+
+
+def test_forward_mode_adjoints_are_left_alone(on):
+    """`DirectAdjoint` supports `jax.jvp`: not wrapped, so vmap of jvp works."""
+    y0 = jnp.ones((N, 3))
+
+    def solve(y):
+        return sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, a: -y), sk.Tsit5(), 0.0, 1.0, 0.1, y,
+            adjoint=sk.DirectAdjoint(),
+        ).ys  # fmt: skip
+
+    _, tangent = jax.vmap(lambda y: jax.jvp(solve, (y,), (y,)))(y0)
+    np.testing.assert_allclose(tangent[:, 0], y0 * np.exp(-1.0), rtol=1e-3)
