@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from . import report
 from .cases import Case, CASES, load_peers, PEERS, Reference, Task
-from .harness import first_line, max_abs_error, measure, precision, Record
+from .harness import first_line, max_abs_error, measure, precision, Record, warm_up
 
 
 def _csv(text: str) -> list[str]:
@@ -431,6 +431,7 @@ def main(argv: list[str] | None = None) -> list[Record]:
         print(f"note: {name} skipped ({why})", file=sys.stderr)
     out = args.out or pathlib.Path(__file__).parent / "results" / device_slug()
     meta = metadata(sys.argv[1:] if argv is None else argv, args, profile, missing)
+    meta["warm_up_s"] = round(warm_up(), 3)  # one-time costs out of the first row
     records = _kept_records(out, args) if args.append else []
     names = dict.fromkeys([*(r.case for r in records), *args.cases])
     descriptions = {name: CASES[name].description for name in names}

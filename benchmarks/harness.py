@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -100,6 +101,34 @@ def first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = f"{type(error).__name__}: {lines[0] if lines else ''}"
     return text if len(text) <= 200 else text[:199] + "…"
+
+
+def warm_up() -> float:
+    """Compile and run a small JAX program of no ODE library (a vmapped `while_loop`
+    around a `custom_vjp`, and the gradient of a checkpointed `scan`), once per
+    process before the first row: the process's one-time costs (the compiler's
+    start, JAX's lazily built machinery) land here rather than in the first call of
+    whichever library's row runs first. Returns the seconds it took."""
+    start = time.perf_counter()
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+
+    def loop(x):
+        body = lambda c: (c[0] + 1, c[1] + 0.01 * f(c[1]))  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[0] < 10, body, (0, x))[1]
+
+    def loss(x):
+        step = jax.checkpoint(lambda c, _: (0.9 * c + f(c), None))
+        return jnp.sum(jax.lax.scan(step, x, None, length=8)[0] ** 2)
+
+    x = jnp.ones((128, 3), jnp.float32)
+    jax.block_until_ready(jax.jit(jax.vmap(loop))(x))
+    jax.block_until_ready(jax.jit(jax.grad(loss))(x))
+    return time.perf_counter() - start
 
 
 def measure(
