@@ -53,8 +53,30 @@ def vmappable(problem: Problem, adjoint: AbstractAdjoint, keep) -> bool:
         return False
     if not _field.by_default(problem) or problem.event.conds is not None:
         return False
+    if _differentiated(problem):  # the wrapper would go unused
+        return False
     batch_of_one = jtu.tree_map(lambda x: x[None], problem.y0)
     return supported(problem, batch_of_one, None, keep) is None
+
+
+def _differentiated(tree) -> bool:
+    """Whether a leaf is being differentiated here: a JVP (or linearize) tracer,
+    itself or under `vmap`'s. Then the solve's `custom_vjp` takes its forward rule and
+    the wrapper would only cost tracing. Best effort (JAX's tracer classes): where it
+    can't tell, False, and the wrapper (correct either way) stays."""
+    try:
+        from jax._src.interpreters import ad, batching
+    except ImportError:  # pragma: no cover - a JAX without these modules
+        return False
+    jvp = tuple(
+        getattr(ad, n) for n in ("JVPTracer", "LinearizeTracer") if hasattr(ad, n)
+    )
+    for x in jtu.tree_leaves(tree):
+        while isinstance(x, jax.core.Tracer):
+            if isinstance(x, jvp):
+                return True
+            x = getattr(x, "val", None) if isinstance(x, batching.BatchTracer) else None
+    return False
 
 
 def _enabled() -> bool:
