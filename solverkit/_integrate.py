@@ -22,7 +22,7 @@ from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import RealScalarLike
 from ._event import Event, TimedEvent
 from ._interpolation._dense import DenseInterpolation
-from ._kernel._vmap import solve as vmapped, vmappable
+from ._kernel._vmap import mode as vmap_mode, solve as vmapped
 from ._problem import Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import SaveAt
@@ -69,6 +69,12 @@ def diffeqsolve(
     The vector field may close over anything (JAX arrays of any dtype, tracers of
     enclosing transformations): it is closure-converted once, here, and from then on is
     an explicit operand of every loop and custom derivative rule.
+
+    Under `jax.vmap` on a TPU, a batch that the whole-solve kernel supports (an
+    explicit Runge-Kutta or Rosenbrock method, the `vmap` over `y0`, `args` or values
+    the vector field closes over; see the ensembles guide) is solved by that kernel,
+    in reverse mode too; the results equal the vmapped loop's to the tolerance's
+    order. `SOLVERKIT_VMAP_KERNEL=0` in the environment turns that off.
 
     **Arguments:**
 
@@ -146,10 +152,12 @@ def diffeqsolve(
         # `jit` and then again by each transformation (a first call ~10-30% sooner).
         solve = _solve_body if transformed_in_jit() else _solve
         throw = throw and not on_host
-        if not concrete and vmappable(problem, adjoint, keep):
+        wrap = None if concrete else vmap_mode(problem, adjoint, keep)
+        if wrap is not None:
             # On a TPU: a `vmap` of this solve runs on the whole-solve kernel.
-            body = lambda p: solve(p, adjoint, throw, keep)  # noqa: E731
-            sol = vmapped(body, problem, throw)
+            body = lambda p, raising: solve(p, adjoint, raising, keep)  # noqa: E731
+            gradient = wrap == "gradient"
+            sol = vmapped(body, problem, throw, gradient, adjoint.discrete)
         else:
             sol = solve(problem, adjoint, throw, keep)
     if on_host:

@@ -39,6 +39,11 @@ from _profile_plugin import Profile
 from helpers import float64
 
 
+# A vmapped solve tests the vmapped loop: on a TPU it would take the whole-solve
+# kernel (`solverkit/_kernel/_vmap.py`), which tests/test_vmap_kernel.py turns on.
+os.environ.setdefault("SOLVERKIT_VMAP_KERNEL", "0")
+
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 

@@ -92,9 +92,9 @@ def _check_solver(problem: Problem, y0) -> None:
         _rosenbrock.check(solver, n)  # pyright: ignore[reportArgumentType]
         return
     tab = getattr(solver, "tableau", None)
-    if (
-        not isinstance(solver, AbstractRungeKutta)
-        or solver.scan_kind is not None
+    if (  # by class, as `is_rosenbrock`: a wrapper passes `isinstance`
+        AbstractRungeKutta not in type(solver).__mro__
+        or getattr(solver, "scan_kind", None) is not None
         or tab is None
         or not tab.fsal
         or tab.dense is None

@@ -9,10 +9,15 @@ arguments and the values the vector field closes over (the rule moves the batche
 ones into the kernel's per-trajectory arguments). Anything else batched (times,
 tolerances, ...) falls back to the plain vmap of the same traced solve.
 
-The rule serves the forward pass only: the solve is a `custom_vjp` whose forward
-rule is the plain solve's (`jax.vjp` of it), so a differentiated solve, vmapped or
-not, runs exactly as it would without this module (JAX can't transpose a
-`custom_vmap`). So it applies only to the adjoints that support reverse mode alone.
+Reverse mode: JAX can't transpose a `custom_vmap`, so the solve is a `custom_vjp`
+whose rules are `custom_vmap`s too, where a vmap is seen among the solve's inputs
+(`mode` "gradient"): its forward rule runs the kernel (the residuals are the
+inputs), its backward rule pulls back through the kernel path's own reverse mode
+(forward sensitivities in the kernel, or the vmapped solve's adjoint where those
+don't apply), as `ensemble_solve(kernel=True)` does. Where no vmap is seen (inside a
+`jit` that a `vmap` may batch later: `mode` "forward") the forward rule is the plain
+solve's (`jax.vjp` of it), and a solve seen differentiated but not batched is not
+wrapped at all. So it applies only to the adjoints that support reverse mode alone.
 """
 
 import dataclasses
@@ -23,10 +28,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.custom_batching import custom_vmap
 
 from .._adjoint._backsolve import BacksolveAdjoint
-from .._adjoint._base import AbstractAdjoint
+from .._adjoint._base import AbstractAdjoint, zeros_cotangent
 from .._adjoint._checkpoint import RecursiveCheckpointAdjoint
 from .._closure._convert import Closure, closure_convert
 from .._problem import Problem
@@ -44,39 +50,66 @@ from ._solve import kernel_solve, supported
 ENABLED: bool | None = None
 # The adjoints whose reverse mode is a `custom_vjp` anyway (no forward mode to lose).
 _REVERSE_ONLY = (RecursiveCheckpointAdjoint, BacksolveAdjoint)
+# What the rule may see batched: the problem's paths to them.
+_ALLOWED = (("y0",), ("args",), ("terms", "closure", "consts"))
 
 
-def vmappable(problem: Problem, adjoint: AbstractAdjoint, keep) -> bool:
-    """Whether `solve` should wrap this solve: on (`ENABLED`), an adjoint in
-    `_REVERSE_ONLY`, and a solve the kernel supports (as `ensemble_solve` takes it)."""
+def mode(problem: Problem, adjoint: AbstractAdjoint, keep) -> str | None:
+    """How `solve` should wrap this solve: `None` (not at all), "forward" (a rule for
+    the forward pass) or "gradient" (rules for reverse mode too, where a vmap of
+    what the rule takes is seen among its inputs). Only when on (`ENABLED`), for an
+    adjoint in `_REVERSE_ONLY`, and a solve the kernel supports (as
+    `ensemble_solve` takes it)."""
     if not _enabled() or type(adjoint) not in _REVERSE_ONLY:
-        return False
+        return None
     if not _field.by_default(problem) or problem.event.conds is not None:
-        return False
-    if _differentiated(problem):  # the wrapper would go unused
-        return False
+        return None
     batch_of_one = jtu.tree_map(lambda x: x[None], problem.y0)
-    return supported(problem, batch_of_one, None, keep) is None
+    if supported(problem, batch_of_one, None, keep) is not None:
+        return None
+    differentiated, batched = _seen(problem)
+    if differentiated and not adjoint.discrete:  # its own reverse mode: the loop's
+        return None
+    if batched and all(_allowed(path) for path in batched):
+        return "gradient"
+    if differentiated or batched:  # the wrapper would go unused
+        return None
+    return "forward"
 
 
-def _differentiated(tree) -> bool:
-    """Whether a leaf is being differentiated here: a JVP (or linearize) tracer,
-    itself or under `vmap`'s. Then the solve's `custom_vjp` takes its forward rule and
-    the wrapper would only cost tracing. Best effort (JAX's tracer classes): where it
-    can't tell, False, and the wrapper (correct either way) stays."""
+def _path(keys) -> tuple:
+    return tuple(getattr(k, "name", None) for k in keys)
+
+
+def _allowed(path: tuple) -> bool:
+    return any(path[: len(a)] == a for a in _ALLOWED)
+
+
+def _seen(problem: Problem) -> tuple[bool, list[tuple]]:
+    """Whether a leaf is being differentiated here (a JVP or linearize tracer, itself
+    or under `vmap`'s), and the paths of the leaves a `vmap` batches (a batch
+    tracer's, itself or under a JVP's). Best effort (JAX's tracer classes): what it
+    can't see is taken as absent, and the "forward" wrapper, correct either way,
+    serves."""
     try:
         from jax._src.interpreters import ad, batching
     except ImportError:  # pragma: no cover - a JAX without these modules
-        return False
+        return False, []
     jvp = tuple(
         getattr(ad, n) for n in ("JVPTracer", "LinearizeTracer") if hasattr(ad, n)
     )
-    for x in jtu.tree_leaves(tree):
+    differentiated, batched = False, []
+    for keys, x in jtu.tree_flatten_with_path(eqx.filter(problem, eqx.is_array))[0]:
         while isinstance(x, jax.core.Tracer):
             if isinstance(x, jvp):
-                return True
-            x = getattr(x, "val", None) if isinstance(x, batching.BatchTracer) else None
-    return False
+                differentiated, x = True, getattr(x, "primal", None)
+            elif isinstance(x, batching.BatchTracer):
+                if x.batch_dim is not None:
+                    batched.append(_path(keys))
+                x = x.val
+            else:
+                break
+    return differentiated, batched
 
 
 def _enabled() -> bool:
@@ -88,33 +121,72 @@ def _enabled() -> bool:
     return jax.default_backend() == "tpu"
 
 
-def solve(body: Callable[[Problem], Solution], problem: Problem, throw: bool):
-    """`body(problem)`, which a `vmap` of it runs on the kernel where it can.
+class _Fallback(Exception):
+    """The kernel can't take this batch: the plain vmap does."""
+
+
+def solve(
+    body: Callable[[Problem, bool], Solution],
+    problem: Problem,
+    throw: bool,
+    gradient: bool,
+    tangents: bool,
+) -> Solution:
+    """`body(problem, throw)`, which a `vmap` of it runs on the kernel where it can.
 
     **Arguments:**
 
-    - `body`: the solve, `Problem -> Solution` (`vmappable(problem, ...)` was True).
+    - `body`: the solve, `(problem, throw) -> Solution` (`mode` was not `None`).
     - `problem`: its problem.
-    - `throw`: whether the kernel path raises on a failed trajectory (as `body`).
+    - `throw`: whether to raise on a failed trajectory.
+    - `gradient`: `mode` was "gradient": the reverse-mode rules are batching rules
+        too.
+    - `tangents`: whether the kernel's forward sensitivities may serve reverse mode
+        (`AbstractAdjoint.discrete`).
 
     **Returns:**
 
-    What `body(problem)` returns; under `vmap`, the kernel's solution where the
-    rule takes it (equal to the vmapped `body`'s to the tolerance's order).
+    What `body(problem, throw)` returns; under `vmap`, the kernel's solution where
+    the rule takes it (equal to the vmapped `body`'s to the tolerance's order).
     """
     dynamic, static = eqx.partition(problem, eqx.is_array)
     flat, in_tree = jtu.tree_flatten(dynamic)
-    out_static = []
+    out = {}  # what tracing the plain solve found: its output's static part, avals
 
-    def arrays_of(flat):  # the solve's array outputs, flattened
-        sol = body(eqx.combine(jtu.tree_unflatten(in_tree, flat), static))
+    def arrays_of(flat, raising=throw):  # the solve's array outputs, flattened
+        sol = body(eqx.combine(jtu.tree_unflatten(in_tree, flat), static), raising)
         arrays, rest = eqx.partition(sol, eqx.is_array)
         leaves, tree = jtu.tree_flatten(arrays)
-        out_static[:] = [rest, tree]
+        out.update(rest=rest, tree=tree, avals=[_aval(x) for x in leaves])
         return leaves
 
-    @jax.custom_vjp
-    def run(flat):
+    def on_kernel(flat, flags, raising):
+        got = _on_kernel(in_tree, static, flat, flags, raising, tangents)
+        if got is None:
+            raise _Fallback
+        return _like_body(got, problem.max_steps, out["avals"])
+
+    run = jax.custom_vjp(_primal(arrays_of, on_kernel, throw))
+    if gradient:
+        run.defvjp(*_batched_rules(arrays_of, on_kernel, throw, tangents))
+    else:
+        run.defvjp(lambda flat: jax.vjp(arrays_of, flat), lambda pull, ct: pull(ct))
+    leaves = run(flat)
+    return eqx.combine(jtu.tree_unflatten(out["tree"], leaves), out["rest"])
+
+
+def _aval(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def _axes(flags) -> list:
+    return [0 if b else None for b in flags]
+
+
+def _primal(arrays_of, on_kernel, throw):
+    """The forward solve: the traced plain solve, the kernel under `vmap`."""
+
+    def primal(flat):
         closed = jax.make_jaxpr(arrays_of)(flat)
         evaluate = lambda flat: jax.core.eval_jaxpr(  # noqa: E731
             closed.jaxpr, closed.consts, *flat
@@ -124,57 +196,97 @@ def solve(body: Callable[[Problem], Solution], problem: Problem, throw: bool):
         @batched.def_vmap
         def rule(axis_size, in_batched, flat):
             (flags,) = in_batched
-            out = _on_kernel(problem, in_tree, static, flat, flags, throw, closed)
-            if out is None:  # the plain vmap of the traced solve
-                in_axes = ([0 if b else None for b in flags],)
-                out = jax.vmap(evaluate, in_axes=in_axes, axis_size=axis_size)(flat)
-            return out, [True] * len(out)
+            try:
+                leaves = on_kernel(flat, flags, throw)
+            except _Fallback:  # the plain vmap of the traced solve
+                run = jax.vmap(evaluate, in_axes=(_axes(flags),), axis_size=axis_size)
+                leaves = run(flat)
+            return leaves, [True] * len(leaves)
 
         return batched(flat)
 
-    def run_fwd(flat):
-        return jax.vjp(arrays_of, flat)
-
-    def run_bwd(pull_back, cotangents):
-        return pull_back(cotangents)
-
-    run.defvjp(run_fwd, run_bwd)
-    leaves = run(flat)
-    rest, tree = out_static
-    return eqx.combine(jtu.tree_unflatten(tree, leaves), rest)
+    return primal
 
 
-def _batched_paths(in_tree, flags) -> list[tuple]:
-    """The attribute paths (`("y0", ...)`) of the problem's batched leaves."""
-    marked = jtu.tree_unflatten(in_tree, flags)
-    with_paths = jtu.tree_flatten_with_path(marked)[0]
-    return [
-        tuple(getattr(k, "name", None) for k in path) for path, b in with_paths if b
-    ]
+def _batched_rules(arrays_of, on_kernel, throw, tangents):
+    """The `custom_vjp` rules, each a batching rule too: forward, the kernel (its
+    residuals the inputs); backward, a pull-back through the kernel path's own
+    reverse mode. Unbatched, they never run: the wrapper is "gradient" only where
+    a vmap batches the problem, whose rules then serve every call (the unbatched
+    backward rule raises at run time rather than return a wrong gradient)."""
+    fwd = custom_vmap(lambda flat: (arrays_of(flat), flat))
+
+    @fwd.def_vmap
+    def fwd_rule(axis_size, in_batched, flat):
+        (flags,) = in_batched
+        try:
+            leaves = on_kernel(flat, flags, throw)
+        except _Fallback:
+            run = jax.vmap(arrays_of, in_axes=(_axes(flags),), axis_size=axis_size)
+            leaves = run(flat)
+        return (leaves, flat), ([True] * len(leaves), list(flags))
+
+    def bwd_plain(flat, ct):
+        del ct
+        never = eqx.error_if(jnp.zeros(()), jnp.asarray(True), _NEVER)
+        return [_guarded(zeros_cotangent(x), never) for x in flat]
+
+    bwd = custom_vmap(bwd_plain)
+
+    @bwd.def_vmap
+    def bwd_rule(axis_size, in_batched, flat, ct):
+        flags, ct_flags = in_batched
+        ct = [c if b else _broadcast(c, axis_size) for c, b in zip(ct, ct_flags)]
+        try:
+            if not tangents:
+                raise _Fallback
+            _, pull = jax.vjp(lambda f: on_kernel(f, flags, False), flat)
+            (ct_flat,) = pull(ct)
+        except _Fallback:  # the plain solve again, and its adjoint
+
+            def pull_one(f, c):
+                return jax.vjp(lambda f: arrays_of(f, False), f)[1](c)[0]
+
+            run = jax.vmap(pull_one, in_axes=(_axes(flags), 0), axis_size=axis_size)
+            return run(flat, ct), [True] * len(flat)
+        return ct_flat, list(flags)
+
+    return (lambda flat: fwd(flat)), (lambda flat, ct: (bwd(flat, ct),))
 
 
-def _on_kernel(problem, in_tree, static, flat, flags, throw, closed):
-    """The rule's kernel path: the batched solve's output leaves, or `None` where
+_NEVER = "internal error: solverkit's vmap rule's backward pass ran unbatched"
+
+
+def _guarded(zero, never):
+    """`zero`, made to depend on `never` (an error raised if it runs)."""
+    if eqx.is_inexact_array(zero):
+        return zero + never.astype(zero.dtype)
+    return zero
+
+
+def _broadcast(x, size: int):
+    if jnp.result_type(x) == jax.dtypes.float0:
+        return np.zeros((size, *jnp.shape(x)), jax.dtypes.float0)
+    return jnp.broadcast_to(x, (size, *jnp.shape(x)))
+
+
+def _on_kernel(in_tree, static, flat, flags, throw, tangents):
+    """The rule's kernel path: the batched solve's `Solution`, or `None` where
     something other than `y0`, `args` and the field's closed-over values is batched
     (or the kernel can't solve it after all)."""
-    allowed = (("y0",), ("args",), ("terms", "closure", "consts"))
-    for path in _batched_paths(in_tree, flags):
-        if not any(path[: len(a)] == a for a in allowed):
-            return None
+    marked = jtu.tree_flatten_with_path(jtu.tree_unflatten(in_tree, flags))[0]
+    if not all(_allowed(_path(keys)) for keys, b in marked if b):
+        return None
     size = next(x.shape[0] for x, b in zip(flat, flags) if b)
     batched = jtu.tree_unflatten(in_tree, flags)
     full = eqx.combine(jtu.tree_unflatten(in_tree, flat), static)
-    one = eqx.combine(
-        jtu.tree_unflatten(in_tree, [x[0] if b else x for x, b in zip(flat, flags)]),
-        static,
-    )
+    rows = [jax.lax.stop_gradient(x[0]) if b else x for x, b in zip(flat, flags)]
+    one = eqx.combine(jtu.tree_unflatten(in_tree, rows), static)  # for shapes
     closure = full.terms.closure
     const_flags = batched.terms.closure.consts
-    arg_leaves, arg_tree = jtu.tree_flatten(full.args)
+    arg_arrays, arg_rest = eqx.partition(full.args, eqx.is_array)
+    arg_leaves, arg_tree = jtu.tree_flatten(arg_arrays)
     arg_flags = jtu.tree_leaves(batched.args)
-    arg_flags += [False] * (len(arg_leaves) - len(arg_flags))  # non-array leaves
-    lane_args = [a for a, b in zip(arg_leaves, arg_flags) if b]
-    lane_consts = [c for c, b in zip(closure.consts, const_flags) if b]
 
     def field(t, y, pack):
         args_in, consts_in = iter(pack[0]), iter(pack[1])
@@ -182,45 +294,51 @@ def _on_kernel(problem, in_tree, static, flat, flags, throw, closed):
         consts = tuple(
             next(consts_in) if b else c for c, b in zip(closure.consts, const_flags)
         )
-        return Closure(consts, closure.program)(
-            t, y, jtu.tree_unflatten(arg_tree, args)
-        )
+        args = eqx.combine(jtu.tree_unflatten(arg_tree, args), arg_rest)
+        return Closure(consts, closure.program)(t, y, args)
 
-    pack = (lane_args, lane_consts)
+    pack = (
+        [a for a, b in zip(arg_leaves, arg_flags) if b],
+        [c for c, b in zip(closure.consts, const_flags) if b],
+    )
     pack_one = jtu.tree_map(lambda x: x[0], pack)
     y0 = jtu.tree_map(
         lambda y, b: y if b else jnp.broadcast_to(y, (size, *y.shape)),
         full.y0,
         batched.y0,
     )
+
     with jax.numpy_dtype_promotion("standard"):
         term = ClosureTerm(closure_convert(field, one.t0, one.y0, pack_one), None)
         kernel_problem = dataclasses.replace(one, terms=term, args=pack_one)
         if supported(kernel_problem, y0, None, (False,) * 3) is not None:
             return None
         try:
-            sol = kernel_solve(kernel_problem, y0, pack, throw, _unreachable)
+            return kernel_solve(
+                kernel_problem, y0, pack, throw, _no_reference, tangents=tangents
+            )
         except KernelUnsupported:
             return None
-    return _like_body(sol, one, closed.out_avals, size)
 
 
-def _like_body(sol: Solution, problem: Problem, avals, size: int) -> list:
-    """The kernel's `Solution` as the flat array outputs of the vmapped body."""
+def _no_reference(*_):
+    """Where the kernel's forward sensitivities don't serve reverse mode: the
+    backward rule takes the plain solve's instead."""
+    raise _Fallback
+
+
+def _like_body(sol: Solution, max_steps, avals) -> list:
+    """The kernel's `Solution` as the flat array outputs of the vmapped solve."""
     stats = dict(sol.stats)
     del stats["lanes"], stats["lane_steps"]
-    stats["max_steps"] = problem.max_steps
+    stats["max_steps"] = max_steps
     sol = dataclasses.replace(sol, stats=stats)
     leaves = jtu.tree_leaves(eqx.filter(sol, eqx.is_array))
     if len(leaves) != len(avals):
         raise AssertionError(f"{len(leaves)} kernel outputs for {len(avals)}")
     out = []
     for x, aval in zip(leaves, avals):
-        if x.shape != (size, *aval.shape):
+        if x.shape[1:] != aval.shape:
             raise AssertionError(f"kernel output {x.shape}, expected {aval.shape}")
         out.append(x.astype(aval.dtype))
     return out
-
-
-def _unreachable(*_):
-    raise AssertionError("the vmap rule's kernel solve is never differentiated")
