@@ -272,3 +272,17 @@ def test_float32_forward_and_gradient(monkeypatch):
     out = jax.jit(_fresh(fn))(rho)
     np.testing.assert_allclose(out[0], ref[0], rtol=1e-3)
     np.testing.assert_allclose(out[1], ref[1], rtol=1e-2, atol=1e-3 * jnp.max(ref[1]))
+
+
+@pytest.mark.usefixtures("x64")
+def test_forward_over_reverse_is_left_alone(monkeypatch):
+    """`jax.hessian` (forward over reverse) of a vmapped solve: two differentiations
+    see it, so it is not wrapped (the rules' kernel can't be differentiated in
+    forward mode), bit for bit."""
+    rho, y0, k = _data()
+    loss = lambda r: jnp.sum(jax.vmap(lambda r: _solve(r, y0[0], 0).ys)(r) ** 2)  # noqa: E731
+    hess = jax.jacfwd(jax.grad(loss))
+    ref = jax.jit(hess)(rho[:2])
+    monkeypatch.setattr(_vmap, "ENABLED", True)
+    assert not _uses_kernel(hess, rho[:2])
+    np.testing.assert_array_equal(jax.jit(_fresh(hess))(rho[:2]), ref)

@@ -68,6 +68,8 @@ def mode(problem: Problem, adjoint: AbstractAdjoint, keep) -> str | None:
     if supported(problem, batch_of_one, None, keep) is not None:
         return None
     differentiated, batched = _seen(problem)
+    if differentiated > 1:  # the rules would be differentiated: not the kernel's
+        return None
     if differentiated and not adjoint.discrete:  # its own reverse mode: the loop's
         return None
     if batched and all(_allowed(path) for path in batched):
@@ -85,31 +87,32 @@ def _allowed(path: tuple) -> bool:
     return any(path[: len(a)] == a for a in _ALLOWED)
 
 
-def _seen(problem: Problem) -> tuple[bool, list[tuple]]:
-    """Whether a leaf is being differentiated here (a JVP or linearize tracer, itself
-    or under `vmap`'s), and the paths of the leaves a `vmap` batches (a batch
-    tracer's, itself or under a JVP's). Best effort (JAX's tracer classes): what it
-    can't see is taken as absent, and the "forward" wrapper, correct either way,
-    serves."""
+def _seen(problem: Problem) -> tuple[int, list[tuple]]:
+    """How many differentiations see the problem here (JVP or linearize traces whose
+    tracers are among its leaves, themselves or under `vmap`'s), and the paths of the
+    leaves a `vmap` batches (a batch tracer's, itself or under a JVP's). Best effort
+    (JAX's tracer classes): what it can't see is taken as absent, and the "forward"
+    wrapper, correct either way, serves."""
     try:
         from jax._src.interpreters import ad, batching
     except ImportError:  # pragma: no cover - a JAX without these modules
-        return False, []
+        return 0, []
     jvp = tuple(
         getattr(ad, n) for n in ("JVPTracer", "LinearizeTracer") if hasattr(ad, n)
     )
-    differentiated, batched = False, []
+    traces, batched = set(), []
     for keys, x in jtu.tree_flatten_with_path(eqx.filter(problem, eqx.is_array))[0]:
         while isinstance(x, jax.core.Tracer):
             if isinstance(x, jvp):
-                differentiated, x = True, getattr(x, "primal", None)
+                traces.add(id(getattr(x, "_trace", x)))
+                x = getattr(x, "primal", None)
             elif isinstance(x, batching.BatchTracer):
                 if x.batch_dim is not None:
                     batched.append(_path(keys))
                 x = x.val
             else:
                 break
-    return differentiated, batched
+    return len(traces), batched
 
 
 def _enabled() -> bool:
