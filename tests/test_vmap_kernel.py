@@ -1,5 +1,8 @@
 """`jax.vmap(diffeqsolve)` on the whole-solve kernel (`_kernel/_vmap.py`), in Pallas'
-interpreter (`ENABLED = True` here; by default only on a TPU).
+interpreter (`ENABLED = True` here; by default only on a TPU). The quick loop keeps
+the forward pass against the loop, a fallback, the float32 gradient and the solves
+left alone; the rest (each transformation order of reverse mode, both adjoints,
+shared values, failures) is slow.
 
 The rule takes the kernel when the vmap batches only `y0`, `args` and the values the
 vector field closes over; its solution equals the plain vmap's to the tolerance's
@@ -74,6 +77,7 @@ def _assert_same_tree(a, b):
 
 
 @pytest.mark.usefixtures("x64")
+@pytest.mark.quick_cases("False")
 @pytest.mark.parametrize("fixed", [False, True])
 def test_vmap_runs_on_the_kernel_and_matches(fixed, monkeypatch):
     rho, y0, k = _data()
@@ -95,6 +99,7 @@ def test_vmap_runs_on_the_kernel_and_matches(fixed, monkeypatch):
         assert np.all(np.abs(steps - ref_steps) <= 0.02 * ref_steps + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_in_axes_of_each_kind(on):
     """Only `y0` batched, only a closed-over int, and an unbatched `jit` call."""
@@ -120,6 +125,7 @@ def test_anything_else_batched_falls_back_bit_for_bit(monkeypatch):
     np.testing.assert_array_equal(jax.jit(_fresh(run))(rho, y0, k, t1), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("adjoint", ["checkpoint", "backsolve"])
 def test_gradients_through_the_kernel(adjoint, monkeypatch):
@@ -160,6 +166,7 @@ def test_gradients_through_the_kernel(adjoint, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_value_and_grad_and_nested_vmap(on):
     rho, y0, _ = _data()
@@ -172,6 +179,7 @@ def test_value_and_grad_and_nested_vmap(on):
     np.testing.assert_allclose(nested.reshape(flat.shape), flat, rtol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_failures_raise_or_are_reported(on):
     rho, y0, k = _data()
@@ -199,6 +207,7 @@ def test_forward_mode_adjoints_are_left_alone(on):
     np.testing.assert_allclose(tangent[:, 0], y0 * np.exp(-1.0), rtol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_shared_values_and_mixed_args(monkeypatch):
     """A differentiated closed-over value shared by the batch (its cotangent summed
@@ -274,6 +283,7 @@ def test_float32_forward_and_gradient(monkeypatch):
     np.testing.assert_allclose(out[1], ref[1], rtol=1e-2, atol=1e-3 * jnp.max(ref[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_forward_over_reverse_is_left_alone(monkeypatch):
     """`jax.hessian` (forward over reverse) of a vmapped solve: two differentiations
