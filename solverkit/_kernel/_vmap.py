@@ -2,7 +2,7 @@
 
 On a TPU a vmapped solve is a lockstep loop whose every step is several small
 kernels, bound by their launches; the whole-solve kernel runs the same batch in one
-(`ensemble_solve`'s kernel path). `vmappable` wraps a solve's forward pass in a
+(`ensemble_solve`'s kernel path). `solve` wraps a solve (as `mode` says) in a
 batching rule (`jax.custom_batching.custom_vmap`) that takes the kernel where the
 batch is one it can solve: the vmap batches only the initial state, the array
 arguments and the values the vector field closes over (the rule moves the batched
@@ -16,8 +16,10 @@ inputs), its backward rule pulls back through the kernel path's own reverse mode
 (forward sensitivities in the kernel, or the vmapped solve's adjoint where those
 don't apply), as `ensemble_solve(kernel=True)` does. Where no vmap is seen (inside a
 `jit` that a `vmap` may batch later: `mode` "forward") the forward rule is the plain
-solve's (`jax.vjp` of it), and a solve seen differentiated but not batched is not
-wrapped at all. So it applies only to the adjoints that support reverse mode alone.
+solve's (`jax.vjp` of it). A solve seen differentiated but not batched, or
+differentiated twice (forward over reverse: the kernel's rules can't be
+differentiated in forward mode), is not wrapped at all. It applies only to the
+adjoints that support reverse mode alone.
 """
 
 import dataclasses
@@ -26,6 +28,7 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
