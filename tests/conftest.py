@@ -9,8 +9,8 @@ plain helper functions, problems and solver lists live in `helpers.py`.
 Markers (registered in pyproject.toml, `--strict-markers`): `slow` marks what only the
 full suite runs: the example and benchmark subprocesses, and all but one check per
 public feature and transformation (tests/README.md has the table and the rule);
-`python -m pytest -q -m "not slow"` is the quick loop (1:15 on two cores
-at stop 50; the budget is 2), `python -m pytest -q` runs everything (9:35).
+`python -m pytest -q -m "not slow"` is the quick loop (1:23 on two cores
+at stop 51; the budget is 2), `python -m pytest -q` runs everything (9:44).
 `quick_cases(...)` on a parametrized test keeps the named cases in the quick loop and
 marks the others slow: one representative per feature there, the products in the full
 suite. `SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time.
