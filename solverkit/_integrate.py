@@ -22,7 +22,7 @@ from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import RealScalarLike
 from ._event import Event, TimedEvent
 from ._interpolation._dense import DenseInterpolation
-from ._kernel._vmap import mode as vmap_mode, solve as vmapped
+from ._kernel._vmap import vmap_aware
 from ._problem import Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import SaveAt
@@ -152,14 +152,10 @@ def diffeqsolve(
         # `jit` and then again by each transformation (a first call ~10-30% sooner).
         solve = _solve_body if transformed_in_jit() else _solve
         throw = throw and not on_host
-        wrap = None if concrete else vmap_mode(problem, adjoint, keep)
-        if wrap is not None:
-            # On a TPU: a `vmap` of this solve runs on the whole-solve kernel.
-            body = lambda p, raising: solve(p, adjoint, raising, keep)  # noqa: E731
-            gradient = wrap == "gradient"
-            sol = vmapped(body, problem, throw, gradient, adjoint.discrete)
-        else:
+        if concrete:
             sol = solve(problem, adjoint, throw, keep)
+        else:  # on a TPU a `vmap` of it runs on the whole-solve kernel
+            sol = vmap_aware(solve, problem, adjoint, throw, keep)
     if on_host:
         raise_failed(sol.result.code, _OK, MESSAGES)
     return sol

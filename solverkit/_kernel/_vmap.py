@@ -2,7 +2,7 @@
 
 On a TPU a vmapped solve is a lockstep loop whose every step is several small
 kernels, bound by their launches; the whole-solve kernel runs the same batch in one
-(`ensemble_solve`'s kernel path). `solve` wraps a solve (as `mode` says) in a
+(`ensemble_solve`'s kernel path). `vmap_aware` wraps a solve (as `mode` says) in a
 batching rule (`jax.custom_batching.custom_vmap`) that takes the kernel where the
 batch is one it can solve: the vmap batches only the initial state, the array
 arguments and the values the vector field closes over (the rule moves the batched
@@ -57,8 +57,20 @@ _REVERSE_ONLY = (RecursiveCheckpointAdjoint, BacksolveAdjoint)
 _ALLOWED = (("y0",), ("args",), ("terms", "closure", "consts"))
 
 
+def vmap_aware(
+    solve: Callable, problem: Problem, adjoint: AbstractAdjoint, throw, keep
+):
+    """`solve(problem, adjoint, throw, keep)` (a traced solve), wrapped as `mode`
+    says so that a `vmap` of it runs on the kernel."""
+    wrap = mode(problem, adjoint, keep)
+    if wrap is None:
+        return solve(problem, adjoint, throw, keep)
+    body = lambda p, raising: solve(p, adjoint, raising, keep)  # noqa: E731
+    return wrapped(body, problem, throw, wrap == "gradient", adjoint.discrete)
+
+
 def mode(problem: Problem, adjoint: AbstractAdjoint, keep) -> str | None:
-    """How `solve` should wrap this solve: `None` (not at all), "forward" (a rule for
+    """How `wrapped` should wrap this solve: `None` (not at all), "forward" (a rule for
     the forward pass) or "gradient" (rules for reverse mode too, where a vmap of
     what the rule takes is seen among its inputs). Only when on (`ENABLED`), for an
     adjoint in `_REVERSE_ONLY`, and a solve the kernel supports (as
@@ -131,7 +143,7 @@ class _Fallback(Exception):
     """The kernel can't take this batch: the plain vmap does."""
 
 
-def solve(
+def wrapped(
     body: Callable[[Problem, bool], Solution],
     problem: Problem,
     throw: bool,
