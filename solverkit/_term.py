@@ -55,6 +55,13 @@ class AbstractTerm(eqx.Module):
         """As diffrax: whether `vf` costs more than `vf_prod` (never, for an ODE)."""
         return False
 
+    @property
+    def first_step_from_func(self) -> bool:
+        """Whether an adaptive controller chooses the first step (`dt0=None`) from
+        the solver's `func`: for an ODE. Otherwise it takes 0.01, as diffrax does
+        for terms that are not an `ODETerm`, and never calls `func`."""
+        return True
+
 
 def _leafwise_product(vf: PyTree, control: PyTree) -> PyTree:
     return jtu.tree_map(lambda v: v * control, vf)

@@ -25,7 +25,7 @@ from ._custom_types import Args, BoolScalarLike, DenseInfo, RealScalarLike, Y
 from ._errors import UnsupportedError
 from ._solver import AbstractSolver
 from ._solver._base import AbstractWrappedSolver
-from ._term import AbstractTerm, ClosureTerm, MultiTerm
+from ._term import AbstractTerm, ClosureTerm, MultiTerm, ODETerm
 from ._time import flip
 
 
@@ -104,6 +104,11 @@ class UserTerms(AbstractTerm):
     rate: ClosureTerm | None  # dy/dtau, or None where `vf` does not give it
     why_func: str = eqx.field(static=True, default="")  # why `func` is None
     why_rate: str = eqx.field(static=True, default="")  # why `rate` is None
+    ode: bool = eqx.field(static=True, default=True)  # the user's terms: an ODETerm
+
+    @property
+    def first_step_from_func(self) -> bool:
+        return self.ode
 
     def vf(self, t: RealScalarLike, y: Y, args: Args) -> PyTree:
         if self.rate is None:
@@ -214,6 +219,8 @@ def convert(
         )
     )
     converted_rate, why_rate = _try(rate)
-    user_terms = UserTerms(init, step, func, converted_rate, why_func, why_rate)
+    user_terms = UserTerms(
+        init, step, func, converted_rate, why_func, why_rate, isinstance(terms, ODETerm)
+    )
     orders = (solver.order(wrapped), solver.error_order(wrapped))
     return UserSolver(solver, orders), user_terms

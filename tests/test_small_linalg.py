@@ -14,6 +14,7 @@ import pytest
 from helpers import count_equations, finite_difference, float64
 
 import solverkit as sk
+from solverkit._linear import _linalg
 from solverkit._linear._linalg import _mul, invert, small_inverse, SMALL_MAX
 from solverkit._linear._linear_solver import DenseLinearSolver
 
@@ -153,11 +154,14 @@ def test_batched_small_solves_lower_to_elementwise_work():
     assert ops["custom_call"] == ops["triangular_solve"] == 0, ops
 
 
-def test_small_solve_reverse_mode_has_no_pads():
+def test_small_solve_reverse_mode_has_no_pads(monkeypatch):
     """The entries of a small matrix or vector are taken by one `unstack`, whose
     reverse mode stacks their cotangents back in one equation: a slice per entry
     was transposed to a padded copy each (the solves of a Rodas5P step were a
-    quarter of its gradient's program)."""
+    quarter of its gradient's program). On a TPU the entries are sliced on purpose
+    (`_linalg._SLICE_BACKENDS`, faster there), so the unstacked form is checked on
+    every backend by taking no backend as a slicing one."""
+    monkeypatch.setattr(_linalg, "_SLICE_BACKENDS", ())
     ls = DenseLinearSolver()
 
     def loss(jac, b):

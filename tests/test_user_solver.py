@@ -176,3 +176,40 @@ def test_wrapped_terms_of_a_multiterm_as_in_diffrax():
         ours, theirs = make(sk), make(diffrax)
         np.testing.assert_allclose(ours.ys, theirs.ys, rtol=1e-12)
         assert int(ours.stats["num_steps"]) == int(theirs.stats["num_steps"])
+
+
+def test_first_step_of_terms_that_are_not_an_ode_term_as_in_diffrax():
+    """With `dt0=None` an adaptive controller takes 0.01 for terms that are not an
+    `ODETerm`, as diffrax does, without calling the solver's `func` (here it
+    returns `None`, as some user solvers' do)."""
+
+    def make(lib):
+        LinearTerm, ExponentialEuler = _make(lib)
+
+        class NoFunc(ExponentialEuler):
+            def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+                dt = terms.contr(t0, t1)
+                y1 = jsl.expm(terms.term.matrix() * dt) @ y0
+                half = jsl.expm(terms.term.matrix() * dt / 2)
+                error = y1 - half @ (half @ y0)
+                return y1, error, dict(y0=y0, y1=y1), None, lib.RESULTS.successful
+
+            def func(self, terms, t0, y0, args):
+                return None
+
+        return lib.diffeqsolve(
+            LinearTerm(lambda: jnp.asarray(A)),
+            NoFunc(),
+            0.0,
+            1.0,
+            None,
+            jnp.asarray(Y0),
+            stepsize_controller=lib.PIDController(rtol=1e-6, atol=1e-6),
+            saveat=lib.SaveAt(steps=True),
+        )
+
+    with float64():
+        ours, theirs = make(sk), make(diffrax)
+        finite = np.isfinite(np.asarray(theirs.ts))
+        np.testing.assert_allclose(ours.ts[finite], theirs.ts[finite], rtol=1e-12)
+        np.testing.assert_allclose(ours.ys[finite], theirs.ys[finite], rtol=1e-12)

@@ -232,7 +232,9 @@ class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
         if clip is not None:
             return clip.init(terms, t0, t1, y0, dt0, args, func, error_order)
         t0, t1 = times_of(t0, t1)
-        if dt0 is None:
+        if dt0 is None and not terms.first_step_from_func:
+            dt0 = jnp.asarray(0.01, jnp.result_type(t0))  # diffrax: not an ODETerm
+        elif dt0 is None:
             dt0 = _initial_step(
                 terms,
                 func,
