@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole benchmark suite on whatever accelerator JAX sees (TPU or GPU), in one
-# command, inside 9.5 minutes on one TPU v5e (the step limits below
-# come from the runs in benchmarks/results/tpu-v5-lite/stop48_a/ and stop49_a/):
+# command, inside 9.5 minutes on one TPU v5e (the step limits below come from
+# the steps' times on that chip, which each step's log line reports):
 #
 #   bash benchmarks/accel.sh [more `python -m benchmarks` flags, e.g. --out DIR]
 #

@@ -33,7 +33,7 @@ from jax.flatten_util import ravel_pytree
 
 from . import ensemble_peer
 from .harness import compiled_memory, Job, precision, Record
-from .stiff_problems import PROBLEMS as STIFF_PROBLEMS, StiffProblem
+from .problems import PROBLEMS as STIFF_PROBLEMS, StiffProblem
 
 
 PEERS = ("solverkit", "solverkit-ensemble", "diffrax", "gradsolve", "torchdiffeq")

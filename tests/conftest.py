@@ -140,7 +140,7 @@ _quick_compiles()
 
 def pytest_configure(config: pytest.Config) -> None:
     """`SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time
-    (tests/_profile_plugin.py; summary: `python -m benchmarks.suite_profile DIR`)."""
+    (tests/_profile_plugin.py; summary: `python -m tools.suite_profile DIR`)."""
     where = os.environ.get("SOLVERKIT_TEST_PROFILE")
     if where:
         config.pluginmanager.register(Profile(pathlib.Path(where)), "solverkit-profile")

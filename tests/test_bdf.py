@@ -16,7 +16,7 @@ import pytest
 from helpers import count_equations, FULL_MATRIX, full_matrix_only
 
 import solverkit as sk
-from benchmarks.stiff_problems import HIRES, ROBER, VDPOL
+from benchmarks.problems import HIRES, ROBER, VDPOL
 from solverkit._controller._norm import rms_norm
 from solverkit._linear._linear_solver import AbstractLinearSolver, mass_matvec
 
