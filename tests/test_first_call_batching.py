@@ -1,4 +1,4 @@
-"""`vmap` batches each loop body of a checkpointed gradient once (#38, first calls).
+"""`vmap` batches each loop body of a checkpointed gradient once (first calls).
 
 `lax.while_loop`'s batching rule batches its body twice when part of the carry stays
 unbatched (a fixed-point round, then the body it binds) and once when all of it is
