@@ -217,7 +217,7 @@ def _record(problem: Problem, bufs, carry) -> EventRecord | None:
     """The occurrences of an event that continues, in user time."""
     if not problem.event.continues:
         return None
-    assert bufs.event_ts is not None and carry.hybrid is not None
-    num = jnp.minimum(carry.hybrid.count, problem.event.max_events)
+    assert bufs.event_ts is not None and carry.continuing is not None
+    num = jnp.minimum(carry.continuing.count, problem.event.max_events)
     ts = flip_finite(problem.direction, bufs.event_ts)
     return EventRecord(ts, bufs.event_ys, num.astype(jnp.result_type(int)))

@@ -94,7 +94,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         cond_values=events.cond_values,
         event_mask=events.event_mask,
         last=events.last,
-        hybrid=events.hybrid,
+        continuing=events.continuing,
         timed_index=start.timed_index,
     )
     if adaptive(problem):
