@@ -11,13 +11,8 @@ from jaxtyping import PyTree
 
 from ._adjoint._base import AbstractAdjoint, reverse_only
 from ._adjoint._checkpoint import RecursiveCheckpointAdjoint
-from ._closure._unvmap import (
-    eager,
-    error_if,
-    raise_failed,
-    transformed_in_jit,
-    unvmap_max,
-)
+from ._closure._raising import eager, error_if, raise_failed, transformed_in_jit
+from ._closure._unvmap import unvmap_max
 from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import RealScalarLike
 from ._event import Event, TimedEvent

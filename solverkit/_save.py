@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._closure._unvmap import while_loop
+from ._closure._loops import while_loop
 from ._custom_types import RealScalarLike, Y
 from ._problem import (
     Buffers,

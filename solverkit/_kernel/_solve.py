@@ -19,7 +19,8 @@ from jaxtyping import PyTree
 
 from .._adjoint._base import custom_vjp, fill_zeros, parameters
 from .._closure._convert import Closure
-from .._closure._unvmap import error_if, unvmap_max
+from .._closure._raising import error_if
+from .._closure._unvmap import unvmap_max
 from .._problem import Problem
 from .._select import where
 from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
