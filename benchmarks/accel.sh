@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole benchmark suite on whatever accelerator JAX sees (TPU or GPU), in one
-# command, inside 9.5 minutes on one TPU v5e (the step limits below
-# come from the runs in benchmarks/results/tpu-v5-lite/stop48_a/ and stop49_a/):
+# command, inside 9.5 minutes on one TPU v5e (the step limits below come from
+# the steps' times on that chip, which each step's log line reports):
 #
 #   bash benchmarks/accel.sh [more `python -m benchmarks` flags, e.g. --out DIR]
 #
@@ -101,17 +101,16 @@ suite() {
 # ended N START: say when step N (begun at START s) ended.
 ended() { echo "accel.sh: step $1 ended after $((SECONDS - $2)) s (${SECONDS} s in all)" >&2; }
 
-# Step limits (PLANNED DEADLINE) from the chip's costs (results/tpu-v5-lite/
-# stop48_a, first call + runs; each step's process start-up and exit ~10 s): at
+# Step limits (PLANNED DEADLINE) from the chip's costs (first call + runs, as each
+# step's log line reports them; each step's process start-up and exit ~10 s): at
 # N = 4096 and 65,536 the adaptive variants and the fixed-step forward take ~85 s
 # for solverkit, solverkit-ensemble and diffrax; the fixed-step gradient at 4096
-# ~25 s (at 65,536 diffrax's alone takes ~41 s, 15.7 s a run: left out, its figure
-# in results/tpu-v5-lite/accel); at 2^20 the fixed-step gradient (the memory
+# ~25 s (at 65,536 diffrax's alone takes ~41 s, 15.7 s a run: left out); at 2^20 the fixed-step gradient (the memory
 # measurement) goes first, then the adaptive one, then the adaptive forward
 # (diffrax's ~17 s; its first call 14 s and runs of 2.4 s: started just before the
-# deadline it ends ~40 s later with the step's exit, so the limit is 100 s: stop 50's
-# run, where the adaptive gradient's out-of-memory row left time for that row, cut
-# step 3 at 85 s after its last row). A deadline
+# deadline it ends ~40 s later with the step's exit, so the limit is 100 s: at 85 s
+# a run whose adaptive gradient ran out of memory had step 3 cut after its last
+# row). A deadline
 # leaves out the last rows of a step (recorded as skipped) so that each step ends
 # by itself inside its limit; a row cut by the limit itself is lost. The first step
 # writes afresh, the others --append. The peers are solverkit (`jax.vmap`), its
@@ -164,10 +163,10 @@ if want 6; then
     ended 6 "$start"
 fi
 # Van der Pol, N = 16,384, each solver at the tolerance where it matched or beat
-# diffrax's error on the chip (results/tpu-v5-lite/stiff_ensemble_fix: Rodas5P 1e-6,
-# Kvaerno5 1e-7; BDF at 1e-5, 5.3 s a run), each case in its own process under its
+# diffrax's error on the chip (`python -m benchmarks.stiff_ensemble --plan chip`:
+# Rodas5P 1e-6, Kvaerno5 1e-7; BDF at 1e-5, 5.3 s a run), each case in its own process under its
 # own limit. diffrax's Kvaerno5 is left out: it did not finish in 40 s even at 1e-3
-# (stop 43; `STIFF_ARGS` with diffrax-kvaerno5:16384:1e-3:40 to see it again).
+# (`STIFF_ARGS` with diffrax-kvaerno5:16384:1e-3:40 to see it again).
 # shellcheck disable=SC2086
 if want 7; then
     lim=$(limit 105)  # each case's limit cut to what is left of its limit less 15 s

@@ -33,7 +33,7 @@ from jax.flatten_util import ravel_pytree
 
 from . import ensemble_peer
 from .harness import compiled_memory, Job, precision, Record
-from .stiff_problems import PROBLEMS as STIFF_PROBLEMS, StiffProblem
+from .problems import PROBLEMS as STIFF_PROBLEMS, StiffProblem
 
 
 PEERS = ("solverkit", "solverkit-ensemble", "diffrax", "gradsolve", "torchdiffeq")
@@ -472,7 +472,7 @@ def _lorenz_field(y: jax.Array, rho: jax.Array) -> jax.Array:
     )
 
 
-# The `max_steps` sweep of the adaptive gradient (issue #15): variant suffix ->
+# The `max_steps` sweep of the adaptive gradient: variant suffix ->
 # (max_steps, dt0). With `max_steps=None` both libraries need a number of checkpoints.
 LORENZ_GRAD_SWEEP = {
     "": (4096, LORENZ_DT),

@@ -1,4 +1,4 @@
-"""Events that change the state and continue (`Event(effect=...)`, issue #23)
+"""Events that change the state and continue (`Event(effect=...)`)
 against the loop of solves that diffrax users write today, on an ensemble of leaky
 integrate-and-fire neurons.
 
@@ -43,7 +43,7 @@ time (median [min] of the repeats, the methods taking turns), per spike
 (run time / number of spikes of the ensemble), steps (the most steps a neuron took,
 summed over its solves for a loop), largest error of the spike times / gradient
 against the exact values, and the ratios of `solverkit effect` to `diffrax loop`
-(goal of issue #23: at most 0.5 for run time and first call).
+(the goal: at most 0.5 for run time and first call).
 """
 
 import argparse

@@ -76,7 +76,14 @@ def write_json(path: pathlib.Path, meta: dict[str, Any], records: list[Record]) 
         row["run_ratio_vs_diffrax"] = run
         row["first_call_ratio_vs_diffrax"] = first
         rows.append(row)
-    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+    path.write_text(dump_json(meta, rows))
+
+
+def dump_json(meta: dict, rows: list[dict]) -> str:
+    """`{"meta": ..., "results": [...]}` as text, one result a line (short diffs)."""
+    lines = ",\n".join(f"  {json.dumps(row)}" for row in rows)
+    return f'{{"meta": {json.dumps(meta, indent=1)},\n "results": [\n{lines}\n]}}\n'
+
 
 
 def _num(x: float | None, fmt: str) -> str:

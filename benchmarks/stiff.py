@@ -1,7 +1,7 @@
 """Work-precision benchmark of the stiff solvers: error against run time.
 
 `python -m benchmarks.stiff --out DIR [--quick]` runs, on each problem of
-`benchmarks/stiff_problems.py` and each relative tolerance `rtol` (absolute
+`benchmarks/problems.py` and each relative tolerance `rtol` (absolute
 tolerance `atol = 1e-4 * rtol`, the same for every library):
 
 - solverkit's stiff solvers: `Rosenbrock23`, `Ros3P`, `Rodas4`, `Rodas5P`, and the
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .stiff_problems import PROBLEMS, StiffProblem
+from .problems import PROBLEMS, StiffProblem
 
 
 GOAL_RTOL = 1e-6

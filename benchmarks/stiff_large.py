@@ -2,7 +2,7 @@
 
 `python -m benchmarks.stiff_large [--quick] [--problems a,b] [--solvers a,b]
 [--rtols 1e-4,1e-6] [--budget S] [--out DIR] [--no-diffrax]` runs, on each problem of
-`benchmarks/stiff_large_problems.py` and each tolerance (`atol = atol_factor * rtol`,
+`benchmarks/problems.py` and each tolerance (`atol = atol_factor * rtol`,
 the same for every library, float64):
 
 - solverkit's `BDF`, `Rodas5P` and `Kvaerno5`, each with a banded, a sparse and a
@@ -24,8 +24,8 @@ for a solver that needs static tolerances) and the best of a few further runs; o
 run takes over `--budget` seconds, the tighter tolerances are skipped. The error is
 `max_i |y_i - ref_i| / (|ref_i| + floor)` at `t1` against a
 reference computed once (SciPy `Radau` at `rtol = 1e-10`, see `reference`) and cached
-in `<out>/references/` (committed for the default `--out`,
-`benchmarks/results/cpu/stiff-large/`).
+in `<out>/references/` (default `--out`: `benchmarks/results/cpu/stiff-large/`;
+reuse the folder to skip the references' minutes).
 
 Writes `results.json`, `results.md` (a table per problem, and the ratio of solverkit's
 fastest run against SciPy BDF's at equal or smaller error) and one `<problem>.png`
@@ -283,7 +283,7 @@ def worker(args) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from .stiff_large_problems import problem as build, relative_error
+    from .problems import large_problem as build, relative_error
 
     problem = build(args.worker_problem)
     config = args.worker_config
@@ -624,7 +624,7 @@ def main(argv=None) -> list[Row]:
     if args.worker_problem:
         worker(args)
         return []
-    from .stiff_large_problems import problem as build
+    from .problems import large_problem as build
 
     rows: list[Row] = []
     previous = args.out / "results.json"

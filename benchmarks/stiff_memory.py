@@ -2,7 +2,7 @@
 
 `python -m benchmarks.stiff_memory [--sizes 1000,3000,10000,30000,100000] [--json PATH]`
 compiles (does not run) one `diffeqsolve` per (problem, configuration, size) of
-`benchmarks/stiff_large_problems.py` and reads XLA's memory analysis of the compiled
+`benchmarks/problems.py` and reads XLA's memory analysis of the compiled
 program: the bytes of its temporaries, arguments and outputs. Compiled sizes are
 exact and free of the noise of a resident-size measurement; they are what the solve
 allocates, whatever the number of steps (the loop's state is fixed in size).
@@ -21,7 +21,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks import stiff_large, stiff_large_problems as problems
+from benchmarks import problems, stiff_large
 
 
 CONFIGS = (
@@ -37,8 +37,8 @@ DENSE_MAX = 3000
 
 def _problem(kind: str, size: int):
     if kind == "rober-blocks":
-        return problems.problem(f"rober-blocks-{max(size // 3, 1)}")
-    return problems.problem(f"{kind}-{size}")
+        return problems.large_problem(f"rober-blocks-{max(size // 3, 1)}")
+    return problems.large_problem(f"{kind}-{size}")
 
 
 def compiled_bytes(kind: str, solver_name: str, linear: str, size: int) -> dict:

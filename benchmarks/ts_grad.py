@@ -16,7 +16,7 @@ PIDController(rtol = atol = 1e-5), t in [0, 5], float32, the gradient of
 - `ens_t1`, `vmap_t1`: the same with `SaveAt(t1=True)` (no save times), the floor.
 - `diffrax`: `jax.vmap(diffrax.diffeqsolve)`, shared save times.
 - `METHOD@index`, `METHOD@onehot`: solverkit's methods with the rows at the save
-  times read and written by index (as before #38's fix; by default off a TPU), or by
+  times read and written by index (by default off a TPU), or by
   one-hot selects (by default on a TPU): an A/B comparison in one process.
 
 The run times (wall clock, and the process's CPU time: all threads, less sensitive

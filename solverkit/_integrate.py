@@ -11,13 +11,8 @@ from jaxtyping import PyTree
 
 from ._adjoint._base import AbstractAdjoint, reverse_only
 from ._adjoint._checkpoint import RecursiveCheckpointAdjoint
-from ._closure._unvmap import (
-    eager,
-    error_if,
-    raise_failed,
-    transformed_in_jit,
-    unvmap_max,
-)
+from ._closure._raising import eager, error_if, raise_failed, transformed_in_jit
+from ._closure._unvmap import unvmap_max
 from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import RealScalarLike
 from ._event import Event, TimedEvent
@@ -217,7 +212,7 @@ def _record(problem: Problem, bufs, carry) -> EventRecord | None:
     """The occurrences of an event that continues, in user time."""
     if not problem.event.continues:
         return None
-    assert bufs.event_ts is not None and carry.hybrid is not None
-    num = jnp.minimum(carry.hybrid.count, problem.event.max_events)
+    assert bufs.event_ts is not None and carry.continuing is not None
+    num = jnp.minimum(carry.continuing.count, problem.event.max_events)
     ts = flip_finite(problem.direction, bufs.event_ts)
     return EventRecord(ts, bufs.event_ys, num.astype(jnp.result_type(int)))

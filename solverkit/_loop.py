@@ -18,7 +18,8 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from . import _event, _save
-from ._closure._unvmap import batched_like, unvmap_any, unvmap_max, while_loop
+from ._closure._loops import while_loop
+from ._closure._unvmap import batched_like, unvmap_any, unvmap_max
 from ._closure._vma_eval import union_of_axes, vary
 from ._custom_types import Y
 from ._errors import concrete
@@ -94,7 +95,7 @@ def init(problem: Problem) -> tuple[Carry, Buffers]:
         cond_values=events.cond_values,
         event_mask=events.event_mask,
         last=events.last,
-        hybrid=events.hybrid,
+        continuing=events.continuing,
         timed_index=start.timed_index,
     )
     if adaptive(problem):

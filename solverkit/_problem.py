@@ -114,7 +114,7 @@ class LastStep(NamedTuple):
     dense_info: PyTree
 
 
-class Hybrid(NamedTuple):
+class Continuing(NamedTuple):
     """The loop state of an event that continues."""
 
     count: Array  # occurrences so far
@@ -134,7 +134,7 @@ class Carry(NamedTuple):
     cond_values: PyTree  # event conditions at (t, y), or None
     event_mask: PyTree  # which conditions fired, or None
     last: LastStep | None  # only with real-valued event conditions
-    hybrid: Hybrid | None = None  # only with an event that continues
+    continuing: Continuing | None = None  # only with an event that continues
     timed_index: Array | None = None  # the next `TimedEvent` time (only with one)
 
 

@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._closure._unvmap import while_loop
+from ._closure._loops import while_loop
 from ._custom_types import RealScalarLike, Y
 from ._problem import (
     Buffers,
@@ -122,9 +122,9 @@ def write(
             dense_ends = set_row(dense_ends, row, out.accepted, out.info_end)
     event_ts, event_ys = bufs.event_ts, bufs.event_ys
     if out.landed is not None:
-        assert carry.hybrid is not None  # (an event that continues)
-        row = jnp.minimum(carry.hybrid.count - 1, problem.event.max_events - 1)
-        write = out.landed & (carry.hybrid.count <= problem.event.max_events)
+        assert carry.continuing is not None  # (an event that continues)
+        row = jnp.minimum(carry.continuing.count - 1, problem.event.max_events - 1)
+        write = out.landed & (carry.continuing.count <= problem.event.max_events)
         # By one-hot selects on a TPU (`_put`): a scatter there, with each batch
         # element's own row, ran as a serial loop over the batch in every step
         # (spiking network, N = 1024, float32: 0.62 s, 4 ms a step, linear in N).

@@ -4,7 +4,7 @@ and the CPU time of the process and of the subprocesses a test waited for.
 
 On when `SOLVERKIT_TEST_PROFILE=DIR` is set (conftest.py registers it): each pytest
 process appends one JSON line per test to `DIR/<worker>.jsonl`. Summarise with
-`python -m benchmarks.suite_profile DIR`.
+`python -m tools.suite_profile DIR`.
 """
 
 import json

@@ -9,8 +9,8 @@ plain helper functions, problems and solver lists live in `helpers.py`.
 Markers (registered in pyproject.toml, `--strict-markers`): `slow` marks what only the
 full suite runs: the example and benchmark subprocesses, and all but one check per
 public feature and transformation (tests/README.md has the table and the rule);
-`python -m pytest -q -m "not slow"` is the quick loop (1:23 on two cores
-at stop 51; the budget is 2), `python -m pytest -q` runs everything (9:44).
+`python -m pytest -q -m "not slow"` is the quick loop (budget: 2 minutes on two
+cores), `python -m pytest -q` runs everything (budget: 10).
 `quick_cases(...)` on a parametrized test keeps the named cases in the quick loop and
 marks the others slow: one representative per feature there, the products in the full
 suite. `SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time.
@@ -69,8 +69,9 @@ _persistent_compilation_cache()
 
 # XLA's CPU flags for quicker compiles, on top of `jax_disable_most_optimizations`.
 # `--xla_cpu_use_fusion_emitters=false` (the older loop emitters) cuts the CPU time
-# to 0.71x (26 files, 623 tests: 1,385 -> 980 CPU s against stop 44's profile, the
-# same 2,950 programs). It rounds float32 differently in one program and not in
+# to 0.71x (26 files, 623 tests, the same 2,950 programs; measure with
+# `SOLVERKIT_TEST_PROFILE=DIR` and `python -m tools.suite_profile DIR`). It rounds
+# float32 differently in one program and not in
 # another; the comparisons of two programs that it broke now allow what round-off
 # allows (tests/test_kernel_float32_steps.py, test_kernel_outside.py,
 # test_kernel_tangent.py's float64 state). The float32 gradients it put off were
@@ -140,7 +141,7 @@ _quick_compiles()
 
 def pytest_configure(config: pytest.Config) -> None:
     """`SOLVERKIT_TEST_PROFILE=DIR` records each test's compilations and CPU time
-    (tests/_profile_plugin.py; summary: `python -m benchmarks.suite_profile DIR`)."""
+    (tests/_profile_plugin.py; summary: `python -m tools.suite_profile DIR`)."""
     where = os.environ.get("SOLVERKIT_TEST_PROFILE")
     if where:
         config.pluginmanager.register(Profile(pathlib.Path(where)), "solverkit-profile")

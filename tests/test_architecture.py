@@ -170,7 +170,7 @@ _TABLES = {
     "_solver/_implicit_tableau.py": "tableaux of the implicit and IMEX methods",
     "_solver/_implicit_tableau.py::_kencarp5": "KenCarp5's coefficients, one table",
 }
-# Over the limits and being split in parallel work (#40); remove when merged.
+# Over the limits and being split elsewhere; remove when merged.
 _PENDING = {
 }
 
@@ -304,3 +304,26 @@ def test_a_user_progress_meter_must_say_when_to_refresh():
 
     with pytest.raises(TypeError, match="wants"):
         Meter()
+
+
+# Development history belongs in commit messages: no round names ("stop" and two
+# digits, with or without a letter or folder suffix) and no issue numbers ("issue
+# #N", "#N" in prose) in any tracked text file. Stricter than the commit hook's
+# `stop ?[0-9]{2}([_ ]?[a-e])?\b|issue #[0-9]+`.
+_HISTORY = r"\bstop ?[0-9]{2}|stop[0-9]{2}|\bissues? #[0-9]+|(^|[ (`])#[0-9]{1,3}\b"
+
+
+def test_no_development_history_in_tracked_files():
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    found = subprocess.run(
+        ["git", "grep", "--untracked", "-I", "-n", "-i", "-E", _HISTORY],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert found.returncode in (0, 1), found.stderr
+    assert found.stdout == "", "development history in the repository:\n" + found.stdout

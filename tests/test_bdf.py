@@ -16,7 +16,7 @@ import pytest
 from helpers import count_equations, FULL_MATRIX, full_matrix_only
 
 import solverkit as sk
-from benchmarks.stiff_problems import HIRES, ROBER, VDPOL
+from benchmarks.problems import HIRES, ROBER, VDPOL
 from solverkit._controller._norm import rms_norm
 from solverkit._linear._linear_solver import AbstractLinearSolver, mass_matvec
 
@@ -583,7 +583,7 @@ def test_grad_rober(adjoint, linear_solver):
     assert jnp.allclose(g, fd, rtol=2e-5), (g, fd)
 
 
-# `SOLVERKIT_FULL_MATRIX=1` only (6.5 CPU s at stop 48): the Brusselator's BDF
+# `SOLVERKIT_FULL_MATRIX=1` only (6.5 CPU s): the Brusselator's BDF
 # gradient against finite differences is test_grad_brusselator_matrix_free (the same
 # solve, its Newton matrix by a user's linear solver), the dense solver's BDF gradient
 # test_grad_rober's and tests/test_linear_solver_grad.py's reference (vmapped).

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.stiff_large_problems import problem as build_problem
+from benchmarks.problems import large_problem as build_problem
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

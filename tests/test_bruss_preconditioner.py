@@ -1,5 +1,5 @@
 """The 2-D Brusselator's preconditioner of the large stiff benchmark
-(`benchmarks/stiff_large_problems.py`): the zero-flux Laplacian diagonalised by the
+(`benchmarks/problems.py`): the zero-flux Laplacian diagonalised by the
 DCT-II, the exact diffusion solve, and the operator splitting against the exact
 `(I - γh J)^{-1}`, in float64."""
 
@@ -10,7 +10,7 @@ import pytest
 import scipy.fft
 
 import solverkit as sk
-from benchmarks import stiff_large_problems as problems
+from benchmarks import problems
 
 
 pytestmark = pytest.mark.usefixtures("x64")

@@ -1,4 +1,4 @@
-"""solverkit against diffrax 0.7.2, name by name (issue #26 items 2 and 6): each
+"""solverkit against diffrax 0.7.2, name by name: each
 snippet runs on both libraries. Errors: solverkit's exception is of the class diffrax
 raises (or a subclass that is also a `ValueError`) and its message contains
 diffrax's words, which scripts and tests match on. Differences kept on purpose are

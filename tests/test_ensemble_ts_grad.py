@@ -3,7 +3,7 @@ the rows at `SaveAt(ts=...)`, save times shared or one row per trajectory.
 
 The rows a step writes and pulls back differ per trajectory. Read and written by
 index under `vmap`, they are gathers and scatters with batched indices in every
-step forwards and backwards: a serial loop over the batch on a TPU (issue #38: the
+step forwards and backwards: a serial loop over the batch on a TPU (the
 ensemble's Lotka-Volterra gradient with 10 save times took 380 ms at N = 4096 and
 grew linearly with N). On a TPU, up to `_save._COMPARE_ALL_MAX` save times, they
 are one-hot selects now. Both paths run here (`path`: the TPU's forced, and this

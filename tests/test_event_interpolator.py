@@ -1,6 +1,6 @@
 """`AbstractSolver.interpolator`: a step's dense output as a function of `t`, which
-the in-step search of an event that continues evaluates a dozen times a step (#37
-D15). A Runge-Kutta method with its own dense output computes its polynomial's
+the in-step search of an event that continues evaluates a dozen times a step. A
+Runge-Kutta method with its own dense output computes its polynomial's
 coefficients once; every evaluation must give `interpolate`'s value (to rounding)
 and its derivatives, under `jit`, `vmap` and `grad`, for states of several dtypes.
 (The old code has no `interpolator`: its search evaluated the stages' weight

@@ -1,5 +1,5 @@
 """The in-step crossing search of an event that continues (`_event/_search.py`):
-every loop in it ends, also under `vmap` (#37 D15: `examples/spiking_neurons.py`
+every loop in it ends, also under `vmap` (`examples/spiking_neurons.py` once
 never finished its second Adam step).
 
 The hang: under `vmap`, the Newton loop's predicate was `unvmap_any(~near) &
@@ -279,7 +279,7 @@ def test_spiking_neurons_second_adam_step():
 # Quick loop: test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 def test_settle_moves_an_occurrence_located_before_the_crossing(monkeypatch, dtype):
-    """`settle` (#37 A1): where the located time's state has not crossed (there by
+    """`settle`: where the located time's state has not crossed (there by
     rounding; here the search's result moved 16 ulps back, before the crossing it
     located to 8 ulps after), the recorded state has still crossed, at a time a
     few ulps on, under `jit(vmap)` over the input current (closed over by the

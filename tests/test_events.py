@@ -512,12 +512,12 @@ def test_occurrence_masks_are_boolean():
     from solverkit._event import _continuing
 
     problem = SimpleNamespace(event=SimpleNamespace(stop_at=None, max_events=4))
-    hybrid = SimpleNamespace(count=jnp.asarray(1, jnp.int32), last=jnp.asarray(0.0))
+    continuing = SimpleNamespace(count=jnp.asarray(1, jnp.int32), last=jnp.asarray(0.0))
     out = SimpleNamespace(t0=jnp.asarray(0.0), t1=jnp.asarray(1.0))
     landed = jnp.asarray(True)
     apply, result = _continuing._occurrence_ends(
         problem,
-        hybrid,
+        continuing,
         landed,
         jnp.asarray(2, jnp.int32),
         out,

@@ -1,5 +1,5 @@
 """`SaveAt(t1=True)` (and `t0`): the final row is built directly (`_save._final_only`),
-not as a row of `inf` set to the final point (#38, first calls: ~4% of a
+not as a row of `inf` set to the final point (first calls: ~4% of a
 checkpointed gradient's trace). The same values and gradients, bit for bit, as the
 general path, with closed-over values of several dtypes, under `jit`, `vmap` and
 `grad`."""

@@ -1,9 +1,9 @@
-"""`vmap` batches each loop body of a checkpointed gradient once (#38, first calls).
+"""`vmap` batches each loop body of a checkpointed gradient once (first calls).
 
 `lax.while_loop`'s batching rule batches its body twice when part of the carry stays
 unbatched (a fixed-point round, then the body it binds) and once when all of it is
 batched. The checkpointed adjoint's loops carry their counters batched and read them
-unbatched (`_unvmap.counted_loop`), so every body is batched once: tracing
+unbatched (`_loops.counted_loop`), so every body is batched once: tracing
 `jax.grad(jax.vmap(diffeqsolve))` costs less. These tests check that structure
 (every loop carry batched, stores still one-row writes) and that the gradients are
 those of the other paths: `DirectAdjoint`, `ensemble_solve`, finite differences,

@@ -1,4 +1,4 @@
-"""The checkpointed backward pass of a fixed-step solve (#38: the vmapped fixed-step
+"""The checkpointed backward pass of a fixed-step solve (the vmapped fixed-step
 Lorenz gradient, the accelerator table's `lorenz/fixed-grad`).
 
 - The pullback replays each step's recorded decision (`_loop.Replay.accepted`,
@@ -9,7 +9,7 @@ Lorenz gradient, the accelerator table's `lorenz/fixed-grad`).
   replayed program to round-off.
 - The row operations (gathers, scatters, dynamic slices and their updates) in each
   loop of the backward pass stay at today's count, read from the optimized HLO
-  (`benchmarks/fixed_grad_ab.py`).
+  (`tools/hlo_loops.py`).
 """
 
 import jax
@@ -19,8 +19,8 @@ import pytest
 from helpers import assert_tree_allclose
 
 import solverkit as sk
-from benchmarks.hlo_loops import loops
 from solverkit import _loop
+from tools.hlo_loops import loops
 
 
 def _reads(jaxpr, var) -> bool:

@@ -1,4 +1,4 @@
-"""An event that continues costs no extra step (#37 D15): the step in which a
+"""An event that continues costs no extra step: the step in which a
 crossing is found ends at it, with the state there from the step's dense output,
 as a loop of solves that each stop at the event does; and what that step saves
 (`SaveAt(ts=...)`, `steps=True`, `dense=True`) stops at the occurrence.
@@ -155,7 +155,7 @@ def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
 @pytest.mark.slow
 def test_occurrence_is_never_before_the_crossing(dtype):
     """Each step that finds a crossing is cut where the condition has crossed on
-    its dense output (#37 A1, D15): the state recorded at every spike is at or
+    its dense output: the state recorded at every spike is at or
     past the threshold, and the spike time is within a few ulps of the exact one
     on that dense output, under `jit(vmap)` over currents and resets (closed over
     by the field and the effect) and under `grad`."""

@@ -136,10 +136,10 @@ def test_throw_same_values_and_raises(saveat):
 
 @pytest.mark.slow
 def test_profile_benchmark_runs(tmp_path):
-    """`benchmarks.kernel_profile` (the chip command) runs every piece on the CPU."""
+    """`tools.kernel_profile` (the chip command) runs every piece on the CPU."""
     import json
 
-    from benchmarks import kernel_profile
+    from tools import kernel_profile
 
     argv = ["--out", str(tmp_path), "--sizes", "128", "--t1", "1", "--repeats", "1"]
     assert kernel_profile.main([*argv, "--interpret"]) == 0

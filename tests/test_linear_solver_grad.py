@@ -182,7 +182,7 @@ _QUICK: set[tuple[str, str, str]] = set()
 #   linear solver of the protocol is tests/test_implicit_linear_solver.py::
 #   test_grad_with_user_linear_solver_matches_fd, the sparse solver's VJP
 #   BDF-sparse-banded-direct here and test_linear_solver.py's sparse gradient.
-# - BDF-sparse-blocks-recursive (8.5 CPU s, stop 48): SparseLinearSolver's
+# - BDF-sparse-blocks-recursive (8.5 CPU s): SparseLinearSolver's
 #   transposed solve through BDF's gradient is BDF-sparse-banded-direct here (the
 #   same solver, another pattern), the blocks layout's transposed solve
 #   tests/test_linear_solver.py::test_solve_tangent_transposes[*-sparse-blocks], and

@@ -1,4 +1,4 @@
-"""Gradients with respect to Python scalars inside `jit` (#37 by diffrax's
+"""Gradients with respect to Python scalars inside `jit` (found by diffrax's
 test_adjoint::test_against). There JAX hands a `custom_vjp`'s rules a typed literal
 (a `float` subclass with a dtype, JAX >= 0.10) rather than an array for the
 differentiated scalar: taken for a static value, its cotangent came out zero through

@@ -1,4 +1,4 @@
-"""Smaller programs for the first call of a gradient (#38 item 5).
+"""Smaller programs for the first call of a gradient.
 
 - `Traced` keeps only the equations whose results are used
   (`_jaxpr_rewrite.dce`): the step's stage times where the field ignores `t`, and,

@@ -17,7 +17,7 @@ import pytest
 from helpers import quick_params
 
 import solverkit as sk
-from benchmarks.stiff_problems import HIRES, OREGO, POLLU, ROBER, ROBER_1E11
+from benchmarks.problems import HIRES, OREGO, POLLU, ROBER, ROBER_1E11
 from solverkit._solver._rosenbrock_tableau import (
     RODAS4,
     RODAS5P,

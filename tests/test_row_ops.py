@@ -1,6 +1,6 @@
 """Rows of the checkpoint stacks and save buffers are read and written by
 `_save.row_of`/`with_row`: `lax.dynamic_index_in_dim` and
-`lax.dynamic_update_index_in_dim` without their `jit` (#38, first calls: each `jit`
+`lax.dynamic_update_index_in_dim` without their `jit` (first calls: each `jit`
 is a call that every transformation of a solve handles apart). The same operations:
 the same values and gradients, bit for bit."""
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import count_compiles
 from jax._src import compiler
 
-from benchmarks import suite_profile as profile
+from tools import suite_profile as profile
 
 
 def test_count_compiles_counts_persistent_cache_reads():

@@ -1,5 +1,5 @@
 """The checkpointed adjoint traces a step once and evaluates that program elsewhere
-(#38, first calls): `_closure._traced.Traced`.
+(first calls): `_closure._traced.Traced`.
 
 The forward loop, the carry leaves a step leaves unchanged (`_invariant`) and the
 backward pass's recomputation share one Python trace of `_loop.step`; before, each

@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 
 from .. import _loop
 from .._closure._convert import closure_convert
-from .._closure._unvmap import error_if
+from .._closure._raising import error_if
 from .._controller._base import AbstractStepSizeController
 from .._controller._norm import rms_norm
 from .._custom_types import RealScalarLike, Y

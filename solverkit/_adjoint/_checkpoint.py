@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _loop, _save
+from .._closure._loops import counted_loop
 from .._closure._traced import Traced
-from .._closure._unvmap import counted_loop, unvmap_first, unvmap_max
+from .._closure._unvmap import unvmap_first, unvmap_max
 from .._errors import UnsupportedError
 from .._loop import Outputs
 from .._problem import Buffers, Carry, Problem

@@ -15,7 +15,7 @@ Slices of one array as one split. The transpose of `slice` is a `pad` of the
 cotangent. A field that indexes its state (`y[0]`, `y[1:]`) sums several such pads per
 stage, and XLA:CPU fuses the chains of pads through a many-stage Runge-Kutta step into
 loops whose cost grows far faster than the number of stages: the Lorenz ensemble's
-reverse step cost 10x its forward step (`python -m benchmarks.vjp_stages`). So the
+reverse step cost 10x its forward step (`python -m benchmarks --cases lorenz`). So the
 slices of one array along one axis become one `split` at every boundary they use (and
 `concatenate`s of its pieces where a slice spans several). The transpose of `split` is
 a single `concatenate` of the pieces' cotangents, with no pad; forward, XLA lowers a

@@ -1,26 +1,19 @@
-"""Reductions over `vmap` batch axes that return an unbatched, undifferentiated value.
+"""Unbatching: reductions over `vmap` batch axes that return an unbatched,
+undifferentiated value, and `batched_like`, the other way.
 
-A `lax.while_loop` whose predicate is batched makes JAX select every carried value
-against its previous value on every iteration, including large save buffers written one
-row at a time, which costs a copy of each buffer per step. Our loops instead use an
-unbatched predicate (`unvmap_any` of the per-element one) and mask their own updates,
-so a buffer write stays a one-row write under `vmap`. `unvmap_max` serves error codes
-and progress fractions the same way, and `error_if` raises once for a whole batch.
-`batched_like` goes the other way: it batches a value wherever anything else is (the
-outputs of a `custom_vjp`).
+`unvmap_any` makes a loop's predicate unbatched (`_loops.py`); `unvmap_max` serves
+error codes and progress fractions the same way (`_raising.py`); `unvmap_first` reads
+back a value that is the same for every element. `batched_like` batches a value
+wherever anything else is (the outputs of a `custom_vjp`).
 """
-
-import os
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import ShapedArray, Tracer
+from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
-
-from ._vma_eval import union_of_axes, varying_axes
 
 
 def _primitive(name: str, reduce, out_dtype):
@@ -144,122 +137,3 @@ def unvmap_first(x) -> jax.Array:
     if x.shape != () or not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"unvmap_first takes an int scalar, got {x.dtype}{x.shape}.")
     return unvmap_first_p.bind(x)
-
-
-def while_loop(cond, body, state):
-    """`lax.while_loop` that runs while `cond` holds for any batch element.
-
-    `body(state, active)` must leave `state` unchanged where `active` is False.
-    """
-    return jax.lax.while_loop(
-        lambda s: unvmap_any(cond(s)), lambda s: body(s, cond(s)), state
-    )
-
-
-def counted_loop(lower, upper, body, init, like):
-    """`lax.fori_loop(lower, upper, body, init)` for int32 bounds that are the same
-    for every batch element, whose counter `vmap` batches wherever `like` is.
-
-    `lax.while_loop`'s batching rule batches its body twice when any part of the
-    carry stays unbatched (a fixed-point round, then the body it binds), but once
-    when every part is batched; a loop inside it is batched again on each of those
-    passes. So the counter is carried batched (`batched_like`) and read back
-    unbatched (`unvmap_first`: the same for every element), and the index arithmetic
-    and row reads and writes of `body` stay unbatched. `init` should be batched
-    wherever `like` is (see `batched_like`).
-
-    **Arguments:**
-
-    - `lower`, `upper`: the loop runs `body(k, x)` for `k = lower, ..., upper - 1`.
-    - `body`: `(k, x) -> x`, `k` an unbatched int32 scalar.
-    - `init`: the initial `x`.
-    - `like`: a pytree whose array leaves decide where the counter is batched.
-
-    **Returns:**
-
-    The final `x`.
-    """
-    upper = jnp.asarray(upper, jnp.int32)
-
-    def step(state):
-        i, x = state
-        k = unvmap_first(i)
-        return i + 1, body(k, x)
-
-    (i,) = batched_like((jnp.asarray(lower, jnp.int32),), like)
-    cond = lambda s: unvmap_first(s[0]) < upper  # noqa: E731
-    return jax.lax.while_loop(cond, step, (i, init))[1]
-
-
-def error_if(x, failed, index, messages):
-    """`equinox.branched_error_if(x, failed, index, messages)` (raise at run time the
-    message `index`, under `vmap` if any element fails), which also works inside
-    `shard_map(check_vma=True)`: there any device's failure fails all, and the check
-    hangs on an invariant token that `x` then depends on (equinox's branches would
-    otherwise differ in their varying axes)."""
-    if not union_of_axes((x, failed, index)):
-        return eqx.branched_error_if(x, failed, index, messages)
-    code = jnp.where(failed, jnp.asarray(index, jnp.int32) + 1, 0)
-    axes = tuple(sorted(varying_axes(code), key=str))
-    if axes:
-        code = jax.lax.pmax(code, axes)
-    code = unvmap_max(code)
-    token = eqx.branched_error_if(
-        jnp.zeros((), jnp.int32), code > 0, jnp.maximum(code - 1, 0), messages
-    )
-    return jax.tree_util.tree_map(
-        lambda a: a + token.astype(a.dtype) if eqx.is_inexact_array(a) else a, x
-    )
-
-
-def _at_top_level() -> bool:
-    """Whether no JAX transformation is tracing now (False where JAX cannot say)."""
-    try:
-        from jax._src import core
-
-        return bool(core.trace_state_clean())
-    except Exception:  # a JAX without it: keep the check on the device
-        return False
-
-
-def transformed_in_jit() -> bool:
-    """Whether a transformation (`vmap`, `grad`, ...) is tracing now inside a `jit` (or
-    `scan`, `make_jaxpr`, ...) that stages the program (False where JAX cannot say).
-
-    There a `jit` of our own would be traced to a jaxpr and then traced again by each
-    transformation (batched, linearised, transposed), where calling its function
-    directly traces it once through all of them.
-    """
-    try:
-        from jax._src import core
-        from jax._src.interpreters import partial_eval as pe
-
-        return bool(core.unsafe_am_i_under_a_jit()) and not isinstance(
-            core.trace_ctx.trace, pe.DynamicJaxprTrace
-        )
-    except Exception:  # a JAX without these: as if not
-        return False
-
-
-def eager(tree) -> bool:
-    """Whether a call on `tree` runs eagerly: outside every `jit`/`vmap`/`grad` trace,
-    with no tracer among its leaves, and with equinox's errors set to raise.
-
-    Then a solve's failure can be checked on the host after it ran (`raise_failed`)
-    instead of inside the program: a host callback costs about 2 ms a call on a TPU,
-    and XLA's persistent compilation cache refuses programs that hold one.
-    """
-    if os.environ.get("EQX_ON_ERROR", "raise") != "raise" or not _at_top_level():
-        return False
-    leaves = jax.tree_util.tree_leaves(tree)
-    return not any(isinstance(x, Tracer) for x in leaves)
-
-
-def raise_failed(result, ok_codes, messages) -> None:
-    """Raise, on the host, what `error_if` raises inside a program: the message of the
-    largest result code that is not in `ok_codes`, as equinox's error type."""
-    codes = np.asarray(result).ravel()
-    failed = codes[~np.isin(codes, np.asarray(ok_codes))]
-    if failed.size:
-        error = getattr(eqx, "EquinoxRuntimeError", RuntimeError)
-        raise error(messages[int(failed.max())])

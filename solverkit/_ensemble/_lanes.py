@@ -78,8 +78,8 @@ def row(problem: Problem, out: _loop.Outputs, keep: Keep) -> dict:
     per-trajectory field of `diffeqsolve`'s `Solution`."""
     events = None
     if problem.event.continues:  # as `_integrate._record`, less the change of time
-        assert out.carry.hybrid is not None
-        num = jnp.minimum(out.carry.hybrid.count, problem.event.max_events)
+        assert out.carry.continuing is not None
+        num = jnp.minimum(out.carry.continuing.count, problem.event.max_events)
         events = (out.bufs.event_ts, out.bufs.event_ys, num)
     carry = out.carry
     return dict(

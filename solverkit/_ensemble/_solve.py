@@ -28,7 +28,8 @@ from jaxtyping import PyTree
 from .. import _kernel
 from .._adjoint._base import AbstractAdjoint, custom_vjp
 from .._adjoint._checkpoint import RecursiveCheckpointAdjoint
-from .._closure._unvmap import eager, error_if, raise_failed, unvmap_max
+from .._closure._raising import eager, error_if, raise_failed
+from .._closure._unvmap import unvmap_max
 from .._controller._base import AbstractStepSizeController, ConstantStepSize
 from .._custom_types import RealScalarLike
 from .._errors import concrete, UnsupportedError

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._closure._unvmap import unvmap_any
-from .._problem import Carry, Hybrid, LastStep, Problem, StepOut
+from .._problem import Carry, Continuing, LastStep, Problem, StepOut
 from .._reduce import or_all
 from .._select import where
 from .._solution import RESULTS
@@ -51,8 +51,8 @@ def after_continuing(problem: Problem, carry: Carry, new: Carry, out: StepOut, f
     the state there from the step's dense output, which its saves use up to there.
     The occurrence's effect is applied (the solver's state made anew, as after a
     jump) and recorded, or the occurrence ends the solve (`_occurrence_ends`)."""
-    hybrid = carry.hybrid
-    assert hybrid is not None  # (`init` made it)
+    continuing = carry.continuing
+    assert continuing is not None  # (`init` made it)
     t0, t1, info = out.t0, out.t1, out.dense_info
     values = eval_conds(problem, t1, out.y1)
     fired = _detect.fired(problem, carry.cond_values, values)
@@ -68,9 +68,9 @@ def after_continuing(problem: Problem, carry: Carry, new: Carry, out: StepOut, f
         return t, tree_where(found, y, out.y1)
 
     t_star, y_star = lax.cond(unvmap_any(found), cut, lambda: (t1, out.y1))
-    count = hybrid.count + found.astype(jnp.int32)
+    count = continuing.count + found.astype(jnp.int32)
     out = out._replace(t1=t_star, y1=y_star, landed=found, t_info=t1)
-    apply, result = _occurrence_ends(problem, hybrid, found, count, out, new.result)
+    apply, result = _occurrence_ends(problem, continuing, found, count, out, new.result)
     # The next step, from the occurrence: the one the controller proposed, which
     # shifts with the occurrence's time and does not stretch with it (else the
     # derivative of each cut would reach every later step, multiplied by each
@@ -95,13 +95,17 @@ def after_continuing(problem: Problem, carry: Carry, new: Carry, out: StepOut, f
         cond_values=tree_where(found, cond_values, accepted_values),
         event_mask=tree_where(found, fired, carry.event_mask),
         result=result,
-        hybrid=Hybrid(count, where(found, lax.stop_gradient(t_star), hybrid.last)),
+        continuing=Continuing(
+            count, where(found, lax.stop_gradient(t_star), continuing.last)
+        ),
         tnext=where(found, tnext, new.tnext),
     )
     return new, out
 
 
-def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, result):
+def _occurrence_ends(
+    problem: Problem, continuing: Continuing, landed, count, out, result
+):
     """Whether the occurrence at the end of a step (where `landed`) is applied, and
     the result: the solve stops at the `stop_at`-th (`event_occurred`, before the
     effect), past `max_events` (`max_events_reached`), or where an occurrence comes
@@ -118,7 +122,7 @@ def _occurrence_ends(problem: Problem, hybrid: Hybrid, landed, count, out, resul
     )
     over = landed & (count > problem.event.max_events)
     close = 100 * jnp.finfo(t1.dtype).eps * jnp.maximum(jnp.abs(t1), 1)
-    accumulated = landed & (t1 - hybrid.last <= close) & ~stop & ~over
+    accumulated = landed & (t1 - continuing.last <= close) & ~stop & ~over
     result = where(stop, _EVENT, result)
     result = where(over, _MAX_EVENTS, result)
     result = where(accumulated, _ACCUMULATED, result)

@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from .._closure._unvmap import unvmap_any
-from .._problem import Carry, Hybrid, Problem, StepOut
+from .._problem import Carry, Continuing, Problem, StepOut
 from .._reduce import or_all
 from .._select import where
 from .._solution import RESULTS
@@ -52,7 +52,7 @@ class Fields(NamedTuple):
     cond_values: PyTree
     event_mask: PyTree
     last: PyTree
-    hybrid: Hybrid | None
+    continuing: Continuing | None
 
 
 def start(problem: Problem) -> Start:
@@ -71,12 +71,14 @@ def init(problem: Problem, solver_state: PyTree) -> Fields:
     if event_mask is not None:
         at_t0 = or_all(jtu.tree_leaves(event_mask))
         result = where(at_t0, _EVENT, SUCCESS).astype(jnp.int32)
-    hybrid = None
+    continuing = None
     if problem.event.continues:
         t0 = problem.t0
-        hybrid = Hybrid(jnp.asarray(0, jnp.int32), jnp.full((), -jnp.inf, t0.dtype))
+        continuing = Continuing(
+            jnp.asarray(0, jnp.int32), jnp.full((), -jnp.inf, t0.dtype)
+        )
         cond_values = start_sides(problem, cond_values)
-    return Fields(result, cond_values, event_mask, last, hybrid)
+    return Fields(result, cond_values, event_mask, last, continuing)
 
 
 def step_end(problem: Problem, carry: Carry, t1: Array) -> tuple[Array, Array | None]:

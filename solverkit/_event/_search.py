@@ -242,7 +242,7 @@ def settle(
     one has (at `t1` the step's end state `y1`, where all that fired have crossed).
     The search saw the crossing at `t`, but the same interpolation compiled
     elsewhere may round to the near side by an ulp: the state recorded, and that
-    the solve goes on from, must have crossed (#37 A1). The nudges keep `t`'s
+    the solve goes on from, must have crossed. The nudges keep `t`'s
     derivative.
 
     **Arguments:** the step `[t0, t1]`, its dense information `info`, the conditions

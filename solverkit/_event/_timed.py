@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
 from .._closure._convert import Closure
-from .._closure._unvmap import error_if
+from .._closure._raising import error_if
 from .._errors import BadInputError, concrete
 from .._select import where
 from .._term import like_state

@@ -19,7 +19,8 @@ from jaxtyping import PyTree
 
 from .._adjoint._base import custom_vjp, fill_zeros, parameters
 from .._closure._convert import Closure
-from .._closure._unvmap import error_if, unvmap_max
+from .._closure._raising import error_if
+from .._closure._unvmap import unvmap_max
 from .._problem import Problem
 from .._select import where
 from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
@@ -36,13 +37,11 @@ DEFAULT_ROWS: int | None = None
 # A block has 8 rows per this many trajectories, in powers of two (8 to 64 rows).
 # One TensorCore runs the grid's blocks in sequence, and a block's step is a chain
 # of dependent operations whose latency more tiles hide, so larger blocks amortise
-# each iteration's fixed cost: measured on a TPU v5e (Lorenz, Tsit5, float32,
-# benchmarks/results/tpu-v5-lite/stop44_rows), 1000 fixed steps of 4096
-# trajectories took 1.70 / 1.49 / 1.37 ms in blocks of 8 / 16 / 32 rows, of 16,384
-# 3.91 / 2.97 / 2.53 / 2.31 ms in blocks of 8 / 16 / 32 / 64; adaptive to t = 10,
-# 4096: 1.07 / 0.94 / 0.89 ms, 16,384: 1.52 / 1.40 / 1.27 / 1.21 ms; to t = 1
-# (34 steps: the call's fixed cost) within the runs' 10% noise at every size (stop
-# 42: 65,536 took 14.0 ms in blocks of 8 rows, 5.0 ms in 32; 2^20 46 ms in 64).
+# each iteration's fixed cost: on a TPU v5e (Lorenz, Tsit5, float32) each doubling
+# of the rows ran 1000 fixed steps 8-25% faster up to 64 rows, and a short solve
+# (34 steps: the call's fixed cost) alike within its noise. Measure on a chip with
+# `python -m benchmarks.kernel --cases lorenz --sizes 4096,16384
+# --methods kernel@8,kernel@16,kernel@32,kernel@64`.
 _TRAJECTORIES_PER_8_ROWS = 1024
 _MAX_ROWS = 64
 # Run the kernel in Pallas' interpreter, when not told (None: except on a TPU;
@@ -50,9 +49,8 @@ _MAX_ROWS = 64
 DEFAULT_INTERPRET: bool | None = None
 # The backward pass: "tangent" (forward sensitivities in the kernel, `_backward`,
 # where it applies: <= 32 directions, no event; else the loop's) or "loop" (the
-# lane loop's adjoint, `_ensemble._backward`). On a TPU v5e (float32, Lorenz, t1 =
-# 10, `benchmarks.kernel_profile --grad`): 1.31 / 5.85 ms against the loop's 6.66 /
-# 59.3 ms and kernel=False's 7.72 / 67.5 ms at N = 4096 / 65,536.
+# lane loop's adjoint, `_ensemble._backward`). On a TPU the tangents run about 5-10x
+# faster than the loop's adjoint (measure: `python -m tools.kernel_profile --grad`).
 BACKWARD = "tangent"
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._closure._unvmap import error_if
+from .._closure._raising import error_if
 from ._banded import (
     band_lu,
     band_lu_solve,

@@ -35,9 +35,9 @@ SMALL_MAX = 3
 
 
 # Where the small solves take entries by a slice each, not by one `unstack` (see
-# `_entries`): on a TPU the unstacked form ran the vmapped Rodas5P 7% slower (Van der
-# Pol, N = 16,384, float32: 115.8 against 108.4 ms, `benchmarks/results/tpu-v5-lite/
-# stop47_d`), where run time counts more than the compile time it saves.
+# `_entries`): on a TPU the unstacked form ran the vmapped Rodas5P about 7% slower
+# (Van der Pol, N = 16,384, float32: `python -m benchmarks.stiff_ensemble --plan
+# chip`), where run time counts more than the compile time it saves.
 _SLICE_BACKENDS = ("tpu",)
 
 

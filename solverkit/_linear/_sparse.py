@@ -12,7 +12,7 @@ import jax.scipy.linalg as jsl
 import numpy as np
 from jaxtyping import Array
 
-from .._closure._unvmap import error_if
+from .._closure._raising import error_if
 from ._banded import band_lu, band_lu_solve, BandLU, BlockedBandLU
 from ._linear_solver import (
     AbstractLinearSolver,
