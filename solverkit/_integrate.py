@@ -21,7 +21,6 @@ from ._kernel._vmap import vmap_aware
 from ._problem import Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import SaveAt
-from ._select import where
 from ._setup import (
     as_state,
     bind_controller,
@@ -32,7 +31,7 @@ from ._setup import (
     resume_states,
     solve_times,
 )
-from ._solution import EventRecord, MESSAGES, Result, RESULTS, Solution
+from ._solution import EventRecord, failure_code, MESSAGES, OK, Result, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
 from ._time import flip, flip_finite
@@ -152,23 +151,17 @@ def diffeqsolve(
         else:  # on a TPU a `vmap` of it runs on the whole-solve kernel
             sol = vmap_aware(solve, problem, adjoint, throw, keep)
     if on_host:
-        raise_failed(sol.result.code, _OK, MESSAGES)
+        raise_failed(sol.result.code, OK, MESSAGES)
     return sol
-
-
-_OK = (int(RESULTS.successful.code), int(RESULTS.event_occurred.code))
 
 
 def _solve_body(problem: Problem, adjoint, throw, keep: "Keep"):
     out = adjoint.loop(problem)
     ts, ys, t_end, result = out.ts, out.ys, out.t_end, out.result
     if throw:
-        failed = (result != RESULTS.successful.code) & (
-            result != RESULTS.event_occurred.code
-        )
         # Unbatched and non-differentiated, as equinox's error machinery needs; one
-        # reduction serves both (failure codes are positive).
-        index = unvmap_max(where(failed, result, 0))
+        # reduction serves both.
+        index = unvmap_max(failure_code(result))
         ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, MESSAGES)
     interpolation = None
     if problem.dense:

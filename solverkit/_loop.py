@@ -27,13 +27,11 @@ from ._problem import adaptive, Buffers, Carry, Problem, StepOut
 from ._reduce import all_true, and_all
 from ._remat import replayed
 from ._select import where
-from ._solution import RESULTS
+from ._solution import RESULTS, SUCCESS
 from ._tree import tree_where
 from ._user_solver import UserSolver
 
 
-SUCCESS = int(RESULTS.successful.code)
-_EVENT = int(RESULTS.event_occurred.code)
 _MAX_STEPS = int(RESULTS.max_steps_reached.code)
 _NONFINITE = int(RESULTS.nonfinite.code)
 _MAX_EVENTS = int(RESULTS.max_events_reached.code)

@@ -224,6 +224,17 @@ class _Results:
 RESULTS = _Results()
 # The message of each result code, by code: what a failed solve raises.
 MESSAGES = [r.message() or "successful" for r in RESULTS]
+# The two codes of a solve that succeeded, as Python ints: the one definition the
+# loop, the events, the kernel and the front ends compare result codes with.
+SUCCESS = int(RESULTS.successful.code)
+EVENT = int(RESULTS.event_occurred.code)
+OK = (SUCCESS, EVENT)
+
+
+def failure_code(result: Array) -> Array:
+    """`result` (integer codes) where it is a failure, else 0 (failure codes are
+    positive): one reduction (a maximum) of it then finds the worst failure."""
+    return where((result != SUCCESS) & (result != EVENT), result, 0)
 
 
 def is_okay(result: Result) -> Bool[Array, "..."]:

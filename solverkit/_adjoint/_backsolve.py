@@ -21,6 +21,7 @@ from .._errors import UnsupportedError
 from .._linear._linear_solver import has_converted_callable
 from .._loop import Outputs
 from .._problem import Problem
+from .._solution import SUCCESS
 from .._solver import AbstractRungeKutta, AbstractSolver
 from .._term import ClosureTerm, MultiTerm, total_vf
 from .._time import flip
@@ -222,7 +223,7 @@ class BacksolveAdjoint(AbstractAdjoint):
             max_steps=problem.max_steps,
         )
         carry, _ = run(inner, *_loop.init(inner))
-        failed = (carry.t < inner.t1) | (carry.result != _loop.SUCCESS)
+        failed = (carry.t < inner.t1) | (carry.result != SUCCESS)
         y = error_if(
             carry.y,
             failed,

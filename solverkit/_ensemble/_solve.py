@@ -37,7 +37,6 @@ from .._event import Event, TimedEvent
 from .._problem import Problem
 from .._progress import AbstractProgressMeter, NoProgressMeter
 from .._saveat import SaveAt
-from .._select import where
 from .._setup import (
     as_state,
     bind_controller,
@@ -46,7 +45,7 @@ from .._setup import (
     make_problem,
     solve_times,
 )
-from .._solution import EventRecord, MESSAGES, Result, RESULTS, Solution
+from .._solution import EventRecord, failure_code, MESSAGES, OK, Result, Solution
 from .._solver import AbstractSolver
 from .._term import AbstractTerm
 from .._time import flip, flip_finite
@@ -62,10 +61,6 @@ from ._inputs import (
 )
 from ._lanes import run
 from ._policy import Policy, policy
-
-
-_SUCCESS = int(RESULTS.successful.code)
-_EVENT = int(RESULTS.event_occurred.code)
 
 
 def _solve_lanes(
@@ -138,8 +133,7 @@ def _ensemble(
     )
     ts, ys, t_end, result = out["ts"], out["ys"], out["t_end"], out["result"]
     if throw:
-        failed = (result != _SUCCESS) & (result != _EVENT)
-        index = unvmap_max(where(failed, result, 0))
+        index = unvmap_max(failure_code(result))
         ts, ys, t_end = error_if((ts, ys, t_end), index > 0, index, MESSAGES)
     batch = result.shape[0]
     count = lambda n: n.astype(jnp.result_type(int))  # noqa: E731  # diffrax's dtype
@@ -367,5 +361,5 @@ def ensemble_solve(
                 problem, y0, args, per_trajectory, plan, throw, keep, adjoint
             )
     if on_host:
-        raise_failed(sol.result.code, (_SUCCESS, _EVENT), MESSAGES)
+        raise_failed(sol.result.code, OK, MESSAGES)
     return sol

@@ -14,7 +14,7 @@ from .._closure._unvmap import unvmap_any
 from .._problem import Carry, Continuing, LastStep, Problem, StepOut
 from .._reduce import or_all
 from .._select import where
-from .._solution import RESULTS
+from .._solution import EVENT as _EVENT, RESULTS, SUCCESS
 from .._term import like_state
 from .._time import flip
 from .._tree import tree_where
@@ -23,8 +23,6 @@ from ._detect import eval_conds
 from ._search import crossing, settle
 
 
-SUCCESS = int(RESULTS.successful.code)
-_EVENT = int(RESULTS.event_occurred.code)
 _MAX_EVENTS = int(RESULTS.max_events_reached.code)
 _ACCUMULATED = int(RESULTS.events_accumulated.code)
 

@@ -26,15 +26,11 @@ from .._closure._unvmap import unvmap_any
 from .._problem import Carry, Continuing, Problem, StepOut
 from .._reduce import or_all
 from .._select import where
-from .._solution import RESULTS
+from .._solution import EVENT as _EVENT, SUCCESS
 from .._tree import tree_where
 from ._continuing import after_continuing, after_stopping, start_sides
 from ._detect import eval_conds, init_events, locate
 from ._timed import apply as apply_timed, first as first_time, next_time
-
-
-SUCCESS = int(RESULTS.successful.code)
-_EVENT = int(RESULTS.event_occurred.code)
 
 
 class Start(NamedTuple):

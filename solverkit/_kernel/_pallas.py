@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._solution import RESULTS
+from .._solution import EVENT as _EVENT, RESULTS, SUCCESS as _SUCCESS
 from .._solver._rosenbrock_tableau import RosenbrockTableau
 from .._solver._tableau import ButcherTableau
 from . import _event, _rosenbrock, _step, _tangent, _tile
@@ -29,11 +29,9 @@ from ._tile import where
 
 
 LANES = 128
-_SUCCESS = int(RESULTS.successful.code)
 _MAX_STEPS = int(RESULTS.max_steps_reached.code)
 _NONFINITE = int(RESULTS.nonfinite.code)
 _DT_MIN = int(RESULTS.dt_min_reached.code)
-_EVENT = int(RESULTS.event_occurred.code)
 # A proposed step end this close to `t1` (in units of its spacing) lands on it: the
 # vmap path's rule (`_loop._LANDING_ULPS`).
 LANDING_ULPS = 100

@@ -23,15 +23,19 @@ from .._closure._raising import error_if
 from .._closure._unvmap import unvmap_max
 from .._problem import Problem
 from .._select import where
-from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
+from .._solution import (
+    EVENT as _EVENT,
+    MESSAGES as _MESSAGES,
+    Result,
+    Solution,
+    SUCCESS as _SUCCESS,
+)
 from . import _backward, _field, _pallas, _tangent
 from ._layout import from_lanes, per_trajectory, state_of, to_lanes
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
 
 
-_SUCCESS = int(RESULTS.successful.code)
-_EVENT = int(RESULTS.event_occurred.code)
 # Rows of 128 trajectories per block, when not told (None: `default_rows(N)`).
 DEFAULT_ROWS: int | None = None
 # A block has 8 rows per this many trajectories, in powers of two (8 to 64 rows).
