@@ -15,7 +15,7 @@ from ._closure._raising import eager, error_if, raise_failed, transformed_in_jit
 from ._closure._unvmap import unvmap_max
 from ._controller._base import AbstractStepSizeController, ConstantStepSize
 from ._custom_types import RealScalarLike
-from ._event import Event, TimedEvent
+from ._event import Event, occurrences, TimedEvent
 from ._interpolation._dense import DenseInterpolation
 from ._kernel._vmap import vmap_aware
 from ._problem import Problem
@@ -31,7 +31,7 @@ from ._setup import (
     resume_states,
     solve_times,
 )
-from ._solution import EventRecord, failure_code, MESSAGES, OK, Result, Solution
+from ._solution import event_record, failure_code, MESSAGES, OK, Result, Solution
 from ._solver import AbstractSolver
 from ._term import AbstractTerm
 from ._time import flip, flip_finite
@@ -194,18 +194,8 @@ def _solve_body(problem: Problem, adjoint, throw, keep: "Keep"):
         solver_state=carry.solver_state if keep.solver_state else None,
         controller_state=carry.controller_state if keep.controller_state else None,
         interpolation=interpolation,
-        events=_record(problem, out.bufs, carry),
+        events=event_record(problem.direction, occurrences(problem, out.bufs, carry)),
     )
 
 
 _solve = eqx.filter_jit(_solve_body)
-
-
-def _record(problem: Problem, bufs, carry) -> EventRecord | None:
-    """The occurrences of an event that continues, in user time."""
-    if not problem.event.continues:
-        return None
-    assert bufs.event_ts is not None and carry.continuing is not None
-    num = jnp.minimum(carry.continuing.count, problem.event.max_events)
-    ts = flip_finite(problem.direction, bufs.event_ts)
-    return EventRecord(ts, bufs.event_ys, num.astype(jnp.result_type(int)))

@@ -9,6 +9,7 @@ import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
 from ._select import where
+from ._time import flip_finite
 
 
 class Result(eqx.Module):
@@ -340,3 +341,13 @@ class EventRecord(eqx.Module):
     ts: Any
     ys: PyTree
     num: Any
+
+
+def event_record(direction: Array | None, occurrences) -> EventRecord | None:
+    """`Solution.events`: a continuing event's `occurrences` (`(ts, ys, num)` in
+    internal time, or `None` without such an event) in user time."""
+    if occurrences is None:
+        return None
+    ts, ys, num = occurrences
+    ts = flip_finite(direction, ts)
+    return EventRecord(ts, ys, jnp.asarray(num).astype(jnp.result_type(int)))

@@ -26,6 +26,7 @@ from jaxtyping import Array, PyTree
 
 from .. import _loop
 from .._closure._unvmap import unvmap_any
+from .._event import occurrences
 from .._problem import Buffers, Carry, Problem
 from .._select import where
 from .._setup import Keep
@@ -76,11 +77,6 @@ def with_lane(
 def row(problem: Problem, out: _loop.Outputs, keep: Keep) -> dict:
     """What a finished solve hands back for its trajectory (internal time): every
     per-trajectory field of `diffeqsolve`'s `Solution`."""
-    events = None
-    if problem.event.continues:  # as `_integrate._record`, less the change of time
-        assert out.carry.continuing is not None
-        num = jnp.minimum(out.carry.continuing.count, problem.event.max_events)
-        events = (out.bufs.event_ts, out.bufs.event_ys, num)
     carry = out.carry
     return dict(
         ts=out.ts,
@@ -93,7 +89,7 @@ def row(problem: Problem, out: _loop.Outputs, keep: Keep) -> dict:
         event_mask=carry.event_mask,
         solver_state=carry.solver_state if keep.solver_state else None,
         controller_state=carry.controller_state if keep.controller_state else None,
-        events=events,
+        events=occurrences(problem, out.bufs, carry),  # internal time
     )
 
 

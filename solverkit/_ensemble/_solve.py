@@ -45,7 +45,7 @@ from .._setup import (
     make_problem,
     solve_times,
 )
-from .._solution import EventRecord, failure_code, MESSAGES, OK, Result, Solution
+from .._solution import event_record, failure_code, MESSAGES, OK, Result, Solution
 from .._solver import AbstractSolver
 from .._term import AbstractTerm
 from .._time import flip, flip_finite
@@ -160,7 +160,7 @@ def _ensemble(
         made_jump=jnp.zeros((batch,), bool) if keep.made_jump else None,
         solver_state=out["solver_state"],
         controller_state=out["controller_state"],
-        events=_record(problem, out["events"]),
+        events=event_record(problem.direction, out["events"]),
     )
 
 
@@ -210,15 +210,6 @@ def _kernel_solve(problem: Problem, y0, args, throw, plan: Policy, keep: Keep, a
     return _kernel.kernel_solve(
         problem, y0, args, throw, reference, pull_back, tangents=adjoint.discrete
     )
-
-
-def _record(problem: Problem, events) -> EventRecord | None:
-    """The occurrences of an event that continues, per trajectory, in user time."""
-    if events is None:
-        return None
-    ts, ys, num = events
-    ts = flip_finite(problem.direction, ts)
-    return EventRecord(ts, ys, num.astype(jnp.result_type(int)))
 
 
 def ensemble_solve(

@@ -3,6 +3,7 @@ continues) and `TimedEvent` (changes at given times), and their part in the loop
 behind one interface (`_extension.py`: `start`, `init`, `step_end`, `after_step`,
 `finish`)."""
 
+from ._continuing import occurrences as occurrences
 from ._event import (
     AbstractDiscreteTerminatingEvent as AbstractDiscreteTerminatingEvent,
     as_event as as_event,

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._closure._unvmap import unvmap_any
-from .._problem import Carry, Continuing, LastStep, Problem, StepOut
+from .._problem import Buffers, Carry, Continuing, LastStep, Problem, StepOut
 from .._reduce import or_all
 from .._select import where
 from .._solution import EVENT as _EVENT, RESULTS, SUCCESS
@@ -25,6 +25,17 @@ from ._search import crossing, settle
 
 _MAX_EVENTS = int(RESULTS.max_events_reached.code)
 _ACCUMULATED = int(RESULTS.events_accumulated.code)
+
+
+def occurrences(problem: Problem, bufs: Buffers, carry: Carry):
+    """A continuing event's occurrences once the solve has finished, in internal
+    time: `(ts, ys, num)` (the times and the states before each effect, padded to
+    `max_events` rows, and how many occurred), or `None` without such an event."""
+    if not problem.event.continues:
+        return None
+    assert bufs.event_ts is not None and carry.continuing is not None
+    num = jnp.minimum(carry.continuing.count, problem.event.max_events)
+    return bufs.event_ts, bufs.event_ys, num
 
 
 def after_stopping(problem: Problem, carry: Carry, out: StepOut, finite, result):
