@@ -25,7 +25,7 @@ from ._setup import (
     as_state,
     bind_controller,
     check_arguments,
-    Keep,
+    FinalStates,
     legacy_event,
     make_problem,
     resume_states,
@@ -131,7 +131,7 @@ def diffeqsolve(
         max_steps, progress_meter, dt0, resume
     )  # fmt: skip
     adjoint.check(problem)
-    keep = Keep.of(saveat)
+    final = FinalStates.of(saveat)
     # The engine mixes dtypes on purpose (float64 times with float32 states, complex
     # states with real tolerances) and casts where it must, so it is traced with
     # standard promotion whatever the user's setting; the user's own functions were
@@ -147,15 +147,15 @@ def diffeqsolve(
         solve = _solve_body if transformed_in_jit() else _solve
         throw = throw and not on_host
         if concrete:
-            sol = solve(problem, adjoint, throw, keep)
+            sol = solve(problem, adjoint, throw, final)
         else:  # on a TPU a `vmap` of it runs on the whole-solve kernel
-            sol = vmap_aware(solve, problem, adjoint, throw, keep)
+            sol = vmap_aware(solve, problem, adjoint, throw, final)
     if on_host:
         raise_failed(sol.result.code, OK, MESSAGES)
     return sol
 
 
-def _solve_body(problem: Problem, adjoint, throw, keep: "Keep"):
+def _solve_body(problem: Problem, adjoint, throw, final: "FinalStates"):
     out = adjoint.loop(problem)
     ts, ys, t_end, result = out.ts, out.ys, out.t_end, out.result
     if throw:
@@ -190,9 +190,9 @@ def _solve_body(problem: Problem, adjoint, throw, keep: "Keep"):
         stats=stats,
         result=Result(result),
         event_mask=carry.event_mask,
-        made_jump=False if keep.made_jump else None,  # no jumps in an ODE
-        solver_state=carry.solver_state if keep.solver_state else None,
-        controller_state=carry.controller_state if keep.controller_state else None,
+        made_jump=False if final.made_jump else None,  # no jumps in an ODE
+        solver_state=carry.solver_state if final.solver_state else None,
+        controller_state=carry.controller_state if final.controller_state else None,
         interpolation=interpolation,
         events=event_record(problem.direction, occurrences(problem, out.bufs, carry)),
     )

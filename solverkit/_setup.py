@@ -426,7 +426,7 @@ def resume_states(
     return Resume(solver_state, controller_state, made_jump)
 
 
-class Keep(NamedTuple):
+class FinalStates(NamedTuple):
     """Which final internal states a solve returns, as `SaveAt(solver_state=...,
     controller_state=..., made_jump=...)` asks."""
 
@@ -435,7 +435,7 @@ class Keep(NamedTuple):
     made_jump: bool
 
     @classmethod
-    def of(cls, saveat: SaveAt) -> "Keep":
+    def of(cls, saveat: SaveAt) -> "FinalStates":
         return cls(saveat.solver_state, saveat.controller_state, saveat.made_jump)
 
 

@@ -23,7 +23,7 @@ from .._progress import NoProgressMeter
 from ._lanes import row, with_lane
 
 
-def _pull_back(static, p_rest, keep, adjoint):
+def _pull_back(static, p_rest, final, adjoint):
     """`pull_back(p_diff, y, a_diff, tm, a_rest, ct)`: the cotangents of
     `(p_diff, y, a_diff, tm)` from `ct`, those of a lockstep `vmap` of solves (one
     per row of `y`) with the problem's differentiated arrays `p_diff`."""
@@ -32,7 +32,7 @@ def _pull_back(static, p_rest, keep, adjoint):
         problem = eqx.combine(p_diff, p_rest, static)
         problem = dataclasses.replace(problem, meter=NoProgressMeter())
         problem = with_lane(problem, y, eqx.combine(a_diff, a_rest), tm)
-        out = row(problem, adjoint.loop(problem), keep)
+        out = row(problem, adjoint.loop(problem), final)
         return eqx.filter(out, eqx.is_inexact_array)
 
     def pull_back(p_diff, y, a_diff, tm, a_rest, ct):
@@ -82,7 +82,7 @@ def _in_chunks(pull_back, p_diff, inputs, ct_out, num_steps, lanes: int):
     return ct_p, jtu.tree_map(unsort, ct_inputs)
 
 
-def backward(static, dynamic, residuals, ct_out, lanes: int, keep, adjoint):
+def backward(static, dynamic, residuals, ct_out, lanes: int, final, adjoint):
     """The cotangents of the problem's arrays (`dynamic`), `y0`, `args` (its array
     leaves) and the per-trajectory times, from those of every trajectory's outputs
     (`ct_out`); `residuals` are `(y0, args_dynamic, times, num_steps)`."""
@@ -92,7 +92,7 @@ def backward(static, dynamic, residuals, ct_out, lanes: int, keep, adjoint):
     spec = dataclasses.replace(parameters(dynamic), y0=False, args=False)
     p_diff, p_rest = eqx.partition(dynamic, spec)
     a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
-    pull_back = _pull_back(static, p_rest, keep, adjoint)
+    pull_back = _pull_back(static, p_rest, final, adjoint)
     if num_steps.shape[0] <= lanes:
         ct_p, ct_y, ct_a, ct_t = pull_back(p_diff, y0, a_diff, times, a_rest, ct_out)
     else:

@@ -29,7 +29,7 @@ from .._closure._unvmap import unvmap_any
 from .._event import occurrences
 from .._problem import Buffers, Carry, Problem
 from .._select import where
-from .._setup import Keep
+from .._setup import FinalStates
 from ._inputs import PerTrajectory
 from ._policy import Policy
 
@@ -74,7 +74,7 @@ def with_lane(
     )
 
 
-def row(problem: Problem, out: _loop.Outputs, keep: Keep) -> dict:
+def row(problem: Problem, out: _loop.Outputs, final: FinalStates) -> dict:
     """What a finished solve hands back for its trajectory (internal time): every
     per-trajectory field of `diffeqsolve`'s `Solution`."""
     carry = out.carry
@@ -87,8 +87,8 @@ def row(problem: Problem, out: _loop.Outputs, keep: Keep) -> dict:
         num_accepted=carry.num_accepted,
         num_rejected=carry.num_rejected,
         event_mask=carry.event_mask,
-        solver_state=carry.solver_state if keep.solver_state else None,
-        controller_state=carry.controller_state if keep.controller_state else None,
+        solver_state=carry.solver_state if final.solver_state else None,
+        controller_state=carry.controller_state if final.controller_state else None,
         events=occurrences(problem, out.bufs, carry),  # internal time
     )
 
@@ -108,10 +108,10 @@ def _put(tree: PyTree, index: Array, rows: PyTree) -> PyTree:
 class LaneLoop:
     """The pieces of the lane loop for one problem (trace time only)."""
 
-    def __init__(self, problem: Problem, y0, args_dynamic, times, plan: Policy, keep):
+    def __init__(self, problem: Problem, y0, args_dynamic, times, plan: Policy, final):
         self.problem, self.y0, self.args, self.times = problem, y0, args_dynamic, times
         self.batch = jtu.tree_leaves(y0)[0].shape[0]
-        self.plan, self.keep = plan, keep
+        self.plan, self.final = plan, final
         self.meter = problem.meter
         self.token = self.meter.start()
 
@@ -140,7 +140,7 @@ class LaneLoop:
 
         def one(y, a, tm, carry, bufs):
             problem = self.lane(y, a, tm)
-            return row(problem, _loop.finish(problem, carry, bufs), self.keep)
+            return row(problem, _loop.finish(problem, carry, bufs), self.final)
 
         return jax.vmap(one)(y, a, tm, carry, bufs)
 
@@ -232,7 +232,7 @@ class LaneLoop:
         return _put(s.out, where(s.index < self.batch, s.index, self.batch), rows)
 
 
-def lockstep(problem: Problem, y0, args_dynamic, times, keep: Keep):
+def lockstep(problem: Problem, y0, args_dynamic, times, final: FinalStates):
     """As many lanes as trajectories: `jax.vmap` of the single solve's loop
     (`_loop.run_while`), the program of `jax.vmap(diffeqsolve)` itself (the lane
     loop's state and bookkeeping cost a TPU v5e 1.2x the vmapped BDF solve). Its
@@ -242,18 +242,18 @@ def lockstep(problem: Problem, y0, args_dynamic, times, keep: Keep):
         lane = with_lane(problem, y, a, tm)
         carry, bufs = _loop.init(lane)
         carry, bufs, _ = _loop.run_while(lane, carry, bufs)
-        return row(lane, _loop.finish(lane, carry, bufs), keep)
+        return row(lane, _loop.finish(lane, carry, bufs), final)
 
     rows = jax.vmap(one)(y0, args_dynamic, times)
     return rows, jnp.max(rows["num_steps"])
 
 
-def run(problem: Problem, y0, args_dynamic, times, plan: Policy, keep: Keep):
+def run(problem: Problem, y0, args_dynamic, times, plan: Policy, final: FinalStates):
     """The lane loop: every trajectory's row (leading axis: trajectory) and the
     number of loop iterations (`lockstep` where nothing is refilled)."""
     if not plan.refill:
-        return lockstep(problem, y0, args_dynamic, times, keep)
-    loop = LaneLoop(problem, y0, args_dynamic, times, plan, keep)
+        return lockstep(problem, y0, args_dynamic, times, final)
+    loop = LaneLoop(problem, y0, args_dynamic, times, plan, final)
     state = loop.start()
 
     def going(s: Lanes):

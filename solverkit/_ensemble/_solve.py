@@ -41,7 +41,7 @@ from .._setup import (
     as_state,
     bind_controller,
     check_arguments,
-    Keep,
+    FinalStates,
     make_problem,
     solve_times,
 )
@@ -64,7 +64,7 @@ from ._policy import Policy, policy
 
 
 def _solve_lanes(
-    problem: Problem, y0, args_dynamic, times, plan: Policy, keep, adjoint
+    problem: Problem, y0, args_dynamic, times, plan: Policy, final, adjoint
 ):
     """Every trajectory's outputs (its row) and the number of loop iterations,
     differentiable in reverse mode: a `custom_vjp` whose forward pass is the lane
@@ -73,7 +73,7 @@ def _solve_lanes(
     over), `y0`, `args` and the per-trajectory times cross it as operands."""
 
     def primal(problem: Problem, y0, args_dynamic, times):
-        return run(problem, y0, args_dynamic, times, plan, keep)
+        return run(problem, y0, args_dynamic, times, plan, final)
 
     def fwd(problem: Problem, y0, args_dynamic, times):
         out, iterations = primal(problem, y0, args_dynamic, times)
@@ -82,7 +82,7 @@ def _solve_lanes(
     def bwd(static, dynamic, residuals, cotangents):
         ct_out, _ = cotangents
         lanes = plan.lanes
-        return backward(static, dynamic, residuals, ct_out, lanes, keep, adjoint)
+        return backward(static, dynamic, residuals, ct_out, lanes, final, adjoint)
 
     return custom_vjp(
         problem, primal, fwd, bwd, y0, args_dynamic, times,
@@ -124,12 +124,12 @@ def _internal(problem: Problem, times: PerTrajectory | None):
 
 @eqx.filter_jit
 def _ensemble(
-    problem: Problem, y0, args, times, plan: Policy, throw, keep: Keep, adjoint
+    problem: Problem, y0, args, times, plan: Policy, throw, final: FinalStates, adjoint
 ):
     args_dynamic, _ = eqx.partition(args, eqx.is_array)
     times = _internal(problem, times)
     out, iterations = _solve_lanes(
-        problem, y0, args_dynamic, times, plan, keep, adjoint
+        problem, y0, args_dynamic, times, plan, final, adjoint
     )
     ts, ys, t_end, result = out["ts"], out["ys"], out["t_end"], out["result"]
     if throw:
@@ -157,14 +157,16 @@ def _ensemble(
         stats=stats,
         result=Result(result),
         event_mask=out["event_mask"],
-        made_jump=jnp.zeros((batch,), bool) if keep.made_jump else None,
+        made_jump=jnp.zeros((batch,), bool) if final.made_jump else None,
         solver_state=out["solver_state"],
         controller_state=out["controller_state"],
         events=event_record(problem.direction, out["events"]),
     )
 
 
-def _use_kernel(kernel, problem: Problem, y0, per_trajectory, keep: Keep) -> bool:
+def _use_kernel(
+    kernel, problem: Problem, y0, per_trajectory, final: FinalStates
+) -> bool:
     """Whether `ensemble_solve` takes the whole-solve kernel (`solverkit._kernel`):
     `True` raises where it can't; `None` takes it where supported, on a TPU (it
     lowers to TPUs only so far; elsewhere it would run in Pallas' interpreter), for
@@ -177,7 +179,7 @@ def _use_kernel(kernel, problem: Problem, y0, per_trajectory, keep: Keep) -> boo
         jax.default_backend() != "tpu" or not _kernel.by_default(problem)
     ):
         return False
-    why = _kernel.supported(problem, y0, per_trajectory, keep)
+    why = _kernel.supported(problem, y0, per_trajectory, final)
     if why is not None and kernel:
         raise UnsupportedError(
             f"ensemble_solve(kernel=True) can't solve this: {why}. Use kernel=None "
@@ -196,16 +198,18 @@ def _check_one_grid(controller: AbstractStepSizeController, per_trajectory) -> N
         )
 
 
-def _kernel_solve(problem: Problem, y0, args, throw, plan: Policy, keep: Keep, adjoint):
+def _kernel_solve(
+    problem: Problem, y0, args, throw, plan: Policy, final: FinalStates, adjoint
+):
     """The kernel path, with the lane loop (`_ensemble`) as its reference and the
     lane loop's backward pass (`backward`) for reverse mode."""
 
     def reference(p, y, a):  # the lane loop, not raising
-        return _ensemble(p, y, a, None, plan, False, keep, adjoint)
+        return _ensemble(p, y, a, None, plan, False, final, adjoint)
 
     def pull_back(static, dynamic, y, a, num_steps, ct):
         residuals = (y, a, None, num_steps)
-        return backward(static, dynamic, residuals, ct, plan.lanes, keep, adjoint)
+        return backward(static, dynamic, residuals, ct, plan.lanes, final, adjoint)
 
     return _kernel.kernel_solve(
         problem, y0, args, throw, reference, pull_back, tangents=adjoint.discrete
@@ -341,15 +345,15 @@ def ensemble_solve(
             saveat=saveat, stepsize_controller=stepsize_controller, max_steps=max_steps
         )  # fmt: skip
         check_event_context(event, context, saveat, first(y0), first(args))
-    keep = Keep.of(saveat)
+    final = FinalStates.of(saveat)
     on_host = throw and eager((problem, y0, args))
     throw = throw and not on_host  # eagerly: no host callback in the program
-    if _use_kernel(kernel, problem, y0, per_trajectory, keep):
-        sol = _kernel_solve(problem, y0, args, throw, plan, keep, adjoint)
+    if _use_kernel(kernel, problem, y0, per_trajectory, final):
+        sol = _kernel_solve(problem, y0, args, throw, plan, final, adjoint)
     else:
         with jax.numpy_dtype_promotion("standard"), reverse_only():
             sol = _ensemble(
-                problem, y0, args, per_trajectory, plan, throw, keep, adjoint
+                problem, y0, args, per_trajectory, plan, throw, final, adjoint
             )
     if on_host:
         raise_failed(sol.result.code, OK, MESSAGES)
