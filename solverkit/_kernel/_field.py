@@ -107,7 +107,7 @@ def _check_solver(problem: Problem, y0) -> None:
         )
 
 
-def check(problem: Problem, y0, per_trajectory, keep) -> None:
+def check(problem: Problem, y0, per_trajectory, final) -> None:
     """Raise `KernelUnsupported` naming what the kernel can't do for this solve."""
     _check_solver(problem, y0)
     pid_of(problem)
@@ -126,7 +126,7 @@ def check(problem: Problem, y0, per_trajectory, keep) -> None:
         or problem.saves[0].every != 0
         or not problem.saves[0].saves_y,
         "per-trajectory t0, t1 or SaveAt(ts)": per_trajectory is not None,
-        "SaveAt(solver_state/controller_state/made_jump)": any(keep),
+        "SaveAt(solver_state/controller_state/made_jump)": any(final),
         "a progress meter": not isinstance(problem.meter, NoProgressMeter),
         "max_steps=None": problem.max_steps is None,
         "resuming a solve": problem.resume is not None,

@@ -75,10 +75,10 @@ class Settings(NamedTuple):
     save_t1: bool
 
 
-def supported(problem: Problem, y0, per_trajectory, keep) -> str | None:
+def supported(problem: Problem, y0, per_trajectory, final) -> str | None:
     """`None` where the kernel path can solve this, else what it can't do."""
     try:
-        _field.check(problem, y0, per_trajectory, keep)
+        _field.check(problem, y0, per_trajectory, final)
     except KernelUnsupported as e:
         return str(e)
     return None

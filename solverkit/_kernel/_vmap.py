@@ -58,18 +58,18 @@ _ALLOWED = (("y0",), ("args",), ("terms", "closure", "consts"))
 
 
 def vmap_aware(
-    solve: Callable, problem: Problem, adjoint: AbstractAdjoint, throw, keep
+    solve: Callable, problem: Problem, adjoint: AbstractAdjoint, throw, final
 ):
-    """`solve(problem, adjoint, throw, keep)` (a traced solve), wrapped as `mode`
+    """`solve(problem, adjoint, throw, final)` (a traced solve), wrapped as `mode`
     says so that a `vmap` of it runs on the kernel."""
-    wrap = mode(problem, adjoint, keep)
+    wrap = mode(problem, adjoint, final)
     if wrap is None:
-        return solve(problem, adjoint, throw, keep)
-    body = lambda p, raising: solve(p, adjoint, raising, keep)  # noqa: E731
+        return solve(problem, adjoint, throw, final)
+    body = lambda p, raising: solve(p, adjoint, raising, final)  # noqa: E731
     return wrapped(body, problem, throw, wrap == "gradient", adjoint.discrete)
 
 
-def mode(problem: Problem, adjoint: AbstractAdjoint, keep) -> str | None:
+def mode(problem: Problem, adjoint: AbstractAdjoint, final) -> str | None:
     """How `wrapped` should wrap this solve: `None` (not at all), "forward" (a rule for
     the forward pass) or "gradient" (rules for reverse mode too, where a vmap of
     what the rule takes is seen among its inputs). Only when on (`ENABLED`), for an
@@ -80,7 +80,7 @@ def mode(problem: Problem, adjoint: AbstractAdjoint, keep) -> str | None:
     if not _field.by_default(problem) or problem.event.conds is not None:
         return None
     batch_of_one = jtu.tree_map(lambda x: x[None], problem.y0)
-    if supported(problem, batch_of_one, None, keep) is not None:
+    if supported(problem, batch_of_one, None, final) is not None:
         return None
     differentiated, batched = _seen(problem)
     if differentiated > 1:  # the rules would be differentiated: not the kernel's
