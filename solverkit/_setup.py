@@ -4,22 +4,22 @@ the linear solvers) converted once (`make_problem`). Shared by `diffeqsolve`
 (`_integrate.py`) and `ensemble_solve`."""
 
 import warnings
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, PyTree
+from jaxtyping import PyTree
 
 from ._adjoint._base import AbstractAdjoint
-from ._closure._convert import Closure, closure_convert
+from ._closure._convert import array_outputs, Closure, closure_convert, output_struct
 from ._controller._base import AbstractStepSizeController
 from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete, StructureError
-from ._event import _timed, as_event, Event, TimedEvent, with_context
+from ._event import as_event, convert_events, split_events
 from ._linear._linear_solver import convert_linear_solvers
-from ._problem import Events, Problem, Resume, Save
+from ._problem import Problem, Resume, Save
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
 from ._solver import AbstractSolver
@@ -31,22 +31,8 @@ from ._term import (
     MultiTermStructure,
     rate_function,
 )
-from ._time import flip
+from ._time import flip, Times
 from ._user_solver import convert as convert_user_solver, is_user_solver
-
-
-class Times(NamedTuple):
-    """The times of a solve, checked: arrays of one floating dtype, their values where
-    known before tracing (else `None`), and the direction of integration."""
-
-    dtype: Any
-    t0: Array
-    t1: Array
-    dt0: Array | None  # internal time (positive)
-    known_t0: Any
-    known_t1: Any
-    known_dt0: Any
-    direction: Array | None  # -1 backwards, None forwards (see `_time.py`)
 
 
 def solve_times(
@@ -122,37 +108,10 @@ def as_state(y0: Y):
     return y0
 
 
-_NUMBERS = (bool, int, float, complex)
-
-
-def _output_struct(closure: Closure) -> PyTree:
-    """`closure.out_struct`, with Python-number outputs (static in a `Closure`, as in
-    `equinox.filter_jit`) as the weakly typed scalars they become when used."""
-
-    def leaf(o):
-        if isinstance(o, _NUMBERS):
-            return jax.eval_shape(jnp.asarray, o)
-        return o
-
-    return jtu.tree_map(leaf, closure.out_struct)
-
-
-def _array_outputs(fn):
-    """`fn` with its Python-number outputs made arrays, so that they are traced."""
-
-    def with_arrays(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        return jtu.tree_map(
-            lambda o: jnp.asarray(o) if isinstance(o, _NUMBERS) else o, out
-        )
-
-    return with_arrays
-
-
 def _check_output(closure: Closure, y0: Y, what: str) -> None:
     """The output of a converted function must be usable as `dy/dt`: the structure,
     shapes and dtypes of `y0`, except what diffrax also accepts (see `like_state`)."""
-    out = _output_struct(closure)
+    out = output_struct(closure)
     y_tree, out_tree = jtu.tree_structure(y0), jtu.tree_structure(out)
     out_leaves = jtu.tree_leaves(out)
     if y_tree != out_tree:
@@ -251,7 +210,7 @@ def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):
         Save(
             ts=_save_times(sub.ts, times),
             fn=closure_convert(
-                sub.fn if sub.fn is save_y else _array_outputs(sub.fn),
+                sub.fn if sub.fn is save_y else array_outputs(sub.fn),
                 times.t0,
                 y0,
                 args,
@@ -274,99 +233,6 @@ def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):
             "solution keeps `max_steps` steps; pass an int."
         )
     return saves, save_tree
-
-
-def _event_conditions(
-    event: Event | None, context: dict, times: Times, y0: Y, args: Args
-):
-    """Each of the event's conditions, closure-converted and checked (or `None`)."""
-    if event is None:
-        return None
-    if not isinstance(event, Event):
-        raise TypeError(f"`event` must be an Event, got {type(event).__name__}.")
-    conds = jtu.tree_map(
-        lambda f: closure_convert(
-            _array_outputs(with_context(f, **context)), times.t0, y0, args
-        ),
-        event.cond_fn,
-        is_leaf=callable,
-    )
-    for c in jtu.tree_leaves(conds, is_leaf=lambda x: isinstance(x, Closure)):
-        out = c.out_struct
-        if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
-            raise ValueError(
-                "Event functions must return a scalar: an Event's cond_fn must return "
-                f"a scalar (boolean or real), got {out}."
-            )
-        if not (
-            jnp.issubdtype(out.dtype, jnp.bool_)
-            or jnp.issubdtype(out.dtype, jnp.floating)
-        ):
-            raise ValueError(
-                "Event functions must return either a boolean or a float, got "
-                f"{out.dtype}."
-            )
-        if event.continues and jnp.issubdtype(out.dtype, jnp.bool_):
-            raise ValueError(
-                "An Event with an `effect` (or a `terminal` count) needs "
-                "real-valued conditions, whose crossings can be located; got a "
-                "boolean one. Return a float that changes sign where the event "
-                "happens."
-            )
-    return conds
-
-
-def split_events(event) -> tuple[Event | None, TimedEvent | None]:
-    """`diffeqsolve(event=...)`: an `Event`, a `TimedEvent`, or one of each in a
-    tuple or list."""
-    parts = list(event) if isinstance(event, (tuple, list)) else [event]
-    found: dict[type, Any] = {Event: None, TimedEvent: None}
-    for part in parts:
-        kind = type(part) if type(part) in found else None
-        if part is None:
-            continue
-        if kind is None:
-            raise TypeError(
-                "`event` must be an Event, a TimedEvent, or one of each in a tuple, "
-                f"got {type(part).__name__}."
-            )
-        if found[kind] is not None:
-            raise ValueError(
-                f"`event` holds two {kind.__name__}s: give one (an Event takes a "
-                "pytree of conditions; a TimedEvent a list of times)."
-            )
-        found[kind] = part
-    return found[Event], found[TimedEvent]
-
-
-def _timed_event(timed: TimedEvent | None, times: Times, y0: Y, args: Args):
-    """The `TimedEvent` for the engine (its effect converted), or `None`."""
-    if timed is None:
-        return None
-    effect = None
-    if timed.effect is not None:
-        effect = closure_convert(timed.effect, times.t0, y0, args)
-        _timed.check_like_state(
-            _output_struct(effect), y0, "TimedEvent(effect=...)'s output"
-        )
-    return _timed.prepare(
-        timed,
-        times.direction,
-        times.dtype,
-        times.known_t0,
-        times.known_t1,
-        y0,
-        effect,
-    )
-
-
-def _event_effect(event: Event | None, times: Times, y0: Y, args: Args):
-    """The event's effect, closure-converted and checked (or `None`)."""
-    if event is None or event.effect is None:
-        return None
-    closure = closure_convert(event.effect, times.t0, y0, args)
-    _timed.check_like_state(_output_struct(closure), y0, "Event(effect=...)'s output")
-    return closure
 
 
 def check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps):
@@ -483,16 +349,7 @@ def make_problem(
         saves=saves,
         save_tree=save_tree,
         dense=saveat.dense,
-        event=Events(
-            conds=_event_conditions(event, context, times, y0, args),
-            directions=None if event is None else tuple(event.directions()),
-            root_finder=None if event is None else event.root_finder,
-            effect=_event_effect(event, times, y0, args),
-            continues=event is not None and event.continues,
-            stop_at=None if event is None else event.stop_at,
-            max_events=0 if event is None else event.max_events,
-            timed=_timed_event(timed, times, y0, args),
-        ),
+        event=convert_events(event, timed, context, times, y0, args),
         max_steps=None if max_steps is None else int(max_steps),
         meter=meter,
         resume=resume,

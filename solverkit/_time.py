@@ -7,7 +7,7 @@ identity and adds no operation) or the array `-1` for a backwards one. The map i
 own inverse, so the same function turns internal time back into user time.
 """
 
-from typing import overload
+from typing import Any, NamedTuple, overload
 
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -32,3 +32,17 @@ def flip_finite(direction: Array | None, t: RealScalarLike):
     if direction is None:
         return t
     return where(jnp.isfinite(t), direction * t, t)
+
+
+class Times(NamedTuple):
+    """The times of a solve, checked: arrays of one floating dtype, their values where
+    known before tracing (else `None`), and the direction of integration."""
+
+    dtype: Any
+    t0: Array
+    t1: Array
+    dt0: Array | None  # internal time (positive)
+    known_t0: Any
+    known_t1: Any
+    known_dt0: Any
+    direction: Array | None  # -1 backwards, None forwards (see above)

@@ -419,3 +419,30 @@ def is_closure_converted(obj) -> bool:
     `True` for a `Closure`, else `False`.
     """
     return isinstance(obj, Closure)
+
+
+_NUMBERS = (bool, int, float, complex)
+
+
+def output_struct(closure: Closure) -> Any:
+    """`closure.out_struct`, with Python-number outputs (static in a `Closure`, as in
+    `equinox.filter_jit`) as the weakly typed scalars they become when used."""
+
+    def leaf(o):
+        if isinstance(o, _NUMBERS):
+            return jax.eval_shape(jnp.asarray, o)
+        return o
+
+    return jtu.tree_map(leaf, closure.out_struct)
+
+
+def array_outputs(fn):
+    """`fn` with its Python-number outputs made arrays, so that they are traced."""
+
+    def with_arrays(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return jtu.tree_map(
+            lambda o: jnp.asarray(o) if isinstance(o, _NUMBERS) else o, out
+        )
+
+    return with_arrays

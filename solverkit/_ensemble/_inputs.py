@@ -13,9 +13,8 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._errors import BadInputError, concrete, UnsupportedError
-from .._event import Event, with_context
+from .._event import Event, split_events, with_context
 from .._saveat import is_sub, SaveAt
-from .._setup import split_events
 
 
 def batch_size(y0: PyTree, args: PyTree) -> int:

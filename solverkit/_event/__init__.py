@@ -4,6 +4,10 @@ behind one interface (`_extension.py`: `start`, `init`, `step_end`, `after_step`
 `finish`)."""
 
 from ._continuing import occurrences as occurrences
+from ._conversion import (
+    convert_events as convert_events,
+    split_events as split_events,
+)
 from ._event import (
     AbstractDiscreteTerminatingEvent as AbstractDiscreteTerminatingEvent,
     as_event as as_event,
