@@ -127,8 +127,9 @@ def diffeqsolve(
     solver = bind_controller(solver, stepsize_controller, times, dt0)
     y0 = as_state(y0)
     problem = make_problem(
-        terms, solver, times, y0, args, saveat, stepsize_controller, event,
-        max_steps, progress_meter, dt0, resume
+        terms=terms, solver=solver, times=times, y0=y0, args=args, saveat=saveat,
+        controller=stepsize_controller, event=event, max_steps=max_steps,
+        meter=progress_meter, dt0=dt0, resume=resume,
     )  # fmt: skip
     adjoint.check(problem)
     final = FinalStates.of(saveat)

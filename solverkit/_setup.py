@@ -17,9 +17,10 @@ from ._closure._convert import array_outputs, Closure, closure_convert, output_s
 from ._controller._base import AbstractStepSizeController
 from ._custom_types import Args, BoolScalarLike, RealScalarLike, Y
 from ._errors import BadInputError, concrete, StructureError
-from ._event import as_event, convert_events, split_events
+from ._event import as_event, convert_events, Event, split_events, TimedEvent
 from ._linear._linear_solver import convert_linear_solvers
 from ._problem import Problem, Resume, Save
+from ._progress import AbstractProgressMeter
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
 from ._solver import AbstractSolver
@@ -306,21 +307,35 @@ class FinalStates(NamedTuple):
 
 
 def make_problem(
-    terms,
-    solver,
+    *,
+    terms: AbstractTerm,
+    solver: AbstractSolver,
     times: Times,
-    y0,
-    args,
-    saveat,
-    controller,
-    event,
-    max_steps,
-    meter,
-    dt0,
-    resume,
+    y0: Y,
+    args: Args,
+    saveat: SaveAt,
+    controller: AbstractStepSizeController,
+    event: Event | TimedEvent | tuple | None,
+    max_steps: int | None,
+    meter: AbstractProgressMeter,
+    dt0: RealScalarLike | None,
+    resume: Resume | None,
 ) -> Problem:
     """Convert every user function (terms, saves, event conditions, those of the
-    linear solvers) once and gather all a solve needs, in internal time."""
+    linear solvers) once and gather all a solve needs, in internal time.
+
+    **Arguments:**
+
+    - `terms`, `y0`, `args`, `saveat`, `event`, `max_steps`, `dt0`: the solve's
+        (`y0` from `as_state`; for one trajectory).
+    - `solver`: bound to the controller's tolerances (`bind_controller`).
+    - `times`: from `solve_times`; `resume`: from `resume_states`.
+    - `controller`, `meter`: the step size controller and the progress meter.
+
+    **Returns:**
+
+    The `Problem`.
+    """
     saves, save_tree = _saves(saveat, times, y0, args, max_steps)
     event, timed = split_events(event)
     context = dict(

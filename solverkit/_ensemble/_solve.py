@@ -335,8 +335,9 @@ def ensemble_solve(
         lambda x: x[0] if eqx.is_array(x) else x, tree
     )
     problem = make_problem(
-        terms, solver, times, first(y0), first(args), saveat, stepsize_controller,
-        event, max_steps, progress_meter, dt0, None
+        terms=terms, solver=solver, times=times, y0=first(y0), args=first(args),
+        saveat=saveat, controller=stepsize_controller, event=event,
+        max_steps=max_steps, meter=progress_meter, dt0=dt0, resume=None,
     )  # fmt: skip
     adjoint.check(problem)
     if per_trajectory is not None and event is not None:
