@@ -22,14 +22,11 @@ from ._problem import Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
 from ._saveat import SaveAt
 from ._setup import (
-    as_state,
-    bind_controller,
     check_arguments,
     FinalStates,
     legacy_event,
-    make_problem,
+    prepare,
     resume_states,
-    solve_times,
 )
 from ._solution import event_record, failure_code, MESSAGES, OK, Result, Solution
 from ._solver import AbstractSolver
@@ -123,16 +120,11 @@ def diffeqsolve(
     check_arguments(solver, saveat, stepsize_controller, adjoint, max_steps)
     event = legacy_event(event, discrete_terminating_event)
     resume = resume_states(solver_state, controller_state, made_jump)
-    times = solve_times(t0, t1, dt0)
-    solver = bind_controller(solver, stepsize_controller, times, dt0)
-    y0 = as_state(y0)
-    problem = make_problem(
-        terms=terms, solver=solver, times=times, y0=y0, args=args, saveat=saveat,
-        controller=stepsize_controller, event=event, max_steps=max_steps,
-        meter=progress_meter, dt0=dt0, resume=resume,
+    problem, _, final, _ = prepare(
+        terms, solver, t0, t1, dt0, y0, args, saveat=saveat,
+        stepsize_controller=stepsize_controller, adjoint=adjoint, event=event,
+        max_steps=max_steps, progress_meter=progress_meter, resume=resume,
     )  # fmt: skip
-    adjoint.check(problem)
-    final = FinalStates.of(saveat)
     # The engine mixes dtypes on purpose (float64 times with float32 states, complex
     # states with real tolerances) and casts where it must, so it is traced with
     # standard promotion whatever the user's setting; the user's own functions were

@@ -6,6 +6,7 @@ the linear solvers) converted once (`make_problem`). Shared by `diffeqsolve`
 import warnings
 from typing import NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -316,9 +317,9 @@ def make_problem(
     saveat: SaveAt,
     controller: AbstractStepSizeController,
     event: Event | TimedEvent | tuple | None,
+    context: dict,
     max_steps: int | None,
     meter: AbstractProgressMeter,
-    dt0: RealScalarLike | None,
     resume: Resume | None,
 ) -> Problem:
     """Convert every user function (terms, saves, event conditions, those of the
@@ -326,10 +327,11 @@ def make_problem(
 
     **Arguments:**
 
-    - `terms`, `y0`, `args`, `saveat`, `event`, `max_steps`, `dt0`: the solve's
-        (`y0` from `as_state`; for one trajectory).
+    - `terms`, `y0`, `args`, `saveat`, `event`, `max_steps`: the solve's (`y0`
+        from `as_state`; for one trajectory).
     - `solver`: bound to the controller's tolerances (`bind_controller`).
     - `times`: from `solve_times`; `resume`: from `resume_states`.
+    - `context`: the keyword arguments the event's conditions may read.
     - `controller`, `meter`: the step size controller and the progress meter.
 
     **Returns:**
@@ -338,16 +340,6 @@ def make_problem(
     """
     saves, save_tree = _saves(saveat, times, y0, args, max_steps)
     event, timed = split_events(event)
-    context = dict(
-        terms=terms,
-        solver=solver,
-        t0=times.t0,
-        t1=times.t1,
-        dt0=dt0,
-        saveat=saveat,
-        stepsize_controller=controller,
-        max_steps=max_steps,
-    )
     if not is_user_solver(solver):  # e.g. a callable preconditioner, converted
         solver = convert_linear_solvers(solver, y0)
     engine_solver, engine_terms = _convert_terms(terms, solver, times, y0, args)
@@ -369,3 +361,84 @@ def make_problem(
         meter=meter,
         resume=resume,
     )
+
+
+class Prepared(NamedTuple):
+    """What a front end solves from: the `Problem` (for one trajectory), `y0` as
+    arrays (the whole batch, for an ensemble), which final states to return, and the
+    keyword arguments an event's conditions may read (diffrax's)."""
+
+    problem: Problem
+    y0: PyTree
+    final: FinalStates
+    context: dict
+
+
+def _first(tree: PyTree) -> PyTree:
+    return jtu.tree_map(lambda x: x[0] if eqx.is_array(x) else x, tree)
+
+
+def prepare(
+    terms: AbstractTerm,
+    solver: AbstractSolver,
+    t0: RealScalarLike,
+    t1: RealScalarLike,
+    dt0: RealScalarLike | None,
+    y0: Y,
+    args: Args,
+    *,
+    saveat: SaveAt,
+    stepsize_controller: AbstractStepSizeController,
+    adjoint: AbstractAdjoint,
+    event: Event | TimedEvent | tuple | None,
+    max_steps: int | None,
+    progress_meter: AbstractProgressMeter,
+    resume: Resume | None = None,
+    batched: bool = False,
+) -> Prepared:
+    """The one setup of `diffeqsolve` and `ensemble_solve`, after their own checks
+    (`check_arguments` first): the times, the solver bound to the controller, the
+    state as arrays, every user function converted (`make_problem`), the problem
+    checked by `adjoint`.
+
+    **Arguments:**
+
+    - `terms` ... `progress_meter`: as `diffeqsolve` takes them.
+    - `resume`: from `resume_states`, or `None`.
+    - `batched`: `y0` and `args` hold a batch along a leading axis (an ensemble);
+        the problem is built for its first trajectory.
+
+    **Returns:**
+
+    A `Prepared`.
+    """
+    times = solve_times(t0, t1, dt0)
+    solver = bind_controller(solver, stepsize_controller, times, dt0)
+    y0 = as_state(y0)
+    context = dict(
+        terms=terms,
+        solver=solver,
+        t0=times.t0,
+        t1=times.t1,
+        dt0=dt0,
+        saveat=saveat,
+        stepsize_controller=stepsize_controller,
+        max_steps=max_steps,
+    )
+    one = _first if batched else (lambda tree: tree)
+    problem = make_problem(
+        terms=terms,
+        solver=solver,
+        times=times,
+        y0=one(y0),
+        args=one(args),
+        saveat=saveat,
+        controller=stepsize_controller,
+        event=event,
+        context=context,
+        max_steps=max_steps,
+        meter=progress_meter,
+        resume=resume,
+    )
+    adjoint.check(problem)
+    return Prepared(problem, y0, FinalStates.of(saveat), context)

@@ -7,8 +7,8 @@ part of the loop. Here the lane loop (`_lanes.py`) holds `lanes` solves side by
 side and refills finished lanes from the queue; with as many lanes as
 trajectories it is the lockstep loop itself (`_policy.py` chooses).
 
-The `Problem` is built once, for one trajectory, by the same steps as
-`diffeqsolve`'s; each lane swaps in its own `y0` and `args`.
+The `Problem` is built once, for one trajectory, by the setup `diffeqsolve` uses
+(`_setup.prepare`); each lane swaps in its own `y0` and `args`.
 
 Reverse mode: the lane loop is the forward pass of a `custom_vjp` whose operands
 are the `Problem`'s arrays, `y0` and `args`; its backward pass (`_backward.py`)
@@ -38,12 +38,9 @@ from .._problem import Problem
 from .._progress import AbstractProgressMeter, NoProgressMeter
 from .._saveat import SaveAt
 from .._setup import (
-    as_state,
-    bind_controller,
     check_arguments,
     FinalStates,
-    make_problem,
-    solve_times,
+    prepare,
 )
 from .._solution import event_record, failure_code, MESSAGES, OK, Result, Solution
 from .._solver import AbstractSolver
@@ -328,25 +325,13 @@ def ensemble_solve(
     plan = policy(batch, positive_int("lanes", lanes), positive_int("refill", refill))
     t0, t1, saveat, per_trajectory = split_times(t0, t1, saveat, batch)
     _check_one_grid(stepsize_controller, per_trajectory)
-    times = solve_times(t0, t1, dt0)
-    solver = bind_controller(solver, stepsize_controller, times, dt0)
-    y0 = as_state(y0)
-    first = lambda tree: jtu.tree_map(  # noqa: E731
-        lambda x: x[0] if eqx.is_array(x) else x, tree
-    )
-    problem = make_problem(
-        terms=terms, solver=solver, times=times, y0=first(y0), args=first(args),
-        saveat=saveat, controller=stepsize_controller, event=event,
-        max_steps=max_steps, meter=progress_meter, dt0=dt0, resume=None,
+    problem, y0, final, context = prepare(
+        terms, solver, t0, t1, dt0, y0, args, saveat=saveat,
+        stepsize_controller=stepsize_controller, adjoint=adjoint, event=event,
+        max_steps=max_steps, progress_meter=progress_meter, batched=True,
     )  # fmt: skip
-    adjoint.check(problem)
     if per_trajectory is not None and event is not None:
-        context = dict(
-            terms=terms, solver=solver, t0=times.t0, t1=times.t1, dt0=dt0,
-            saveat=saveat, stepsize_controller=stepsize_controller, max_steps=max_steps
-        )  # fmt: skip
-        check_event_context(event, context, saveat, first(y0), first(args))
-    final = FinalStates.of(saveat)
+        check_event_context(event, context, saveat, problem.y0, problem.args)
     on_host = throw and eager((problem, y0, args))
     throw = throw and not on_host  # eagerly: no host callback in the program
     if _use_kernel(kernel, problem, y0, per_trajectory, final):
