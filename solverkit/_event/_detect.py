@@ -2,6 +2,7 @@
 the location of a crossing on a step's dense output (after the loop for an event
 that stops the solve; `crossing`, inside the step, for one that continues)."""
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -87,7 +88,7 @@ class _Bracket(NamedTuple):
     b: Array
     ga: Array  # the sign of the condition at `a`
     x: Array  # the latest estimate
-    done: Array
+    done: Array  # 1 where converged (a float: the kernel selects no int32 on a TPU)
     count: Array
 
 
@@ -95,24 +96,33 @@ class _Bracket(NamedTuple):
 _ROOT_MAX_STEPS = 100
 
 
-def _root(g, a, b, ga, done):
+def _finite(x):
+    """`isfinite` as a comparison (NaN compares false), which every backend (Mosaic
+    included) lowers."""
+    return jnp.abs(x) < jnp.inf
+
+
+def bracketed_root(g: Callable, a, b, ga, done, where: Callable = where):
     """A root of `g` in `[a, b]` (`ga`: the sign to take at `a`) by Newton's method
     kept inside a shrinking bracket (a step that would leave it bisects instead),
     from the secant point. It stops when a step moves less than a thousand ulps
     of the time (short of `g`'s rounding noise): after three to five evaluations
     on a smooth crossing, where 64 bisections took as many.
     Where `done` from the start, `a`. Not differentiated (see
-    `_earliest_crossing`)."""
+    `_earliest_crossing`). The one search of the loop's terminating events and
+    of the whole-solve kernel's (`_kernel/_event.py`, which passes its tile-wise
+    `where`; elementwise, so it runs on a batch of brackets as on one)."""
     gb = g(b)
     secant = (a * gb - b * ga) / (gb - ga)
-    x = where(jnp.isfinite(secant) & (secant > a) & (secant < b), secant, (a + b) / 2)
+    ok = _finite(secant) & (secant > a) & (secant < b)
+    x = where(ok, secant, (a + b) / 2)
 
     def narrow(s: _Bracket) -> _Bracket:
         gx, slope = jax.jvp(g, (s.x,), (jnp.ones_like(s.x),))
         like_a = jnp.sign(gx) == jnp.sign(s.ga)
         a, b = where(like_a, s.x, s.a), where(like_a, s.b, s.x)
         newton = s.x - gx / slope
-        inside = jnp.isfinite(newton) & (newton > a) & (newton < b)
+        inside = _finite(newton) & (newton > a) & (newton < b)
         x = where(inside, newton, (a + b) / 2)
         # Near enough for the Newton step of `_earliest_crossing`, which follows,
         # to land on the root to rounding, even where the condition's slope is
@@ -120,15 +130,25 @@ def _root(g, a, b, ga, done):
         # (A Newton step that small ends the search even where it lands on an end
         # of the bracket, as it does at the root: not a bisection then.)
         tol = 1000 * jnp.finfo(x.dtype).eps * jnp.maximum(jnp.abs(a), jnp.abs(b))
-        converged = (gx == 0) | (jnp.isfinite(newton) & (jnp.abs(newton - s.x) <= tol))
+        small = _finite(newton) & (jnp.abs(newton - s.x) <= tol)
+        converged = (gx == 0) | small
         done = converged | (jnp.abs(x - s.x) <= tol) | (b - a <= tol)
         x = where(converged, s.x, x)
-        new = _Bracket(a, b, s.ga, x, done, s.count + 1)
-        return jtu.tree_map(lambda n, o: where(s.done, o, n), new, s)
+        old = s.done != 0
+        return _Bracket(
+            where(old, s.a, a),
+            where(old, s.b, b),
+            s.ga,
+            where(old, s.x, x),
+            where(old, s.done, done.astype(s.done.dtype)),
+            s.count + 1,
+        )
 
-    start = _Bracket(a, b, ga, where(done, a, x), done, jnp.zeros((), jnp.int32))
+    start = _Bracket(a, b, ga, where(done, a, x), done.astype(a.dtype), jnp.int32(0))
     end = lax.while_loop(
-        lambda s: jnp.any(~s.done) & (s.count < _ROOT_MAX_STEPS), narrow, start
+        lambda s: jnp.any(s.done < 0.5) & (s.count < _ROOT_MAX_STEPS),
+        narrow,
+        start,
     )
     return end.x
 
@@ -213,7 +233,7 @@ def _earliest_crossing(problem: Problem, tstart, tend, info, mask, event, start=
         )
         ga = h(a) if before is None else before.astype(tend.dtype)
         if problem.event.root_finder is None:
-            root = _root(h, a, b, ga, ~active)
+            root = bracketed_root(h, a, b, ga, ~active)
         else:
             root = _optx_root(h, problem.event.root_finder, a, b, ga, ~active, before)
         root = lax.stop_gradient(where(active, root, tend))
@@ -237,8 +257,8 @@ def _optx_root(g, root_finder, a, b, ga, done, before):
     """A root of `g` in `[a, b]` by the user's optimistix `root_finder`, from the
     middle; where it fails (its result, a non-finite or out-of-bracket value, or,
     after an occurrence (`before` given), a root at `a`: the previous occurrence
-    found again), the built-in bracketed search's (`_root`, with the sign `ga` at
-    `a`), which always converges. Where `done` from the start, `a`."""
+    found again), the built-in bracketed search's (`bracketed_root`, with the sign
+    `ga` at `a`), which always converges. Where `done` from the start, `a`."""
     sol = optx.root_find(
         lambda tau, _: g(tau),
         root_finder,
@@ -259,6 +279,6 @@ def _optx_root(g, root_finder, a, b, ga, done, before):
     failed = failed & ~done
     return lax.cond(
         unvmap_any(failed),
-        lambda: where(failed, _root(g, a, b, ga, ~failed), root),
+        lambda: where(failed, bracketed_root(g, a, b, ga, ~failed), root),
         lambda: where(done, a, root),
     )
