@@ -239,68 +239,100 @@ class BacksolveAdjoint(AbstractAdjoint):
         return y
 
     def _backward(self, problem: Problem, out: Outputs, ct_ys, ct_times):
+        """The cotangent of `problem` from those of the saved states `ct_ys` and
+        times `ct_times`: the adjoint equations solved from the end back through
+        each saved time to `t0`."""
         aux = (problem.terms, problem.args)
         theta, _ = eqx.partition(aux, parameters(aux))
-        g = lambda tau, y: total_vf(problem.terms, tau, y, problem.args)
-        (save,) = problem.saves
-        rows_t0 = 1 if save.t0 else 0
-        num_ts = 0 if save.ts is None else save.ts.shape[0]
-        take = lambda tree, i: jtu.tree_map(lambda x: x[i], tree)
-        zeros_y = jtu.tree_map(jnp.zeros_like, problem.y0)
-        ct_y1 = take(ct_ys, rows_t0 + num_ts) if save.t1 else zeros_y
-        T = out.t_end
-        ct_T = _dot(ct_y1, g(T, out.y_end)) if save.t1 else jnp.zeros_like(T)
-        # The saved times are the inputs' own (t0, ts, t1 = the end): their
-        # cotangents pass straight to those inputs, beside the states' through them.
-        ct_rows, ct_end = ct_times
-        ct_T = ct_T + ct_end.astype(ct_T.dtype)
-        if save.t1:
-            ct_T = ct_T + ct_rows[rows_t0 + num_ts].astype(ct_T.dtype)
-        a = ct_y1
+        a, ct_T = _at_end(problem, out, ct_ys, ct_times)
         theta_bar = jtu.tree_map(jnp.zeros_like, theta)
-        y = out.y_end
-        t_cur = T
-        ct_ts = None
-        if num_ts:
-            ts = save.ts
-            assert ts is not None  # (`num_ts` is 0 otherwise)
-
-            def segment(k, state):
-                i = num_ts - 1 - k
-                y, a, theta_bar, t_cur, ct_ts = state
-                t_i = ts[i]
-                y, a, theta_bar = self._solve_back(
-                    problem, aux, (y, a, theta_bar), t_cur, t_i
-                )
-                y = take(out.ys, rows_t0 + i)  # restart from the saved forward value
-                ct_row = take(ct_ys, rows_t0 + i)
-                a = jtu.tree_map(jnp.add, a, ct_row)
-                ct_ts = ct_ts.at[i].set(_dot(ct_row, g(t_i, y)).astype(ts.dtype))
-                return y, a, theta_bar, t_i, ct_ts
-
-            state = (y, a, theta_bar, t_cur, jnp.zeros_like(ts))
-            y, a, theta_bar, t_cur, ct_ts = lax.fori_loop(0, num_ts, segment, state)
+        state = (out.y_end, a, theta_bar, out.t_end, None)
+        if problem.saves[0].ts is not None and problem.saves[0].ts.shape[0]:
+            state = self._through_saves(problem, aux, out, ct_ys, state)
+        y, a, theta_bar, t_cur, ct_ts = state
         y, a, theta_bar = self._solve_back(
             problem, aux, (y, a, theta_bar), t_cur, problem.t0
         )
+        g = lambda tau, y: total_vf(problem.terms, tau, y, problem.args)
         ct_t0 = -_dot(a, g(problem.t0, problem.y0))
-        if save.t0:
+        ct_rows, _ = ct_times
+        if problem.saves[0].t0:
             ct_t0 = ct_t0 + ct_rows[0].astype(ct_t0.dtype)
-        if save.t0:
-            a = jtu.tree_map(jnp.add, a, take(ct_ys, 0))
-        dynamic, _ = eqx.partition(problem, eqx.is_array)
-        ct = jtu.tree_map(zeros_cotangent, dynamic)
-        ct_aux = fill_zeros(theta_bar, eqx.partition(aux, eqx.is_array)[0])
-        ct = eqx.tree_at(
-            lambda p: (p.y0, p.t0, p.t1),
-            ct,
-            (a, ct_t0.astype(problem.t0.dtype), ct_T.astype(problem.t1.dtype)),
-        )
-        ct = _replace_subtrees(ct, ct_aux)
-        if ct_ts is not None:
-            ct_ts = ct_ts + ct_rows[rows_t0 : rows_t0 + num_ts].astype(ct_ts.dtype)
-            ct = eqx.tree_at(lambda p: p.saves[0].ts, ct, ct_ts)
-        return ct
+            a = jtu.tree_map(jnp.add, a, _take(ct_ys, 0))
+        return _cotangent(problem, aux, theta_bar, (a, ct_t0, ct_T), ct_ts, ct_rows)
+
+    def _through_saves(self, problem: Problem, aux, out: Outputs, ct_ys, state):
+        """The adjoint state carried back from the end through every saved time
+        `ts` (each save's cotangent added where it was saved, the state restarted
+        from its saved forward value), and the cotangents of those times."""
+        (save,) = problem.saves
+        ts = save.ts
+        assert ts is not None
+        rows_t0, num_ts = (1 if save.t0 else 0), ts.shape[0]
+        g = lambda tau, y: total_vf(problem.terms, tau, y, problem.args)
+
+        def segment(k, state):
+            i = num_ts - 1 - k
+            y, a, theta_bar, t_cur, ct_ts = state
+            t_i = ts[i]
+            y, a, theta_bar = self._solve_back(
+                problem, aux, (y, a, theta_bar), t_cur, t_i
+            )
+            y = _take(out.ys, rows_t0 + i)  # restart from the saved forward value
+            ct_row = _take(ct_ys, rows_t0 + i)
+            a = jtu.tree_map(jnp.add, a, ct_row)
+            ct_ts = ct_ts.at[i].set(_dot(ct_row, g(t_i, y)).astype(ts.dtype))
+            return y, a, theta_bar, t_i, ct_ts
+
+        state = state[:4] + (jnp.zeros_like(ts),)
+        return lax.fori_loop(0, num_ts, segment, state)
+
+
+def _take(tree, i):
+    return jtu.tree_map(lambda x: x[i], tree)
+
+
+def _at_end(problem: Problem, out: Outputs, ct_ys, ct_times):
+    """`(a, ct_T)`: the adjoint state at the end of the solve (the cotangent of the
+    final save, if saved) and the cotangent of the end time."""
+    (save,) = problem.saves
+    rows_t0 = 1 if save.t0 else 0
+    num_ts = 0 if save.ts is None else save.ts.shape[0]
+    zeros_y = jtu.tree_map(jnp.zeros_like, problem.y0)
+    ct_y1 = _take(ct_ys, rows_t0 + num_ts) if save.t1 else zeros_y
+    T = out.t_end
+    g = total_vf(problem.terms, T, out.y_end, problem.args) if save.t1 else None
+    ct_T = _dot(ct_y1, g) if save.t1 else jnp.zeros_like(T)
+    # The saved times are the inputs' own (t0, ts, t1 = the end): their
+    # cotangents pass straight to those inputs, beside the states' through them.
+    ct_rows, ct_end = ct_times
+    ct_T = ct_T + ct_end.astype(ct_T.dtype)
+    if save.t1:
+        ct_T = ct_T + ct_rows[rows_t0 + num_ts].astype(ct_T.dtype)
+    return ct_y1, ct_T
+
+
+def _cotangent(problem: Problem, aux, theta_bar, ends, ct_ts, ct_rows) -> Problem:
+    """The cotangent of `problem`: `ends = (a, ct_t0, ct_T)` on `y0`, `t0`, `t1`,
+    `theta_bar` on the arrays of the terms and `args`, `ct_ts` (and the saved
+    times' own cotangents, `ct_rows`) on `SaveAt.ts`; zeros elsewhere."""
+    a, ct_t0, ct_T = ends
+    (save,) = problem.saves
+    rows_t0 = 1 if save.t0 else 0
+    dynamic, _ = eqx.partition(problem, eqx.is_array)
+    ct = jtu.tree_map(zeros_cotangent, dynamic)
+    ct_aux = fill_zeros(theta_bar, eqx.partition(aux, eqx.is_array)[0])
+    ct = eqx.tree_at(
+        lambda p: (p.y0, p.t0, p.t1),
+        ct,
+        (a, ct_t0.astype(problem.t0.dtype), ct_T.astype(problem.t1.dtype)),
+    )
+    ct = _replace_subtrees(ct, ct_aux)
+    if ct_ts is not None:
+        num_ts = ct_ts.shape[0]
+        ct_ts = ct_ts + ct_rows[rows_t0 : rows_t0 + num_ts].astype(ct_ts.dtype)
+        ct = eqx.tree_at(lambda p: p.saves[0].ts, ct, ct_ts)
+    return ct
 
 
 def _times_ct(ct_out: Outputs) -> tuple[jax.Array, jax.Array]:
