@@ -416,26 +416,14 @@ class BDF(AbstractAdaptiveSolver):
         rtol, atol = self._tols()
         flat0, unravel = ravel_pytree(y0)
         dtype = flat0.dtype
-        mass = self.mass_matrix
         t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         h = (t1 - t0).astype(dtype)
         k = state.order
         D, y_pred, psi, c = self._predict(state, h, dtype)
-
-        # The Newton solve, without derivatives, then the derivative of the exact
-        # solution (implicit function theorem).
-        n_terms, n_args, n_t1, n_c, n_y_pred, n_psi = nograd(
-            (terms, args, t1, c, y_pred, psi)
+        predicted = (t1, c, y_pred, psi)
+        d, converged, iters, singular, cache = self._correct(
+            terms, args, predicted, state, unravel, dtype
         )
-        field = lambda x: flat_field(n_terms, n_args, unravel, n_t1, x, dtype)
-        scale = atol + rtol * jnp.abs(n_y_pred)
-        d, converged, iters, singular, cache = self._solve_reusing(
-            field, state, n_c, n_y_pred, n_psi, scale, unravel
-        )
-        dynamic, static = eqx.partition(
-            (terms, args, mass, self.linear_solver, unravel), eqx.is_array
-        )
-        d = correction(static, lax.stop_gradient(d), t1, c, y_pred, psi, dynamic)
         y1 = y_pred + d
         D_new = rows.update(D, d, k)
 
@@ -471,6 +459,27 @@ class BDF(AbstractAdaptiveSolver):
         )
         dense = BDFDense(y1=unravel(y1), D=D_new[1 : self.max_order + 1], order=k)
         return unravel(y1), unravel(y_error), dense, new_state, result
+
+    def _correct(self, terms, args, predicted, state: BDFState, unravel, dtype):
+        """`loop_step`'s corrector: the Newton solve for the correction `d` to the
+        prediction `predicted = (t1, c, y_pred, psi)`, without derivatives, then
+        the derivative of the exact solution (implicit function theorem). Returns
+        `(d, converged, iters, singular, cache)`."""
+        t1, c, y_pred, psi = predicted
+        rtol, atol = self._tols()
+        n_terms, n_args, n_t1, n_c, n_y_pred, n_psi = nograd(
+            (terms, args, t1, c, y_pred, psi)
+        )
+        field = lambda x: flat_field(n_terms, n_args, unravel, n_t1, x, dtype)
+        scale = atol + rtol * jnp.abs(n_y_pred)
+        d, converged, iters, singular, cache = self._solve_reusing(
+            field, state, n_c, n_y_pred, n_psi, scale, unravel
+        )
+        dynamic, static = eqx.partition(
+            (terms, args, self.mass_matrix, self.linear_solver, unravel), eqx.is_array
+        )
+        d = correction(static, lax.stop_gradient(d), t1, c, y_pred, psi, dynamic)
+        return d, converged, iters, singular, cache
 
     def interpolate(self, dense_info, t0: Array, t1: Array, t) -> PyTree:
         """The dense output at `t`, from `step`'s or `loop_step`'s `dense_info`."""
