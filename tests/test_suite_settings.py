@@ -52,7 +52,7 @@ def test_quick_cases_keep_the_listed_cases_only():
     # test_krylov_matches_dense: 12 cases, 3 named in its `quick_cases` marker.
     proc = _pytest(
         "--collect-only", "-q", "-m", "not slow",
-        "tests/test_linear_solver.py", "-k", "krylov_matches_dense",
+        "tests/linear/test_linear_solver.py", "-k", "krylov_matches_dense",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ids = {
@@ -165,7 +165,7 @@ def test_float64_files_build_no_jnp_arrays_at_import():
     # `jnp` array it makes at import, without a dtype, is silently float32 (as
     # test_linear_solver_grad's parameters once were). Such constants are NumPy.
     wrong = []
-    for path in sorted((_ROOT / "tests").glob("test_*.py")):
+    for path in sorted((_ROOT / "tests").rglob("test_*.py")):
         text = path.read_text()
         if 'pytestmark = pytest.mark.usefixtures("x64")' not in text:
             continue

@@ -14,7 +14,7 @@ import pytest
 from benchmarks.problems import large_problem as build_problem
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

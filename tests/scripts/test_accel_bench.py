@@ -72,7 +72,7 @@ def test_tables_without_matplotlib(tmp_path: pathlib.Path, monkeypatch):
 def test_shell_scripts_parse(script):
     import subprocess
 
-    script = pathlib.Path(__file__).parent.parent / script
+    script = pathlib.Path(__file__).resolve().parents[2] / script
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 

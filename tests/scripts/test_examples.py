@@ -22,7 +22,7 @@ import pytest
 # Subprocesses that take a minute or more together: the full suite only.
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The examples, in groups that share a process: those that turn on float64 at import,
 # those that stay in float32, and the two that configure the process themselves.
 GROUPS = [
