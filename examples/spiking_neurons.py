@@ -242,7 +242,8 @@ def main() -> None:
     DT_MAX = args.dtmax
     steps = args.steps or (3 if args.quick else 200)
     # --quick: no Levenberg-Marquardt step (its Jacobian through the events, a
-    # jacrev, was a third of the quick run's CPU time; tests/test_hybrid.py's
+    # jacrev, was a third of the quick run's CPU time;
+    # tests/events/test_continuing_events.py's
     # test_gradient_of_later_spike_times_under_an_adaptive_controller checks jacrev
     # through spike times).
     refinements = 0 if args.quick else 8

@@ -180,8 +180,8 @@ def _fresh_compilation_caches():
     functions within themselves, rarely across; without this the whole suite
     (800+ tests in one process) holds every executable it ever compiled, and XLA's
     CPU compiler crashed (a segmentation fault in `backend_compile_and_load`) in
-    the last file, `tests/test_user_solver.py`, which passes alone. A program that a
-    later file compiles again is read back from the persistent cache where JAX
+    the last file, `tests/solvers/test_user_solver.py`, which passes alone. A program
+    that a later file compiles again is read back from the persistent cache where JAX
     caches it (see above)."""
     yield
     jax.clear_caches()

@@ -22,8 +22,9 @@ import solverkit as sk
 
 
 # (solver class, order of the propagated solution, has an embedded error estimate),
-# by family. The shared matrices (test_integrate.py, test_diffrax_api.py, ...) run over
-# `ALL_SOLVERS`; build a solver and its terms with `make_solver` and `make_terms`,
+# by family. The shared matrices (solve/test_integrate.py,
+# diffrax_compat/test_diffrax_api.py, ...) run over `ALL_SOLVERS`; build a solver and
+# its terms with `make_solver` and `make_terms`,
 # which know what each family needs.
 EXPLICIT_SOLVERS = [
     (sk.Euler, 1, False),

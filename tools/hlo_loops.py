@@ -1,5 +1,5 @@
 """The `while` loops of an optimized HLO module's text and the operations in each
-loop's body (tests/test_fixed_step_pullback.py).
+loop's body (tests/adjoint/test_fixed_step_pullback.py).
 
 Reads `compiled.as_text()` (the optimized HLO, after fusion): a row of a stack
 that `vmap` reads is a gather in the lowered program, which XLA may turn into a

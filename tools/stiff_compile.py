@@ -43,7 +43,8 @@ def _rober(k1):
 
 
 def _pairs(p, n=6):
-    """Three independent stiff pairs (tests/test_linear_solver_grad.py's field)."""
+    """Three independent stiff pairs (tests/linear/test_linear_solver_grad.py's
+    field)."""
 
     def f(t, y, args):
         u, v = y[0::2], y[1::2]

@@ -3,9 +3,10 @@
 Which steps the forward pass stores, in which slot, and how the backward pass walks
 the steps back in chunks: for each chunk, where it starts, and which stored carry (a
 checkpoint, or a mid checkpoint) it is recomputed from. Nothing here touches a carry;
-`_checkpoint.py` applies these rules to the loop, and `tests/test_schedule.py` checks
-them as properties (every step recomputable from a carry that is still stored, the
-memory bound, slots never overwritten while needed).
+`_checkpoint.py` applies these rules to the loop, and
+`tests/adjoint/test_checkpoint_schedule.py` checks them as properties (every step
+recomputable from a carry that is still stored, the memory bound, slots never
+overwritten while needed).
 
 The rules run inside the compiled loops, on unbatched int32 scalars (the loop
 iteration count and the stride level are the same for every batch element).
@@ -74,7 +75,8 @@ def layout(max_steps: int | None, checkpoints: int | None) -> Layout:
     per_slot = max(1, -(-max_steps // slots))
     # A segment is as long as the stride, a power of two: up to twice `per_slot`. Its
     # mid checkpoints must be at most a buffer apart, or a chunk between two of them
-    # is recomputed in pieces (a third recomputation: `tests/test_schedule.py`).
+    # is recomputed in pieces (a third recomputation:
+    # `tests/adjoint/test_checkpoint_schedule.py`).
     segment = 1 << (per_slot - 1).bit_length()
     buffer = min(segment, max(_MIN_BUFFER, ceil_sqrt(segment)))
     mid = 0 if segment <= buffer else -(-segment // buffer)

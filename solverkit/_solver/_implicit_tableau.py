@@ -16,7 +16,7 @@ The initial guess of a stage's Newton iteration is `kI_i ≈ Σ_{j<i} predictor[
 kI_j`: linear interpolation (or extrapolation) in `c` through the two earlier stages
 closest in `c` (see `_predictor`).
 
-Every tableau is checked when built; `tests/test_implicit.py` checks the order
+Every tableau is checked when built; `tests/solvers/test_implicit.py` checks the order
 conditions (B-series, and the coupling conditions of the additive methods).
 """
 

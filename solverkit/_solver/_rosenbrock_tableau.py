@@ -21,7 +21,7 @@ factorisation of `I - γ h J` serves every stage.
 
 `RosenbrockTableau` holds the transformed form (as the methods' authors publish it);
 `RosenbrockTableau.standard()` recovers `(α, Γ, b, b̂)`, on which
-`tests/test_rosenbrock.py` checks the order conditions of ROW methods.
+`tests/solvers/test_rosenbrock.py` checks the order conditions of ROW methods.
 
 Dense output: `y(t0 + θh) = y0 + Σ_i u_i Σ_p dense[i, p] θ**(p + 1)`; `dense` is
 `None` for cubic Hermite interpolation.

@@ -1,8 +1,9 @@
 """Butcher tableaux of the explicit Runge--Kutta methods, as plain NumPy data.
 
 One generic step function reads these; nothing here depends on JAX. Every tableau is
-checked when it is built (`ButcherTableau.__post_init__`), and `tests/test_tableau.py`
-proves the orders (order conditions on rooted trees, and observed convergence).
+checked when it is built (`ButcherTableau.__post_init__`), and
+`tests/solvers/test_tableau.py` proves the orders (order conditions on rooted trees, and
+observed convergence).
 
 Conventions, for a step of size `h` from `(t0, y0)` with stages `k_0 ... k_{s-1}`:
 
@@ -516,7 +517,7 @@ _dopri8_b_hat = np.array(
 )
 # Our own continuous extension (no extra stages): degree 6, order 5, C1 (b_i'(0) and
 # b_i'(1) select k_0 and the FSAL stage), the remaining freedom spent on the least
-# L2(θ) norm of the order-6 residuals. tests/test_tableau.py re-derives it.
+# L2(θ) norm of the order-6 residuals. tests/solvers/test_tableau.py re-derives it.
 _dopri8_dense = np.array(
     [
         [1.0, -6.672505835108914, 19.949960023830553,

@@ -627,7 +627,7 @@ def test_hessians_both_ways_against_finite_differences():
 @pytest.mark.parametrize(
     "adjoint", [RCA, sk.BacksolveAdjoint()], ids=["checkpoint", "backsolve"]
 )
-# Quick loop: the error tests of test_errors.py.
+# Quick loop: the error tests of solve/test_errors.py.
 @pytest.mark.slow
 def test_reverse_over_reverse_says_what_to_use(adjoint):
     # Their backward passes are loops of data-dependent length: not differentiable in

@@ -28,8 +28,8 @@ def _loss(t0, t1, ts, adjoint, kind):
 
 
 # Quick loop: save-time gradients:
-# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep];
-# BacksolveAdjoint: test_closure_matrix.py's backsolve cells.
+# ensemble/test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep];
+# BacksolveAdjoint: closure/test_closure_matrix.py's backsolve cells.
 @pytest.mark.slow
 @pytest.mark.parametrize("direction", ["forwards", "backwards"])
 @pytest.mark.parametrize("kind", ["t1", "t0t1", "ts"])

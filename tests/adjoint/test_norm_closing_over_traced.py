@@ -4,7 +4,7 @@ The checkpointed adjoint evaluates the solver step from one traced program
 (`solverkit._closure._traced.Traced`). A norm closing over a value of an enclosing
 trace puts that tracer among the program's constants; such programs used to be
 dropped, so that every use of the step traced it (and the norm) again: 113 traces of
-the norm against 15 in a vmapped BDF gradient (tests/test_bdf.py::
+the norm against 15 in a vmapped BDF gradient (tests/solvers/test_bdf.py::
 test_controller_norms, 18.6 against 4.1 s of tracing). Now they are kept: the norm
 is traced as often as a plain one, and the values are those of the norm closing over
 concrete values.

@@ -101,7 +101,7 @@ CENTRAL = 1e-7
     ],
 )
 # Quick loop: grad of vmap:
-# test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
+# adjoint/test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
 @pytest.mark.slow
 def test_grad_of_vmapped_fixed_step_solves(adjoint):
     """`grad` over `vmap(diffeqsolve)`: the step grid is shared by the batch."""
@@ -112,7 +112,7 @@ def test_grad_of_vmapped_fixed_step_solves(adjoint):
 
 
 # The full suite; the quick loop's `grad` of `vmap`:
-# test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
+# adjoint/test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
 @pytest.mark.slow
 def test_vmap_of_grad_over_a_closed_over_float():
     """`vmap` over the closed-over float of `grad` of `vmap(diffeqsolve)` over the
@@ -133,7 +133,7 @@ def test_vmap_of_grad_over_a_closed_over_float():
 
 
 # The full suite; the quick loop's ensemble gradient:
-# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+# ensemble/test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
 @pytest.mark.slow
 def test_fixed_step_ensemble_gradient():
     """`ensemble_solve(kernel=False)` with fixed steps: its gradient, and under `vmap`

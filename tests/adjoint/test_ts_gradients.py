@@ -108,7 +108,7 @@ def test_steps_write_several_rows_and_differ_between_elements():
     ids=["default", "recomputed"],
 )
 # Quick loop: save-time gradients:
-# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+# ensemble/test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
 @pytest.mark.slow
 def test_checkpointed_equals_direct(adjoint):
     # The same steps differentiated two ways (with 4 checkpoints, from carries
@@ -181,7 +181,7 @@ def _gradient_flops(num_ts: int) -> float | None:
 
 
 # The full suite; the quick loop's SaveAt(ts) gradient:
-# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+# ensemble/test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
 @pytest.mark.slow
 def test_backward_step_does_not_interpolate_at_every_save_time():
     # XLA counts a loop body's work once. A backward step that interpolated at all

@@ -1,7 +1,7 @@
 """`ClipStepSizeController` called by hand gives diffrax's step ends exactly: a step
 stops one ulp before a jump and the next starts one ulp after it, nested controllers
 included (diffrax's own test compares with `==`). The loop's own convention (steps
-that end at the jump itself) is tested in test_controllers.py."""
+that end at the jump itself) is tested in solve/test_controllers.py."""
 
 import diffrax
 import equinox as eqx
@@ -79,7 +79,8 @@ def test_step_ends_are_diffraxs_exactly(case):
         np.testing.assert_allclose(mine[1:3], theirs[1:3], rtol=8 * np.finfo(float).eps)
 
 
-# Quick loop: test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
+# Quick loop:
+# solve/test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
 @pytest.mark.slow
 def test_nested_by_diffraxs_rule():
     # diffrax's rule stated on its own: ends one ulp before each jump, the next start
@@ -132,7 +133,7 @@ def test_by_hand_under_vmap():
 @pytest.mark.parametrize("solver", ["Heun", "Tsit5"])
 @pytest.mark.parametrize("clip", [False, True])
 # Quick loop: one case (Tsit5 and clipping: test_by_hand_under_vmap,
-# test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts).
+# solve/test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts).
 @pytest.mark.quick_cases("False-Heun")
 def test_initial_step_by_hand(solver, clip):
     # `init(..., dt0=None, ..., func, ...)` calls `func(terms, t, y, args)`, as diffrax

@@ -1,8 +1,8 @@
-"""What a diffrax ODE script relies on that has no file of its own (see test_saveat.py,
-test_events.py, test_progress.py, test_controllers.py): the names, the exception
-classes, `max_steps=None`, strict dtype promotion, the backsolve seminorm, and the
-two-stage-state solvers. Each is checked against diffrax on the same input where
-diffrax gives a value."""
+"""What a diffrax ODE script relies on that has no file of its own (see
+solve/test_saveat.py, events/test_events.py, solve/test_progress.py,
+solve/test_controllers.py): the names, the exception classes, `max_steps=None`, strict
+dtype promotion, the backsolve seminorm, and the two-stage-state solvers. Each is
+checked against diffrax on the same input where diffrax gives a value."""
 
 import contextlib
 
@@ -598,8 +598,9 @@ def test_clip_integer_step_ts_under_strict_promotion(backwards):
 
 
 # diffrax's nested clip test (the wrappers' step_ts and jump_ts all clip) is
-# tests/test_clip_diffrax.py::test_step_ends_are_diffraxs_exactly[nested]: the same
-# two wrappers, a longer walk past every jump, its ends equal to diffrax's to the ulp.
+# diffrax_compat/test_clip_step_ends.py::test_step_ends_are_diffraxs_exactly[nested]:
+# the same two wrappers, a longer walk past every jump, its ends equal to diffrax's to
+# the ulp.
 
 
 # --- VeryChord as an optimistix root finder -------------------------------------------
@@ -610,7 +611,8 @@ def _shifted(x, args):
     return jax.tree.map(lambda v: a * v + b + 0.1 * jnp.sin(v), x)
 
 
-# The full suite; the quick loop's optimistix root finders: tests/test_implicit.py.
+# The full suite; the quick loop's optimistix root finders:
+# tests/solvers/test_implicit.py.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "x0", [lambda: jnp.array(-2.0), lambda: (jnp.array([1.0, 0.5]), jnp.array(0.3))],

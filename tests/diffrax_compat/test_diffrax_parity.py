@@ -193,7 +193,7 @@ def test_errors_as_diffrax(snippet, error, words):
         snippet(sk)
 
 
-# Quick loop: test_diffrax_api.py::test_max_steps_none.
+# Quick loop: diffrax_compat/test_diffrax_api.py::test_max_steps_none.
 @pytest.mark.slow
 def test_reverse_mode_without_max_steps_as_diffrax():
     import jax
@@ -228,7 +228,8 @@ def test_stats_as_diffrax():
     [dict(dtmin=0.3), dict(dtmax=0.02), dict(dtmin=0.2, force_dtmin=False)],
     ids=str,
 )
-# Quick loop: test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
+# Quick loop:
+# solve/test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
 @pytest.mark.slow
 def test_pid_clips_given_dt0_as_diffrax(options):
     """A given `dt0` is clipped to `[dtmin, dtmax]` (diffrax's `init` does so)."""
@@ -271,7 +272,7 @@ def test_results_names_and_messages_as_diffrax():
         )
 
 
-# Quick loop: test_errors.py::test_throw_false_sets_result[dt_min].
+# Quick loop: solve/test_errors.py::test_throw_false_sets_result[dt_min].
 @pytest.mark.slow
 def test_dt_min_reached_message_as_diffrax():
     """With `force_dtmin=False` both stop with `dt_min_reached`, and its message
@@ -296,7 +297,7 @@ def test_dt_min_reached_message_as_diffrax():
 # --- Differences kept on purpose (docs/migrating.md, "What differs") -----------------
 
 
-# Quick loop: test_saveat.py::test_t0_ts_t1_and_dense.
+# Quick loop: solve/test_saveat.py::test_t0_ts_t1_and_dense.
 @pytest.mark.slow
 def test_solution_t1_is_where_the_solve_ended():
     """diffrax's `Solution.t1` is the `t1` passed in; solverkit's is where the solve
@@ -310,7 +311,7 @@ def test_solution_t1_is_where_the_solve_ended():
 
 
 # The full suite; the quick loop's dense output against diffrax's:
-# test_dense_info.py::test_dense_info_is_diffraxs[Tsit5].
+# diffrax_compat/test_dense_info.py::test_dense_info_is_diffraxs[Tsit5].
 @pytest.mark.slow
 def test_dense_output_past_t1_extrapolates():
     """diffrax's `evaluate` past the end of the solve is NaN; solverkit's extends the
@@ -329,7 +330,7 @@ def test_dense_output_past_t1_extrapolates():
 
 
 # The full suite; the quick loop's zero-length solve:
-# test_integrate.py::test_t0_equals_t1.
+# solve/test_integrate.py::test_t0_equals_t1.
 @pytest.mark.slow
 def test_zero_length_solve_saves_every_row():
     """With `t0 == t1` and `SaveAt(t0, ts, steps, t1)`, diffrax fills two rows (no

@@ -27,7 +27,7 @@ def _euler_event(lib, steps: bool, root_finder):
 
 
 @pytest.mark.parametrize("steps", [False, pytest.param(True, marks=pytest.mark.slow)])
-# Quick loop: test_dense_info.py::test_dense_info_is_diffraxs[Tsit5].
+# Quick loop: diffrax_compat/test_dense_info.py::test_dense_info_is_diffraxs[Tsit5].
 @pytest.mark.slow
 def test_euler_dense_output_is_linear_as_diffrax(steps):
     with float64():
@@ -66,7 +66,7 @@ def test_scalar_zero_term_in_a_multiterm_as_diffrax():
 
 
 # The full suite; the quick loop's clip controller:
-# test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
+# solve/test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
 @pytest.mark.slow
 def test_nested_clip_controllers_take_python_float_times():
     """Called by hand with Python-float times, nested clip controllers take diffrax's

@@ -29,7 +29,8 @@ def test_pid_with_times_is_a_clip_controller():
     np.testing.assert_array_equal(both.jump_ts, ts)
 
 
-# Quick loop: test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
+# Quick loop:
+# solve/test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
 @pytest.mark.slow
 def test_pid_with_times_solves_as_the_wrapper_and_diffrax():
     def solve(lib, controller, k):

@@ -150,7 +150,7 @@ def test_backwards_pytree_state_and_saveat_fn():
 
 
 # The full suite; the quick loop's failed solve, raised and not:
-# test_errors.py::test_throw_under_jit_and_vmap.
+# solve/test_errors.py::test_throw_under_jit_and_vmap.
 @pytest.mark.slow
 def test_failed_trajectories_throw_false_and_true():
     y0, args = inputs()
@@ -172,7 +172,7 @@ def test_zero_length_and_one_trajectory():
     assert sol.stats["num_steps"].tolist() == [0]
 
 
-# Quick loop: test_progress.py::test_text_progress_meter_under_jit_and_grad.
+# Quick loop: solve/test_progress.py::test_text_progress_meter_under_jit_and_grad.
 @pytest.mark.slow
 def test_progress_meter_counts_trajectories(capsys):
     y0, args = inputs()
@@ -185,7 +185,7 @@ def test_progress_meter_counts_trajectories(capsys):
     assert values == sorted(values) and len(values) > 2
 
 
-# Quick loop: test_progress.py::test_text_progress_meter_under_jit_and_grad.
+# Quick loop: solve/test_progress.py::test_text_progress_meter_under_jit_and_grad.
 @pytest.mark.slow
 def test_progress_meter_lockstep(capsys):
     # As many lanes as trajectories: the vmapped single solve's meter (the slowest
@@ -281,7 +281,7 @@ def assert_gradients_agree(got, want, rtol=1e-10):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
 
 
-# Quick loop: test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-
+# Quick loop: ensemble/test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-
 # lockstep].
 @pytest.mark.slow
 def test_gradient_matches_vmap():
@@ -413,7 +413,7 @@ def ensemble_times(t0, t1, y0, rho, ts, term=TERM, **kw):
     ids=["all", "t1-shared-ts", "t0", "backwards"],
 )
 # Quick loop: per-trajectory save times:
-# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+# ensemble/test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
 @pytest.mark.slow
 def test_per_trajectory_times_match_vmap(t0, t1, ts):
     y0, args = inputs()
@@ -425,8 +425,8 @@ def test_per_trajectory_times_match_vmap(t0, t1, ts):
 
 
 # The full suite; the quick loop's per-trajectory save times:
-# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep]; its
-# events: test_refill_sizes_match_vmap[terminating_event-4-3].
+# ensemble/test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep];
+# its events: test_refill_sizes_match_vmap[terminating_event-4-3].
 @pytest.mark.slow
 def test_per_trajectory_times_with_events():
     y0, args = inputs()

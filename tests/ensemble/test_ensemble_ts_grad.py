@@ -149,8 +149,8 @@ def test_ensemble_equals_vmap(path, ts, lanes):
             "this test's [path-rows-*] (the lockstep loop's gradient, and the "
             "chunked one's, equal across the paths); shared save times: "
             "test_against_finite_differences[one-hot-shared] (chunked, one-hot) and "
-            "test_ensemble.py::test_gradient_matches_vmap (this backend's rows, 4 "
-            "lanes for 13 trajectories, against jax.vmap(diffeqsolve))"
+            "ensemble/test_ensemble.py::test_gradient_matches_vmap (this backend's "
+            "rows, 4 lanes for 13 trajectories, against jax.vmap(diffeqsolve))"
         )
     inputs = _inputs(ts)
     got = _grad(_ensemble, lanes, path)(*inputs)
@@ -196,7 +196,7 @@ def test_jitted_gradient_second_call_does_not_compile(path, solve, lanes):
 
 # The full suite; the quick loop's gradient through the rows:
 # test_ensemble_equals_vmap[one-hot-rows-lockstep] (against DirectAdjoint:
-# tests/test_ts_gradients.py, full suite).
+# tests/adjoint/test_ts_gradients.py, full suite).
 @pytest.mark.slow
 @pytest.mark.parametrize("ts", [TS, TS_ROWS], ids=["shared", "rows"])
 def test_against_finite_differences(path, ts):

@@ -78,7 +78,7 @@ def _restart_loop(current: float, reset: float, controller):
 
 
 @pytest.mark.parametrize("constant", [True, False], ids=["constant", "pid"])
-# Quick loop: test_events.py::test_real_event_located_exactly.
+# Quick loop: events/test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 def test_no_extra_step_per_occurrence(x64, constant):
     """As many steps as the restart loop: there was one more per occurrence (a
@@ -103,7 +103,7 @@ def test_no_extra_step_per_occurrence(x64, constant):
 
 
 # The full suite; the quick loop's events:
-# test_events.py::test_real_event_located_exactly.
+# events/test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
     """`SaveAt(ts=...)` rows, step rows and the dense output, under `jit(vmap)` over
@@ -151,7 +151,7 @@ def test_saves_of_the_cut_step_stop_at_the_occurrence(x64):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-# Quick loop: test_events.py::test_real_event_located_exactly.
+# Quick loop: events/test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 def test_occurrence_is_never_before_the_crossing(dtype):
     """Each step that finds a crossing is cut where the condition has crossed on

@@ -98,7 +98,7 @@ def test_gradient_through_impact_times_and_effects(adjoint):
         np.testing.assert_allclose(grad, 2 * v0 / G * (1 + 2 * 0.8), rtol=1e-9)
 
 
-# Quick loop: test_events.py::test_event_under_vmap.
+# Quick loop: events/test_events.py::test_event_under_vmap.
 @pytest.mark.slow
 def test_vmap_and_jit_over_restitution():
     with float64():
@@ -193,7 +193,7 @@ def test_terminal_count_stops_at_that_occurrence_before_its_effect():
         np.testing.assert_allclose(sol.ys[-1], 1.0, atol=1e-9)  # not reset
 
 
-# The full suite; the quick loop's max_events: tests/test_events.py.
+# The full suite; the quick loop's max_events: tests/events/test_events.py.
 @pytest.mark.slow
 def test_more_events_than_recorded_is_a_result_not_a_hang():
     with float64():
@@ -342,7 +342,8 @@ def test_zeno_point_is_a_result_not_a_fall_through_the_floor():
             )
 
 
-# The full suite; the quick loop's backward-in-time events: tests/test_hybrid_scipy.py.
+# The full suite; the quick loop's backward-in-time events:
+# tests/events/test_continuing_events_scipy.py.
 @pytest.mark.slow
 def test_occurrence_at_t0_and_backwards_in_time():
     """A condition at zero at `t0` moving in the event's direction fires there (as
@@ -363,8 +364,8 @@ def test_occurrence_at_t0_and_backwards_in_time():
 
 # The full suite (5 CPU s for float32), as are the accumulation and occurrence
 # checks (test_zeno_point_is_a_result_not_a_fall_through_the_floor,
-# test_hybrid_steps.py); the quick loop's events:
-# test_events.py::test_real_event_located_exactly.
+# events/test_continuing_event_steps.py); the quick loop's events:
+# events/test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype",
@@ -375,7 +376,7 @@ def test_occurrence_at_t0_and_backwards_in_time():
             marks=full_matrix_only(
                 "[float32] (the same grid, steps and locations, in the dtype whose "
                 "rounding showed the bug) and float64 occurrences under jit(vmap) "
-                "and grad: test_hybrid_steps.py::"
+                "and grad: events/test_continuing_event_steps.py::"
                 "test_occurrence_is_never_before_the_crossing[float64]"
             ),
         ),
@@ -437,7 +438,7 @@ def test_step_ending_just_before_a_crossing_is_not_an_accumulation(dtype):
 
 
 # The full suite (13 CPU s); the quick loop's event rows under vmap and grad:
-# test_events.py::test_event_under_vmap and this file's impact-time gradient.
+# events/test_events.py::test_event_under_vmap and this file's impact-time gradient.
 @pytest.mark.slow
 def test_event_rows_written_by_one_hot_selects_as_by_index(monkeypatch):
     """The occurrences' rows written as on a TPU (a select against a one-hot mask of

@@ -191,8 +191,8 @@ def test_two_conditions_record_the_union_in_time_order():
 
 
 @pytest.mark.parametrize("k", [1, 4])
-# Quick loop:
-# test_hybrid.py::test_terminal_count_stops_at_that_occurrence_before_its_effect.
+# Quick loop: test_continuing_events.py::
+# test_terminal_count_stops_at_that_occurrence_before_its_effect.
 @pytest.mark.slow
 def test_terminal_count_matches_scipy(k):
     """`terminal=k` stops at the k-th occurrence, as SciPy's `event.terminal = k`
@@ -256,7 +256,7 @@ def _scipy_bounces(t1):
 
 
 # The full suite; the quick loop's bouncing ball:
-# test_hybrid.py::test_bouncing_ball_against_analytic.
+# events/test_continuing_events.py::test_bouncing_ball_against_analytic.
 @pytest.mark.slow
 def test_bouncing_ball_with_drag_against_scipy_restart_loop():
     with float64():
@@ -278,8 +278,8 @@ def test_bouncing_ball_with_drag_against_scipy_restart_loop():
         np.testing.assert_allclose(sol.ys[-1], final, rtol=0, atol=1e-8)
 
 
-# Quick loop:
-# test_hybrid.py::test_terminal_count_stops_at_that_occurrence_before_its_effect.
+# Quick loop: test_continuing_events.py::
+# test_terminal_count_stops_at_that_occurrence_before_its_effect.
 @pytest.mark.slow
 def test_bouncing_ball_terminal_count_stops_before_the_effect():
     """With an effect and `terminal=3`, the solve ends at the third impact, with the

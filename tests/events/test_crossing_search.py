@@ -276,7 +276,7 @@ def test_spiking_neurons_second_adam_step():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-# Quick loop: test_events.py::test_real_event_located_exactly.
+# Quick loop: events/test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 def test_settle_moves_an_occurrence_located_before_the_crossing(monkeypatch, dtype):
     """`settle`: where the located time's state has not crossed (there by

@@ -117,7 +117,7 @@ def test_interpolator_derivatives(solver):
             assert float(jnp.max(jnp.abs(f - s))) <= 1e3 * np.finfo(np.float64).eps
 
 
-# Quick loop: test_events.py::test_real_event_located_exactly.
+# Quick loop: events/test_events.py::test_real_event_located_exactly.
 @pytest.mark.slow
 def test_the_search_uses_it():
     """A continuing event's occurrence times with Tsit5 (its `interpolator`)

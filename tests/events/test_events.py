@@ -379,7 +379,7 @@ def test_constant_vector_field_with_event():
     np.testing.assert_allclose(sol.ts, [10.0], atol=tol)
 
 
-# Quick loop: test_adjoint.py::test_implicit_adjoint_steady_state_gradient.
+# Quick loop: adjoint/test_adjoint.py::test_implicit_adjoint_steady_state_gradient.
 @pytest.mark.slow
 def test_steady_state_event_and_context_keywords():
     seen = {}
@@ -453,7 +453,7 @@ def _ball_to(e, h0, t1, tol, dtype=jnp.float64, max_events=1000):
 
 @pytest.mark.parametrize("tol", [1e-8, 1e-10])
 @pytest.mark.usefixtures("x64")
-# Quick loop: test_hybrid.py::test_bouncing_ball_against_analytic.
+# Quick loop: events/test_continuing_events.py::test_bouncing_ball_against_analytic.
 @pytest.mark.slow
 def test_bounces_accumulate_never_fall_through_the_floor(tol):
     """After any occurrence the state never crosses the condition unseen: however
@@ -486,7 +486,7 @@ def test_bounces_accumulate_never_fall_through_the_floor(tol):
 
 
 # The full suite; the quick loop differentiates through impact times and effects in
-# tests/test_hybrid.py::test_gradient_through_impact_times_and_effects.
+# events/test_continuing_events.py::test_gradient_through_impact_times_and_effects.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_accumulation_time_gradient():
@@ -545,7 +545,8 @@ def _arctan_event(k, y0, root_finder):
     )
 
 
-# The full suite; the quick loop's optimistix root finder: tests/test_implicit.py.
+# The full suite; the quick loop's optimistix root finder:
+# tests/solvers/test_implicit.py.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_optimistix_root_finder_that_diverges_falls_back_to_the_bracket():
@@ -613,7 +614,7 @@ def _ball_singular_effect(e):
 
 
 # The full suite (12 CPU s); the quick loop differentiates events in
-# tests/test_hybrid.py::test_gradient_through_impact_times_and_effects.
+# events/test_continuing_events.py::test_gradient_through_impact_times_and_effects.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_effect_singular_away_from_events_gives_finite_gradients():

@@ -57,7 +57,8 @@ def _jacobi(alpha, k):
 
 def _solver(name: str, alpha, k):
     """BiCGStab's Krylov solvers: GMRES's reverse mode compiles about twice as long,
-    and its gradient through BDF is test_linear_solver_grad.py's BDF-gmres-sparse."""
+    and its gradient through BDF is linear/test_linear_solver_grad.py's
+    BDF-gmres-sparse."""
     method, linear = name.split("-")
     krylov = functools.partial(
         sk.KrylovLinearSolver, "bicgstab", rtol=1e-12, atol=1e-14
@@ -126,8 +127,8 @@ def _finite_differences() -> np.ndarray:
 
 
 # The full suite (14 CPU s, the quick loop's costliest test); the quick loop's BDF
-# gradient is test_bdf.py::test_grad_rober, its Krylov gradients are
-# test_linear_solver.py's.
+# gradient is solvers/test_bdf.py::test_grad_rober, its Krylov gradients are
+# linear/test_linear_solver.py's.
 @pytest.mark.slow
 def test_bdf_krylov_gradient():
     """Reverse mode through BDF with a Krylov solver (its implicit derivative solves
@@ -141,10 +142,10 @@ def test_bdf_krylov_gradient_against_dense():
     """The dense solver's gradient (it does not depend on the linear solver or the
     preconditioner). (BiCGStab without a preconditioner is left to
     `SOLVERKIT_FULL_MATRIX=1`: its transposed iteration is
-    tests/test_linear_solver.py::test_solve_tangent_transposes[*-bicgstab-blocks], and
-    BiCGStab through BDF's gradient the preconditioned case here and
+    tests/linear/test_linear_solver.py::test_solve_tangent_transposes[*-bicgstab-blocks],
+    and BiCGStab through BDF's gradient the preconditioned case here and
     test_other_adjoints' backsolve. GMRES through BDF's gradient:
-    tests/test_linear_solver_grad.py's BDF-gmres-sparse.)"""
+    tests/linear/test_linear_solver_grad.py's BDF-gmres-sparse.)"""
     dense = _unbatched("bdf-dense")
     np.testing.assert_allclose(_grads("bdf-pre"), dense, rtol=1e-9)
     if FULL_MATRIX:
@@ -160,12 +161,12 @@ def test_rosenbrock_preconditioner_closing_over_parameters():
 
 # Left to `SOLVERKIT_FULL_MATRIX=1` (a 20 CPU-second compile), as checked by other
 # cases: BDF's GMRES gradient preconditioned by a linear solver is
-# tests/test_linear_solver_grad.py::test_gradient[BDF-gmres-sparse-recursive], and a
-# banded solver's transposed solve [BDF-banded-recursive] there.
+# tests/linear/test_linear_solver_grad.py::test_gradient[BDF-gmres-sparse-recursive],
+# and a banded solver's transposed solve [BDF-banded-recursive] there.
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("SOLVERKIT_FULL_MATRIX"),
-    reason="SOLVERKIT_FULL_MATRIX only: covered by test_linear_solver_grad.py",
+    reason="SOLVERKIT_FULL_MATRIX only: covered by linear/test_linear_solver_grad.py",
 )
 def test_banded_preconditioner():
     """Also through the transposed iteration preconditioned by a banded solver."""
@@ -206,7 +207,8 @@ def test_other_adjoints():
     gradient without a preconditioner; with a callable one (written for the forward
     state), a clear error. Unbatched under `jit` (vmapped gradients through a
     Krylov solver: test_bdf_krylov_gradient, test_rosenbrock_...; a vmapped
-    BacksolveAdjoint gradient: test_linear_solver_grad.py's BDF-...-backsolve)."""
+    BacksolveAdjoint gradient: linear/test_linear_solver_grad.py's
+    BDF-...-backsolve)."""
     direct = sk.DirectAdjoint()
     np.testing.assert_allclose(
         _unbatched("bdf-pre", direct), _unbatched("bdf-dense"), rtol=1e-9

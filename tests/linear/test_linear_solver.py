@@ -55,7 +55,7 @@ _run_jit = jax.jit(_run, static_argnums=(0, 1))
 
 
 # The full suite; the quick loop's banded solver:
-# test_banded.py::test_grad_matches_dense_and_finite_differences[2-1].
+# linear/test_banded.py::test_grad_matches_dense_and_finite_differences[2-1].
 @pytest.mark.slow
 @pytest.mark.parametrize("lower,upper", [(1, 1), (2, 0), (0, 3), (2, 3)])
 @pytest.mark.parametrize("mass_index", [0, 1, 2])
@@ -74,7 +74,7 @@ def test_banded_matches_dense(lower, upper, mass_index):
     np.testing.assert_allclose(sol, sol_d, rtol=1e-10, atol=1e-12)
 
 
-# Quick loop: test_banded.py::test_vmap_over_matrices_and_rhs[2-1].
+# Quick loop: linear/test_banded.py::test_vmap_over_matrices_and_rhs[2-1].
 @pytest.mark.slow
 def test_banded_vmap_over_rhs_and_point():
     fn = _field(_banded_matrix(_N, 1, 2))
@@ -135,7 +135,7 @@ def test_grad_against_dense_and_finite_differences(solver):
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
-# The full suite; the quick loop's banded solver: test_banded.py.
+# The full suite; the quick loop's banded solver: linear/test_banded.py.
 @pytest.mark.slow
 def test_banded_wrong_bandwidth_is_detected():
     fn = _field(_banded_matrix(_N, 2, 2))
@@ -147,7 +147,7 @@ def test_banded_wrong_bandwidth_is_detected():
     sk.BandedLinearSolver(1, 1, check=False).linearise(fn, x)
 
 
-# The full suite; the quick loop's banded solver: test_banded.py.
+# The full suite; the quick loop's banded solver: linear/test_banded.py.
 @pytest.mark.slow
 def test_banded_mass_outside_bands_is_detected():
     solver = sk.BandedLinearSolver(1, 1)
@@ -165,7 +165,7 @@ def test_banded_bad_arguments():
         sk.BandedLinearSolver(1, 1).linearise(lambda x: x[:2], jnp.zeros(4))
 
 
-# The full suite; the quick loop's banded solver: test_banded.py.
+# The full suite; the quick loop's banded solver: linear/test_banded.py.
 @pytest.mark.slow
 def test_banded_singular_gives_nan():
     matrix = np.diag(np.arange(_N, dtype=np.float64))  # J[0, 0] = 0
@@ -421,7 +421,7 @@ def test_bicgstab_gradient_with_zero_vectors(which, preconditioner, rhs_kind):
 
 
 @pytest.mark.parametrize("which", ["solve", "solve_tangent"])
-# Quick loop: test_bruss_preconditioner.py::
+# Quick loop: linear/test_bruss_preconditioner.py::
 # test_preconditioner_inverts_the_iteration_matrix[reaction-first].
 @pytest.mark.slow
 def test_bicgstab_exact_preconditioner(which):
@@ -495,7 +495,8 @@ def test_krylov_bad_arguments():
     ],
     ids=["banded", "sparse", "krylov"],
 )
-# Quick loop: test_solve_tangent_transposes[0-gmres]; test_closure_matrix.py's cells.
+# Quick loop: test_solve_tangent_transposes[0-gmres]; closure/test_closure_matrix.py's
+# cells.
 @pytest.mark.slow
 def test_closure_over_float_and_vmapped_int(solver):
     """The field closes over a differentiated float and a vmapped int index."""

@@ -7,7 +7,7 @@ The field is three independent stiff pairs, `u' = -20 p u + v`,
 `k` and a float32 `w`; its Jacobian fits every structure tested (blocks of 2, a
 tridiagonal band, a full pattern). The loss is the sum of squares of two saved
 states; the parameters are `p` and the scale of `y0`. All in the full suite:
-`tests/test_linear_solver.py` checks every linear solver's transposed solve
+`tests/linear/test_linear_solver.py` checks every linear solver's transposed solve
 cheaply. BacksolveAdjoint is tested where the docs support it: with a backward
 solver of its own (the backward state is larger than a fixed pattern).
 """
@@ -143,9 +143,10 @@ _LINEARS = (
 )
 # Each case compiles four programs (about 10-20 CPU s): the whole file is in the full
 # suite. The quick loop checks every linear solver's transposed solve and the sparse
-# solver's gradient (`tests/test_linear_solver.py`, BiCGStab's NaN gradients there
-# too), BDF's gradient through a Krylov solver (`tests/test_krylov_grad.py`) and
-# through the dense one (`tests/test_bdf.py`).
+# solver's gradient (`tests/linear/test_linear_solver.py`, BiCGStab's NaN gradients
+# there too), BDF's gradient through a Krylov solver
+# (`tests/linear/test_krylov_grad.py`) and
+# through the dense one (`tests/solvers/test_bdf.py`).
 _QUICK: set[tuple[str, str, str]] = set()
 
 
@@ -155,43 +156,46 @@ _QUICK: set[tuple[str, str, str]] = set()
 # (about 150 cases).
 #
 # Left to `SOLVERKIT_FULL_MATRIX=1`, as checked by another case:
-# - BDF with "gmres" and Rodas5P with "gmres-sparse" (tests/test_krylov_grad.py: BDF's
-#   and Rodas5P's Krylov (BiCGStab) gradients against the dense solver's, with and
+# - BDF with "gmres" and Rodas5P with "gmres-sparse" (tests/linear/test_krylov_grad.py:
+# BDF's and Rodas5P's Krylov (BiCGStab) gradients against the dense solver's, with and
 #   without a preconditioner; GMRES's BDF-gmres-sparse-recursive here), and
 #   BDF-sparse-banded-recursive (BDF-sparse-banded-direct here:
 #   the same transposed solves under the other checkpointing);
 # - Rodas5P-gmres-direct: a Rosenbrock method's Krylov gradient is
-#   test_krylov_grad.py::test_rosenbrock_preconditioner_closing_over_parameters
-#   (BiCGStab), the DirectAdjoint through a Krylov solve test_krylov_grad.py::
+#   linear/test_krylov_grad.py::test_rosenbrock_preconditioner_closing_over_parameters
+#   (BiCGStab), the DirectAdjoint through a Krylov solve linear/test_krylov_grad.py::
 #   test_other_adjoints;
 # - Rodas5P-bicgstab-banded-recursive: BiCGStab's transposed iteration preconditioned
-#   by a linear solver is test_linear_solver.py::
+#   by a linear solver is linear/test_linear_solver.py::
 #   test_solve_tangent_transposes[*-bicgstab-blocks], a Rosenbrock method's BiCGStab
-#   gradient the test_krylov_grad.py test above;
+#   gradient the linear/test_krylov_grad.py test above;
 # - BDF-sparse-dense-recursive: the full-pattern layout of SparseLinearSolver differs
 #   from the others in its factorisation, whose solve and transposed solve
-#   tests/test_linear_solver.py checks (test_sparse_matches_dense[*-dense],
+#   tests/linear/test_linear_solver.py checks (test_sparse_matches_dense[*-dense],
 #   test_solve_tangent_transposes[sparse-dense-*]); BDF's gradient through a
 #   SparseLinearSolver is the other sparse cases here.
 # - Rodas5P-sparse-banded-recursive (13 CPU s): a Rosenbrock method's whole-solve
 #   gradient through a linear solver other than the dense one is
-#   tests/test_krylov_grad.py::test_rosenbrock_preconditioner_closing_over_parameters,
-#   the sparse-banded solver's VJP BDF-sparse-banded-direct here and
-#   tests/test_linear_solver.py::test_sparse_grad_against_dense_and_finite_differences.
+# tests/linear/test_krylov_grad.py::
+# test_rosenbrock_preconditioner_closing_over_parameters,
+# the sparse-banded solver's VJP BDF-sparse-banded-direct here and
+# tests/linear/test_linear_solver.py::
+# test_sparse_grad_against_dense_and_finite_differences.
 # - Kvaerno3-sparse-blocks-recursive (7 CPU s): an ESDIRK method's gradient through a
-#   linear solver of the protocol is tests/test_implicit_linear_solver.py::
+#   linear solver of the protocol is tests/linear/test_implicit_linear_solver.py::
 #   test_grad_with_user_linear_solver_matches_fd, the sparse solver's VJP
-#   BDF-sparse-banded-direct here and test_linear_solver.py's sparse gradient.
+#   BDF-sparse-banded-direct here and linear/test_linear_solver.py's sparse gradient.
 # - BDF-sparse-blocks-recursive (8.5 CPU s): SparseLinearSolver's
 #   transposed solve through BDF's gradient is BDF-sparse-banded-direct here (the
 #   same solver, another pattern), the blocks layout's transposed solve
-#   tests/test_linear_solver.py::test_solve_tangent_transposes[*-sparse-blocks], and
-#   the blocks solver under BDF BDF-sparse-blocks-backsolve's forward pass here.
+#   tests/linear/test_linear_solver.py::test_solve_tangent_transposes[*-sparse-blocks],
+# and the blocks solver under BDF BDF-sparse-blocks-backsolve's forward pass here.
 # - BDF-bicgstab-banded-recursive (11.8 CPU s): BiCGStab through BDF's gradient is
-#   tests/test_krylov_grad.py::test_bdf_krylov_gradient (preconditioned by a callable
-#   closing over the differentiated parameter and a vmapped int), a linear solver as
+#   tests/linear/test_krylov_grad.py::test_bdf_krylov_gradient (preconditioned by a
+# callable closing over the differentiated parameter and a vmapped int), a linear solver
+# as
 #   a Krylov preconditioner BDF-gmres-sparse-recursive here, BiCGStab's transposed
-#   iteration preconditioned by a linear solver test_linear_solver.py::
+#   iteration preconditioned by a linear solver linear/test_linear_solver.py::
 #   test_solve_tangent_transposes[*-bicgstab-blocks], and the banded solver's
 #   transposed solve BDF-banded-recursive here.
 _SLOW = {

@@ -68,7 +68,7 @@ def test_constant_step_invariants_detected():
 
 
 # The full suite; the quick loop's fixed-step gradient:
-# test_controllers.py::test_constant_steps_differentiable_in_dt0.
+# solve/test_controllers.py::test_constant_steps_differentiable_in_dt0.
 @pytest.mark.slow
 def test_fixed_step_gradient_memory_per_trajectory():
     # Rows: 129 checkpoint slots + 32 recomputation rows (the default layout for
@@ -105,7 +105,7 @@ def test_adaptive_gradient_memory_per_trajectory():
     assert per <= ((129 + 32) * 10 * 4 + 4096 * (1 + 4)) * 1.05, per
 
 
-# Quick loop: test_controllers.py::test_constant_steps_differentiable_in_dt0.
+# Quick loop: solve/test_controllers.py::test_constant_steps_differentiable_in_dt0.
 @pytest.mark.slow
 def test_fixed_step_gradient_matches_direct_adjoint():
     # The gradient from checkpoints without the fixed leaves equals DirectAdjoint's

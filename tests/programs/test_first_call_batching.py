@@ -51,7 +51,7 @@ def _while_loops(jaxpr):
                     yield from _while_loops(sub)
 
 
-# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
+# Quick loop: solve/test_integrate.py::test_vmap_over_y0_args_t1.
 @pytest.mark.slow
 def test_every_loop_carry_batched():
     # Fails with a counter carried unbatched (then the body is batched twice).
@@ -65,7 +65,7 @@ def test_every_loop_carry_batched():
         assert unbatched == [], unbatched
 
 
-# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
+# Quick loop: solve/test_integrate.py::test_vmap_over_y0_args_t1.
 @pytest.mark.slow
 def test_stores_stay_row_writes():
     # The counters are read unbatched: checkpoints and recomputed carries are
@@ -81,7 +81,7 @@ def test_stores_stay_row_writes():
                 assert eqn.invars[1].aval.shape[:1] != (N,), name
 
 
-# Quick loop: test_integrate.py::test_vmap_over_y0_args_t1.
+# Quick loop: solve/test_integrate.py::test_vmap_over_y0_args_t1.
 @pytest.mark.slow
 def test_bodies_batched_once(monkeypatch):
     # How often `vmap` traces each large loop body: once (twice on the old code).
@@ -119,9 +119,9 @@ def test_bodies_batched_once(monkeypatch):
 
 
 # This batch's checkpointed gradient against DirectAdjoint's (the same `lv_loss`,
-# data and tolerance) and central differences: test_traced_step.py::
+# data and tolerance) and central differences: programs/test_traced_step.py::
 # test_gradient_against_direct_and_differences; against `ensemble_solve`'s:
-# test_ensemble.py::test_gradient_matches_vmap.
+# ensemble/test_ensemble.py::test_gradient_matches_vmap.
 
 
 def _field_args(y, p):
@@ -132,7 +132,7 @@ def _field_args(y, p):
 
 
 # The full suite; the quick loop's gradient of a batch:
-# test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
+# adjoint/test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
 @pytest.mark.slow
 def test_gradient_against_finite_differences():
     rates, y0 = _data()
@@ -169,7 +169,7 @@ def test_unvmap_first():
 
 
 # The full suite; the quick loop's fixed-step gradient:
-# test_controllers.py::test_constant_steps_differentiable_in_dt0.
+# solve/test_controllers.py::test_constant_steps_differentiable_in_dt0.
 @pytest.mark.slow
 def test_fixed_step_gradient_against_direct():
     # Fixed steps keep the forward loop's times and counters unbatched; the

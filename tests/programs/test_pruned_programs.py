@@ -181,8 +181,8 @@ def _grads(rates, y0, **kwargs):
 
 
 # The full suite (4-5 CPU s a case), as are test_pullback_program_is_pruned and
-# test_traced_step.py::test_gradient_against_direct_and_differences (the same LV
-# loss); the quick loop's pruned programs: test_no_nested_jit_in_a_pid_solve[direct].
+# programs/test_traced_step.py::test_gradient_against_direct_and_differences (the same
+# LV loss); the quick loop's pruned programs: test_no_nested_jit_in_a_pid_solve[direct].
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("saveat", [None, "ts", "steps"])
@@ -212,8 +212,10 @@ def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
 
 
 # The full suite (5 CPU s a case), as are the checkpointed gradients of the same LV
-# loss (test_traced_step.py) and through `SaveAt(ts)` (test_ts_gradients.py); the
-# quick loop's checkpointed gradients: test_closure_matrix.py's checkpoint cells.
+# loss (programs/test_traced_step.py) and through `SaveAt(ts)`
+# (adjoint/test_ts_gradients.py); the quick loop's checkpointed gradients:
+# closure/test_closure_matrix.py's checkpoint
+# cells.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("checkpoints", [None, 4])
@@ -239,8 +241,9 @@ def test_gradient_against_direct_and_differences(checkpoints):
     np.testing.assert_allclose(float(jnp.sum(got * v)), quotient, rtol=1e-5)
 
 
-# The full suite, as is the float64 comparison with DirectAdjoint (test_traced_step.py::
-# test_gradient_against_direct_and_differences); the quick loop's pruned programs:
+# The full suite, as is the float64 comparison with DirectAdjoint
+# (programs/test_traced_step.py:: test_gradient_against_direct_and_differences); the
+# quick loop's pruned programs:
 # test_no_nested_jit_in_a_pid_solve[direct].
 @pytest.mark.slow
 def test_float32_gradient_against_direct():

@@ -78,7 +78,7 @@ def test_rows_by_index_as_by_slices(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-# Quick loop: test_row_ops.py::test_same_as_lax[float32].
+# Quick loop: programs/test_row_ops.py::test_same_as_lax[float32].
 @pytest.mark.slow
 def test_rows_by_index_have_whole_row_scatters(monkeypatch):
     """Under `vmap` the row writes scatter whole rows: over (batch, row) only, where

@@ -74,7 +74,7 @@ def test_same_program_bitwise(monkeypatch):
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("constant", [False, True])
 # The full suite; the quick loop's traced steps:
-# test_integrate.py::test_traced_once_inside_jit_under_transformations.
+# solve/test_integrate.py::test_traced_once_inside_jit_under_transformations.
 @pytest.mark.slow
 def test_gradient_against_direct_and_differences(constant):
     # ConstantStepSize: leaves the step returns unchanged are kept once.
@@ -104,8 +104,8 @@ def test_gradient_against_direct_and_differences(constant):
     np.testing.assert_allclose(float(jnp.sum(got[0] * v)), quotient, rtol=1e-5)
 
 
-# The full suite; the quick loop's checkpointed gradients: test_closure_matrix.py's
-# checkpoint cells.
+# The full suite; the quick loop's checkpointed gradients:
+# closure/test_closure_matrix.py's checkpoint cells.
 @pytest.mark.slow
 def test_float32_gradient_against_direct():
     # float32 data (the closed-over index int32, the scale float32).
@@ -178,7 +178,7 @@ def test_traced_kept_with_a_closed_over_tracer():
     # A function closing over a value of an enclosing trace is traced once: the
     # tracer is a constant of its program, which later calls evaluate. (Such
     # programs used to be dropped and the function traced at every call:
-    # tests/test_traced_closed_over.py.)
+    # tests/adjoint/test_norm_closing_over_traced.py.)
     calls = []
 
     def use(x, z):

@@ -84,7 +84,7 @@ def _callbacks(job) -> int:
 
 
 @pytest.mark.parametrize("case", ["lorenz", "lotka_volterra"])
-# Quick loop: test_errors.py::test_throw_false_sets_result[dt_min].
+# Quick loop: solve/test_errors.py::test_throw_false_sets_result[dt_min].
 @pytest.mark.slow
 def test_throw_false_applies_to_every_peer(case):
     # `--throw false` reaches every solverkit and diffrax solve, the ensemble peer's

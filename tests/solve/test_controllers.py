@@ -147,7 +147,7 @@ def _pid_steps(controller, dt0=0.01, solver=sk.Tsit5(), t1=10.0):
 
 
 def _b1(t, y, args, xp):
-    # DETEST B1 (as in test_integrate.py).
+    # DETEST B1 (as in solve/test_integrate.py).
     return xp.stack([2 * (y[0] - y[0] * y[1]), -(y[1] - y[0] * y[1])])
 
 

@@ -1,6 +1,7 @@
 """`diffeqsolve` against references: convergence orders, DETEST problems against scipy
 and diffrax, backwards solves, pytree / complex / integer states, `jit` / `vmap`, and
-no recompilation on a second call. (Step-size controllers: test_controllers.py.)"""
+no recompilation on a second call. (Step-size controllers:
+solve/test_controllers.py.)"""
 
 import functools
 
@@ -52,7 +53,7 @@ _ROOT_TOL = 1e-12
 
 
 @pytest.mark.parametrize("solver_cls, order, _", solver_params(ALL_SOLVERS))
-# Quick loop: these cases (Kvaerno3: test_implicit.py::test_convergence_order).
+# Quick loop: these cases (Kvaerno3: solvers/test_implicit.py::test_convergence_order).
 @pytest.mark.quick_cases(
     "Euler-1-False",
     "Tsit5-5-True",
@@ -644,9 +645,9 @@ def test_small_reductions_match_numpy():
 
 # Tsit5 with the backward pass's stages in a loop, vmapped and lowered; every
 # solver's products (Kvaerno5's stage sums and `(I - γhJ)^-1`, Rodas5P's dense output
-# coefficients, ...), forward and reverse, are test_precision.py's.
+# coefficients, ...), forward and reverse, are programs/test_precision.py's.
 @pytest.mark.parametrize("solver, adjoint", [("Tsit5", "BacksolveAdjoint")])
-# Quick loop: test_precision.py::test_adjoint_products_are_highest.
+# Quick loop: programs/test_precision.py::test_adjoint_products_are_highest.
 @pytest.mark.slow
 def test_float32_products_use_full_precision(solver, adjoint):
     """Every matrix product the engine makes in float32 asks for full precision: at

@@ -205,7 +205,7 @@ def test_saveat_ts_and_dense():
         assert jnp.allclose(y, jnp.exp(-1.5 * t) * jnp.array([1.0, 2.0]), rtol=1e-5)
 
 
-# The full suite; the quick loop's events: tests/test_events.py.
+# The full suite; the quick loop's events: tests/events/test_events.py.
 @pytest.mark.slow
 def test_event():
     """A zero crossing located through the dense output."""
@@ -230,7 +230,7 @@ def _rober_batch(scales, index):
     return jax.vmap(one)(scales, index).ys[:, -1]
 
 
-# Quick loop: test_bdf_vmap.py::test_vmapped_solve_is_elementwise.
+# Quick loop: solvers/test_bdf_vmap.py::test_vmapped_solve_is_elementwise.
 @pytest.mark.slow
 def test_vmap_jit_closures():
     scales = jnp.array([1.0, 0.5, 2.0])
@@ -248,7 +248,7 @@ def _rober_dae_solve(y0):
     return _solve(_rober_dae(0.04), solver, 40.0, y0, 1e-8, 1e-12, throw=False)
 
 
-# The full suite; the quick loop solves DAEs in tests/test_dae.py.
+# The full suite; the quick loop solves DAEs in tests/solvers/test_dae.py.
 @pytest.mark.slow
 def test_mass_matrix_dae():
     """ROBER as an index-1 DAE (diagonal singular mass) agrees with the ODE."""
@@ -259,7 +259,8 @@ def test_mass_matrix_dae():
     assert jnp.allclose(jnp.sum(sol.ys[-1]), 1.0, atol=1e-12)
 
 
-# The full suite; the quick loop's inconsistent DAE initial values: tests/test_dae.py.
+# The full suite; the quick loop's inconsistent DAE initial values:
+# tests/solvers/test_dae.py.
 @pytest.mark.slow
 def test_inconsistent_initial_values():
     sol = _rober_dae_solve(jnp.array([1.0, 0.0, 0.5]))
@@ -269,7 +270,7 @@ def test_inconsistent_initial_values():
         _solve(_rober_dae(0.04), solver, 1.0, jnp.array([1.0, 0, 0.5]), 1e-6, 1e-9)
 
 
-# The full suite; the quick loop's mass matrices: tests/test_dae.py.
+# The full suite; the quick loop's mass matrices: tests/solvers/test_dae.py.
 @pytest.mark.slow
 def test_dense_mass_matrix():
     """`M y' = M f` with a full invertible `M` has the solution of `y' = f`."""
@@ -280,7 +281,7 @@ def test_dense_mass_matrix():
     assert jnp.allclose(sol.ys[-1], ode.ys[-1], rtol=1e-5, atol=1e-11)
 
 
-# The full suite; the quick loop's singular iteration matrix: tests/test_dae.py.
+# The full suite; the quick loop's singular iteration matrix: tests/solvers/test_dae.py.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "linear_solver",
@@ -402,7 +403,7 @@ def _norm_steps(rates, problem, norm, tol):
 
 # The full suite: a vmapped BDF gradient is a ~15 CPU-second compile (one, shared
 # by the four solves of both cases); the quick loop differentiates BDF in
-# test_grad_rober and vmaps it in test_bdf_vmap.py.
+# test_grad_rober and vmaps it in solvers/test_bdf_vmap.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["two", "max"])
 def test_controller_norms(name):
@@ -428,7 +429,7 @@ def test_controller_norms(name):
         np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-14)
 
 
-# Quick loop: the error tests of test_errors.py.
+# Quick loop: the error tests of solve/test_errors.py.
 @pytest.mark.slow
 def test_bad_input():
     vf = lambda t, y, args: -y
@@ -458,7 +459,8 @@ def test_bad_input():
     assert jnp.allclose(sol.ys[-1], jnp.exp(-1.0), rtol=1e-3)
 
 
-# The full suite; the quick loop's ClipStepSizeController: tests/test_clip_diffrax.py.
+# The full suite; the quick loop's ClipStepSizeController:
+# tests/diffrax_compat/test_clip_step_ends.py.
 @pytest.mark.slow
 def test_clip_controller():
     controller = sk.ClipStepSizeController(
@@ -559,10 +561,10 @@ ADJOINTS = [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()]
 # `SOLVERKIT_FULL_MATRIX=1` runs it on ROBER too (both adjoints).
 _MATRIX_FREE = full_matrix_only("test_grad_brusselator_matrix_free")
 # DirectAdjoint through BDF (a vmapped gradient against the checkpointed adjoint's
-# and finite differences) is tests/test_linear_solver_grad.py::test_gradient's
-# BDF-sparse-banded-direct and tests/test_krylov_grad.py::test_other_adjoints;
+# and finite differences) is tests/linear/test_linear_solver_grad.py::test_gradient's
+# BDF-sparse-banded-direct and tests/linear/test_krylov_grad.py::test_other_adjoints;
 # `SOLVERKIT_FULL_MATRIX=1` runs it on ROBER and the Brusselator too.
-_DIRECT = "test_linear_solver_grad.py::test_gradient[BDF-sparse-banded-direct]"
+_DIRECT = "linear/test_linear_solver_grad.py::test_gradient[BDF-sparse-banded-direct]"
 
 
 @pytest.mark.parametrize(
@@ -586,7 +588,7 @@ def test_grad_rober(adjoint, linear_solver):
 # `SOLVERKIT_FULL_MATRIX=1` only (6.5 CPU s): the Brusselator's BDF
 # gradient against finite differences is test_grad_brusselator_matrix_free (the same
 # solve, its Newton matrix by a user's linear solver), the dense solver's BDF gradient
-# test_grad_rober's and tests/test_linear_solver_grad.py's reference (vmapped).
+# test_grad_rober's and tests/linear/test_linear_solver_grad.py's reference (vmapped).
 @pytest.mark.slow
 @full_matrix_only("test_grad_brusselator_matrix_free and test_grad_rober")
 @pytest.mark.parametrize(
@@ -597,9 +599,9 @@ def test_grad_rober(adjoint, linear_solver):
 def test_grad_brusselator(adjoint):
     """The 6×6 Brusselator: BDF's gradient against finite differences (and, with
     `SOLVERKIT_FULL_MATRIX=1`, Rodas5P's: a Rosenbrock method's adaptive-step
-    gradient against finite differences is tests/test_krylov_grad.py::
+    gradient against finite differences is tests/linear/test_krylov_grad.py::
     test_rosenbrock_preconditioner_closing_over_parameters's dense reference and
-    tests/test_dae.py::test_grad_wrt_mass_matrix_matches_fd[Rodas5P-*])."""
+    tests/solvers/test_dae.py::test_grad_wrt_mass_matrix_matches_fd[Rodas5P-*])."""
     x = jnp.asarray(0.02)
     g = _grad("bruss", sk.BDF(), adjoint, x)
     fd = _fd("bruss", x)
@@ -618,10 +620,10 @@ def test_grad_brusselator_matrix_free():
 
 # `SOLVERKIT_FULL_MATRIX=1` only (a vmapped BDF gradient, 7.5 CPU s): BDF's gradient
 # vmapped over a closed-over int index, against finite differences, is
-# tests/test_linear_solver_grad.py::test_gradient's dense reference (BDF, vmapped
-# over the int `k` its field closes over) and tests/test_krylov_grad.py's.
+# tests/linear/test_linear_solver_grad.py::test_gradient's dense reference (BDF, vmapped
+# over the int `k` its field closes over) and tests/linear/test_krylov_grad.py's.
 @pytest.mark.slow
-@full_matrix_only("tests/test_linear_solver_grad.py::test_gradient")
+@full_matrix_only("tests/linear/test_linear_solver_grad.py::test_gradient")
 def test_grad_vmapped_index():
     """Gradient with respect to a closed-over float, vmapped over a closed-over int
     index."""
@@ -647,7 +649,7 @@ def test_grad_vmapped_index():
         assert jnp.allclose(gi, _central(f, 1.0, 1e-5), rtol=2e-5)
 
 
-# The full suite; the quick loop runs BacksolveAdjoint in tests/test_adjoint.py.
+# The full suite; the quick loop runs BacksolveAdjoint in tests/adjoint/test_adjoint.py.
 @pytest.mark.slow
 def test_backsolve():
     """BacksolveAdjoint: matches the exact gradient; with a mass matrix it raises
@@ -693,7 +695,7 @@ class _Counting(AbstractLinearSolver):
         return sk.DenseLinearSolver().solve(factor, rhs, fn)
 
 
-# The full suite; the quick loop's reuse: tests/test_implicit_linear_solver.py.
+# The full suite; the quick loop's reuse: tests/linear/test_implicit_linear_solver.py.
 @pytest.mark.slow
 def test_jacobian_and_factor_reuse():
     """Far fewer Jacobians and factorisations than steps (CVODE's rules), and the
@@ -800,7 +802,7 @@ def test_rejected_steps_keep_their_jacobians(monkeypatch):
 
 
 # The full suite (a 10 CPU-second compile); ForwardMode's quick test is in
-# tests/test_diffrax_scripts.py.
+# tests/diffrax_compat/test_diffrax_scripts.py.
 @pytest.mark.slow
 def test_forward_mode_and_y0():
     """Forward mode (`ForwardMode`, `jax.jacfwd`) agrees with finite differences;

@@ -240,7 +240,7 @@ def test_grad_wrt_closed_over_float_matches_fd(form):
     quick_params(
         [(n, f) for n in ("Rodas5P", "BDF") for f in FORMS],
         # BDF's cases in the full suite (12 CPU s each); the quick loop's BDF
-        # gradient: test_bdf.py::test_grad_rober.
+        # gradient: solvers/test_bdf.py::test_grad_rober.
         quick=[("Rodas5P", "dense")],
     ),
 )
@@ -359,7 +359,8 @@ class _LUSolver(sk.AbstractLinearSolver):
         return jax.scipy.linalg.lu_solve(factor, rhs)
 
 
-# Quick loop: test_implicit_linear_solver.py::test_user_linear_solver_matches_default.
+# Quick loop:
+# linear/test_implicit_linear_solver.py::test_user_linear_solver_matches_default.
 @pytest.mark.slow
 def test_user_linear_solver():
     def run(linear_solver):

@@ -107,7 +107,8 @@ def _error(ys, ref):
         ),
     ],
 )
-# Quick loop: test_implicit.py::test_kencarp5_error_at_step_ends_and_between[0.0].
+# Quick loop:
+# solvers/test_implicit.py::test_kencarp5_error_at_step_ends_and_between[0.0].
 @pytest.mark.slow
 def test_rober_stiff_implicit_term(solver):
     ys, accepted, rejected = _solve(jnp.array([0.04, 3e7, 1e4]), solver, False)

@@ -181,7 +181,7 @@ def _fixed_solve_imex(solver, dt):
     return sol.ys[-1]
 
 
-# Kvaerno3's solve is shared with test_optimistix_root_finder. (test_integrate.py
+# Kvaerno3's solve is shared with test_optimistix_root_finder. (solve/test_integrate.py
 # checks the orders of all of them too, KenCarp3's in the quick loop.)
 @pytest.mark.parametrize(
     "cls",

@@ -182,7 +182,7 @@ def _fixed_step_solve(name):
     return solve
 
 
-# (test_integrate.py checks Rosenbrock23's order in the quick loop.)
+# (solve/test_integrate.py checks Rosenbrock23's order in the quick loop.)
 @pytest.mark.parametrize("name", quick_params(TABLEAUX, ["Ros3P", "Rodas5P"]))
 def test_convergence_order(name, x64):
     order = ORDERS[name][0]
@@ -370,7 +370,7 @@ def test_forward_mode_direct_adjoint(x64):
 # --- Backward time, events, dense output, errors ------------------------------------
 
 
-# Quick loop: test_integrate.py::test_backwards_against_analytic.
+# Quick loop: solve/test_integrate.py::test_backwards_against_analytic.
 @pytest.mark.slow
 def test_backwards_in_time(x64):
     solve = jax.jit(
