@@ -23,7 +23,7 @@ from .._closure._unvmap import error_if, unvmap_max
 from .._problem import Problem
 from .._select import where
 from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
-from . import _backward, _field, _pallas, _tangent
+from . import _backward, _budget, _field, _pallas, _tangent
 from ._layout import from_lanes, per_trajectory, state_of, to_lanes
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
@@ -74,12 +74,30 @@ class Settings(NamedTuple):
 
 
 def supported(problem: Problem, y0, per_trajectory, keep) -> str | None:
-    """`None` where the kernel path can solve this, else what it can't do."""
+    """`None` where the kernel path can solve this, else what it can't do (the
+    solve's options, or the chip's resources: `_budget`)."""
     try:
         _field.check(problem, y0, per_trajectory, keep)
     except KernelUnsupported as e:
         return str(e)
-    return None
+    fits = fitted_rows(problem, y0, 0, None)
+    return fits if isinstance(fits, str) else None
+
+
+def fitted_rows(
+    problem: Problem, y0, directions: int, rows: int | None, interpret=None
+) -> int | str:
+    """Rows per block for this batch (`rows`, else `DEFAULT_ROWS`, else
+    `default_rows(N)`), fewer where the block would not fit the chip's VMEM; or why
+    the kernel, with `directions` forward sensitivities, does not fit (`_budget`)."""
+    if rows is None:
+        batch = jtu.tree_leaves(y0)[0].shape[0]
+        rows = DEFAULT_ROWS if DEFAULT_ROWS is not None else default_rows(batch)
+    if interpret is None:
+        interpret = _default_interpret()
+    need = _budget.of_problem(problem, directions)
+    itemsize = jnp.dtype(jtu.tree_leaves(y0)[0].dtype).itemsize
+    return _budget.rows_for(need, rows, itemsize, interpret)
 
 
 def _event_spec(problem: Problem, y_one, args_one) -> dict:
@@ -322,8 +340,16 @@ def _differentiable(
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
         problem = eqx.combine(dynamic, static)
         directions = _backward.directions_of(problem, y0, args_dynamic)
+        rows = None
         if tangents and BACKWARD == "tangent" and directions is not None:
-            forward = functools.partial(_tangent_rows, settings)
+            # Its own block size: the state carries the tangents (`_budget`).
+            rows = fitted_rows(
+                problem, y0, len(directions), settings.rows, settings.interpret
+            )
+        if isinstance(rows, int):
+            assert directions is not None
+            tangent_settings = settings._replace(rows=rows)
+            forward = functools.partial(_tangent_rows, tangent_settings)
             ct_consts, ct_y, ct_args = _backward.pull_back(
                 forward, problem, y0, args_dynamic, directions, ct["ys"]
             )
@@ -433,11 +459,12 @@ def kernel_solve(
 
     The `Solution` the `vmap` path returns, to the tolerance's order.
     """
-    if rows is None:
-        batch = jtu.tree_leaves(y0)[0].shape[0]
-        rows = DEFAULT_ROWS if DEFAULT_ROWS is not None else default_rows(batch)
     if interpret is None:
         interpret = _default_interpret()
+    fits = fitted_rows(problem, y0, 0, rows, interpret)
+    if isinstance(fits, str):
+        raise KernelUnsupported(fits)
+    rows = fits
     save = problem.saves[0]
     settings = Settings(rows, interpret, save.t0, save.t1)
     args_dynamic, args_static = eqx.partition(args, eqx.is_array)
