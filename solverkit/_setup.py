@@ -3,7 +3,6 @@ times, and every user function (terms, saves, event conditions and effects, thos
 the linear solvers) converted once (`make_problem`). Shared by `diffeqsolve`
 (`_integrate.py`) and `ensemble_solve`."""
 
-import contextlib
 import warnings
 from typing import Any, NamedTuple
 
@@ -28,9 +27,9 @@ from ._term import (
     AbstractTerm,
     check_term_structure,
     ClosureTerm,
+    convert_rate,
     MultiTerm,
     MultiTermStructure,
-    rate_function,
 )
 from ._time import flip
 from ._user_solver import convert as convert_user_solver, is_user_solver
@@ -178,29 +177,8 @@ def _check_output(closure: Closure, y0: Y, what: str) -> None:
             )
 
 
-# The matrix-product precision a vector field is traced with where the user set none
-# (`jax.default_matmul_precision` unset, and a product without `precision=`). A
-# TPU's default multiplies float32 in bfloat16 passes: the error estimate then sees
-# the products' rounding (about 1e-3 relative), which an rtol below it can't meet.
-# Measured on a TPU v5e (a 2-64-64-2 softplus MLP field, Tsit5, PID 1e-3 / 1e-6,
-# N = 4096, `python -m benchmarks.neural_matrix --precision`): the default's values
-# and gradients were 0.16 off a float64 reference, "highest"'s 9e-3, and "highest"
-# solved twice as fast (fewer rejected steps). On a CPU it changes nothing.
-FIELD_PRECISION = "highest"
-
-
-def field_precision() -> contextlib.AbstractContextManager:
-    """The context a user's vector field is traced in: `FIELD_PRECISION` for its
-    matrix products, unless the user set `jax.default_matmul_precision` (globally or
-    around the solve), which is kept; a product's own `precision=` always is."""
-    if getattr(jax.config, "jax_default_matmul_precision", None) is not None:
-        return contextlib.nullcontext()
-    return jax.default_matmul_precision(FIELD_PRECISION)
-
-
 def _closure_term(term: AbstractTerm, times: Times, y0: Y, args: Args) -> ClosureTerm:
-    with field_precision():
-        closure = closure_convert(rate_function(term), times.t0, y0, args)
+    closure = convert_rate(term, times.t0, y0, args)
     _check_output(closure, y0, "vector field")
     return ClosureTerm(closure, times.direction)
 

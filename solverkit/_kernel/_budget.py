@@ -41,10 +41,10 @@ from ._scalarize import _CALLS, _ELEMENTWISE, _inner
 
 # The most lane operations a kernel body may hold (its step's code: every field
 # evaluation of a step, the initial one and the dense output's), above which the
-# loop solves it. The fields measured on a TPU v5e (`python -m
-# benchmarks.neural_matrix`) compile in seconds up to this size; a 2-64-64-2 MLP
-# field (about 10^4 operations an evaluation, 6 * 10^4 a step) took about 100 s to
-# fail to compile.
+# loop solves it. Between two points seen on a TPU v5e: the 128-point heat field
+# (about 4.5 * 10^3) ran on the kernel, a 2-64-64-2 MLP field (about 7 * 10^4)
+# took about 100 s to fail to compile; the cells between are
+# `python -m benchmarks.neural_matrix --parts matrix`'s to measure.
 MAX_OPS = 12_000
 # The same bound in Pallas' interpreter (a CPU): it traces the unrolled body into
 # one XLA program, about 20 s and 0.6 GB for 10^3 operations (a 2-4-4-2 MLP field,
