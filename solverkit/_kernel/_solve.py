@@ -23,7 +23,7 @@ from .._closure._unvmap import error_if, unvmap_max
 from .._problem import Problem
 from .._select import where
 from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
-from . import _backward, _budget, _field, _pallas, _tangent
+from . import _backward, _budget, _field, _pallas, _shard, _tangent
 from ._layout import from_lanes, per_trajectory, state_of, to_lanes
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
@@ -197,19 +197,50 @@ def _grid(problem: Problem, pid) -> list:
 @eqx.filter_jit
 def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
     """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts
-    (lane layout, `(5, R, 128)`)."""
+    `(N, 5)`; each device solving its shard of a sharded batch (`_shard`)."""
+    batch = jtu.tree_leaves(y0)[0].shape[0]
+    return _shard.over_batch(
+        lambda p, b: _forward_shard(p, b[0], b[1], _on_shard(settings, batch, b[0])),
+        problem,
+        (y0, args_dynamic),
+    )
+
+
+def _on_shard(settings: Settings, batch: int, y0) -> Settings:
+    """`settings` for a shard of the batch: no more rows than the shard needs."""
+    size = jtu.tree_leaves(y0)[0].shape[0]
+    if size >= batch:
+        return settings
+    return settings._replace(rows=min(settings.rows, default_rows(size)))
+
+
+def _forward_shard(problem: Problem, y0, args_dynamic, settings: Settings):
+    """`_forward` on one device."""
     batch = jtu.tree_leaves(y0)[0].shape[0]
     inputs = lane_inputs(problem, y0, args_dynamic, settings.rows)
     y_end, ys_ts, t_end, counts = _pallas.solve_blocks(*inputs, settings.interpret)
     t_end = per_trajectory(t_end, batch)
     y_end = state_of(from_lanes(y_end, batch), y0, batch)
     ts_rows, ys_rows = _rows(problem, settings, y0, ys_ts, t_end, y_end)
+    counts = jnp.stack([per_trajectory(c, batch) for c in counts], axis=1)
     return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
 
 
 def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, directions):
     """The saved rows `ys` and, per direction, their tangent (same layout), from one
-    kernel run with forward sensitivities."""
+    kernel run with forward sensitivities; each device solving its shard of a
+    sharded batch (`_shard`)."""
+    batch = jtu.tree_leaves(y0)[0].shape[0]
+
+    def on_shard(p, b):
+        local = _on_shard(settings, batch, b[0])
+        return _tangent_shard(local, p, b[0], b[1], directions)
+
+    return _shard.over_batch(on_shard, problem, (y0, args_dynamic))
+
+
+def _tangent_shard(settings: Settings, problem: Problem, y0, args_dynamic, directions):
+    """`_tangent_rows` on one device."""
     batch = jtu.tree_leaves(y0)[0].shape[0]
     spec, times, ts, y_lanes, arg_lanes, consts = lane_inputs(
         problem, y0, args_dynamic, settings.rows, directions
@@ -332,7 +363,7 @@ def _differentiable(
 
     def fwd(problem, y0, args_dynamic):
         out = primal(problem, y0, args_dynamic)
-        steps = per_trajectory(out["counts"][0], out["t1"].shape[0])
+        steps = out["counts"][:, 0]
         return out, (y0, args_dynamic, steps)
 
     def bwd(static, dynamic, residuals, cotangents):
@@ -383,20 +414,25 @@ def _differentiable(
     )  # fmt: skip
 
 
-def _stats(problem: Problem, counts, batch: int) -> dict:
-    """The lane loop's `stats` from the kernel's `(5, R, 128)` counts; `lanes`: the
-    trajectories the blocks hold (padding included), `lane_steps`: the iterations
-    of every block times its lanes (each row of a block holds its iterations)."""
+def _stats(problem: Problem, counts, rows: int) -> dict:
+    """The lane loop's `stats` from the kernel's `(N, 5)` counts; `lanes`: the
+    trajectories the blocks of `rows` rows hold (padding included), `lane_steps`:
+    the iterations of every block times its lanes (the padding runs as long as the
+    last trajectory's block; a sharded batch, padded on each device, counts as one)."""
     int_dtype = jnp.result_type(int)
-    count = lambda i: per_trajectory(counts[i], batch).astype(int_dtype)  # noqa: E731
+    counts = counts.astype(int_dtype)
+    batch = counts.shape[0]
+    block = rows * LANES
+    lanes = -(-batch // block) * block
     max_steps = int(problem.max_steps or 0)
+    iterations = jnp.sum(counts[:, 4]) + (lanes - batch) * counts[-1, 4]
     return dict(
-        num_steps=count(0),
-        num_accepted_steps=count(1),
-        num_rejected_steps=count(2),
+        num_steps=counts[:, 0],
+        num_accepted_steps=counts[:, 1],
+        num_rejected_steps=counts[:, 2],
         max_steps=jnp.full((batch,), max_steps, int_dtype),
-        lanes=counts.shape[1] * LANES,
-        lane_steps=jnp.sum(counts[4, :, 0].astype(int_dtype)) * LANES,
+        lanes=lanes,
+        lane_steps=iterations,
     )
 
 
@@ -476,7 +512,7 @@ def kernel_solve(
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
     batch = t_end.shape[0]
-    result = per_trajectory(counts[3], batch)
+    result = counts[:, 3]
     if throw:
         ts, ys, t_end = _check((ts, ys, t_end), result)
     return Solution(
@@ -484,7 +520,7 @@ def kernel_solve(
         t1=t_end,
         ts=ts,
         ys=ys,
-        stats=_stats(problem, counts, batch),
+        stats=_stats(problem, counts, rows),
         result=Result(result),
         event_mask=_event_mask(problem, result),
         made_jump=None,
