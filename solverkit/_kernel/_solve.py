@@ -34,15 +34,10 @@ _EVENT = int(RESULTS.event_occurred.code)
 # Rows of 128 trajectories per block, when not told (None: `default_rows(N)`).
 DEFAULT_ROWS: int | None = None
 # A block has 8 rows per this many trajectories, in powers of two (8 to 64 rows).
-# One TensorCore runs the grid's blocks in sequence, and a block's step is a chain
-# of dependent operations whose latency more tiles hide, so larger blocks amortise
-# each iteration's fixed cost: measured on a TPU v5e (Lorenz, Tsit5, float32,
-# benchmarks/results/tpu-v5-lite/stop44_rows), 1000 fixed steps of 4096
-# trajectories took 1.70 / 1.49 / 1.37 ms in blocks of 8 / 16 / 32 rows, of 16,384
-# 3.91 / 2.97 / 2.53 / 2.31 ms in blocks of 8 / 16 / 32 / 64; adaptive to t = 10,
-# 4096: 1.07 / 0.94 / 0.89 ms, 16,384: 1.52 / 1.40 / 1.27 / 1.21 ms; to t = 1
-# (34 steps: the call's fixed cost) within the runs' 10% noise at every size (stop
-# 42: 65,536 took 14.0 ms in blocks of 8 rows, 5.0 ms in 32; 2^20 46 ms in 64).
+# One TensorCore runs the grid's blocks in sequence and a block's step is a chain of
+# dependent operations whose latency more tiles hide, so larger blocks amortise each
+# iteration's fixed cost; at t1 = 1 (the call's fixed cost) the size did not matter
+# (TPU v5e, Lorenz, float32: benchmarks/results/tpu-v5-lite/stop44_rows).
 _TRAJECTORIES_PER_8_ROWS = 1024
 _MAX_ROWS = 64
 # Run the kernel in Pallas' interpreter, when not told (None: except on a TPU;
@@ -196,74 +191,56 @@ def _grid(problem: Problem, pid) -> list:
 
 @eqx.filter_jit
 def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
-    """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts
-    `(N, 5)`; each device solving its shard of a sharded batch (`_shard`)."""
-    batch = jtu.tree_leaves(y0)[0].shape[0]
-    return _shard.over_batch(
-        lambda p, b: _forward_shard(p, b[0], b[1], _on_shard(settings, batch, b[0])),
-        problem,
-        (y0, args_dynamic),
-    )
+    """The kernel's `ts`, `ys`, `t1` rows and counts `(N, 5)`, per device (`_shard`)."""
 
-
-def _on_shard(settings: Settings, batch: int, y0) -> Settings:
-    """`settings` for a shard of the batch: no more rows than the shard needs."""
-    size = jtu.tree_leaves(y0)[0].shape[0]
-    if size >= batch:
-        return settings
-    return settings._replace(rows=min(settings.rows, default_rows(size)))
-
-
-def _forward_shard(problem: Problem, y0, args_dynamic, settings: Settings):
-    """`_forward` on one device."""
-    batch = jtu.tree_leaves(y0)[0].shape[0]
-    inputs = lane_inputs(problem, y0, args_dynamic, settings.rows)
-    y_end, ys_ts, t_end, counts = _pallas.solve_blocks(*inputs, settings.interpret)
-    t_end = per_trajectory(t_end, batch)
-    y_end = state_of(from_lanes(y_end, batch), y0, batch)
-    ts_rows, ys_rows = _rows(problem, settings, y0, ys_ts, t_end, y_end)
-    counts = jnp.stack([per_trajectory(c, batch) for c in counts], axis=1)
-    return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
-
-
-def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, directions):
-    """The saved rows `ys` and, per direction, their tangent (same layout), from one
-    kernel run with forward sensitivities; each device solving its shard of a
-    sharded batch (`_shard`)."""
-    batch = jtu.tree_leaves(y0)[0].shape[0]
-
-    def on_shard(p, b):
-        local = _on_shard(settings, batch, b[0])
-        return _tangent_shard(local, p, b[0], b[1], directions)
+    def on_shard(problem, batched):
+        (y, a), local = batched, _on_shard(settings, batched, y0)
+        batch = jtu.tree_leaves(y)[0].shape[0]
+        y_end, ys_ts, t_end, counts = _pallas.solve_blocks(
+            *lane_inputs(problem, y, a, local.rows), local.interpret
+        )
+        t_end = per_trajectory(t_end, batch)
+        y_end = state_of(from_lanes(y_end, batch), y, batch)
+        ts_rows, ys_rows = _rows(problem, local, y, ys_ts, t_end, y_end)
+        counts = jnp.stack([per_trajectory(c, batch) for c in counts], axis=1)
+        return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
 
     return _shard.over_batch(on_shard, problem, (y0, args_dynamic))
 
 
-def _tangent_shard(settings: Settings, problem: Problem, y0, args_dynamic, directions):
-    """`_tangent_rows` on one device."""
-    batch = jtu.tree_leaves(y0)[0].shape[0]
-    spec, times, ts, y_lanes, arg_lanes, consts = lane_inputs(
-        problem, y0, args_dynamic, settings.rows, directions
-    )
-    y_end, ys_ts, t_end, _ = _pallas.solve_blocks(
-        spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
-    )
-    t_end = per_trajectory(t_end, batch)
-    n = spec.own
+def _on_shard(settings: Settings, batched, whole) -> Settings:
+    """`settings` for a shard of the batch `whole`: no more rows than it needs."""
+    size, full = (jtu.tree_leaves(x)[0].shape[0] for x in (batched, whole))
+    rows = settings.rows if size >= full else min(settings.rows, default_rows(size))
+    return settings._replace(rows=rows)
 
-    def rows_of(k: int, start):
-        part = slice(n * k, n * (k + 1))
-        end = state_of(from_lanes(y_end[part], batch), y0, batch)
-        return _rows(problem, settings, start, ys_ts[:, part], t_end, end)[1]
 
-    def start_of(direction):
-        flat = jnp.zeros((batch, n), ys_ts.dtype)
-        if direction[0] == "state":
-            flat = flat.at[:, direction[1]].set(1)
-        return state_of(flat, y0, batch)
+def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, directions):
+    """The saved rows `ys` and, per direction, their tangent (same layout), from one
+    kernel run with forward sensitivities (per device, as `_forward`)."""
 
-    tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
-    return rows_of(0, y0), tangents
+    def on_shard(problem, batched):
+        (y, a), local = batched, _on_shard(settings, batched, y0)
+        batch = jtu.tree_leaves(y)[0].shape[0]
+        inputs = lane_inputs(problem, y, a, local.rows, directions)
+        y_end, ys_ts, t_end, _ = _pallas.solve_blocks(*inputs, local.interpret)
+        t_end, n = per_trajectory(t_end, batch), inputs[0].own
+
+        def rows_of(k: int, start):
+            part = slice(n * k, n * (k + 1))
+            end = state_of(from_lanes(y_end[part], batch), y, batch)
+            return _rows(problem, local, start, ys_ts[:, part], t_end, end)[1]
+
+        def start_of(direction):
+            flat = jnp.zeros((batch, n), ys_ts.dtype)
+            if direction[0] == "state":
+                flat = flat.at[:, direction[1]].set(1)
+            return state_of(flat, y, batch)
+
+        tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
+        return rows_of(0, y), tangents
+
+    return _shard.over_batch(on_shard, problem, (y0, args_dynamic))
 
 
 def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
@@ -415,24 +392,18 @@ def _differentiable(
 
 
 def _stats(problem: Problem, counts, rows: int) -> dict:
-    """The lane loop's `stats` from the kernel's `(N, 5)` counts; `lanes`: the
-    trajectories the blocks of `rows` rows hold (padding included), `lane_steps`:
-    the iterations of every block times its lanes (the padding runs as long as the
-    last trajectory's block; a sharded batch, padded on each device, counts as one)."""
-    int_dtype = jnp.result_type(int)
-    counts = counts.astype(int_dtype)
-    batch = counts.shape[0]
-    block = rows * LANES
+    """The lane loop's `stats` from the kernel's `(N, 5)` counts; `lanes`, the lanes
+    of the blocks of `rows` rows, padding included; `lane_steps`, their iterations."""
+    counts = counts.astype(jnp.result_type(int))
+    batch, block = counts.shape[0], rows * LANES
     lanes = -(-batch // block) * block
-    max_steps = int(problem.max_steps or 0)
-    iterations = jnp.sum(counts[:, 4]) + (lanes - batch) * counts[-1, 4]
     return dict(
         num_steps=counts[:, 0],
         num_accepted_steps=counts[:, 1],
         num_rejected_steps=counts[:, 2],
-        max_steps=jnp.full((batch,), max_steps, int_dtype),
+        max_steps=jnp.full((batch,), int(problem.max_steps or 0), counts.dtype),
         lanes=lanes,
-        lane_steps=iterations,
+        lane_steps=jnp.sum(counts[:, 4]) + (lanes - batch) * counts[-1, 4],
     )
 
 
