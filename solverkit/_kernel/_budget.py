@@ -36,7 +36,7 @@ import numpy as np
 
 from .._solver._rosenbrock_tableau import RosenbrockTableau
 from . import _field
-from ._scalarize import _CALLS, _ELEMENTWISE, _inner
+from ._scalarize import _CALLS, _ELEMENTWISE, _inner, choices
 
 
 # The most lane operations a kernel body may hold (its step's code: every field
@@ -130,6 +130,8 @@ def _eqn_ops(eqn) -> int:
         return out * max(2 * _contraction(eqn) - 1, 1)
     if name.startswith("reduce_"):
         return max(_size(eqn.invars[0]) - out, 0)
+    if name == "dynamic_slice":  # a compare and a select per place
+        return out * 2 * (choices(eqn) - 1)
     return 0  # structural: moves elements
 
 
@@ -163,6 +165,7 @@ def _flatten(jaxpr: jex.Jaxpr, lane: list[bool]) -> tuple[list, list, list, list
                 is_lane = any(x is not None for x in xs)
                 structural = name not in _ELEMENTWISE and name != "dot_general"
                 structural = structural and not name.startswith("reduce_")
+                structural = structural and _eqn_ops(eqn) == 0
                 if not is_lane:
                     outs = [None] * len(eqn.outvars)
                 elif structural:  # views of its inputs' values
