@@ -116,9 +116,9 @@ ended() { echo "accel.sh: step $1 ended after $((SECONDS - $2)) s (${SECONDS} s 
 # writes afresh, the others --append. The peers are solverkit (`jax.vmap`), its
 # ensemble API and diffrax (ACCEL_PEERS; gradsolve, float32 in its fixed-step rows
 # only, costs ~10 s of first calls: ACCEL_PEERS=solverkit,solverkit-ensemble,diffrax,gradsolve).
-# ACCEL_STEPS (default 1-8; e.g. 2,3,6) runs only those of the nine steps
+# ACCEL_STEPS (default 1-8 and 10; e.g. 2,3,6) runs only those of the ten steps
 # (numbered as above). Each step's end is logged with the seconds it took.
-want() { [[ ",${ACCEL_STEPS:-1,2,3,4,5,6,7,8}," == *",$1,"* ]] && start=$SECONDS; }
+want() { [[ ",${ACCEL_STEPS:-1,2,3,4,5,6,7,8,10}," == *",$1,"* ]] && start=$SECONDS; }
 peers=(--peers "${ACCEL_PEERS:-solverkit,solverkit-ensemble,diffrax}")
 lorenz_sizes="${LORENZ_SIZES:-4096,65536}"
 if want 1; then
@@ -183,6 +183,16 @@ if want 8; then
     bench_module "$(limit 45)" events ${EVENTS_ARGS:---size 1024 --repeats 2 --variants forward} \
         ${dtype_flag[@]+"${dtype_flag[@]}"} --json "$out/events.json" || rc=1
     ended 8 "$start"
+fi
+# The 2-64-64-2 neural ODE at N = 4096 and the latent size (32-256x3, N = 1024):
+# forward, checkpointed gradient and BacksolveAdjoint against diffrax, with
+# `throw=False` (`python -m benchmarks.neural_matrix --parts neural`; about 40 s for
+# the first two rows on the chip, results/tpu-v5-lite/neural_matrix). It runs last
+# and takes what is left of the budget.
+if want 10; then
+    bench_module "$(limit 90)" neural_matrix --parts neural --budget 60 \
+        --out "$out/neural_matrix" || rc=1
+    ended 10 "$start"
 fi
 # The neural ODE, not in the default plan: its first calls (three adjoints at two
 # sizes, diffrax's among them) and its float64 reference (~35 s on the TPU host's

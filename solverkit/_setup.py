@@ -29,9 +29,9 @@ from ._term import (
     AbstractTerm,
     check_term_structure,
     ClosureTerm,
+    convert_rate,
     MultiTerm,
     MultiTermStructure,
-    rate_function,
 )
 from ._time import flip, Times
 from ._user_solver import convert as convert_user_solver, is_user_solver
@@ -139,7 +139,7 @@ def _check_output(closure: Closure, y0: Y, what: str) -> None:
 
 
 def _closure_term(term: AbstractTerm, times: Times, y0: Y, args: Args) -> ClosureTerm:
-    closure = closure_convert(rate_function(term), times.t0, y0, args)
+    closure = convert_rate(term, times.t0, y0, args)
     _check_output(closure, y0, "vector field")
     return ClosureTerm(closure, times.direction)
 

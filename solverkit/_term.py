@@ -6,15 +6,17 @@ control over the step. For an ODE the control is the time step `t1 - t0`.
 """
 
 import abc
+import contextlib
 import typing
 from collections.abc import Callable
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from ._closure._convert import Closure
+from ._closure._convert import Closure, closure_convert
 from ._custom_types import Args, RealScalarLike, Y
 from ._time import flip
 
@@ -247,3 +249,31 @@ def total_vf(terms: AbstractTerm, t: RealScalarLike, y: PyTree, args: PyTree) ->
         return terms.vf(t, y, args)
     parts = terms.vf(t, y, args)
     return jtu.tree_map(lambda *xs: sum(xs[1:], xs[0]), *parts)
+
+
+# The matrix-product precision a vector field is traced with where the user set none
+# (`jax.default_matmul_precision` unset, and a product without `precision=`). A
+# TPU's default multiplies float32 in bfloat16 passes: the error estimate then sees
+# the products' rounding (about 1e-3 relative), which an rtol below it can't meet.
+# Reported on a TPU v5e (a 2-64-64-2 softplus MLP field, Tsit5, PID 1e-3 / 1e-6,
+# N = 4096): the default's values and gradients were 0.16 off a float64 reference,
+# "highest"'s 9e-3, and "highest" solved twice as fast (fewer rejected steps);
+# `python -m benchmarks.neural_matrix --parts precision` measures both. On a CPU
+# it changes nothing. Opt out with `jax.default_matmul_precision("default")`.
+FIELD_PRECISION = "highest"
+
+
+def field_precision() -> contextlib.AbstractContextManager:
+    """The context a user's vector field is traced in: `FIELD_PRECISION` for its
+    matrix products, unless the user set `jax.default_matmul_precision` (globally or
+    around the solve), which is kept; a product's own `precision=` always is."""
+    if getattr(jax.config, "jax_default_matmul_precision", None) is not None:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(FIELD_PRECISION)
+
+
+def convert_rate(term: AbstractTerm, *example) -> Closure:
+    """`term`'s rate function (`rate_function`) converted on `example` arguments
+    (`closure_convert`), traced under `field_precision`."""
+    with field_precision():
+        return closure_convert(rate_function(term), *example)

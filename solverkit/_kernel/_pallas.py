@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .._solution import EVENT as _EVENT, RESULTS, SUCCESS as _SUCCESS
 from .._solver._rosenbrock_tableau import RosenbrockTableau
 from .._solver._tableau import ButcherTableau
-from . import _event, _rosenbrock, _step, _tangent, _tile
+from . import _budget, _event, _rosenbrock, _step, _tangent, _tile
 from ._step import Pid
 from ._tile import where
 
@@ -430,7 +430,9 @@ def solve_blocks(spec: Spec, times, ts, y0, args, consts, interpret: bool):
         interpret=interpret,
         compiler_params=None
         if interpret
-        else pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        else pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=_budget.vmem_limit()
+        ),
     )
     # The zero tile that every select in the kernel is anchored to (`_tile`).
     zero = jnp.full((rows_total, LANES), -0.0, tdtype)

@@ -6,7 +6,9 @@ its values is a small array. Here each such value is a NumPy object array of the
 value's own shape whose elements are JAX values: a `(rows, 128)` tile (one number per
 lane) or a 0-d array (one number shared by every lane). Element-wise primitives are
 applied element by element; structural ones (slices, reshapes, concatenation,
-broadcasts, small contractions with shared weights) only move elements. So the kernel
+broadcasts, small contractions with shared weights) only move elements; an index
+that differs per trajectory into a small array (`table[k]`, a `dynamic_slice`) is
+a chain of selects over the positions it can take. So the kernel
 body holds nothing but element-wise operations on `(rows, 128)` tiles, the layout the
 TPU (Mosaic) lowers well, with no transposes or gathers, which `jax.vmap` over the
 lane axes would bring in.
@@ -19,6 +21,8 @@ import functools
 import operator
 from collections.abc import Callable, Sequence
 
+import jax
+import jax.core
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +32,11 @@ from . import _tile
 
 class KernelUnsupported(Exception):
     """What the kernel path can't do (a primitive, solver or option), in words."""
+
+
+# A traced index (`dynamic_slice`) selects among at most this many places: each is
+# a compare and a select per output element, on every evaluation of the field.
+MAX_CHOICES = 64
 
 
 # Primitives applied element by element (each output element from the same element
@@ -85,12 +94,54 @@ def check(jaxpr: jex.Jaxpr) -> None:
                 "the vector field uses `dot_general` with batch dimensions, which the "
                 "kernel does not evaluate lane-wise"
             )
+        elif name == "dynamic_slice" and choices(eqn) > MAX_CHOICES:
+            raise KernelUnsupported(
+                "the vector field indexes an array of shape "
+                f"{_shape(eqn.invars[0])} at a traced position ({choices(eqn)} "
+                f"places to choose from; the kernel selects among at most "
+                f"{MAX_CHOICES})"
+            )
         elif name not in _ELEMENTWISE and name not in _STRUCTURAL:
             raise KernelUnsupported(
                 f"the vector field uses the primitive `{name}`, which the kernel does "
                 "not evaluate lane-wise (dynamic indexing, gathers, loops and "
                 "linear algebra are not supported inside the kernel)"
             )
+
+
+def _shape(var) -> tuple[int, ...]:
+    return tuple(getattr(var.aval, "shape", ()))
+
+
+def choices(eqn) -> int:
+    """The positions a `dynamic_slice` can take (its traced starts' ranges)."""
+    shape, sizes = _shape(eqn.invars[0]), eqn.params["slice_sizes"]
+    count = 1
+    for start, dim, size in zip(eqn.invars[1:], shape, sizes):
+        if not isinstance(start, jex.Literal):
+            count *= dim - size + 1
+    return count
+
+
+def _dynamic_slice(x: np.ndarray, starts: Sequence, params: dict) -> np.ndarray:
+    """`lax.dynamic_slice` on elements: along each axis whose start is traced (per
+    trajectory, a tile), a chain of selects (`start >= s`: XLA's clamped start)
+    over the `dim - size + 1` places; a known start is a slice."""
+    for axis, (start, size) in enumerate(zip(starts, params["slice_sizes"])):
+        last = x.shape[axis] - size
+        value = start[()]
+        if not isinstance(value, jax.core.Tracer):
+            first = min(max(int(value), 0), last)
+            x = np.take(x, range(first, first + size), axis=axis)
+            continue
+        place = lambda s: np.take(x, range(s, s + size), axis=axis)  # noqa: E731
+        out = place(0)
+        for s in range(1, last + 1):
+            at = as_elements(np.asarray(s, jnp.result_type(value)))
+            past = _elementwise(jax.lax.ge_p, {}, [start, at])
+            out = _elementwise(jax.lax.select_n_p, {}, [past, out, place(s)])
+        x = out
+    return x
 
 
 def _match(xs: Sequence, shape: tuple[int, ...] | None):
@@ -201,6 +252,7 @@ _STRUCTURAL: dict[str, Callable] = {
     "reduce_prod": lambda x, p: _reduce(operator.mul, x, p["axes"]),
     "dot_general": lambda x, y, p: _dot_general(x, y, p),
     "iota": lambda p: _iota(p),
+    "dynamic_slice": lambda x, *rest: _dynamic_slice(x, rest[:-1], rest[-1]),
 }
 _VARIADIC = frozenset({"concatenate", "stack"})
 

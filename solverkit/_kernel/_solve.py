@@ -30,7 +30,7 @@ from .._solution import (
     Solution,
     SUCCESS as _SUCCESS,
 )
-from . import _backward, _field, _pallas, _tangent
+from . import _backward, _budget, _field, _pallas, _shard, _tangent
 from ._layout import from_lanes, per_trajectory, state_of, to_lanes
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
@@ -76,12 +76,30 @@ class Settings(NamedTuple):
 
 
 def supported(problem: Problem, y0, per_trajectory, final) -> str | None:
-    """`None` where the kernel path can solve this, else what it can't do."""
+    """`None` where the kernel path can solve this, else what it can't do (the
+    solve's options, or the chip's resources: `_budget`)."""
     try:
         _field.check(problem, y0, per_trajectory, final)
     except KernelUnsupported as e:
         return str(e)
-    return None
+    fits = fitted_rows(problem, y0, 0, None)
+    return fits if isinstance(fits, str) else None
+
+
+def fitted_rows(
+    problem: Problem, y0, directions: int, rows: int | None, interpret=None
+) -> int | str:
+    """Rows per block for this batch (`rows`, else `DEFAULT_ROWS`, else
+    `default_rows(N)`), fewer where the block would not fit the chip's VMEM; or why
+    the kernel, with `directions` forward sensitivities, does not fit (`_budget`)."""
+    if rows is None:
+        batch = jtu.tree_leaves(y0)[0].shape[0]
+        rows = DEFAULT_ROWS if DEFAULT_ROWS is not None else default_rows(batch)
+    if interpret is None:
+        interpret = _default_interpret()
+    need = _budget.of_problem(problem, directions)
+    itemsize = jnp.dtype(jtu.tree_leaves(y0)[0].dtype).itemsize
+    return _budget.rows_for(need, rows, itemsize, interpret)
 
 
 def _event_spec(problem: Problem, y_one, args_one) -> dict:
@@ -180,43 +198,56 @@ def _grid(problem: Problem, pid) -> list:
 
 @eqx.filter_jit
 def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
-    """The kernel's outputs (user layout): `ts`, `ys`, `t1` rows, and the counts
-    (lane layout, `(5, R, 128)`)."""
-    batch = jtu.tree_leaves(y0)[0].shape[0]
-    inputs = lane_inputs(problem, y0, args_dynamic, settings.rows)
-    y_end, ys_ts, t_end, counts = _pallas.solve_blocks(*inputs, settings.interpret)
-    t_end = per_trajectory(t_end, batch)
-    y_end = state_of(from_lanes(y_end, batch), y0, batch)
-    ts_rows, ys_rows = _rows(problem, settings, y0, ys_ts, t_end, y_end)
-    return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
+    """The kernel's `ts`, `ys`, `t1` rows and counts `(N, 5)`, per device (`_shard`)."""
+
+    def on_shard(problem, batched):
+        (y, a), local = batched, _on_shard(settings, batched, y0)
+        batch = jtu.tree_leaves(y)[0].shape[0]
+        y_end, ys_ts, t_end, counts = _pallas.solve_blocks(
+            *lane_inputs(problem, y, a, local.rows), local.interpret
+        )
+        t_end = per_trajectory(t_end, batch)
+        y_end = state_of(from_lanes(y_end, batch), y, batch)
+        ts_rows, ys_rows = _rows(problem, local, y, ys_ts, t_end, y_end)
+        counts = jnp.stack([per_trajectory(c, batch) for c in counts], axis=1)
+        return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
+
+    return _shard.over_batch(on_shard, problem, (y0, args_dynamic))
+
+
+def _on_shard(settings: Settings, batched, whole) -> Settings:
+    """`settings` for a shard of the batch `whole`: no more rows than it needs."""
+    size, full = (jtu.tree_leaves(x)[0].shape[0] for x in (batched, whole))
+    rows = settings.rows if size >= full else min(settings.rows, default_rows(size))
+    return settings._replace(rows=rows)
 
 
 def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, directions):
     """The saved rows `ys` and, per direction, their tangent (same layout), from one
-    kernel run with forward sensitivities."""
-    batch = jtu.tree_leaves(y0)[0].shape[0]
-    spec, times, ts, y_lanes, arg_lanes, consts = lane_inputs(
-        problem, y0, args_dynamic, settings.rows, directions
-    )
-    y_end, ys_ts, t_end, _ = _pallas.solve_blocks(
-        spec, times, ts, y_lanes, arg_lanes, consts, settings.interpret
-    )
-    t_end = per_trajectory(t_end, batch)
-    n = spec.own
+    kernel run with forward sensitivities (per device, as `_forward`)."""
 
-    def rows_of(k: int, start):
-        part = slice(n * k, n * (k + 1))
-        end = state_of(from_lanes(y_end[part], batch), y0, batch)
-        return _rows(problem, settings, start, ys_ts[:, part], t_end, end)[1]
+    def on_shard(problem, batched):
+        (y, a), local = batched, _on_shard(settings, batched, y0)
+        batch = jtu.tree_leaves(y)[0].shape[0]
+        inputs = lane_inputs(problem, y, a, local.rows, directions)
+        y_end, ys_ts, t_end, _ = _pallas.solve_blocks(*inputs, local.interpret)
+        t_end, n = per_trajectory(t_end, batch), inputs[0].own
 
-    def start_of(direction):
-        flat = jnp.zeros((batch, n), ys_ts.dtype)
-        if direction[0] == "state":
-            flat = flat.at[:, direction[1]].set(1)
-        return state_of(flat, y0, batch)
+        def rows_of(k: int, start):
+            part = slice(n * k, n * (k + 1))
+            end = state_of(from_lanes(y_end[part], batch), y, batch)
+            return _rows(problem, local, start, ys_ts[:, part], t_end, end)[1]
 
-    tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
-    return rows_of(0, y0), tangents
+        def start_of(direction):
+            flat = jnp.zeros((batch, n), ys_ts.dtype)
+            if direction[0] == "state":
+                flat = flat.at[:, direction[1]].set(1)
+            return state_of(flat, y, batch)
+
+        tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
+        return rows_of(0, y), tangents
+
+    return _shard.over_batch(on_shard, problem, (y0, args_dynamic))
 
 
 def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
@@ -227,9 +258,9 @@ def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
     save = problem.saves[0]
     rows = lambda x: x[:, None]  # noqa: E731
     if save.ts is None and not settings.save_t0:  # the final point or nothing
-        keep = settings.save_t1
-        ts = rows(t_end) if keep else jnp.zeros((batch, 0), t_end.dtype)
-        ys = jtu.tree_map(lambda v: rows(v) if keep else rows(v)[:, :0], y_end)
+        save_t1 = settings.save_t1
+        ts = rows(t_end) if save_t1 else jnp.zeros((batch, 0), t_end.dtype)
+        ys = jtu.tree_map(lambda v: rows(v) if save_t1 else rows(v)[:, :0], y_end)
         return ts, ys
     ts = jnp.zeros((batch, 0), t_end.dtype)
     ys = jtu.tree_map(lambda x: jnp.zeros((batch, 0) + x.shape[1:], x.dtype), y0)
@@ -316,7 +347,7 @@ def _differentiable(
 
     def fwd(problem, y0, args_dynamic):
         out = primal(problem, y0, args_dynamic)
-        steps = per_trajectory(out["counts"][0], out["t1"].shape[0])
+        steps = out["counts"][:, 0]
         return out, (y0, args_dynamic, steps)
 
     def bwd(static, dynamic, residuals, cotangents):
@@ -324,8 +355,16 @@ def _differentiable(
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
         problem = eqx.combine(dynamic, static)
         directions = _backward.directions_of(problem, y0, args_dynamic)
+        rows = None
         if tangents and BACKWARD == "tangent" and directions is not None:
-            forward = functools.partial(_tangent_rows, settings)
+            # Its own block size: the state carries the tangents (`_budget`).
+            rows = fitted_rows(
+                problem, y0, len(directions), settings.rows, settings.interpret
+            )
+        if isinstance(rows, int):
+            assert directions is not None
+            tangent_settings = settings._replace(rows=rows)
+            forward = functools.partial(_tangent_rows, tangent_settings)
             ct_consts, ct_y, ct_args = _backward.pull_back(
                 forward, problem, y0, args_dynamic, directions, ct["ys"]
             )
@@ -359,20 +398,19 @@ def _differentiable(
     )  # fmt: skip
 
 
-def _stats(problem: Problem, counts, batch: int) -> dict:
-    """The lane loop's `stats` from the kernel's `(5, R, 128)` counts; `lanes`: the
-    trajectories the blocks hold (padding included), `lane_steps`: the iterations
-    of every block times its lanes (each row of a block holds its iterations)."""
-    int_dtype = jnp.result_type(int)
-    count = lambda i: per_trajectory(counts[i], batch).astype(int_dtype)  # noqa: E731
-    max_steps = int(problem.max_steps or 0)
+def _stats(problem: Problem, counts, rows: int) -> dict:
+    """The lane loop's `stats` from the kernel's `(N, 5)` counts; `lanes`, the lanes
+    of the blocks of `rows` rows, padding included; `lane_steps`, their iterations."""
+    counts = counts.astype(jnp.result_type(int))
+    batch, block = counts.shape[0], rows * LANES
+    lanes = -(-batch // block) * block
     return dict(
-        num_steps=count(0),
-        num_accepted_steps=count(1),
-        num_rejected_steps=count(2),
-        max_steps=jnp.full((batch,), max_steps, int_dtype),
-        lanes=counts.shape[1] * LANES,
-        lane_steps=jnp.sum(counts[4, :, 0].astype(int_dtype)) * LANES,
+        num_steps=counts[:, 0],
+        num_accepted_steps=counts[:, 1],
+        num_rejected_steps=counts[:, 2],
+        max_steps=jnp.full((batch,), int(problem.max_steps or 0), counts.dtype),
+        lanes=lanes,
+        lane_steps=jnp.sum(counts[:, 4]) + (lanes - batch) * counts[-1, 4],
     )
 
 
@@ -435,11 +473,12 @@ def kernel_solve(
 
     The `Solution` the `vmap` path returns, to the tolerance's order.
     """
-    if rows is None:
-        batch = jtu.tree_leaves(y0)[0].shape[0]
-        rows = DEFAULT_ROWS if DEFAULT_ROWS is not None else default_rows(batch)
     if interpret is None:
         interpret = _default_interpret()
+    fits = fitted_rows(problem, y0, 0, rows, interpret)
+    if isinstance(fits, str):
+        raise KernelUnsupported(fits)
+    rows = fits
     save = problem.saves[0]
     settings = Settings(rows, interpret, save.t0, save.t1)
     args_dynamic, args_static = eqx.partition(args, eqx.is_array)
@@ -451,7 +490,7 @@ def kernel_solve(
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
     batch = t_end.shape[0]
-    result = per_trajectory(counts[3], batch)
+    result = counts[:, 3]
     if throw:
         ts, ys, t_end = _check((ts, ys, t_end), result)
     return Solution(
@@ -459,7 +498,7 @@ def kernel_solve(
         t1=t_end,
         ts=ts,
         ys=ys,
-        stats=_stats(problem, counts, batch),
+        stats=_stats(problem, counts, rows),
         result=Result(result),
         event_mask=_event_mask(problem, result),
         made_jump=None,
