@@ -198,7 +198,8 @@ def _grid(problem: Problem, pid) -> list:
 
 @eqx.filter_jit
 def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Settings):
-    """The kernel's `ts`, `ys`, `t1` rows and counts `(N, 5)`, per device (`_shard`)."""
+    """The kernel's `ts`, `ys`, `t1` rows and its five counts, each `(N,)`, per
+    device (`_shard`). (Not stacked to `(N, 5)`: that would relayout them on a TPU.)"""
 
     def on_shard(problem, batched):
         (y, a), local = batched, _on_shard(settings, batched, y0)
@@ -209,7 +210,7 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
         t_end = per_trajectory(t_end, batch)
         y_end = state_of(from_lanes(y_end, batch), y, batch)
         ts_rows, ys_rows = _rows(problem, local, y, ys_ts, t_end, y_end)
-        counts = jnp.stack([per_trajectory(c, batch) for c in counts], axis=1)
+        counts = tuple(per_trajectory(c, batch) for c in counts)
         return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
 
     return _shard.over_batch(on_shard, problem, (y0, args_dynamic))
@@ -347,7 +348,7 @@ def _differentiable(
 
     def fwd(problem, y0, args_dynamic):
         out = primal(problem, y0, args_dynamic)
-        steps = out["counts"][:, 0]
+        steps = out["counts"][0]
         return out, (y0, args_dynamic, steps)
 
     def bwd(static, dynamic, residuals, cotangents):
@@ -399,18 +400,19 @@ def _differentiable(
 
 
 def _stats(problem: Problem, counts, rows: int) -> dict:
-    """The lane loop's `stats` from the kernel's `(N, 5)` counts; `lanes`, the lanes
-    of the blocks of `rows` rows, padding included; `lane_steps`, their iterations."""
-    counts = counts.astype(jnp.result_type(int))
-    batch, block = counts.shape[0], rows * LANES
+    """The lane loop's `stats` from the kernel's five `(N,)` counts; `lanes`, the
+    lanes of the blocks of `rows` rows, padding included; `lane_steps`, their
+    iterations."""
+    counts = [c.astype(jnp.result_type(int)) for c in counts]
+    batch, block = counts[0].shape[0], rows * LANES
     lanes = -(-batch // block) * block
     return dict(
-        num_steps=counts[:, 0],
-        num_accepted_steps=counts[:, 1],
-        num_rejected_steps=counts[:, 2],
-        max_steps=jnp.full((batch,), int(problem.max_steps or 0), counts.dtype),
+        num_steps=counts[0],
+        num_accepted_steps=counts[1],
+        num_rejected_steps=counts[2],
+        max_steps=jnp.full((batch,), int(problem.max_steps or 0), counts[0].dtype),
         lanes=lanes,
-        lane_steps=jnp.sum(counts[:, 4]) + (lanes - batch) * counts[-1, 4],
+        lane_steps=jnp.sum(counts[4]) + (lanes - batch) * counts[4][-1],
     )
 
 
@@ -490,7 +492,7 @@ def kernel_solve(
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
     batch = t_end.shape[0]
-    result = counts[:, 3]
+    result = counts[3]
     if throw:
         ts, ys, t_end = _check((ts, ys, t_end), result)
     return Solution(
