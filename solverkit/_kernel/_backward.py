@@ -30,11 +30,8 @@ def _size(x, batch: int) -> int:
 
 def directions_of(problem: Problem, y0, args_dynamic) -> tuple | None:
     """The directions of every differentiable input, or `None` where this backward
-    pass does not apply (an event, a Rosenbrock solver, or more than
-    `MAX_DIRECTIONS` of them)."""
-    if problem.event.conds is not None or isinstance(
-        problem.solver, AbstractRosenbrock
-    ):
+    pass does not apply (`why_not` says why)."""
+    if _excluded(problem) is not None:
         return None
     leaves = jtu.tree_leaves(y0)
     batch = leaves[0].shape[0]
@@ -50,6 +47,46 @@ def directions_of(problem: Problem, y0, args_dynamic) -> tuple | None:
     return tuple(out) if len(out) <= MAX_DIRECTIONS else None
 
 
+def why_not(problem: Problem, y0, args_dynamic) -> str | None:
+    """Why this backward pass does not apply, or `None` where it does."""
+    excluded = _excluded(problem)
+    if excluded is not None:
+        return excluded
+    if directions_of(problem, y0, args_dynamic) is None:
+        return f"more than {MAX_DIRECTIONS} differentiable inputs per trajectory"
+    return None
+
+
+def _excluded(problem: Problem) -> str | None:
+    """An event, a Rosenbrock solver, or a field with a custom derivative rule
+    (`jax.custom_jvp` / `jax.custom_vjp`: the tangents here would differentiate the
+    rule's primal code, not take the rule, as reverse mode does)."""
+    if problem.event.conds is not None:
+        return "an event"
+    if isinstance(problem.solver, AbstractRosenbrock):
+        return "a Rosenbrock solver"
+    closure = problem.terms.closure  # pyright: ignore[reportAttributeAccessIssue]
+    if has_custom_rule(closure.jaxpr):
+        return "the vector field has a custom_jvp / custom_vjp rule"
+    return None
+
+
+_CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_lin")
+
+
+def has_custom_rule(jaxpr) -> bool:
+    """Whether `jaxpr` (or one nested in it) calls a `custom_jvp` / `custom_vjp`."""
+    for eqn in jaxpr.eqns:
+        if any(eqn.primitive.name.startswith(c) for c in _CUSTOM):
+            return True
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if hasattr(inner, "eqns") and has_custom_rule(inner):
+                    return True
+    return False
+
+
 def _contract(ct_ys, rows, finite):
     """Per trajectory, `Σ ct · tangent` over the saved rows that were written."""
     terms = jtu.tree_map(
@@ -61,7 +98,9 @@ def _contract(ct_ys, rows, finite):
     return sum(jtu.tree_leaves(terms))
 
 
-def pull_back(forward, problem: Problem, y0, args_dynamic, directions, ct_ys):
+def pull_back(
+    forward, problem: Problem, y0, args_dynamic, directions, ct_ys, per_lane=False
+):
     """The cotangents of `(problem's closed-over values, y0, args_dynamic)`.
 
     **Arguments:**
@@ -72,6 +111,8 @@ def pull_back(forward, problem: Problem, y0, args_dynamic, directions, ct_ys):
     - `problem`, `y0`, `args_dynamic`: as the forward pass took them.
     - `directions`: from `directions_of`.
     - `ct_ys`: the cotangent of the saved rows `ys`.
+    - `per_lane`: give each closed-over value's cotangent per trajectory (a leading
+        batch axis), not summed over the batch.
 
     **Returns:**
 
@@ -103,11 +144,12 @@ def pull_back(forward, problem: Problem, y0, args_dynamic, directions, ct_ys):
     ct_consts = []
     for i, c in enumerate(consts):
         parts = by_kind.get(("const", i))
-        ct_consts.append(
-            None
-            if parts is None
-            else jnp.stack([jnp.sum(p) for p in parts]).reshape(c.shape).astype(c.dtype)
-        )
+        if parts is not None and per_lane:
+            parts = jnp.stack(parts, 1).reshape((batch, *c.shape)).astype(c.dtype)
+        elif parts is not None:
+            parts = jnp.stack([jnp.sum(p) for p in parts])
+            parts = parts.reshape(c.shape).astype(c.dtype)
+        ct_consts.append(parts)
     args_tree = jtu.tree_structure(args_dynamic)
     return (
         ct_consts,

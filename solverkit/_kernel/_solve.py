@@ -23,7 +23,7 @@ from .._closure._unvmap import error_if, unvmap_max
 from .._problem import Problem
 from .._select import where
 from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
-from . import _backward, _field, _pallas, _tangent
+from . import _backward, _field, _pallas, _routes, _tangent
 from ._layout import from_lanes, per_trajectory, state_of, to_lanes
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
@@ -62,6 +62,11 @@ def default_rows(batch: int) -> int:
     factor = max(1, batch // _TRAJECTORIES_PER_8_ROWS)
     power = 1 << (factor.bit_length() - 1)
     return min(8 * power, _MAX_ROWS)
+
+
+class TangentsDeclined(Exception):
+    """Forward sensitivities don't serve this backward pass (`kernel_solve` with a
+    `probe`): the caller's own reverse mode must."""
 
 
 class Settings(NamedTuple):
@@ -303,16 +308,18 @@ def _differentiable(
     reference: Callable,
     backward: Callable | None,
     tangents: bool,
+    probe: tuple | None = None,
 ):
     """`_forward` with reverse mode: forward sensitivities in the kernel (where
     `tangents` and they apply); else `backward`, the lane loop's backward pass, from
     the kernel's step counts; or without it, through `reference` (the `vmap` path,
-    forward and backward)."""
+    forward and backward). With a `probe` (`kernel_solve`), the closed-over values'
+    cotangents are the probe's, per trajectory; theirs are zero."""
 
-    def primal(problem, y0, args_dynamic):
+    def primal(problem, y0, args_dynamic, probe=None):
         return _forward(problem, y0, args_dynamic, settings)
 
-    def fwd(problem, y0, args_dynamic):
+    def fwd(problem, y0, args_dynamic, probe=None):
         out = primal(problem, y0, args_dynamic)
         steps = per_trajectory(out["counts"][0], out["t1"].shape[0])
         return out, (y0, args_dynamic, steps)
@@ -321,40 +328,62 @@ def _differentiable(
         y0, args_dynamic, num_steps = residuals
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
         problem = eqx.combine(dynamic, static)
-        directions = _backward.directions_of(problem, y0, args_dynamic)
-        if tangents and BACKWARD == "tangent" and directions is not None:
-            forward = functools.partial(_tangent_rows, settings)
-            ct_consts, ct_y, ct_args = _backward.pull_back(
-                forward, problem, y0, args_dynamic, directions, ct["ys"]
-            )
-            ct_dynamic = fill_zeros(_backward.with_consts(dynamic, ct_consts), dynamic)
-            return ct_dynamic, fill_zeros(ct_y, y0), fill_zeros(ct_args, args_dynamic)
+        why = _backward.why_not(problem, y0, args_dynamic)
+        if why is None and not (tangents and BACKWARD == "tangent"):
+            why = "forward sensitivities off for this adjoint or setting"
+        _routes.record("backward", why is None, why)
+        if why is None:
+            return _tangent_bwd(settings, problem, dynamic, y0, args_dynamic, ct, probe)
+        if probe is not None:  # the caller's reverse mode serves instead
+            raise TangentsDeclined(why)
         if backward is not None:
             ct_out = _lane_cotangents(eqx.combine(dynamic, static), ct)
             ct_dynamic, ct_y, ct_args, _ = backward(
                 static, dynamic, y0, args_dynamic, num_steps, ct_out
             )
             return ct_dynamic, ct_y, ct_args
-        spec = parameters(dynamic)
-        p_diff, p_rest = eqx.partition(dynamic, spec)
-        a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
+        return _reference_bwd(reference, static, dynamic, y0, args_dynamic, ct)
 
-        def solve(p, y, a):
-            problem = eqx.combine(p, p_rest, static)
-            return _outputs(reference(problem, y, eqx.combine(a, a_rest)))
-
-        _, vjp = jax.vjp(solve, p_diff, y0, a_diff)
-        ct_p, ct_y, ct_a = vjp(ct)
-        nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
-        ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
-        ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
-        return ct_dynamic, fill_zeros(ct_y, y0), ct_args
-
+    ops = (y0, args_dynamic) if probe is None else (y0, args_dynamic, probe)
     return custom_vjp(
-        problem, primal, fwd, bwd, y0, args_dynamic,
+        problem, primal, fwd, bwd, *ops,
         adjoint="ensemble_solve(kernel=True)",
         second_order="Use kernel=False for higher-order derivatives.",
     )  # fmt: skip
+
+
+def _tangent_bwd(settings, problem, dynamic, y0, args_dynamic, ct, probe):
+    """The cotangents of `(dynamic, y0, args_dynamic[, probe])` by forward
+    sensitivities in the kernel."""
+    directions = _backward.directions_of(problem, y0, args_dynamic)
+    forward = functools.partial(_tangent_rows, settings)
+    ct_consts, ct_y, ct_args = _backward.pull_back(
+        forward, problem, y0, args_dynamic, directions, ct["ys"], probe is not None
+    )
+    ct_y, ct_args = fill_zeros(ct_y, y0), fill_zeros(ct_args, args_dynamic)
+    if probe is None:
+        ct_dynamic = fill_zeros(_backward.with_consts(dynamic, ct_consts), dynamic)
+        return ct_dynamic, ct_y, ct_args
+    ct_dynamic = fill_zeros(jtu.tree_map(lambda _: None, dynamic), dynamic)
+    return ct_dynamic, ct_y, ct_args, fill_zeros(tuple(ct_consts), probe)
+
+
+def _reference_bwd(reference, static, dynamic, y0, args_dynamic, ct):
+    """The cotangents of `(dynamic, y0, args_dynamic)` through `reference`."""
+    spec = parameters(dynamic)
+    p_diff, p_rest = eqx.partition(dynamic, spec)
+    a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
+
+    def solve(p, y, a):
+        problem = eqx.combine(p, p_rest, static)
+        return _outputs(reference(problem, y, eqx.combine(a, a_rest)))
+
+    _, vjp = jax.vjp(solve, p_diff, y0, a_diff)
+    ct_p, ct_y, ct_a = vjp(ct)
+    nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
+    ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
+    ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
+    return ct_dynamic, fill_zeros(ct_y, y0), ct_args
 
 
 def _stats(problem: Problem, counts, batch: int) -> dict:
@@ -405,6 +434,7 @@ def kernel_solve(
     tangents: bool = True,
     rows: int | None = None,
     interpret: bool | None = None,
+    probe: tuple | None = None,
 ) -> Solution:
     """Solve the ensemble with the whole-solve kernel (see `supported` first).
 
@@ -428,6 +458,10 @@ def kernel_solve(
         default `DEFAULT_ROWS`, else `default_rows(N)`.
     - `interpret`: run the kernel in Pallas' interpreter; default
         `DEFAULT_INTERPRET`, else except on a TPU.
+    - `probe`: per closed-over value of the field, `None` or zeros with a leading
+        batch axis (`(N, *shape)`), which the solution does not depend on: its
+        cotangent is that value's per trajectory, by forward sensitivities (the
+        value's own is then zero). The `vmap` rule's per-example gradients.
 
     **Returns:**
 
@@ -444,7 +478,7 @@ def kernel_solve(
     del args_static  # shared by every trajectory: part of the converted field
     with jax.numpy_dtype_promotion("standard"):
         out = _differentiable(
-            problem, y0, args_dynamic, settings, reference, backward, tangents
+            problem, y0, args_dynamic, settings, reference, backward, tangents, probe
         )
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]

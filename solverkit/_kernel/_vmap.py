@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import SymbolicZero
 
 from .._adjoint._backsolve import BacksolveAdjoint
 from .._adjoint._base import AbstractAdjoint, zeros_cotangent
@@ -41,7 +42,7 @@ from .._closure._convert import Closure, closure_convert
 from .._problem import Problem
 from .._solution import Solution
 from .._term import ClosureTerm
-from . import _field
+from . import _field, _routes, _solve
 from ._scalarize import KernelUnsupported
 from ._solve import kernel_solve, supported
 
@@ -74,24 +75,43 @@ def mode(problem: Problem, adjoint: AbstractAdjoint, keep) -> str | None:
     the forward pass) or "gradient" (rules for reverse mode too, where a vmap of
     what the rule takes is seen among its inputs). Only when on (`ENABLED`), for an
     adjoint in `_REVERSE_ONLY`, and a solve the kernel supports (as
-    `ensemble_solve` takes it)."""
-    if not _enabled() or type(adjoint) not in _REVERSE_ONLY:
+    `ensemble_solve` takes it). A solve left alone records why (`kernel_routes`)."""
+    if not _enabled():
         return None
-    if not _field.by_default(problem) or problem.event.conds is not None:
-        return None
+    wrap, why = _decide(problem, adjoint, keep)
+    if wrap is None:
+        _routes.record("forward", False, why)
+    return wrap
+
+
+def _decide(problem: Problem, adjoint: AbstractAdjoint, keep):
+    """`mode`'s answer and, for `None`, why."""
+    if type(adjoint) not in _REVERSE_ONLY:
+        return None, f"adjoint {type(adjoint).__name__}: not reverse-mode only"
+    if not _field.by_default(problem):
+        return None, "the kernel does not take this solve by default"
+    if problem.event.conds is not None:
+        return None, "an event"
     batch_of_one = jtu.tree_map(lambda x: x[None], problem.y0)
-    if supported(problem, batch_of_one, None, keep) is not None:
-        return None
+    why = supported(problem, batch_of_one, None, keep)
+    if why is not None:
+        return None, why
     differentiated, batched = _seen(problem)
     if differentiated > 1:  # the rules would be differentiated: not the kernel's
-        return None
+        return None, "differentiated twice (forward over reverse)"
     if differentiated and not adjoint.discrete:  # its own reverse mode: the loop's
-        return None
+        return None, f"{type(adjoint).__name__} differentiated inside the vmap"
     if batched and all(_allowed(path) for path in batched):
-        return "gradient"
-    if differentiated or batched:  # the wrapper would go unused
-        return None
-    return "forward"
+        return "gradient", None
+    if batched:  # the wrapper would go unused
+        return None, f"batched {_names([p for p in batched if not _allowed(p)])}"
+    if differentiated:
+        return None, "differentiated, not batched"
+    return "forward", None
+
+
+def _names(paths) -> str:
+    return ", ".join(".".join(str(k) for k in p if k is not None) for p in paths)
 
 
 def _path(keys) -> tuple:
@@ -178,15 +198,21 @@ def wrapped(
         out.update(rest=rest, tree=tree, avals=[_aval(x) for x in leaves])
         return leaves
 
-    def on_kernel(flat, flags, raising):
-        got = _on_kernel(in_tree, static, flat, flags, raising, tangents)
-        if got is None:
+    def on_kernel(flat, flags, raising, probe=None):
+        got = _on_kernel(in_tree, static, flat, flags, raising, tangents, probe)
+        if isinstance(got, str):
+            _routes.record("backward" if probe else "forward", False, got)
             raise _Fallback
         return _like_body(got, problem.max_steps, out["avals"])
 
+    def setup(flat, flags):  # the kernel's problem, or why it can't
+        return _kernel_problem(in_tree, static, flat, flags)
+
     run = jax.custom_vjp(_primal(arrays_of, on_kernel, throw))
     if gradient:
-        run.defvjp(*_batched_rules(arrays_of, on_kernel, throw, tangents))
+        paths = [_path(k) for k, _ in jtu.tree_flatten_with_path(dynamic)[0]]
+        rules = _Rules(arrays_of, on_kernel, setup, throw, tangents, paths)
+        run.defvjp(rules.fwd, rules.bwd, symbolic_zeros=True)
     else:
         run.defvjp(lambda flat: jax.vjp(arrays_of, flat), lambda pull, ct: pull(ct))
     leaves = run(flat)
@@ -216,6 +242,7 @@ def _primal(arrays_of, on_kernel, throw):
             (flags,) = in_batched
             try:
                 leaves = on_kernel(flat, flags, throw)
+                _routes.record("forward", True, None)
             except _Fallback:  # the plain vmap of the traced solve
                 run = jax.vmap(evaluate, in_axes=(_axes(flags),), axis_size=axis_size)
                 leaves = run(flat)
@@ -226,53 +253,148 @@ def _primal(arrays_of, on_kernel, throw):
     return primal
 
 
-def _batched_rules(arrays_of, on_kernel, throw, tangents):
-    """The `custom_vjp` rules, each a batching rule too: forward, the kernel (its
-    residuals the inputs); backward, a pull-back through the kernel path's own
-    reverse mode. Unbatched, they never run: the wrapper is "gradient" only where
-    a vmap batches the problem, whose rules then serve every call (the unbatched
-    backward rule raises at run time rather than return a wrong gradient)."""
-    fwd = custom_vmap(lambda flat: (arrays_of(flat), flat))
+class _Rules:
+    """The `custom_vjp` rules (with symbolic zeros: which inputs are perturbed),
+    each a batching rule too: forward, the kernel (its residuals the inputs);
+    backward, a pull-back through the kernel's forward sensitivities where only
+    `y0`, `args` and closed-over values are perturbed, else the plain solve's
+    reverse mode. Unbatched, they never run: the wrapper is "gradient" only where a
+    vmap batches the problem, whose rules then serve every call (the unbatched
+    backward rule raises at run time rather than return a wrong gradient).
 
-    @fwd.def_vmap
-    def fwd_rule(axis_size, in_batched, flat):
-        (flags,) = in_batched
+    Every cotangent is returned per batch element: under `vmap(grad)` each element's
+    gradient of a shared input is its own; under `grad(vmap)` JAX sums them."""
+
+    def __init__(self, arrays_of, on_kernel, setup, throw, tangents, paths):
+        self.arrays_of, self.on_kernel, self.setup = arrays_of, on_kernel, setup
+        self.throw, self.tangents, self.paths = throw, tangents, paths
+
+    def fwd(self, primals):
+        flat = [p.value for p in primals]
+        marks = tuple(() if p.perturbed else None for p in primals)
+        leaves, flat = self._fwd()(flat)
+        return leaves, (flat, marks)
+
+    def _fwd(self):
+        fwd = custom_vmap(lambda flat: (self.arrays_of(flat), flat))
+
+        @fwd.def_vmap
+        def fwd_rule(axis_size, in_batched, flat):
+            (flags,) = in_batched
+            try:
+                leaves = self.on_kernel(flat, flags, self.throw)
+                _routes.record("forward", True, None)
+            except _Fallback:
+                run = jax.vmap(
+                    self.arrays_of, in_axes=(_axes(flags),), axis_size=axis_size
+                )
+                leaves = run(flat)
+            return (leaves, flat), ([True] * len(leaves), list(flags))
+
+        return fwd
+
+    def bwd(self, residuals, ct):
+        flat, marks = residuals
+        perturbed = [m is not None for m in marks]
+        ct = [_materialize(c) for c in ct]
+        bwd = custom_vmap(_bwd_plain)
+
+        @bwd.def_vmap
+        def bwd_rule(axis_size, in_batched, flat, ct):
+            flags, ct_flags = in_batched
+            ct = [c if b else _broadcast(c, axis_size) for c, b in zip(ct, ct_flags)]
+            try:
+                got = self._tangent(flat, flags, ct, perturbed, axis_size)
+            except _Fallback:
+                got = self._loop(flat, flags, ct, axis_size)
+            return got, [True] * len(flat)
+
+        return (bwd(flat, ct),)
+
+    def _loop(self, flat, flags, ct, size):
+        """Per batch element, the plain solve's reverse mode."""
+
+        def pull_one(f, c):
+            return jax.vjp(lambda f: self.arrays_of(f, False), f)[1](c)[0]
+
+        return jax.vmap(pull_one, in_axes=(_axes(flags), 0), axis_size=size)(flat, ct)
+
+    def _tangent(self, flat, flags, ct, perturbed, size):
+        """Per batch element, the cotangents by the kernel's forward sensitivities,
+        or `_Fallback`."""
+        other = [p for p, d in zip(self.paths, perturbed) if d and not _allowed(p)]
+        why = None if self.tangents else "the adjoint's own reverse mode"
+        why = f"differentiated with respect to {_names(other)}" if other else why
+        if why is not None:
+            _routes.record("backward", False, why)
+            raise _Fallback
+        # The kernel holds `y0` per batch element anyway: broadcast, its cotangent
+        # is per element; shared `args` and closed-over values stay shared, and a
+        # probe takes their cotangents per element.
+        is_y0 = [p[:1] == ("y0",) for p in self.paths]
+        flat = [_broadcast(x, size) if y and not b else x for x, y, b in zip(
+            flat, is_y0, flags)]  # fmt: skip
+        flags = [b or y for b, y in zip(flags, is_y0)]
+        got = self.setup(flat, flags)
+        if isinstance(got, str):
+            _routes.record("backward", False, got)
+            raise _Fallback
+        consts = got[0].terms.closure.consts
+        probe = tuple(
+            jnp.zeros((size, *c.shape), c.dtype) if eqx.is_inexact_array(c) else None
+            for c in consts
+        )
+        run = lambda f, p: self.on_kernel(f, flags, False, p)  # noqa: E731
         try:
-            leaves = on_kernel(flat, flags, throw)
-        except _Fallback:
-            run = jax.vmap(arrays_of, in_axes=(_axes(flags),), axis_size=axis_size)
-            leaves = run(flat)
-        return (leaves, flat), ([True] * len(leaves), list(flags))
+            _, pull = jax.vjp(run, flat, probe)
+            ct_flat, ct_probe = pull(ct)
+        except _solve.TangentsDeclined:
+            raise _Fallback from None
+        shared = _per_element(self.setup, flat, flags, ct_probe, size)
+        return [c if b else shared[i] for i, (c, b) in enumerate(zip(ct_flat, flags))]
 
-    def bwd_plain(flat, ct):
-        del ct
-        never = eqx.error_if(jnp.zeros(()), jnp.asarray(True), _NEVER)
-        return [_guarded(zeros_cotangent(x), never) for x in flat]
 
-    bwd = custom_vmap(bwd_plain)
+def _per_element(setup, flat, flags, ct_probe, size) -> dict:
+    """The cotangents of the shared inputs, per batch element, from those of the
+    kernel field's closed-over values (`ct_probe`): through the map from the inputs
+    to those values (the copies `closure_convert` makes)."""
+    index = [i for i, (x, b) in enumerate(zip(flat, flags)) if not b]
+    inexact = [i for i in index if eqx.is_inexact_array(flat[i])]
 
-    @bwd.def_vmap
-    def bwd_rule(axis_size, in_batched, flat, ct):
-        flags, ct_flags = in_batched
-        ct = [c if b else _broadcast(c, axis_size) for c, b in zip(ct, ct_flags)]
-        try:
-            if not tangents:
-                raise _Fallback
-            _, pull = jax.vjp(lambda f: on_kernel(f, flags, False), flat)
-            (ct_flat,) = pull(ct)
-        except _Fallback:  # the plain solve again, and its adjoint
+    def consts_of(xs):
+        f = list(flat)
+        for i, x in zip(inexact, xs):
+            f[i] = x
+        consts = setup(f, flags)[0].terms.closure.consts
+        return tuple(c for c in consts if eqx.is_inexact_array(c))
 
-            def pull_one(f, c):
-                return jax.vjp(lambda f: arrays_of(f, False), f)[1](c)[0]
-
-            run = jax.vmap(pull_one, in_axes=(_axes(flags), 0), axis_size=axis_size)
-            return run(flat, ct), [True] * len(flat)
-        return ct_flat, list(flags)
-
-    return (lambda flat: fwd(flat)), (lambda flat, ct: (bwd(flat, ct),))
+    cts = tuple(c for c in ct_probe if c is not None)
+    per = []
+    if inexact:
+        _, pull = jax.vjp(consts_of, [flat[i] for i in inexact])
+        per = jax.vmap(lambda c: pull(c)[0])(cts)
+    out = {i: _broadcast(zeros_cotangent(flat[i]), size) for i in index}
+    out.update(zip(inexact, per))
+    return out
 
 
 _NEVER = "internal error: solverkit's vmap rule's backward pass ran unbatched"
+
+
+def _bwd_plain(flat, ct):
+    del ct
+    never = eqx.error_if(jnp.zeros(()), jnp.asarray(True), _NEVER)
+    return [_guarded(zeros_cotangent(x), never) for x in flat]
+
+
+def _materialize(c):
+    """A symbolic zero cotangent as an array."""
+    if isinstance(c, SymbolicZero):
+        aval = c.aval
+        if aval.dtype == jax.dtypes.float0:  # pyright: ignore[reportAttributeAccessIssue]
+            return np.zeros(aval.shape, jax.dtypes.float0)  # pyright: ignore
+        return jnp.zeros(aval.shape, aval.dtype)  # pyright: ignore
+    return c
 
 
 def _guarded(zero, never):
@@ -288,13 +410,15 @@ def _broadcast(x, size: int):
     return jnp.broadcast_to(x, (size, *jnp.shape(x)))
 
 
-def _on_kernel(in_tree, static, flat, flags, throw, tangents):
-    """The rule's kernel path: the batched solve's `Solution`, or `None` where
-    something other than `y0`, `args` and the field's closed-over values is batched
-    (or the kernel can't solve it after all)."""
+def _kernel_problem(in_tree, static, flat, flags):
+    """The batched solve as the kernel takes it, `(problem, y0, pack)`: the field
+    takes the batched `args` and closed-over values in `pack` (per trajectory) and
+    closes over the shared ones; or why the kernel can't (something other than
+    `y0`, `args` and the field's closed-over values batched)."""
     marked = jtu.tree_flatten_with_path(jtu.tree_unflatten(in_tree, flags))[0]
-    if not all(_allowed(_path(keys)) for keys, b in marked if b):
-        return None
+    other = [_path(keys) for keys, b in marked if b and not _allowed(_path(keys))]
+    if other:
+        return f"batched {_names(other)}"
     size = next(x.shape[0] for x, b in zip(flat, flags) if b)
     batched = jtu.tree_unflatten(in_tree, flags)
     full = eqx.combine(jtu.tree_unflatten(in_tree, flat), static)
@@ -325,18 +449,28 @@ def _on_kernel(in_tree, static, flat, flags, throw, tangents):
         full.y0,
         batched.y0,
     )
-
     with jax.numpy_dtype_promotion("standard"):
         term = ClosureTerm(closure_convert(field, one.t0, one.y0, pack_one), None)
         kernel_problem = dataclasses.replace(one, terms=term, args=pack_one)
-        if supported(kernel_problem, y0, None, (False,) * 3) is not None:
-            return None
+        why = supported(kernel_problem, y0, None, (False,) * 3)
+    return why if why is not None else (kernel_problem, y0, pack)
+
+
+def _on_kernel(in_tree, static, flat, flags, throw, tangents, probe=None):
+    """The rule's kernel path: the batched solve's `Solution`, or why the kernel
+    can't solve it (`_kernel_problem`, or the kernel's own checks)."""
+    got = _kernel_problem(in_tree, static, flat, flags)
+    if isinstance(got, str):
+        return got
+    kernel_problem, y0, pack = got
+    with jax.numpy_dtype_promotion("standard"):
         try:
             return kernel_solve(
-                kernel_problem, y0, pack, throw, _no_reference, tangents=tangents
-            )
-        except KernelUnsupported:
-            return None
+                kernel_problem, y0, pack, throw, _no_reference, tangents=tangents,
+                probe=probe,
+            )  # fmt: skip
+        except KernelUnsupported as e:
+            return str(e)
 
 
 def _no_reference(*_):
