@@ -129,3 +129,31 @@ def test_custom_jvp_in_the_field_is_honoured(monkeypatch):
     fn = jax.grad(lambda a, y: jnp.sum(jax.vmap(loss, (None, 0))(a, y)), (0, 1))
     loop, route, routes = _both(fn, 0.7, _y0s(), monkeypatch=monkeypatch)
     _close(route, loop)
+
+
+def test_ensemble_kernel_save_times_gradient(monkeypatch):
+    """`ensemble_solve(kernel=True)`: the gradient of shared save times (through
+    `ys` and `sol.ts`) is the lane loop's; that of `y0` alone stays on the kernel's
+    forward sensitivities."""
+    y0s = _y0s()
+
+    def loss(ts, y0s, kernel):
+        sol = sk.ensemble_solve(
+            sk.ODETerm(lambda t, y, a: a * jnp.stack([y[1], -y[0]])), sk.Tsit5(),
+            0.0, 1.0, 0.01, y0s, jnp.ones(N), saveat=sk.SaveAt(ts=ts),
+            stepsize_controller=sk.PIDController(TOL, TOL), kernel=kernel,
+        )  # fmt: skip
+        return jnp.sum(sol.ys[..., 1] ** 2) + jnp.sum(sol.ts)
+
+    ts = jnp.array([0.25, 0.5, 1.0])
+    grad = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)
+    loop = grad(ts, y0s, False)
+    with sk.kernel_routes() as routes:
+        out = grad(ts, y0s, True)
+    assert np.all(loop[0] != 0)
+    _close(out, loop)
+    assert [r.kernel for r in _route(routes, "backward")] == [False]
+    with sk.kernel_routes() as routes:
+        out = jax.jit(jax.grad(loss, 1), static_argnums=2)(ts, y0s, True)
+    _close(out, loop[1])
+    assert [r.kernel for r in _route(routes, "backward")] == [True]

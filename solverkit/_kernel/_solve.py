@@ -324,11 +324,14 @@ def _differentiable(
         steps = per_trajectory(out["counts"][0], out["t1"].shape[0])
         return out, (y0, args_dynamic, steps)
 
-    def bwd(static, dynamic, residuals, cotangents):
+    def bwd(static, dynamic, residuals, cotangents, perturbed):
         y0, args_dynamic, num_steps = residuals
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
         problem = eqx.combine(dynamic, static)
         why = _backward.why_not(problem, y0, args_dynamic)
+        other = _perturbed_elsewhere(dynamic, perturbed[0])
+        if why is None and other:
+            why = f"differentiated with respect to {', '.join(other)}"
         if why is None and not (tangents and BACKWARD == "tangent"):
             why = "forward sensitivities off for this adjoint or setting"
         _routes.record("backward", why is None, why)
@@ -349,7 +352,25 @@ def _differentiable(
         problem, primal, fwd, bwd, *ops,
         adjoint="ensemble_solve(kernel=True)",
         second_order="Use kernel=False for higher-order derivatives.",
+        perturbed=True,
     )  # fmt: skip
+
+
+# Where forward sensitivities reach: the problem's leaves under these paths.
+_TANGENT_INPUTS = (("y0",), ("args",), ("terms", "closure", "consts"))
+
+
+def _perturbed_elsewhere(dynamic: Problem, flags) -> list[str]:
+    """The paths of the problem's differentiated leaves that forward sensitivities
+    don't reach (times, `dt0`, save times, tolerances, ...)."""
+    spec = jtu.tree_leaves(parameters(dynamic))
+    out = []
+    for (keys, flag), differentiable in zip(jtu.tree_flatten_with_path(flags)[0], spec):
+        path = tuple(getattr(k, "name", None) for k in keys)
+        inside = any(path[: len(a)] == a for a in _TANGENT_INPUTS)
+        if flag and differentiable and not inside:
+            out.append(".".join(str(k) for k in path if k is not None))
+    return out
 
 
 def _tangent_bwd(settings, problem, dynamic, y0, args_dynamic, ct, probe):

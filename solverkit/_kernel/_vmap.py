@@ -372,7 +372,7 @@ def _per_element(setup, flat, flags, ct_probe, size) -> dict:
     per = []
     if inexact:
         _, pull = jax.vjp(consts_of, [flat[i] for i in inexact])
-        per = jax.vmap(lambda c: pull(c)[0])(cts)
+        per = jax.vmap(lambda c: pull(c)[0], axis_size=size)(cts)
     out = {i: _broadcast(zeros_cotangent(flat[i]), size) for i in index}
     out.update(zip(inexact, per))
     return out
