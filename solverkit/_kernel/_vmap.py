@@ -12,14 +12,20 @@ tolerances, ...) falls back to the plain vmap of the same traced solve.
 Reverse mode: JAX can't transpose a `custom_vmap`, so the solve is a `custom_vjp`
 whose rules are `custom_vmap`s too, where a vmap is seen among the solve's inputs
 (`mode` "gradient"): its forward rule runs the kernel (the residuals are the
-inputs), its backward rule pulls back through the kernel path's own reverse mode
-(forward sensitivities in the kernel, or the vmapped solve's adjoint where those
-don't apply), as `ensemble_solve(kernel=True)` does. Where no vmap is seen (inside a
-`jit` that a `vmap` may batch later: `mode` "forward") the forward rule is the plain
-solve's (`jax.vjp` of it). A solve seen differentiated but not batched, or
-differentiated twice (forward over reverse: the kernel's rules can't be
-differentiated in forward mode), is not wrapped at all. It applies only to the
-adjoints that support reverse mode alone.
+inputs), its backward rule pulls back through the kernel's forward sensitivities
+where only `y0`, `args` and closed-over values are differentiated (symbolic zeros
+say which inputs are, however the solve was traced) and they apply, else through
+the plain solve's reverse mode, per batch element. Every cotangent is per batch
+element, a shared input's too (`vmap(grad)` wants each element's own; under
+`grad(vmap)` JAX sums them). The promise: the loop's values and derivatives, to the
+tolerance's order, in every order of the transformations.
+
+Where no vmap is seen (inside a `jit` that a `vmap` may batch later: `mode`
+"forward") the forward rule is the plain solve's (`jax.vjp` of it). A solve seen
+differentiated but not batched, or differentiated twice (forward over reverse: the
+kernel's rules can't be differentiated in forward mode), is not wrapped at all. It
+applies only to the adjoints that support reverse mode alone. Each decision is
+recorded for `kernel_routes()` (`_routes`).
 """
 
 import dataclasses
