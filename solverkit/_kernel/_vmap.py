@@ -350,14 +350,22 @@ class _Rules:
             jnp.zeros((size, *c.shape), c.dtype) if eqx.is_inexact_array(c) else None
             for c in consts
         )
-        run = lambda f, p: self.on_kernel(f, flags, False, p)  # noqa: E731
+        batched = [i for i, b in enumerate(flags) if b]
+
+        def run(xs, probe):  # the batched inputs differentiated, the rest fixed
+            f = list(flat)
+            for i, x in zip(batched, xs):
+                f[i] = x
+            return self.on_kernel(f, flags, False, probe)
+
         try:
-            _, pull = jax.vjp(run, flat, probe)
-            ct_flat, ct_probe = pull(ct)
+            _, pull = jax.vjp(run, [flat[i] for i in batched], probe)
+            ct_batched, ct_probe = pull(ct)
         except _solve.TangentsDeclined:
             raise _Fallback from None
-        shared = _per_element(self.setup, flat, flags, ct_probe, size)
-        return [c if b else shared[i] for i, (c, b) in enumerate(zip(ct_flat, flags))]
+        out = _per_element(self.setup, flat, flags, ct_probe, size)
+        out.update(zip(batched, ct_batched))
+        return [out[i] for i in range(len(flat))]
 
 
 def _per_element(setup, flat, flags, ct_probe, size) -> dict:
