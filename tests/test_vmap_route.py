@@ -387,3 +387,41 @@ def test_ensemble_kernel_save_times_gradient(monkeypatch):
         out = jax.jit(jax.grad(loss, 1), static_argnums=2)(ts, y0s, True)
     _close(out, loop[1])
     assert [r.kernel for r in _route(routes, "backward")] == [True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["where_sqrt", "masked_lane"])
+def test_nan_gradients_are_reverse_modes(case, monkeypatch):
+    """The route's gradient has JAX's reverse-mode semantics, as the loop's: a
+    `where` whose unselected branch has a NaN derivative (`sqrt` of a negative
+    state) gives NaN, and so does a lane that blew up, masked out of the loss (0 ·
+    NaN); the documented remedy is the "double where"."""
+    y0s = jnp.array([[0.5], [0.2], [0.9]])
+    if case == "where_sqrt":
+
+        def field(a):
+            return lambda t, y, args: jnp.where(y > 0, jnp.sqrt(y), 0.0) - a
+
+        keep, controller = jnp.ones(N, bool), sk.PIDController(1e-8, 1e-8)
+    else:
+
+        def field(a):
+            return lambda t, y, args: a * y**2
+
+        y0s = jnp.array([[0.5], [0.2], [30.0]])  # the last overflows to inf
+        keep, controller = jnp.array([True, True, False]), sk.ConstantStepSize()
+
+    def loss(a, y0s):
+        def one(y0):
+            sol = sk.diffeqsolve(
+                sk.ODETerm(field(a)), sk.Tsit5(), 0.0, 1.0, 0.05, y0,
+                stepsize_controller=controller, throw=False,
+            )  # fmt: skip
+            return jnp.sum(sol.ys)
+
+        return jnp.sum(jnp.where(keep, jax.vmap(one)(y0s), 0.0))
+
+    fn = jax.grad(loss)
+    loop, route, routes = _both(fn, jnp.asarray(1.0), y0s, monkeypatch=monkeypatch)
+    assert np.isnan(loop)
+    assert np.isnan(route), routes

@@ -87,15 +87,17 @@ def has_custom_rule(jaxpr) -> bool:
     return False
 
 
-def _contract(ct_ys, rows, finite):
-    """Per trajectory, `Σ ct · tangent` over the saved rows that were written."""
-    terms = jtu.tree_map(
-        lambda c, t, f: jnp.sum((c * where(f, t, 0)).reshape(c.shape[0], -1), axis=1),
-        ct_ys,
-        rows,
-        finite,
-    )
-    return sum(jtu.tree_leaves(terms))
+def _contract(ct_ys, rows, written):
+    """Per trajectory, `Σ ct · tangent` over the saved rows that were written (the
+    others, padding, hold `inf`). A written row's NaN or infinite tangent stays, even
+    where its cotangent is zero (a trajectory that blew up, masked out of the
+    loss): `0 · NaN`, as reverse mode gives."""
+
+    def term(c, t):
+        mask = written.reshape(written.shape + (1,) * (t.ndim - 2))
+        return jnp.sum((c * where(mask, t, 0)).reshape(c.shape[0], -1), axis=1)
+
+    return sum(jtu.tree_leaves(jtu.tree_map(term, ct_ys, rows)))
 
 
 def pull_back(
@@ -106,8 +108,8 @@ def pull_back(
     **Arguments:**
 
     - `forward`: `(problem, y0, args_dynamic, directions) -> (ys rows, [ys rows
-        of each direction's tangent])`, the kernel with forward sensitivities
-        (`_solve._tangent_rows`).
+        of each direction's tangent], which rows were written)`, the kernel with
+        forward sensitivities (`_solve._tangent_rows`).
     - `problem`, `y0`, `args_dynamic`: as the forward pass took them.
     - `directions`: from `directions_of`.
     - `ct_ys`: the cotangent of the saved rows `ys`.
@@ -120,9 +122,8 @@ def pull_back(
     (`None` for those not differentiated), and pytrees like `y0`, `args_dynamic`
     (`None` leaves where not differentiated).
     """
-    ys, tangents = forward(problem, y0, args_dynamic, directions)
-    finite = jtu.tree_map(jnp.isfinite, ys)
-    g = [_contract(ct_ys, t, finite) for t in tangents]
+    _, tangents, written = forward(problem, y0, args_dynamic, directions)
+    g = [_contract(ct_ys, t, written) for t in tangents]
     leaves, tree = jtu.tree_flatten(y0)
     batch = leaves[0].shape[0]
     by_kind: dict = {}

@@ -195,8 +195,9 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
 
 
 def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, directions):
-    """The saved rows `ys` and, per direction, their tangent (same layout), from one
-    kernel run with forward sensitivities."""
+    """The saved rows `ys`, per direction their tangent (same layout), and which
+    rows were written (`(N, T)`: the others are padding), from one kernel run with
+    forward sensitivities."""
     batch = jtu.tree_leaves(y0)[0].shape[0]
     spec, times, ts, y_lanes, arg_lanes, consts = lane_inputs(
         problem, y0, args_dynamic, settings.rows, directions
@@ -207,10 +208,11 @@ def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, direct
     t_end = per_trajectory(t_end, batch)
     n = spec.own
 
-    def rows_of(k: int, start):
+    def rows_of(k: int, start, times=False):
         part = slice(n * k, n * (k + 1))
         end = state_of(from_lanes(y_end[part], batch), y0, batch)
-        return _rows(problem, settings, start, ys_ts[:, part], t_end, end)[1]
+        ts, ys = _rows(problem, settings, start, ys_ts[:, part], t_end, end)
+        return (ts, ys) if times else ys
 
     def start_of(direction):
         flat = jnp.zeros((batch, n), ys_ts.dtype)
@@ -219,7 +221,8 @@ def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, direct
         return state_of(flat, y0, batch)
 
     tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
-    return rows_of(0, y0), tangents
+    ts, ys = rows_of(0, y0, times=True)
+    return ys, tangents, jnp.isfinite(ts)
 
 
 def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
