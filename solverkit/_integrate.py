@@ -31,6 +31,7 @@ from ._setup import (
     as_state,
     bind_controller,
     check_arguments,
+    flag_save_times,
     Keep,
     legacy_event,
     make_problem,
@@ -167,6 +168,7 @@ _OK = (int(RESULTS.successful.code), int(RESULTS.event_occurred.code))
 def _solve_body(problem: Problem, adjoint, throw, keep: "Keep"):
     out = adjoint.loop(problem)
     ts, ys, t_end, result = out.ts, out.ys, out.t_end, out.result
+    result = flag_save_times(problem, result)
     if throw:
         failed = (result != RESULTS.successful.code) & (
             result != RESULTS.event_occurred.code

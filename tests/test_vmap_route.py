@@ -425,3 +425,31 @@ def test_nan_gradients_are_reverse_modes(case, monkeypatch):
     loop, route, routes = _both(fn, jnp.asarray(1.0), y0s, monkeypatch=monkeypatch)
     assert np.isnan(loop)
     assert np.isnan(route), routes
+
+
+@pytest.mark.parametrize("route", [False, True])
+def test_traced_invalid_save_times_are_reported(route, monkeypatch):
+    """Save times out of order or outside `[t0, t1]`, traced (so not checked before
+    the solve): a failed `result` with `throw=False`, an error with `throw=True`, on
+    the loop and on the kernel alike."""
+    monkeypatch.setattr(_vmap, "ENABLED", route)
+
+    def solve(ts, throw):
+        def one(y):
+            return sk.diffeqsolve(
+                sk.ODETerm(_elem(_theta("elem"))), sk.Tsit5(), 0.0, 1.0, 0.05, y,
+                0.2, saveat=sk.SaveAt(ts=ts), throw=throw,
+                stepsize_controller=sk.PIDController(1e-6, 1e-6),
+            )  # fmt: skip
+
+        return jax.vmap(one)(_y0s())
+
+    good, unsorted, outside = [0.2, 0.5, 0.9], [0.5, 0.2, 0.9], [0.2, 0.5, 1.5]
+    run = jax.jit(_fresh(lambda ts: solve(ts, False).result._value))
+    invalid = sk.RESULTS.invalid_save_times._value
+    assert np.all(run(jnp.array(good)) == sk.RESULTS.successful._value)
+    assert np.all(run(jnp.array(unsorted)) == invalid)
+    assert np.all(run(jnp.array(outside)) == invalid)
+    raising = jax.jit(_fresh(lambda ts: solve(ts, True).ys))
+    with pytest.raises(Exception, match="saveat.ts"):
+        jax.block_until_ready(raising(jnp.array(unsorted)))

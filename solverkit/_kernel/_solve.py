@@ -22,6 +22,7 @@ from .._closure._convert import Closure
 from .._closure._unvmap import error_if, unvmap_max
 from .._problem import Problem
 from .._select import where
+from .._setup import flag_save_times
 from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
 from . import _backward, _field, _pallas, _routes, _tangent
 from ._layout import from_lanes, per_trajectory, state_of, to_lanes
@@ -507,7 +508,7 @@ def kernel_solve(
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
     batch = t_end.shape[0]
-    result = per_trajectory(counts[3], batch)
+    result = flag_save_times(problem, per_trajectory(counts[3], batch))
     if throw:
         ts, ys, t_end = _check((ts, ys, t_end), result)
     return Solution(
