@@ -25,13 +25,13 @@ from ._interpolation._dense import DenseInterpolation
 from ._kernel._vmap import vmap_aware
 from ._problem import Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
+from ._save import flag_save_times
 from ._saveat import SaveAt
 from ._select import where
 from ._setup import (
     as_state,
     bind_controller,
     check_arguments,
-    flag_save_times,
     Keep,
     legacy_event,
     make_problem,

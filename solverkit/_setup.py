@@ -22,7 +22,6 @@ from ._linear._linear_solver import convert_linear_solvers
 from ._problem import Events, Problem, Resume, Save
 from ._saveat import is_sub, save_y, SaveAt
 from ._select import where
-from ._solution import RESULTS
 from ._solver import AbstractSolver
 from ._term import (
     AbstractTerm,
@@ -243,23 +242,6 @@ def _save_times(ts, times: Times):
                 "t0 to t1."
             )
     return flip(times.direction, ts)
-
-
-def flag_save_times(problem, result):
-    """`result` (the solve's codes), `RESULTS.invalid_save_times` where traced save
-    times are out of order or outside `[t0, t1]` (known ones are checked before the
-    solve, `_save_times`; the loop and the kernel assume them in order)."""
-    traced = [
-        s.ts for s in problem.saves if s.ts is not None and concrete(s.ts) is None
-    ]
-    bad = jnp.zeros((), bool)
-    for ts in traced:  # internal time: increasing from t0 to t1
-        if ts.shape[0]:
-            outside = (jnp.min(ts) < problem.t0) | (jnp.max(ts) > problem.t1)
-            bad = bad | outside | jnp.any(ts[1:] < ts[:-1])
-    if not traced:
-        return result
-    return where(bad, RESULTS.invalid_save_times.code, result)
 
 
 def _saves(saveat: SaveAt, times: Times, y0: Y, args: Args, max_steps):

@@ -264,14 +264,14 @@ def custom_vjp(
         residuals, marks = residuals
         tree = jtu.tree_structure((dynamic, ops))
         flags = jtu.tree_unflatten(tree, [m is not None for m in marks])
-        cotangents = jtu.tree_map(_materialize, cotangents)
+        cotangents = jtu.tree_map(materialize, cotangents)
         return solve_bwd(residuals, cotangents, flags)
 
     solve.defvjp(marked_fwd, marked_bwd, symbolic_zeros=True)
     return solve(dynamic, *ops)
 
 
-def _materialize(c):
+def materialize(c):
     """A symbolic zero cotangent as an array."""
     if not isinstance(c, SymbolicZero):
         return c

@@ -10,10 +10,12 @@ pass (`_ensemble._backward`) runs.
 """
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._adjoint._base import fill_zeros, parameters
 from .._problem import Problem
 from .._select import where
 from .._solver._rosenbrock import AbstractRosenbrock
@@ -169,3 +171,44 @@ def with_consts(dynamic: Problem, ct_consts: list) -> Problem:
         tuple(ct_consts),
         is_leaf=lambda x: x is None,
     )
+
+
+# Where forward sensitivities reach: the problem's leaves under these paths.
+_TANGENT_INPUTS = (("y0",), ("args",), ("terms", "closure", "consts"))
+
+
+def perturbed_elsewhere(dynamic: Problem, flags) -> list[str]:
+    """The paths of the problem's differentiated leaves that forward sensitivities
+    don't reach (times, `dt0`, save times, tolerances, ...)."""
+    spec = jtu.tree_leaves(parameters(dynamic))
+    out = []
+    for (keys, flag), differentiable in zip(jtu.tree_flatten_with_path(flags)[0], spec):
+        path = tuple(getattr(k, "name", None) for k in keys)
+        inside = any(path[: len(a)] == a for a in _TANGENT_INPUTS)
+        if flag and differentiable and not inside:
+            out.append(".".join(str(k) for k in path if k is not None))
+    return out
+
+
+def _outputs(sol) -> dict:
+    """The differentiable outputs of the `vmap` path's `Solution`."""
+    return dict(ts=sol.ts, ys=sol.ys, t1=sol.t1)
+
+
+def through(reference, static, dynamic, y0, args_dynamic, ct):
+    """The cotangents of `(dynamic, y0, args_dynamic)` through `reference`, the
+    `vmap` path (forward and backward)."""
+    spec = parameters(dynamic)
+    p_diff, p_rest = eqx.partition(dynamic, spec)
+    a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
+
+    def solve(p, y, a):
+        problem = eqx.combine(p, p_rest, static)
+        return _outputs(reference(problem, y, eqx.combine(a, a_rest)))
+
+    _, vjp = jax.vjp(solve, p_diff, y0, a_diff)
+    ct_p, ct_y, ct_a = vjp(ct)
+    nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
+    ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
+    ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
+    return ct_dynamic, fill_zeros(ct_y, y0), ct_args

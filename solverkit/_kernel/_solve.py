@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._adjoint._base import custom_vjp, fill_zeros, parameters
+from .._adjoint._base import custom_vjp, fill_zeros
 from .._closure._convert import Closure
 from .._closure._unvmap import error_if, unvmap_max
 from .._problem import Problem
+from .._save import flag_save_times
 from .._select import where
-from .._setup import flag_save_times
 from .._solution import MESSAGES as _MESSAGES, Result, RESULTS, Solution
 from . import _backward, _field, _pallas, _routes, _tangent
 from ._layout import from_lanes, per_trajectory, state_of, to_lanes
@@ -284,11 +284,6 @@ def _event_mask(problem: Problem, result):
     return jtu.tree_unflatten(tree, [result == _EVENT])
 
 
-def _outputs(sol: Solution) -> dict:
-    """The differentiable outputs of the `vmap` path's `Solution`."""
-    return dict(ts=sol.ts, ys=sol.ys, t1=sol.t1)
-
-
 def _lane_cotangents(problem: Problem, ct: dict) -> dict:
     """The cotangents of the `Solution`'s rows as the lane loop's backward pass
     takes them (`_ensemble._lanes.row`, forwards in time: internal time is time;
@@ -333,7 +328,7 @@ def _differentiable(
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
         problem = eqx.combine(dynamic, static)
         why = _backward.why_not(problem, y0, args_dynamic)
-        other = _perturbed_elsewhere(dynamic, perturbed[0])
+        other = _backward.perturbed_elsewhere(dynamic, perturbed[0])
         if why is None and other:
             why = f"differentiated with respect to {', '.join(other)}"
         if why is None and not (tangents and BACKWARD == "tangent"):
@@ -349,7 +344,7 @@ def _differentiable(
                 static, dynamic, y0, args_dynamic, num_steps, ct_out
             )
             return ct_dynamic, ct_y, ct_args
-        return _reference_bwd(reference, static, dynamic, y0, args_dynamic, ct)
+        return _backward.through(reference, static, dynamic, y0, args_dynamic, ct)
 
     ops = (y0, args_dynamic) if probe is None else (y0, args_dynamic, probe)
     return custom_vjp(
@@ -358,23 +353,6 @@ def _differentiable(
         second_order="Use kernel=False for higher-order derivatives.",
         perturbed=True,
     )  # fmt: skip
-
-
-# Where forward sensitivities reach: the problem's leaves under these paths.
-_TANGENT_INPUTS = (("y0",), ("args",), ("terms", "closure", "consts"))
-
-
-def _perturbed_elsewhere(dynamic: Problem, flags) -> list[str]:
-    """The paths of the problem's differentiated leaves that forward sensitivities
-    don't reach (times, `dt0`, save times, tolerances, ...)."""
-    spec = jtu.tree_leaves(parameters(dynamic))
-    out = []
-    for (keys, flag), differentiable in zip(jtu.tree_flatten_with_path(flags)[0], spec):
-        path = tuple(getattr(k, "name", None) for k in keys)
-        inside = any(path[: len(a)] == a for a in _TANGENT_INPUTS)
-        if flag and differentiable and not inside:
-            out.append(".".join(str(k) for k in path if k is not None))
-    return out
 
 
 def _tangent_bwd(settings, problem, dynamic, y0, args_dynamic, ct, probe):
@@ -391,24 +369,6 @@ def _tangent_bwd(settings, problem, dynamic, y0, args_dynamic, ct, probe):
         return ct_dynamic, ct_y, ct_args
     ct_dynamic = fill_zeros(jtu.tree_map(lambda _: None, dynamic), dynamic)
     return ct_dynamic, ct_y, ct_args, fill_zeros(tuple(ct_consts), probe)
-
-
-def _reference_bwd(reference, static, dynamic, y0, args_dynamic, ct):
-    """The cotangents of `(dynamic, y0, args_dynamic)` through `reference`."""
-    spec = parameters(dynamic)
-    p_diff, p_rest = eqx.partition(dynamic, spec)
-    a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
-
-    def solve(p, y, a):
-        problem = eqx.combine(p, p_rest, static)
-        return _outputs(reference(problem, y, eqx.combine(a, a_rest)))
-
-    _, vjp = jax.vjp(solve, p_diff, y0, a_diff)
-    ct_p, ct_y, ct_a = vjp(ct)
-    nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
-    ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
-    ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
-    return ct_dynamic, fill_zeros(ct_y, y0), ct_args
 
 
 def _stats(problem: Problem, counts, batch: int) -> dict:

@@ -28,7 +28,6 @@ applies only to the adjoints that support reverse mode alone. Each decision is
 recorded for `kernel_routes()` (`_routes`).
 """
 
-import dataclasses
 import os
 from collections.abc import Callable
 
@@ -39,18 +38,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.custom_batching import custom_vmap
-from jax.custom_derivatives import SymbolicZero
 
 from .._adjoint._backsolve import BacksolveAdjoint
-from .._adjoint._base import AbstractAdjoint, zeros_cotangent
+from .._adjoint._base import AbstractAdjoint, materialize, zeros_cotangent
 from .._adjoint._checkpoint import RecursiveCheckpointAdjoint
-from .._closure._convert import Closure, closure_convert
 from .._problem import Problem
 from .._solution import Solution
-from .._term import ClosureTerm
-from . import _field, _routes, _solve
-from ._scalarize import KernelUnsupported
-from ._solve import kernel_solve, supported
+from . import _batch, _field, _routes, _solve
+from ._solve import supported
 
 
 # Put vmapped solves on the kernel: True / False, or None (default): as the
@@ -60,8 +55,6 @@ from ._solve import kernel_solve, supported
 ENABLED: bool | None = None
 # The adjoints whose reverse mode is a `custom_vjp` anyway (no forward mode to lose).
 _REVERSE_ONLY = (RecursiveCheckpointAdjoint, BacksolveAdjoint)
-# What the rule may see batched: the problem's paths to them.
-_ALLOWED = (("y0",), ("args",), ("terms", "closure", "consts"))
 
 
 def vmap_aware(
@@ -107,25 +100,16 @@ def _decide(problem: Problem, adjoint: AbstractAdjoint, keep):
         return None, "differentiated twice (forward over reverse)"
     if differentiated and not adjoint.discrete:  # its own reverse mode: the loop's
         return None, f"{type(adjoint).__name__} differentiated inside the vmap"
-    if batched and all(_allowed(path) for path in batched):
+    if batched and all(_batch.allowed(path) for path in batched):
         return "gradient", None
     if batched:  # the wrapper would go unused
-        return None, f"batched {_names([p for p in batched if not _allowed(p)])}"
+        return (
+            None,
+            f"batched {_batch.names([p for p in batched if not _batch.allowed(p)])}",
+        )
     if differentiated:
         return None, "differentiated, not batched"
     return "forward", None
-
-
-def _names(paths) -> str:
-    return ", ".join(".".join(str(k) for k in p if k is not None) for p in paths)
-
-
-def _path(keys) -> tuple:
-    return tuple(getattr(k, "name", None) for k in keys)
-
-
-def _allowed(path: tuple) -> bool:
-    return any(path[: len(a)] == a for a in _ALLOWED)
 
 
 def _seen(problem: Problem) -> tuple[int, list[tuple]]:
@@ -149,7 +133,7 @@ def _seen(problem: Problem) -> tuple[int, list[tuple]]:
                 x = getattr(x, "primal", None)
             elif isinstance(x, batching.BatchTracer):
                 if x.batch_dim is not None:
-                    batched.append(_path(keys))
+                    batched.append(_batch.path_of(keys))
                 x = x.val
             else:
                 break
@@ -163,10 +147,6 @@ def _enabled() -> bool:
     if setting in ("0", "1"):
         return setting == "1"
     return jax.default_backend() == "tpu"
-
-
-class _Fallback(Exception):
-    """The kernel can't take this batch: the plain vmap does."""
 
 
 def wrapped(
@@ -205,18 +185,18 @@ def wrapped(
         return leaves
 
     def on_kernel(flat, flags, raising, probe=None):
-        got = _on_kernel(in_tree, static, flat, flags, raising, tangents, probe)
+        got = _batch.on_kernel(in_tree, static, flat, flags, raising, tangents, probe)
         if isinstance(got, str):
             _routes.record("backward" if probe else "forward", False, got)
-            raise _Fallback
-        return _like_body(got, problem.max_steps, out["avals"])
+            raise _batch.Fallback
+        return _batch.like_body(got, problem.max_steps, out["avals"])
 
     def setup(flat, flags):  # the kernel's problem, or why it can't
-        return _kernel_problem(in_tree, static, flat, flags)
+        return _batch.kernel_problem(in_tree, static, flat, flags)
 
     run = jax.custom_vjp(_primal(arrays_of, on_kernel, throw))
     if gradient:
-        paths = [_path(k) for k, _ in jtu.tree_flatten_with_path(dynamic)[0]]
+        paths = [_batch.path_of(k) for k, _ in jtu.tree_flatten_with_path(dynamic)[0]]
         rules = _Rules(arrays_of, on_kernel, setup, throw, tangents, paths)
         run.defvjp(rules.fwd, rules.bwd, symbolic_zeros=True)
     else:
@@ -249,7 +229,7 @@ def _primal(arrays_of, on_kernel, throw):
             try:
                 leaves = on_kernel(flat, flags, throw)
                 _routes.record("forward", True, None)
-            except _Fallback:  # the plain vmap of the traced solve
+            except _batch.Fallback:  # the plain vmap of the traced solve
                 run = jax.vmap(evaluate, in_axes=(_axes(flags),), axis_size=axis_size)
                 leaves = run(flat)
             return leaves, [True] * len(leaves)
@@ -290,7 +270,7 @@ class _Rules:
             try:
                 leaves = self.on_kernel(flat, flags, self.throw)
                 _routes.record("forward", True, None)
-            except _Fallback:
+            except _batch.Fallback:
                 run = jax.vmap(
                     self.arrays_of, in_axes=(_axes(flags),), axis_size=axis_size
                 )
@@ -302,7 +282,7 @@ class _Rules:
     def bwd(self, residuals, ct):
         flat, marks = residuals
         perturbed = [m is not None for m in marks]
-        ct = [_materialize(c) for c in ct]
+        ct = [materialize(c) for c in ct]
         bwd = custom_vmap(_bwd_plain)
 
         @bwd.def_vmap
@@ -311,7 +291,7 @@ class _Rules:
             ct = [c if b else _broadcast(c, axis_size) for c, b in zip(ct, ct_flags)]
             try:
                 got = self._tangent(flat, flags, ct, perturbed, axis_size)
-            except _Fallback:
+            except _batch.Fallback:
                 got = self._loop(flat, flags, ct, axis_size)
             return got, [True] * len(flat)
 
@@ -327,13 +307,15 @@ class _Rules:
 
     def _tangent(self, flat, flags, ct, perturbed, size):
         """Per batch element, the cotangents by the kernel's forward sensitivities,
-        or `_Fallback`."""
-        other = [p for p, d in zip(self.paths, perturbed) if d and not _allowed(p)]
+        or `_batch.Fallback`."""
+        other = [
+            p for p, d in zip(self.paths, perturbed) if d and not _batch.allowed(p)
+        ]
         why = None if self.tangents else "the adjoint's own reverse mode"
-        why = f"differentiated with respect to {_names(other)}" if other else why
+        why = f"differentiated with respect to {_batch.names(other)}" if other else why
         if why is not None:
             _routes.record("backward", False, why)
-            raise _Fallback
+            raise _batch.Fallback
         # The kernel holds `y0` per batch element anyway: broadcast, its cotangent
         # is per element; shared `args` and closed-over values stay shared, and a
         # probe takes their cotangents per element.
@@ -344,7 +326,7 @@ class _Rules:
         got = self.setup(flat, flags)
         if isinstance(got, str):
             _routes.record("backward", False, got)
-            raise _Fallback
+            raise _batch.Fallback
         consts = got[0].terms.closure.consts
         probe = tuple(
             jnp.zeros((size, *c.shape), c.dtype) if eqx.is_inexact_array(c) else None
@@ -362,7 +344,7 @@ class _Rules:
             _, pull = jax.vjp(run, [flat[i] for i in batched], probe)
             ct_batched, ct_probe = pull(ct)
         except _solve.TangentsDeclined:
-            raise _Fallback from None
+            raise _batch.Fallback from None
         out = _per_element(self.setup, flat, flags, ct_probe, size)
         out.update(zip(batched, ct_batched))
         return [out[i] for i in range(len(flat))]
@@ -401,16 +383,6 @@ def _bwd_plain(flat, ct):
     return [_guarded(zeros_cotangent(x), never) for x in flat]
 
 
-def _materialize(c):
-    """A symbolic zero cotangent as an array."""
-    if isinstance(c, SymbolicZero):
-        aval = c.aval
-        if aval.dtype == jax.dtypes.float0:  # pyright: ignore[reportAttributeAccessIssue]
-            return np.zeros(aval.shape, jax.dtypes.float0)  # pyright: ignore
-        return jnp.zeros(aval.shape, aval.dtype)  # pyright: ignore
-    return c
-
-
 def _guarded(zero, never):
     """`zero`, made to depend on `never` (an error raised if it runs)."""
     if eqx.is_inexact_array(zero):
@@ -422,89 +394,3 @@ def _broadcast(x, size: int):
     if jnp.result_type(x) == jax.dtypes.float0:
         return np.zeros((size, *jnp.shape(x)), jax.dtypes.float0)
     return jnp.broadcast_to(x, (size, *jnp.shape(x)))
-
-
-def _kernel_problem(in_tree, static, flat, flags):
-    """The batched solve as the kernel takes it, `(problem, y0, pack)`: the field
-    takes the batched `args` and closed-over values in `pack` (per trajectory) and
-    closes over the shared ones; or why the kernel can't (something other than
-    `y0`, `args` and the field's closed-over values batched)."""
-    marked = jtu.tree_flatten_with_path(jtu.tree_unflatten(in_tree, flags))[0]
-    other = [_path(keys) for keys, b in marked if b and not _allowed(_path(keys))]
-    if other:
-        return f"batched {_names(other)}"
-    size = next(x.shape[0] for x, b in zip(flat, flags) if b)
-    batched = jtu.tree_unflatten(in_tree, flags)
-    full = eqx.combine(jtu.tree_unflatten(in_tree, flat), static)
-    rows = [jax.lax.stop_gradient(x[0]) if b else x for x, b in zip(flat, flags)]
-    one = eqx.combine(jtu.tree_unflatten(in_tree, rows), static)  # for shapes
-    closure = full.terms.closure
-    const_flags = batched.terms.closure.consts
-    arg_arrays, arg_rest = eqx.partition(full.args, eqx.is_array)
-    arg_leaves, arg_tree = jtu.tree_flatten(arg_arrays)
-    arg_flags = jtu.tree_leaves(batched.args)
-
-    def field(t, y, pack):
-        args_in, consts_in = iter(pack[0]), iter(pack[1])
-        args = [next(args_in) if b else a for a, b in zip(arg_leaves, arg_flags)]
-        consts = tuple(
-            next(consts_in) if b else c for c, b in zip(closure.consts, const_flags)
-        )
-        args = eqx.combine(jtu.tree_unflatten(arg_tree, args), arg_rest)
-        return Closure(consts, closure.program)(t, y, args)
-
-    pack = (
-        [a for a, b in zip(arg_leaves, arg_flags) if b],
-        [c for c, b in zip(closure.consts, const_flags) if b],
-    )
-    pack_one = jtu.tree_map(lambda x: x[0], pack)
-    y0 = jtu.tree_map(
-        lambda y, b: y if b else jnp.broadcast_to(y, (size, *y.shape)),
-        full.y0,
-        batched.y0,
-    )
-    with jax.numpy_dtype_promotion("standard"):
-        term = ClosureTerm(closure_convert(field, one.t0, one.y0, pack_one), None)
-        kernel_problem = dataclasses.replace(one, terms=term, args=pack_one)
-        why = supported(kernel_problem, y0, None, (False,) * 3)
-    return why if why is not None else (kernel_problem, y0, pack)
-
-
-def _on_kernel(in_tree, static, flat, flags, throw, tangents, probe=None):
-    """The rule's kernel path: the batched solve's `Solution`, or why the kernel
-    can't solve it (`_kernel_problem`, or the kernel's own checks)."""
-    got = _kernel_problem(in_tree, static, flat, flags)
-    if isinstance(got, str):
-        return got
-    kernel_problem, y0, pack = got
-    with jax.numpy_dtype_promotion("standard"):
-        try:
-            return kernel_solve(
-                kernel_problem, y0, pack, throw, _no_reference, tangents=tangents,
-                probe=probe,
-            )  # fmt: skip
-        except KernelUnsupported as e:
-            return str(e)
-
-
-def _no_reference(*_):
-    """Where the kernel's forward sensitivities don't serve reverse mode: the
-    backward rule takes the plain solve's instead."""
-    raise _Fallback
-
-
-def _like_body(sol: Solution, max_steps, avals) -> list:
-    """The kernel's `Solution` as the flat array outputs of the vmapped solve."""
-    stats = dict(sol.stats)
-    del stats["lanes"], stats["lane_steps"]
-    stats["max_steps"] = max_steps
-    sol = dataclasses.replace(sol, stats=stats)
-    leaves = jtu.tree_leaves(eqx.filter(sol, eqx.is_array))
-    if len(leaves) != len(avals):
-        raise AssertionError(f"{len(leaves)} kernel outputs for {len(avals)}")
-    out = []
-    for x, aval in zip(leaves, avals):
-        if x.shape[1:] != aval.shape:
-            raise AssertionError(f"kernel output {x.shape}, expected {aval.shape}")
-        out.append(x.astype(aval.dtype))
-    return out
