@@ -453,3 +453,28 @@ def test_traced_invalid_save_times_are_reported(route, monkeypatch):
     raising = jax.jit(_fresh(lambda ts: solve(ts, True).ys))
     with pytest.raises(Exception, match="saveat.ts"):
         jax.block_until_ready(raising(jnp.array(unsorted)))
+
+
+def test_kernel_routes_records_and_logs(monkeypatch, caplog):
+    """Traced only (`make_jaxpr`): a vmap over a tolerance is declined with its
+    reason, in the record and in the log; with the route off, a batched solve says
+    so."""
+
+    def solve(y, rtol):
+        return sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, a: -y), sk.Tsit5(), 0.0, 1.0, 0.1, y,
+            stepsize_controller=sk.PIDController(rtol, 1e-6),
+        ).ys  # fmt: skip
+
+    monkeypatch.setattr(_vmap, "ENABLED", True)
+    rtols = jnp.linspace(1e-6, 1e-5, N)
+    with caplog.at_level("DEBUG", logger="solverkit"), sk.kernel_routes() as routes:
+        jax.make_jaxpr(jax.vmap(_fresh(solve)))(_y0s(), rtols)
+    assert [(r.stage, r.kernel) for r in routes] == [("forward", False)]
+    assert "rtol" in routes[0].reason
+    assert routes[0].reason in caplog.text
+    monkeypatch.setattr(_vmap, "ENABLED", False)
+    with sk.kernel_routes() as routes:
+        jax.make_jaxpr(jax.vmap(_fresh(solve), (0, None)))(_y0s(), 1e-6)
+    assert [(r.stage, r.kernel) for r in routes] == [("forward", False)]
+    assert "off" in routes[0].reason

@@ -52,8 +52,10 @@ def kernel_routes() -> Iterator[list[KernelRoute]]:
     with arguments of the same shapes runs its cached program without tracing, and
     records nothing (trace a fresh function, or call `jax.clear_caches()`). A solve
     that the route leaves alone records one `"forward"` decision with
-    `kernel=False`; one it wraps records where the batch ran (`"forward"`) and, when
-    differentiated, how its reverse mode runs (`"backward"`).
+    `kernel=False` and why (with the route off, only a batched solve records);
+    one it wraps records, once a `vmap` batches it, where the batch ran
+    (`"forward"`) and, when differentiated, how its reverse mode ran
+    (`"backward"`). `ensemble_solve(kernel=True)` records its backward choice too.
 
     **Returns:**
 
@@ -66,6 +68,12 @@ def kernel_routes() -> Iterator[list[KernelRoute]]:
         yield routes
     finally:
         stack.remove(routes)
+
+
+def listening() -> bool:
+    """Whether a decision would go anywhere (an open `kernel_routes()`, or the
+    logger at DEBUG): what only a record needs is worked out then."""
+    return bool(_collectors()) or _logger.isEnabledFor(logging.DEBUG)
 
 
 def record(stage: str, kernel: bool, reason: str | None) -> None:

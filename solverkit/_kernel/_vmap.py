@@ -76,6 +76,9 @@ def mode(problem: Problem, adjoint: AbstractAdjoint, keep) -> str | None:
     adjoint in `_REVERSE_ONLY`, and a solve the kernel supports (as
     `ensemble_solve` takes it). A solve left alone records why (`kernel_routes`)."""
     if not _enabled():
+        if _routes.listening() and _seen(problem)[1]:
+            why = "the route is off (SOLVERKIT_VMAP_KERNEL=0, or not on a TPU)"
+            _routes.record("forward", False, why)
         return None
     wrap, why = _decide(problem, adjoint, keep)
     if wrap is None:
