@@ -48,6 +48,10 @@ from ._interpolation._global_interpolation import (
     LinearInterpolation as LinearInterpolation,
     rectilinear_interpolation as rectilinear_interpolation,
 )
+from ._kernel._routes import (
+    kernel_routes as kernel_routes,
+    KernelRoute as KernelRoute,
+)
 from ._linear._band_solver import BandedLinearSolver as BandedLinearSolver
 from ._linear._krylov import KrylovLinearSolver as KrylovLinearSolver
 from ._linear._linear_solver import (

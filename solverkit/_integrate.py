@@ -20,6 +20,7 @@ from ._interpolation._dense import DenseInterpolation
 from ._kernel._vmap import vmap_aware
 from ._problem import Problem
 from ._progress import AbstractProgressMeter, NoProgressMeter
+from ._save import flag_save_times
 from ._saveat import SaveAt
 from ._setup import (
     check_arguments,
@@ -151,6 +152,7 @@ def diffeqsolve(
 def _solve_body(problem: Problem, adjoint, throw, final: "FinalStates"):
     out = adjoint.loop(problem)
     ts, ys, t_end, result = out.ts, out.ys, out.t_end, out.result
+    result = flag_save_times(problem, result)
     if throw:
         # Unbatched and non-differentiated, as equinox's error machinery needs; one
         # reduction serves both.

@@ -15,6 +15,7 @@ from jaxtyping import PyTree
 
 from ._closure._loops import while_loop
 from ._custom_types import RealScalarLike, Y
+from ._errors import concrete
 from ._problem import (
     Buffers,
     Carry,
@@ -25,6 +26,7 @@ from ._problem import (
     StepOut,
 )
 from ._select import where
+from ._solution import RESULTS
 from ._time import flip
 from ._tree import tree_add
 
@@ -451,3 +453,20 @@ def _mask_rows(rows, v, other):
         fill = other if jnp.issubdtype(v.dtype, jnp.inexact) else 0
         other = jnp.full(v.shape, fill, v.dtype)
     return where(rows.reshape((-1,) + (1,) * (v.ndim - 1)), v, other)
+
+
+def flag_save_times(problem, result):
+    """`result` (the solve's codes), `RESULTS.invalid_save_times` where traced save
+    times are out of order or outside `[t0, t1]` (known ones are checked before the
+    solve, `_save_times`; the loop and the kernel assume them in order)."""
+    traced = [
+        s.ts for s in problem.saves if s.ts is not None and concrete(s.ts) is None
+    ]
+    bad = jnp.zeros((), bool)
+    for ts in traced:  # internal time: increasing from t0 to t1
+        if ts.shape[0]:
+            outside = (jnp.min(ts) < problem.t0) | (jnp.max(ts) > problem.t1)
+            bad = bad | outside | jnp.any(ts[1:] < ts[:-1])
+    if not traced:
+        return result
+    return where(bad, RESULTS.invalid_save_times.code, result)

@@ -132,6 +132,15 @@ _OUTCOMES = (
         "A linear solver received non-finite (NaN or inf) input and cannot "
         "determine a solution.",
     ),
+    # Last, so that the codes before keep their values.
+    (
+        "invalid_save_times",
+        "The save times saveat.ts are not increasing (decreasing when t1 < t0), in "
+        "the direction from t0 to t1, or lie outside [t0, t1]. They were traced (under "
+        "`jit`, `vmap` or `grad`), so this was found during the solve, not before: "
+        "sort them (`jnp.sort`, reversed for t1 < t0) and keep them within [t0, t1] "
+        "(`jnp.clip`).",
+    ),
 )
 
 # diffrax's names for the implicit solvers' failures (optimistix's), the same items.
@@ -154,7 +163,9 @@ class _Results:
     `inconsistent_initial_values` (a differential-algebraic equation's `y0` does
     not satisfy its algebraic equations), `singular` (a stiff solver's iteration
     matrix `M - γhJ` is singular even as the step shrinks: `Rodas4`, `Rodas5P` and
-    `BDF` with a singular mass matrix), and diffrax's names that an ODE
+    `BDF` with a singular mass matrix), `invalid_save_times` (traced `SaveAt(ts)`
+    out of order or outside `[t0, t1]`, found at run time), and diffrax's names
+    that an ODE
     solve here never returns (`max_steps_rejected`, `breakdown`, `stagnation`,
     `conlim`, `nonfinite_input`).
     Compare with `==`: `sol.result == sk.RESULTS.successful` is a boolean array.
@@ -178,6 +189,7 @@ class _Results:
     stagnation: Result
     conlim: Result
     nonfinite_input: Result
+    invalid_save_times: Result
     nonlinear_divergence: Result
     nonlinear_max_steps_reached: Result
 

@@ -23,6 +23,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -194,12 +195,16 @@ def custom_vjp(
     *ops,
     adjoint: str = "This adjoint",
     second_order: str | None = None,
+    perturbed: bool = False,
 ):
     """`primal(problem, *ops)` as a `custom_vjp` with the rules `fwd(problem, *ops)
     -> (out, residuals)` and `bwd(static, dynamic, residuals, cotangents)`, which
     returns the cotangents of `(dynamic, *ops)`. The backward pass can be
     differentiated in forward mode, not in reverse mode (`adjoint` names the adjoint
     in that error; `second_order`, if given, replaces what it suggests instead).
+    With `perturbed`, `bwd` also takes `perturbed=`, a tree like `(dynamic, *ops)`
+    of bools: which inputs are differentiated (JAX's symbolic zeros), known however
+    the solve was traced (`jax.grad(jax.jit(f))` too).
 
     The problem's arrays (`dynamic`) are an explicit operand, so every user value
     crosses the boundary explicitly; its non-array part (`static`) is static.
@@ -226,7 +231,7 @@ def custom_vjp(
         return batched_like(out, (dynamic, operands)), (dynamic, residuals)
 
     @_standard_promotion
-    def solve_bwd(residuals, cotangents):
+    def solve_bwd(residuals, cotangents, flags=None):
         dynamic, residuals = residuals
         # Inside `shard_map`: the backward pass works on values that vary over
         # every manual axis anything does, and sums each cotangent back to its
@@ -236,13 +241,44 @@ def custom_vjp(
             dynamic, residuals, cotangents = vary(
                 (dynamic, residuals, cotangents), union
             )
-        out = bwd(static, dynamic, residuals, cotangents)
+        if flags is None:
+            out = bwd(static, dynamic, residuals, cotangents)
+        else:
+            out = bwd(static, dynamic, residuals, cotangents, perturbed=flags)
         if union:
             out = _match_varying(out, axes)
         return _first_order(out, adjoint)
 
-    solve.defvjp(solve_fwd, solve_bwd)
+    if not perturbed:
+        solve.defvjp(solve_fwd, solve_bwd)
+        return solve(dynamic, *ops)
+
+    def marked_fwd(dynamic, *operands):
+        is_primal = lambda x: isinstance(x, CustomVJPPrimal)  # noqa: E731
+        primals = jtu.tree_leaves((dynamic, operands), is_leaf=is_primal)
+        values = jtu.tree_map(lambda p: p.value, (dynamic, operands), is_leaf=is_primal)
+        out, residuals = solve_fwd(values[0], *values[1])
+        return out, (residuals, tuple(() if p.perturbed else None for p in primals))
+
+    def marked_bwd(residuals, cotangents):
+        residuals, marks = residuals
+        tree = jtu.tree_structure((dynamic, ops))
+        flags = jtu.tree_unflatten(tree, [m is not None for m in marks])
+        cotangents = jtu.tree_map(materialize, cotangents)
+        return solve_bwd(residuals, cotangents, flags)
+
+    solve.defvjp(marked_fwd, marked_bwd, symbolic_zeros=True)
     return solve(dynamic, *ops)
+
+
+def materialize(c):
+    """A symbolic zero cotangent as an array."""
+    if not isinstance(c, SymbolicZero):
+        return c
+    aval = c.aval
+    if aval.dtype == jax.dtypes.float0:  # pyright: ignore[reportAttributeAccessIssue]
+        return np.zeros(aval.shape, jax.dtypes.float0)  # pyright: ignore
+    return jnp.zeros(aval.shape, aval.dtype)  # pyright: ignore
 
 
 class AbstractAdjoint(eqx.Module):

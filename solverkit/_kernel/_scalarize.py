@@ -17,6 +17,8 @@ A primitive outside the lists below raises `KernelUnsupported` naming it (the ca
 falls back to the `vmap` path, or raises).
 """
 
+import contextlib
+import contextvars
 import functools
 import operator
 from collections.abc import Callable, Sequence
@@ -26,6 +28,7 @@ import jax.core
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import _tile
 
@@ -163,6 +166,47 @@ def _tile_shape(xs: Sequence) -> tuple[int, ...] | None:
     return None
 
 
+# Inside `reverse_mode_nans()`: a select's tangent carries `0 *` its unselected
+# cases' tangents, as reverse mode's cotangents do.
+_REVERSE_NANS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "reverse_mode_nans", default=False
+)
+
+
+@contextlib.contextmanager
+def reverse_mode_nans():
+    """Forward-mode tangents of the field traced inside give NaN where reverse mode
+    does: a `where` whose unselected branch has a NaN or infinite derivative (`jnp.
+    where(y > 0, jnp.sqrt(y), 0)` at `y < 0`) gives `0 * NaN` in reverse mode, and
+    a plain tangent a finite number. Measured by tests/test_vmap_route.py::
+    test_nan_gradients_are_reverse_modes."""
+    token = _REVERSE_NANS.set(True)
+    try:
+        yield
+    finally:
+        _REVERSE_NANS.reset(token)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _select_keeping_nans(select: Callable, which, *cases):
+    return select(which, *cases)
+
+
+@_select_keeping_nans.defjvp
+def _select_keeping_nans_jvp(select, primals, tangents):
+    which, *cases = primals
+    _, *dcases = tangents
+    nans = functools.reduce(operator.add, [0 * d for d in dcases])
+    return select(which, *cases), select(which, *dcases) + nans
+
+
+def _select(tile, xs: list):
+    select = _tile.select_n if tile is not None else lax.select_n
+    if _REVERSE_NANS.get() and jnp.issubdtype(xs[1].dtype, jnp.inexact):
+        return _select_keeping_nans(select, *xs)
+    return select(*xs)
+
+
 def _elementwise(prim, params: dict, args: list[np.ndarray]) -> np.ndarray:
     arrays = np.broadcast_arrays(*args)
     shape = arrays[0].shape if arrays else ()
@@ -171,8 +215,8 @@ def _elementwise(prim, params: dict, args: list[np.ndarray]) -> np.ndarray:
         xs = [a[index] for a in arrays]
         tile = _tile_shape(xs)
         xs = _match(xs, tile)
-        if prim.name == "select_n" and tile is not None:
-            out[index] = _tile.select_n(*xs)  # real tiles for Mosaic (`_tile`)
+        if prim.name == "select_n":  # on tiles, real ones for Mosaic (`_tile`)
+            out[index] = _select(tile, xs)
         else:
             out[index] = prim.bind(*xs, **params)
     return out

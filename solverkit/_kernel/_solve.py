@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._adjoint._base import custom_vjp, fill_zeros, parameters
+from .._adjoint._base import custom_vjp, fill_zeros
 from .._closure._convert import Closure
 from .._closure._raising import error_if
 from .._closure._unvmap import unvmap_max
 from .._problem import Problem
+from .._save import flag_save_times
 from .._select import where
 from .._solution import (
     EVENT as _EVENT,
@@ -30,8 +31,8 @@ from .._solution import (
     Solution,
     SUCCESS as _SUCCESS,
 )
-from . import _backward, _budget, _field, _pallas, _shard, _tangent
-from ._layout import from_lanes, per_trajectory, state_of, to_lanes
+from . import _backward, _budget, _field, _pallas, _routes, _shard, _tangent
+from ._layout import from_lanes, per_trajectory, saved_rows, state_of, to_lanes
 from ._pallas import LANES
 from ._scalarize import KernelUnsupported
 
@@ -64,6 +65,11 @@ def default_rows(batch: int) -> int:
     factor = max(1, batch // _TRAJECTORIES_PER_8_ROWS)
     power = 1 << (factor.bit_length() - 1)
     return min(8 * power, _MAX_ROWS)
+
+
+class TangentsDeclined(Exception):
+    """Forward sensitivities don't serve this backward pass (`kernel_solve` with a
+    `probe`): the caller's own reverse mode must."""
 
 
 class Settings(NamedTuple):
@@ -209,7 +215,7 @@ def _forward(problem: Problem, y0: PyTree, args_dynamic: PyTree, settings: Setti
         )
         t_end = per_trajectory(t_end, batch)
         y_end = state_of(from_lanes(y_end, batch), y, batch)
-        ts_rows, ys_rows = _rows(problem, local, y, ys_ts, t_end, y_end)
+        ts_rows, ys_rows = saved_rows(problem, local, y, ys_ts, t_end, y_end)
         counts = tuple(per_trajectory(c, batch) for c in counts)
         return dict(ts=ts_rows, ys=ys_rows, t1=t_end, counts=counts)
 
@@ -224,8 +230,9 @@ def _on_shard(settings: Settings, batched, whole) -> Settings:
 
 
 def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, directions):
-    """The saved rows `ys` and, per direction, their tangent (same layout), from one
-    kernel run with forward sensitivities (per device, as `_forward`)."""
+    """The saved rows `ys`, per direction their tangent (same layout), and which
+    rows were written (`(N, T)`: the others are padding), from one kernel run with
+    forward sensitivities (per device, as `_forward`)."""
 
     def on_shard(problem, batched):
         (y, a), local = batched, _on_shard(settings, batched, y0)
@@ -237,7 +244,7 @@ def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, direct
         def rows_of(k: int, start):
             part = slice(n * k, n * (k + 1))
             end = state_of(from_lanes(y_end[part], batch), y, batch)
-            return _rows(problem, local, start, ys_ts[:, part], t_end, end)[1]
+            return saved_rows(problem, local, start, ys_ts[:, part], t_end, end)
 
         def start_of(direction):
             flat = jnp.zeros((batch, n), ys_ts.dtype)
@@ -245,58 +252,11 @@ def _tangent_rows(settings: Settings, problem: Problem, y0, args_dynamic, direct
                 flat = flat.at[:, direction[1]].set(1)
             return state_of(flat, y, batch)
 
-        tangents = [rows_of(k + 1, start_of(d)) for k, d in enumerate(directions)]
-        return rows_of(0, y), tangents
+        tangents = [rows_of(k + 1, start_of(d))[1] for k, d in enumerate(directions)]
+        ts, ys = rows_of(0, y)
+        return ys, tangents, jnp.isfinite(ts)
 
     return _shard.over_batch(on_shard, problem, (y0, args_dynamic))
-
-
-def _rows(problem: Problem, settings: Settings, y0, ys_ts, t_end, y_end):
-    """The saved rows in the vmap path's layout (`_save.finish_save`): `t0`, the
-    save times reached (those past an event's time: `inf`), then `t1` (the final
-    point) in the first free row, then `inf` padding."""
-    batch = t_end.shape[0]
-    save = problem.saves[0]
-    rows = lambda x: x[:, None]  # noqa: E731
-    if save.ts is None and not settings.save_t0:  # the final point or nothing
-        save_t1 = settings.save_t1
-        ts = rows(t_end) if save_t1 else jnp.zeros((batch, 0), t_end.dtype)
-        ys = jtu.tree_map(lambda v: rows(v) if save_t1 else rows(v)[:, :0], y_end)
-        return ts, ys
-    ts = jnp.zeros((batch, 0), t_end.dtype)
-    ys = jtu.tree_map(lambda x: jnp.zeros((batch, 0) + x.shape[1:], x.dtype), y0)
-    if save.ts is not None:
-        ys = state_of(from_lanes(ys_ts, batch), y0, batch)
-        written = (save.ts[None] <= t_end[:, None]) | (save.ts[None] <= problem.t0)
-        ts = where(written, save.ts[None], jnp.inf)
-        ys = jtu.tree_map(
-            lambda v: where(
-                written.reshape(written.shape + (1,) * (v.ndim - 2)), v, jnp.inf
-            ),
-            ys,
-        )
-    if settings.save_t1:
-        ts = jnp.concatenate([ts, jnp.full((batch, 1), jnp.inf, ts.dtype)], axis=1)
-        ys = jtu.tree_map(
-            lambda v: jnp.concatenate(
-                [v, jnp.full((batch, 1) + v.shape[2:], jnp.inf, v.dtype)], axis=1
-            ),
-            ys,
-        )
-        index = jnp.sum(jnp.isfinite(ts), axis=1)
-        final = jnp.arange(ts.shape[1])[None] == index[:, None]
-        ts = where(final, rows(t_end), ts)
-        ys = jtu.tree_map(
-            lambda v, e: where(
-                final.reshape(final.shape + (1,) * (v.ndim - 2)), rows(e), v
-            ),
-            ys,
-            y_end,
-        )
-    if settings.save_t0:
-        ts = jnp.concatenate([jnp.broadcast_to(problem.t0, (batch, 1)), ts], axis=1)
-        ys = jtu.tree_map(lambda v, y: jnp.concatenate([rows(y), v], axis=1), ys, y0)
-    return ts, ys
 
 
 def _event_mask(problem: Problem, result):
@@ -307,11 +267,6 @@ def _event_mask(problem: Problem, result):
         problem.event.conds, is_leaf=lambda x: isinstance(x, Closure)
     )
     return jtu.tree_unflatten(tree, [result == _EVENT])
-
-
-def _outputs(sol: Solution) -> dict:
-    """The differentiable outputs of the `vmap` path's `Solution`."""
-    return dict(ts=sol.ts, ys=sol.ys, t1=sol.t1)
 
 
 def _lane_cotangents(problem: Problem, ct: dict) -> dict:
@@ -337,66 +292,76 @@ def _differentiable(
     reference: Callable,
     backward: Callable | None,
     tangents: bool,
+    probe: tuple | None = None,
 ):
     """`_forward` with reverse mode: forward sensitivities in the kernel (where
     `tangents` and they apply); else `backward`, the lane loop's backward pass, from
     the kernel's step counts; or without it, through `reference` (the `vmap` path,
-    forward and backward)."""
+    forward and backward). With a `probe` (`kernel_solve`), the closed-over values'
+    cotangents are the probe's, per trajectory; theirs are zero."""
 
-    def primal(problem, y0, args_dynamic):
+    def primal(problem, y0, args_dynamic, probe=None):
         return _forward(problem, y0, args_dynamic, settings)
 
-    def fwd(problem, y0, args_dynamic):
+    def fwd(problem, y0, args_dynamic, probe=None):
         out = primal(problem, y0, args_dynamic)
         steps = out["counts"][0]
         return out, (y0, args_dynamic, steps)
 
-    def bwd(static, dynamic, residuals, cotangents):
+    def bwd(static, dynamic, residuals, cotangents, perturbed):
         y0, args_dynamic, num_steps = residuals
         ct = {k: cotangents[k] for k in ("ts", "ys", "t1")}
         problem = eqx.combine(dynamic, static)
-        directions = _backward.directions_of(problem, y0, args_dynamic)
-        rows = None
-        if tangents and BACKWARD == "tangent" and directions is not None:
-            # Its own block size: the state carries the tangents (`_budget`).
-            rows = fitted_rows(
-                problem, y0, len(directions), settings.rows, settings.interpret
-            )
-        if isinstance(rows, int):
-            assert directions is not None
+        why = _backward.why_not(problem, y0, args_dynamic)
+        other = _backward.perturbed_elsewhere(dynamic, perturbed[0])
+        if why is None and other:
+            why = f"differentiated with respect to {', '.join(other)}"
+        if why is None and not (tangents and BACKWARD == "tangent"):
+            why = "forward sensitivities off for this adjoint or setting"
+        rows = settings.rows
+        if why is None:  # its own block size: the state carries the tangents
+            count = len(_backward.directions_of(problem, y0, args_dynamic) or ())
+            fits = fitted_rows(problem, y0, count, settings.rows, settings.interpret)
+            why, rows = (fits, rows) if isinstance(fits, str) else (None, fits)
+        _routes.record("backward", why is None, why)
+        if why is None:
             tangent_settings = settings._replace(rows=rows)
-            forward = functools.partial(_tangent_rows, tangent_settings)
-            ct_consts, ct_y, ct_args = _backward.pull_back(
-                forward, problem, y0, args_dynamic, directions, ct["ys"]
+            return _tangent_bwd(
+                tangent_settings, problem, dynamic, y0, args_dynamic, ct, probe
             )
-            ct_dynamic = fill_zeros(_backward.with_consts(dynamic, ct_consts), dynamic)
-            return ct_dynamic, fill_zeros(ct_y, y0), fill_zeros(ct_args, args_dynamic)
+        if probe is not None:  # the caller's reverse mode serves instead
+            raise TangentsDeclined(why)
         if backward is not None:
             ct_out = _lane_cotangents(eqx.combine(dynamic, static), ct)
             ct_dynamic, ct_y, ct_args, _ = backward(
                 static, dynamic, y0, args_dynamic, num_steps, ct_out
             )
             return ct_dynamic, ct_y, ct_args
-        spec = parameters(dynamic)
-        p_diff, p_rest = eqx.partition(dynamic, spec)
-        a_diff, a_rest = eqx.partition(args_dynamic, eqx.is_inexact_array)
+        return _backward.through(reference, static, dynamic, y0, args_dynamic, ct)
 
-        def solve(p, y, a):
-            problem = eqx.combine(p, p_rest, static)
-            return _outputs(reference(problem, y, eqx.combine(a, a_rest)))
-
-        _, vjp = jax.vjp(solve, p_diff, y0, a_diff)
-        ct_p, ct_y, ct_a = vjp(ct)
-        nothing = lambda tree: jtu.tree_map(lambda _: None, tree)  # noqa: E731
-        ct_dynamic = fill_zeros(eqx.combine(ct_p, nothing(p_rest)), dynamic)
-        ct_args = fill_zeros(eqx.combine(ct_a, nothing(a_rest)), args_dynamic)
-        return ct_dynamic, fill_zeros(ct_y, y0), ct_args
-
+    ops = (y0, args_dynamic) if probe is None else (y0, args_dynamic, probe)
     return custom_vjp(
-        problem, primal, fwd, bwd, y0, args_dynamic,
+        problem, primal, fwd, bwd, *ops,
         adjoint="ensemble_solve(kernel=True)",
         second_order="Use kernel=False for higher-order derivatives.",
+        perturbed=True,
     )  # fmt: skip
+
+
+def _tangent_bwd(settings, problem, dynamic, y0, args_dynamic, ct, probe):
+    """The cotangents of `(dynamic, y0, args_dynamic[, probe])` by forward
+    sensitivities in the kernel."""
+    directions = _backward.directions_of(problem, y0, args_dynamic)
+    forward = functools.partial(_tangent_rows, settings)
+    ct_consts, ct_y, ct_args = _backward.pull_back(
+        forward, problem, y0, args_dynamic, directions, ct["ys"], probe is not None
+    )
+    ct_y, ct_args = fill_zeros(ct_y, y0), fill_zeros(ct_args, args_dynamic)
+    if probe is None:
+        ct_dynamic = fill_zeros(_backward.with_consts(dynamic, ct_consts), dynamic)
+        return ct_dynamic, ct_y, ct_args
+    ct_dynamic = fill_zeros(jtu.tree_map(lambda _: None, dynamic), dynamic)
+    return ct_dynamic, ct_y, ct_args, fill_zeros(tuple(ct_consts), probe)
 
 
 def _stats(problem: Problem, counts, rows: int) -> dict:
@@ -447,6 +412,7 @@ def kernel_solve(
     tangents: bool = True,
     rows: int | None = None,
     interpret: bool | None = None,
+    probe: tuple | None = None,
 ) -> Solution:
     """Solve the ensemble with the whole-solve kernel (see `supported` first).
 
@@ -470,6 +436,10 @@ def kernel_solve(
         default `DEFAULT_ROWS`, else `default_rows(N)`.
     - `interpret`: run the kernel in Pallas' interpreter; default
         `DEFAULT_INTERPRET`, else except on a TPU.
+    - `probe`: per closed-over value of the field, `None` or zeros with a leading
+        batch axis (`(N, *shape)`), which the solution does not depend on: its
+        cotangent is that value's per trajectory, by forward sensitivities (the
+        value's own is then zero). The `vmap` rule's per-example gradients.
 
     **Returns:**
 
@@ -487,12 +457,12 @@ def kernel_solve(
     del args_static  # shared by every trajectory: part of the converted field
     with jax.numpy_dtype_promotion("standard"):
         out = _differentiable(
-            problem, y0, args_dynamic, settings, reference, backward, tangents
+            problem, y0, args_dynamic, settings, reference, backward, tangents, probe
         )
     counts = out["counts"]
     ts, ys, t_end = out["ts"], out["ys"], out["t1"]
     batch = t_end.shape[0]
-    result = counts[3]
+    result = flag_save_times(problem, counts[3])
     if throw:
         ts, ys, t_end = _check((ts, ys, t_end), result)
     return Solution(

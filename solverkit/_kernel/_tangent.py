@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._scalarize import reverse_mode_nans
+
 
 Direction = tuple
 
@@ -92,9 +94,10 @@ def augment(
         out = list(call(t, y, args, flat))
         for k, (da, dc) in enumerate(seeds):
             s = ys[n * (k + 1) : n * (k + 2)]
-            _, ds = jax.jvp(
-                lambda y, a, c: call(t, y, a, c), (y, args, flat), (s, da, dc)
-            )
+            with reverse_mode_nans():
+                _, ds = jax.jvp(
+                    lambda y, a, c: call(t, y, a, c), (y, args, flat), (s, da, dc)
+                )
             out += list(ds)
         return out
 

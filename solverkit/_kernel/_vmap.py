@@ -12,17 +12,22 @@ tolerances, ...) falls back to the plain vmap of the same traced solve.
 Reverse mode: JAX can't transpose a `custom_vmap`, so the solve is a `custom_vjp`
 whose rules are `custom_vmap`s too, where a vmap is seen among the solve's inputs
 (`mode` "gradient"): its forward rule runs the kernel (the residuals are the
-inputs), its backward rule pulls back through the kernel path's own reverse mode
-(forward sensitivities in the kernel, or the vmapped solve's adjoint where those
-don't apply), as `ensemble_solve(kernel=True)` does. Where no vmap is seen (inside a
-`jit` that a `vmap` may batch later: `mode` "forward") the forward rule is the plain
-solve's (`jax.vjp` of it). A solve seen differentiated but not batched, or
-differentiated twice (forward over reverse: the kernel's rules can't be
-differentiated in forward mode), is not wrapped at all. It applies only to the
-adjoints that support reverse mode alone.
+inputs), its backward rule pulls back through the kernel's forward sensitivities
+where only `y0`, `args` and closed-over values are differentiated (symbolic zeros
+say which inputs are, however the solve was traced) and they apply, else through
+the plain solve's reverse mode, per batch element. Every cotangent is per batch
+element, a shared input's too (`vmap(grad)` wants each element's own; under
+`grad(vmap)` JAX sums them). The promise: the loop's values and derivatives, to the
+tolerance's order, in every order of the transformations.
+
+Where no vmap is seen (inside a `jit` that a `vmap` may batch later: `mode`
+"forward") the forward rule is the plain solve's (`jax.vjp` of it). A solve seen
+differentiated but not batched, or differentiated twice (forward over reverse: the
+kernel's rules can't be differentiated in forward mode), is not wrapped at all. It
+applies only to the adjoints that support reverse mode alone. Each decision is
+recorded for `kernel_routes()` (`_routes`).
 """
 
-import dataclasses
 import os
 from collections.abc import Callable
 
@@ -35,15 +40,12 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from .._adjoint._backsolve import BacksolveAdjoint
-from .._adjoint._base import AbstractAdjoint, zeros_cotangent
+from .._adjoint._base import AbstractAdjoint, materialize, zeros_cotangent
 from .._adjoint._checkpoint import RecursiveCheckpointAdjoint
-from .._closure._convert import Closure, closure_convert
 from .._problem import Problem
 from .._solution import Solution
-from .._term import ClosureTerm
-from . import _field
-from ._scalarize import KernelUnsupported
-from ._solve import kernel_solve, supported
+from . import _batch, _field, _routes, _solve
+from ._solve import supported
 
 
 # Put vmapped solves on the kernel: True / False, or None (default): as the
@@ -53,8 +55,6 @@ from ._solve import kernel_solve, supported
 ENABLED: bool | None = None
 # The adjoints whose reverse mode is a `custom_vjp` anyway (no forward mode to lose).
 _REVERSE_ONLY = (RecursiveCheckpointAdjoint, BacksolveAdjoint)
-# What the rule may see batched: the problem's paths to them.
-_ALLOWED = (("y0",), ("args",), ("terms", "closure", "consts"))
 
 
 def vmap_aware(
@@ -74,32 +74,45 @@ def mode(problem: Problem, adjoint: AbstractAdjoint, final) -> str | None:
     the forward pass) or "gradient" (rules for reverse mode too, where a vmap of
     what the rule takes is seen among its inputs). Only when on (`ENABLED`), for an
     adjoint in `_REVERSE_ONLY`, and a solve the kernel supports (as
-    `ensemble_solve` takes it)."""
-    if not _enabled() or type(adjoint) not in _REVERSE_ONLY:
+    `ensemble_solve` takes it). A solve left alone records why (`kernel_routes`)."""
+    if not _enabled():
+        if _routes.listening() and _seen(problem)[1]:
+            why = "the route is off (SOLVERKIT_VMAP_KERNEL=0, or not on a TPU)"
+            _routes.record("forward", False, why)
         return None
-    if not _field.by_default(problem) or problem.event.conds is not None:
-        return None
+    wrap, why = _decide(problem, adjoint, final)
+    if wrap is None:
+        _routes.record("forward", False, why)
+    return wrap
+
+
+def _decide(problem: Problem, adjoint: AbstractAdjoint, final):
+    """`mode`'s answer and, for `None`, why."""
+    if type(adjoint) not in _REVERSE_ONLY:
+        return None, f"adjoint {type(adjoint).__name__}: not reverse-mode only"
+    if not _field.by_default(problem):
+        return None, "the kernel does not take this solve by default"
+    if problem.event.conds is not None:
+        return None, "an event"
     batch_of_one = jtu.tree_map(lambda x: x[None], problem.y0)
-    if supported(problem, batch_of_one, None, final) is not None:
-        return None
+    why = supported(problem, batch_of_one, None, final)
+    if why is not None:
+        return None, why
     differentiated, batched = _seen(problem)
     if differentiated > 1:  # the rules would be differentiated: not the kernel's
-        return None
+        return None, "differentiated twice (forward over reverse)"
     if differentiated and not adjoint.discrete:  # its own reverse mode: the loop's
-        return None
-    if batched and all(_allowed(path) for path in batched):
-        return "gradient"
-    if differentiated or batched:  # the wrapper would go unused
-        return None
-    return "forward"
-
-
-def _path(keys) -> tuple:
-    return tuple(getattr(k, "name", None) for k in keys)
-
-
-def _allowed(path: tuple) -> bool:
-    return any(path[: len(a)] == a for a in _ALLOWED)
+        return None, f"{type(adjoint).__name__} differentiated inside the vmap"
+    if batched and all(_batch.allowed(path) for path in batched):
+        return "gradient", None
+    if batched:  # the wrapper would go unused
+        return (
+            None,
+            f"batched {_batch.names([p for p in batched if not _batch.allowed(p)])}",
+        )
+    if differentiated:
+        return None, "differentiated, not batched"
+    return "forward", None
 
 
 def _seen(problem: Problem) -> tuple[int, list[tuple]]:
@@ -123,7 +136,7 @@ def _seen(problem: Problem) -> tuple[int, list[tuple]]:
                 x = getattr(x, "primal", None)
             elif isinstance(x, batching.BatchTracer):
                 if x.batch_dim is not None:
-                    batched.append(_path(keys))
+                    batched.append(_batch.path_of(keys))
                 x = x.val
             else:
                 break
@@ -137,10 +150,6 @@ def _enabled() -> bool:
     if setting in ("0", "1"):
         return setting == "1"
     return jax.default_backend() == "tpu"
-
-
-class _Fallback(Exception):
-    """The kernel can't take this batch: the plain vmap does."""
 
 
 def wrapped(
@@ -178,15 +187,21 @@ def wrapped(
         out.update(rest=rest, tree=tree, avals=[_aval(x) for x in leaves])
         return leaves
 
-    def on_kernel(flat, flags, raising):
-        got = _on_kernel(in_tree, static, flat, flags, raising, tangents)
-        if got is None:
-            raise _Fallback
-        return _like_body(got, problem.max_steps, out["avals"])
+    def on_kernel(flat, flags, raising, probe=None):
+        got = _batch.on_kernel(in_tree, static, flat, flags, raising, tangents, probe)
+        if isinstance(got, str):
+            _routes.record("backward" if probe else "forward", False, got)
+            raise _batch.Fallback
+        return _batch.like_body(got, problem.max_steps, out["avals"])
+
+    def setup(flat, flags):  # the kernel's problem, or why it can't
+        return _batch.kernel_problem(in_tree, static, flat, flags)
 
     run = jax.custom_vjp(_primal(arrays_of, on_kernel, throw))
     if gradient:
-        run.defvjp(*_batched_rules(arrays_of, on_kernel, throw, tangents))
+        paths = [_batch.path_of(k) for k, _ in jtu.tree_flatten_with_path(dynamic)[0]]
+        rules = _Rules(arrays_of, on_kernel, setup, throw, tangents, paths)
+        run.defvjp(rules.fwd, rules.bwd, symbolic_zeros=True)
     else:
         run.defvjp(lambda flat: jax.vjp(arrays_of, flat), lambda pull, ct: pull(ct))
     leaves = run(flat)
@@ -216,7 +231,8 @@ def _primal(arrays_of, on_kernel, throw):
             (flags,) = in_batched
             try:
                 leaves = on_kernel(flat, flags, throw)
-            except _Fallback:  # the plain vmap of the traced solve
+                _routes.record("forward", True, None)
+            except _batch.Fallback:  # the plain vmap of the traced solve
                 run = jax.vmap(evaluate, in_axes=(_axes(flags),), axis_size=axis_size)
                 leaves = run(flat)
             return leaves, [True] * len(leaves)
@@ -226,53 +242,148 @@ def _primal(arrays_of, on_kernel, throw):
     return primal
 
 
-def _batched_rules(arrays_of, on_kernel, throw, tangents):
-    """The `custom_vjp` rules, each a batching rule too: forward, the kernel (its
-    residuals the inputs); backward, a pull-back through the kernel path's own
-    reverse mode. Unbatched, they never run: the wrapper is "gradient" only where
-    a vmap batches the problem, whose rules then serve every call (the unbatched
-    backward rule raises at run time rather than return a wrong gradient)."""
-    fwd = custom_vmap(lambda flat: (arrays_of(flat), flat))
+class _Rules:
+    """The `custom_vjp` rules (with symbolic zeros: which inputs are perturbed),
+    each a batching rule too: forward, the kernel (its residuals the inputs);
+    backward, a pull-back through the kernel's forward sensitivities where only
+    `y0`, `args` and closed-over values are perturbed, else the plain solve's
+    reverse mode. Unbatched, they never run: the wrapper is "gradient" only where a
+    vmap batches the problem, whose rules then serve every call (the unbatched
+    backward rule raises at run time rather than return a wrong gradient).
 
-    @fwd.def_vmap
-    def fwd_rule(axis_size, in_batched, flat):
-        (flags,) = in_batched
+    Every cotangent is returned per batch element: under `vmap(grad)` each element's
+    gradient of a shared input is its own; under `grad(vmap)` JAX sums them."""
+
+    def __init__(self, arrays_of, on_kernel, setup, throw, tangents, paths):
+        self.arrays_of, self.on_kernel, self.setup = arrays_of, on_kernel, setup
+        self.throw, self.tangents, self.paths = throw, tangents, paths
+
+    def fwd(self, primals):
+        flat = [p.value for p in primals]
+        marks = tuple(() if p.perturbed else None for p in primals)
+        leaves, flat = self._fwd()(flat)
+        return leaves, (flat, marks)
+
+    def _fwd(self):
+        fwd = custom_vmap(lambda flat: (self.arrays_of(flat), flat))
+
+        @fwd.def_vmap
+        def fwd_rule(axis_size, in_batched, flat):
+            (flags,) = in_batched
+            try:
+                leaves = self.on_kernel(flat, flags, self.throw)
+                _routes.record("forward", True, None)
+            except _batch.Fallback:
+                run = jax.vmap(
+                    self.arrays_of, in_axes=(_axes(flags),), axis_size=axis_size
+                )
+                leaves = run(flat)
+            return (leaves, flat), ([True] * len(leaves), list(flags))
+
+        return fwd
+
+    def bwd(self, residuals, ct):
+        flat, marks = residuals
+        perturbed = [m is not None for m in marks]
+        ct = [materialize(c) for c in ct]
+        bwd = custom_vmap(_bwd_plain)
+
+        @bwd.def_vmap
+        def bwd_rule(axis_size, in_batched, flat, ct):
+            flags, ct_flags = in_batched
+            ct = [c if b else _broadcast(c, axis_size) for c, b in zip(ct, ct_flags)]
+            try:
+                got = self._tangent(flat, flags, ct, perturbed, axis_size)
+            except _batch.Fallback:
+                got = self._loop(flat, flags, ct, axis_size)
+            return got, [True] * len(flat)
+
+        return (bwd(flat, ct),)
+
+    def _loop(self, flat, flags, ct, size):
+        """Per batch element, the plain solve's reverse mode."""
+
+        def pull_one(f, c):
+            return jax.vjp(lambda f: self.arrays_of(f, False), f)[1](c)[0]
+
+        return jax.vmap(pull_one, in_axes=(_axes(flags), 0), axis_size=size)(flat, ct)
+
+    def _tangent(self, flat, flags, ct, perturbed, size):
+        """Per batch element, the cotangents by the kernel's forward sensitivities,
+        or `_batch.Fallback`."""
+        other = [
+            p for p, d in zip(self.paths, perturbed) if d and not _batch.allowed(p)
+        ]
+        why = None if self.tangents else "the adjoint's own reverse mode"
+        why = f"differentiated with respect to {_batch.names(other)}" if other else why
+        if why is not None:
+            _routes.record("backward", False, why)
+            raise _batch.Fallback
+        # The kernel holds `y0` per batch element anyway: broadcast, its cotangent
+        # is per element; shared `args` and closed-over values stay shared, and a
+        # probe takes their cotangents per element.
+        is_y0 = [p[:1] == ("y0",) for p in self.paths]
+        flat = [_broadcast(x, size) if y and not b else x for x, y, b in zip(
+            flat, is_y0, flags)]  # fmt: skip
+        flags = [b or y for b, y in zip(flags, is_y0)]
+        got = self.setup(flat, flags)
+        if isinstance(got, str):
+            _routes.record("backward", False, got)
+            raise _batch.Fallback
+        consts = got[0].terms.closure.consts
+        probe = tuple(
+            jnp.zeros((size, *c.shape), c.dtype) if eqx.is_inexact_array(c) else None
+            for c in consts
+        )
+        batched = [i for i, b in enumerate(flags) if b]
+
+        def run(xs, probe):  # the batched inputs differentiated, the rest fixed
+            f = list(flat)
+            for i, x in zip(batched, xs):
+                f[i] = x
+            return self.on_kernel(f, flags, False, probe)
+
         try:
-            leaves = on_kernel(flat, flags, throw)
-        except _Fallback:
-            run = jax.vmap(arrays_of, in_axes=(_axes(flags),), axis_size=axis_size)
-            leaves = run(flat)
-        return (leaves, flat), ([True] * len(leaves), list(flags))
+            _, pull = jax.vjp(run, [flat[i] for i in batched], probe)
+            ct_batched, ct_probe = pull(ct)
+        except _solve.TangentsDeclined:
+            raise _batch.Fallback from None
+        out = _per_element(self.setup, flat, flags, ct_probe, size)
+        out.update(zip(batched, ct_batched))
+        return [out[i] for i in range(len(flat))]
 
-    def bwd_plain(flat, ct):
-        del ct
-        never = eqx.error_if(jnp.zeros(()), jnp.asarray(True), _NEVER)
-        return [_guarded(zeros_cotangent(x), never) for x in flat]
 
-    bwd = custom_vmap(bwd_plain)
+def _per_element(setup, flat, flags, ct_probe, size) -> dict:
+    """The cotangents of the shared inputs, per batch element, from those of the
+    kernel field's closed-over values (`ct_probe`): through the map from the inputs
+    to those values (the copies `closure_convert` makes)."""
+    index = [i for i, (x, b) in enumerate(zip(flat, flags)) if not b]
+    inexact = [i for i in index if eqx.is_inexact_array(flat[i])]
 
-    @bwd.def_vmap
-    def bwd_rule(axis_size, in_batched, flat, ct):
-        flags, ct_flags = in_batched
-        ct = [c if b else _broadcast(c, axis_size) for c, b in zip(ct, ct_flags)]
-        try:
-            if not tangents:
-                raise _Fallback
-            _, pull = jax.vjp(lambda f: on_kernel(f, flags, False), flat)
-            (ct_flat,) = pull(ct)
-        except _Fallback:  # the plain solve again, and its adjoint
+    def consts_of(xs):
+        f = list(flat)
+        for i, x in zip(inexact, xs):
+            f[i] = x
+        consts = setup(f, flags)[0].terms.closure.consts
+        return tuple(c for c in consts if eqx.is_inexact_array(c))
 
-            def pull_one(f, c):
-                return jax.vjp(lambda f: arrays_of(f, False), f)[1](c)[0]
-
-            run = jax.vmap(pull_one, in_axes=(_axes(flags), 0), axis_size=axis_size)
-            return run(flat, ct), [True] * len(flat)
-        return ct_flat, list(flags)
-
-    return (lambda flat: fwd(flat)), (lambda flat, ct: (bwd(flat, ct),))
+    cts = tuple(c for c in ct_probe if c is not None)
+    per = []
+    if inexact:
+        _, pull = jax.vjp(consts_of, [flat[i] for i in inexact])
+        per = jax.vmap(lambda c: pull(c)[0], axis_size=size)(cts)
+    out = {i: _broadcast(zeros_cotangent(flat[i]), size) for i in index}
+    out.update(zip(inexact, per))
+    return out
 
 
 _NEVER = "internal error: solverkit's vmap rule's backward pass ran unbatched"
+
+
+def _bwd_plain(flat, ct):
+    del ct
+    never = eqx.error_if(jnp.zeros(()), jnp.asarray(True), _NEVER)
+    return [_guarded(zeros_cotangent(x), never) for x in flat]
 
 
 def _guarded(zero, never):
@@ -286,77 +397,3 @@ def _broadcast(x, size: int):
     if jnp.result_type(x) == jax.dtypes.float0:
         return np.zeros((size, *jnp.shape(x)), jax.dtypes.float0)
     return jnp.broadcast_to(x, (size, *jnp.shape(x)))
-
-
-def _on_kernel(in_tree, static, flat, flags, throw, tangents):
-    """The rule's kernel path: the batched solve's `Solution`, or `None` where
-    something other than `y0`, `args` and the field's closed-over values is batched
-    (or the kernel can't solve it after all)."""
-    marked = jtu.tree_flatten_with_path(jtu.tree_unflatten(in_tree, flags))[0]
-    if not all(_allowed(_path(keys)) for keys, b in marked if b):
-        return None
-    size = next(x.shape[0] for x, b in zip(flat, flags) if b)
-    batched = jtu.tree_unflatten(in_tree, flags)
-    full = eqx.combine(jtu.tree_unflatten(in_tree, flat), static)
-    rows = [jax.lax.stop_gradient(x[0]) if b else x for x, b in zip(flat, flags)]
-    one = eqx.combine(jtu.tree_unflatten(in_tree, rows), static)  # for shapes
-    closure = full.terms.closure
-    const_flags = batched.terms.closure.consts
-    arg_arrays, arg_rest = eqx.partition(full.args, eqx.is_array)
-    arg_leaves, arg_tree = jtu.tree_flatten(arg_arrays)
-    arg_flags = jtu.tree_leaves(batched.args)
-
-    def field(t, y, pack):
-        args_in, consts_in = iter(pack[0]), iter(pack[1])
-        args = [next(args_in) if b else a for a, b in zip(arg_leaves, arg_flags)]
-        consts = tuple(
-            next(consts_in) if b else c for c, b in zip(closure.consts, const_flags)
-        )
-        args = eqx.combine(jtu.tree_unflatten(arg_tree, args), arg_rest)
-        return Closure(consts, closure.program)(t, y, args)
-
-    pack = (
-        [a for a, b in zip(arg_leaves, arg_flags) if b],
-        [c for c, b in zip(closure.consts, const_flags) if b],
-    )
-    pack_one = jtu.tree_map(lambda x: x[0], pack)
-    y0 = jtu.tree_map(
-        lambda y, b: y if b else jnp.broadcast_to(y, (size, *y.shape)),
-        full.y0,
-        batched.y0,
-    )
-
-    with jax.numpy_dtype_promotion("standard"):
-        term = ClosureTerm(closure_convert(field, one.t0, one.y0, pack_one), None)
-        kernel_problem = dataclasses.replace(one, terms=term, args=pack_one)
-        if supported(kernel_problem, y0, None, (False,) * 3) is not None:
-            return None
-        try:
-            return kernel_solve(
-                kernel_problem, y0, pack, throw, _no_reference, tangents=tangents
-            )
-        except KernelUnsupported:
-            return None
-
-
-def _no_reference(*_):
-    """Where the kernel's forward sensitivities don't serve reverse mode: the
-    backward rule takes the plain solve's instead."""
-    raise _Fallback
-
-
-def _like_body(sol: Solution, max_steps, avals) -> list:
-    """The kernel's `Solution` as the flat array outputs of the vmapped solve."""
-    stats = dict(sol.stats)
-    del stats["lanes"], stats["lane_steps"]
-    stats["max_steps"] = max_steps
-    sol = dataclasses.replace(sol, stats=stats)
-    leaves = jtu.tree_leaves(eqx.filter(sol, eqx.is_array))
-    if len(leaves) != len(avals):
-        raise AssertionError(f"{len(leaves)} kernel outputs for {len(avals)}")
-    out = []
-    for x, aval in zip(leaves, avals):
-        if x.shape[1:] != aval.shape:
-            raise AssertionError(f"kernel output {x.shape}, expected {aval.shape}")
-        out.append(x.astype(aval.dtype))
-    return out
