@@ -98,11 +98,6 @@ def test_table_index_on_the_route_equals_the_loop(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="the route's per-trajectory cotangents of shared values (branch route): "
-    "each lane's gradient is the sum over the lanes until then",
-)
 def test_table_index_per_lane_gradients_equal_the_loops(monkeypatch):
     per_lane = jax.vmap(jax.grad(_loss, argnums=(0, 1)), in_axes=(None, None, 0))
     got, want = _on_route_and_loop(monkeypatch, per_lane, *_args())

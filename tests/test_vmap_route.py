@@ -311,7 +311,10 @@ def test_per_example_gradients_of_shared_inputs(monkeypatch):
     fn = jax.vmap(jax.grad(loss), in_axes=(None, 0))
     loop, route, routes = _both(fn, _mlp_params(), _y0s(), monkeypatch=monkeypatch)
     _close(route, loop)
-    assert any(r.kernel for r in _route(routes, "backward"))
+    # On the kernel's forward sensitivities, or declined by the resource model (the
+    # MLP's tangents exceed the interpreter's bound on lane operations).
+    backward = _route(routes, "backward")
+    assert backward and all(r.kernel or "lane operations" in r.reason for r in backward)
 
 
 @pytest.mark.slow
