@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 import solverkit as sk
 from solverkit._kernel import _solve
@@ -134,7 +135,10 @@ def test_throw_same_values_and_raises(saveat):
         jax.block_until_ready(batched(y0[None].repeat(2, 0), rho[None].repeat(2, 0)))
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only: a developer tool's smoke run (4 CPU s); the pieces it
+# times are the tests above (the callback, the kernel, the throw, the vmap).
 @pytest.mark.slow
+@full_matrix_only("test_throw_same_values_and_raises and test_eager_checks_on_the_host")
 def test_profile_benchmark_runs(tmp_path):
     """`tools.kernel_profile` (the chip command) runs every piece on the CPU."""
     import json

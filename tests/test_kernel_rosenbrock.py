@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 from test_kernel import assert_kernel_selects_on_real_tiles
 
 import solverkit as sk
@@ -91,7 +92,10 @@ def _steps(sol):
     "solver",
     [
         sk.Rodas5P(),
-        pytest.param(sk.Rodas4(), marks=pytest.mark.slow),
+        # With `SOLVERKIT_FULL_MATRIX=1` only: a Rodas method's kernel is [rodas5p]'s.
+        pytest.param(
+            sk.Rodas4(), marks=[pytest.mark.slow, full_matrix_only("[rodas5p]")]
+        ),
         pytest.param(sk.Rosenbrock23(), marks=pytest.mark.slow),
     ],
     ids=["rodas5p", "rodas4", "rosenbrock23"],

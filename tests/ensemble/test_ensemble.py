@@ -11,7 +11,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import skip_unless_full_matrix, tree_allclose
+from helpers import full_matrix_only, skip_unless_full_matrix, tree_allclose
 
 import solverkit as sk
 
@@ -292,9 +292,19 @@ def test_gradient_matches_vmap():
     assert not np.allclose(got[2][0], got[2][1])
 
 
+# [direct] with `SOLVERKIT_FULL_MATRIX=1` only: DirectAdjoint differentiates the
+# discrete solve that test_gradient_matches_vmap's checkpointed adjoint does.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "adjoint", [sk.BacksolveAdjoint(), sk.DirectAdjoint()], ids=["backsolve", "direct"]
+    "adjoint",
+    [
+        pytest.param(sk.BacksolveAdjoint(), id="backsolve"),
+        pytest.param(
+            sk.DirectAdjoint(),
+            id="direct",
+            marks=full_matrix_only("test_gradient_matches_vmap (the same solve)"),
+        ),
+    ],
 )
 def test_gradient_other_adjoints(adjoint):
     got = loss_gradient(ensemble_ys, adjoint, outer=False)(*grad_inputs())

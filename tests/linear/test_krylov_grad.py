@@ -17,7 +17,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_compiles, FULL_MATRIX
+from helpers import count_compiles, FULL_MATRIX, full_matrix_only
 
 import solverkit as sk
 from solverkit._errors import UnsupportedError
@@ -137,7 +137,12 @@ def test_bdf_krylov_gradient():
     np.testing.assert_allclose(_grads("bdf-pre"), _finite_differences(), rtol=1e-6)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (the dense solve's gradient, 3 CPU s): the same
+# preconditioned gradient is test_bdf_krylov_gradient's against finite differences,
+# and a Krylov solver's BDF gradient against the dense one's
+# tests/test_linear_solver_grad.py::test_gradient[BDF-gmres-sparse-recursive].
 @pytest.mark.slow
+@full_matrix_only("test_bdf_krylov_gradient and test_linear_solver_grad.py")
 def test_bdf_krylov_gradient_against_dense():
     """The dense solver's gradient (it does not depend on the linear solver or the
     preconditioner). (BiCGStab without a preconditioner is left to

@@ -20,7 +20,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, lv_batch, lv_loss
+from helpers import assert_tree_allclose, full_matrix_only, lv_batch, lv_loss
 
 import solverkit as sk
 from solverkit._closure import _traced
@@ -181,11 +181,28 @@ def _grads(rates, y0, **kwargs):
 
 
 # The full suite (4-5 CPU s a case), as are test_pullback_program_is_pruned and
-# programs/test_traced_step.py::test_gradient_against_direct_and_differences (the same
-# LV loss); the quick loop's pruned programs: test_no_nested_jit_in_a_pid_solve[direct].
+# programs/test_traced_step.py::test_gradient_against_direct_and_differences (the
+# same LV loss); the quick loop's pruned programs:
+# test_no_nested_jit_in_a_pid_solve[direct]. [None] and [steps] with
+# `SOLVERKIT_FULL_MATRIX=1` only: [ts] prunes the same pullback (the saved rows'
+# cotangents too), and the pruned gradients of the other saves are checked against
+# DirectAdjoint and differences (programs/test_traced_step.py,
+# adjoint/test_ts_gradients.py).
+_UNPRUNED_COVER = (
+    "[ts], and programs/test_traced_step.py (pruned gradients against Direct)"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
-@pytest.mark.parametrize("saveat", [None, "ts", "steps"])
+@pytest.mark.parametrize(
+    "saveat",
+    [
+        pytest.param(None, marks=full_matrix_only(_UNPRUNED_COVER)),
+        "ts",
+        pytest.param("steps", marks=full_matrix_only(_UNPRUNED_COVER)),
+    ],
+)
 def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
     # The same primitives in the same order, less the dead ones: the same
     # gradients, bit for bit (`vmap` of `grad`, `jit`; float64 rates, float32
@@ -214,9 +231,14 @@ def test_gradients_bitwise_as_unpruned(monkeypatch, saveat):
 # The full suite (5 CPU s a case), as are the checkpointed gradients of the same LV
 # loss (programs/test_traced_step.py) and through `SaveAt(ts)`
 # (adjoint/test_ts_gradients.py); the quick loop's checkpointed gradients:
-# closure/test_closure_matrix.py's checkpoint
-# cells.
+# closure/test_closure_matrix.py's checkpoint cells. `SOLVERKIT_FULL_MATRIX=1` only
+# (7 CPU s): the checkpointed gradient through `SaveAt(ts)` against DirectAdjoint,
+# all checkpoints and 4, is
+# adjoint/test_ts_gradients.py::test_checkpointed_equals_direct[default],
+# [recomputed] (and test_checkpointed_against_finite_differences); of this LV loss
+# programs/test_traced_step.py::test_gradient_against_direct_and_differences.
 @pytest.mark.slow
+@full_matrix_only("adjoint/test_ts_gradients.py::test_checkpointed_equals_direct")
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("checkpoints", [None, 4])
 def test_gradient_against_direct_and_differences(checkpoints):
@@ -245,7 +267,10 @@ def test_gradient_against_direct_and_differences(checkpoints):
 # (programs/test_traced_step.py:: test_gradient_against_direct_and_differences); the
 # quick loop's pruned programs:
 # test_no_nested_jit_in_a_pid_solve[direct].
+# `SOLVERKIT_FULL_MATRIX=1` only: the same float32 check of the same loss is
+# test_traced_step.py::test_float32_gradient_against_direct.
 @pytest.mark.slow
+@full_matrix_only("test_traced_step.py::test_float32_gradient_against_direct")
 def test_float32_gradient_against_direct():
     rates, y0 = (x.astype(jnp.float32) for x in lv_batch())
     got = jax.jit(jax.grad(_loss))(rates, y0)

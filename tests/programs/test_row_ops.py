@@ -9,6 +9,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 import solverkit as sk
 from solverkit import _save
@@ -61,9 +62,19 @@ _SAVES = {
 
 
 @pytest.mark.usefixtures("x64")
-@pytest.mark.parametrize("save", list(_SAVES))
-# The full suite (each case compiles a gradient twice); the quick loop checks that the
-# row operations are those of `lax` (test_same_as_lax).
+@pytest.mark.parametrize(
+    "save",
+    [
+        save
+        if save == "ts"
+        else pytest.param(save, marks=full_matrix_only("[ts] (every row operation)"))
+        for save in _SAVES
+    ],
+)
+# The full suite (each case compiles a gradient twice): [ts], whose pullback reads and
+# writes the checkpoint stacks' and the saved rows' (the others with
+# `SOLVERKIT_FULL_MATRIX=1`); the quick loop checks that the row operations are those
+# of `lax` (test_same_as_lax).
 @pytest.mark.slow
 def test_gradient_bitwise(monkeypatch, save):
     # 8 checkpoint slots: the stacks' rows are recomputed and read back.

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 from benchmarks.problems import large_problem as build_problem
 
@@ -61,7 +62,11 @@ def test_benchmarks_smoke(tmp_path: pathlib.Path) -> None:
     assert "| forward | 8 | solverkit |" in proc.stdout  # the table is printed
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (a subprocess of 14 CPU s): the benchmark pipeline is
+# test_benchmarks_smoke's; the events and their gradients it times are
+# tests/test_event_search.py's and test_hybrid.py's.
 @pytest.mark.slow
+@full_matrix_only("test_benchmarks_smoke (the pipeline) and test_event_search.py")
 def test_events_benchmark_smoke(tmp_path: pathlib.Path) -> None:
     """`python -m benchmarks.events --quick`: every method's spike times checked
     against the exact ones and timed, the rows written to `--json`."""
@@ -112,7 +117,11 @@ def test_stiff_large_problem_fields(name: str) -> None:
     assert np.all(rows - cols <= lower) and np.all(cols - rows <= upper), name
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (subprocesses of 13 CPU s): the benchmark pipeline is
+# test_benchmarks_smoke's, the problems' fields test_stiff_large_problem_fields, and
+# the large stiff solves' linear solvers tests/test_linear_solver.py's.
 @pytest.mark.slow
+@full_matrix_only("test_benchmarks_smoke and test_stiff_large_problem_fields")
 def test_stiff_large_benchmark_smoke(tmp_path: pathlib.Path) -> None:
     """`python -m benchmarks.stiff_large --quick`: a small version of a large
     problem, every configuration run or skipped with its reason, SciPy BDF's rows

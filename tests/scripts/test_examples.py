@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import FULL_MATRIX, full_matrix_only
 
 
 # Subprocesses that take a minute or more together: the full suite only.
@@ -43,6 +44,19 @@ GROUPS = [
     ["multi_process"],  # launches two JAX processes (jax.distributed, gloo on CPU)
 ]
 DOCS = "docs"
+# The float64 group runs with `SOLVERKIT_FULL_MATRIX=1` only (its process: about 45
+# CPU s): each example's feature has its own tests, named here; the full suite keeps
+# the docs' code, the float32 examples and the two that configure their process.
+FULL_MATRIX_ONLY = {
+    "heat_pde": "test_protocol.py (a user's Crank-Nicolson solver, its gradient)",
+    "stiff_chemistry": "test_rosenbrock.py::test_stiff_reference (ROBER)",
+    "dae": "test_dae.py (ROBER and index-1 DAEs)",
+    "steady_state": "test_adjoint.py::test_implicit_adjoint_steady_state_gradient",
+    "bouncing_ball": "test_hybrid.py::test_bouncing_ball_against_analytic",
+    "spiking_neurons": "test_event_search.py::test_spiking_neurons_second_adam_step",
+    "pharmacokinetics": "test_timed_event.py (doses as timed events, their gradient)",
+    "brusselator": "test_bdf.py's Brusselator, test_bruss_preconditioner.py",
+}
 EXAMPLES = [job for group in GROUPS for job in group if job != DOCS]
 TIMEOUT = 600  # seconds per job; each takes well under a minute on an idle machine
 
@@ -159,6 +173,8 @@ def jobs(request, tmp_path_factory):
         for item in request.session.items
         if getattr(item, "callspec", None) and "job" in item.callspec.params
     }
+    if not FULL_MATRIX:  # skipped: their process is not started
+        selected -= set(FULL_MATRIX_ONLY)
     started, groups = {}, []
     for group in GROUPS:
         outs = {job: tmp_path_factory.mktemp(job) for job in group if job in selected}
@@ -178,7 +194,15 @@ def jobs(request, tmp_path_factory):
             group.process.wait()
 
 
-@pytest.mark.parametrize("job", EXAMPLES)
+@pytest.mark.parametrize(
+    "job",
+    [
+        pytest.param(job, marks=full_matrix_only(FULL_MATRIX_ONLY[job]))
+        if job in FULL_MATRIX_ONLY
+        else job
+        for job in EXAMPLES
+    ],
+)
 def test_example(job: str, jobs) -> None:
     code, output = jobs[job].wait()
     assert code == 0, f"examples/{job}.py --quick exited with {code}:\n{output}"
