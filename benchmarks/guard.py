@@ -69,6 +69,7 @@ ROWS = (
     Row("lotka_volterra", "grad-checkpoint", 1024),
     # Backsolve's standing decision: its first call wins over its run time.
     Row("lotka_volterra", "grad-backsolve", 1024, ("first",)),
+    Row("stiff", "rober", 64),
     Row("stiff", "hires", 64),
 )
 
@@ -249,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     if args.write_baseline:
         _write(args, ratios, measured, seconds)
-    print(f"\nguard: {seconds:.0f} s; worse: {', '.join(failed) or 'none'}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nguard: {seconds:.0f} s at load average {load} (load skews ratios)")
+    print(f"guard: worse: {', '.join(failed) or 'none'}")
     print(
         f"guard: {len(ratios)} ratios, {len(failed)} worse than baseline by > "
         f"{TOLERANCE:.0%} (or above their bound)"
