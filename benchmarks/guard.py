@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios.update({f"{row.name} {kind}": result[kind] for kind in row.judged})
         failed += _worse(row, result, baseline)
         _print(row, result, baseline)
-    seconds = time.perf_counter() - start
+    seconds, judged = time.perf_counter() - start, len(ratios)
     if args.write_baseline:
         if only is not None:  # the other rows keep their baseline
             kept = {k: v for k, v in baseline.items() if k.split()[0] not in measured}
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nguard: {seconds:.0f} s at load average {load} (load skews ratios)")
     print(f"guard: worse: {', '.join(failed) or 'none'}")
     print(
-        f"guard: {len(ratios)} ratios, {len(failed)} worse than baseline by > "
+        f"guard: {judged} ratios, {len(failed)} worse than baseline by > "
         f"{TOLERANCE:.0%} (or above their bound)"
     )
     return 1 if failed else 0
