@@ -33,6 +33,20 @@ from .._select import where
 # n = 6 about 15x; a vmapped Rodas5P on HIRES, n = 8, over 10 minutes).
 SMALL_MAX = 3
 
+# Backends where the element-wise path stops earlier. On a CPU, LU from 3 unknowns:
+# XLA:CPU compiles the unrolled elimination of 3 unknowns slower than LU (a vmapped
+# Rodas5P on ROBER, N = 64: 1.16 s against 0.77 s, first call 0.76 -> 0.49 of
+# diffrax's Kvaerno5, for a run of 3.6 ms against 2.8 ms, 0.03 of diffrax's), where
+# the run gains little; `python -m benchmarks.first_call --peers solverkit --only
+# stiff/rober` measures it.
+_SMALL_MAX_ON = {"cpu": 2}
+
+
+def small_max() -> int:
+    """The most unknowns that take the element-wise path on this backend (at most
+    `SMALL_MAX`, what [`small_inverse`][] is written for)."""
+    return _SMALL_MAX_ON.get(jax.default_backend(), SMALL_MAX)
+
 
 # Where the small solves take entries by a slice each, not by one `unstack` (see
 # `_entries`): on a TPU the unstacked form ran the vmapped Rodas5P about 7% slower
@@ -63,7 +77,7 @@ def _mul(matrix, vector):
     TF32 for a large batched product); for small matrices, as element-wise
     products and sums (exact float32 on every device)."""
     n = matrix.shape[-1]
-    if 0 < n <= SMALL_MAX:
+    if 0 < n <= small_max():
         if _sliced():
             entries = [vector[..., j] for j in range(n)]
         else:
@@ -142,9 +156,9 @@ def gauss_jordan(rows: list, pivot) -> list:
 
 
 def inverse(matrix: Array) -> Array:
-    """The inverse of a square matrix: [`small_inverse`][] up to `SMALL_MAX`
+    """The inverse of a square matrix: [`small_inverse`][] up to `small_max()`
     unknowns, else `jnp.linalg.inv` (LU)."""
-    if matrix.shape[-1] <= SMALL_MAX:
+    if matrix.shape[-1] <= small_max():
         return small_inverse(matrix)
     return jnp.linalg.inv(matrix)
 

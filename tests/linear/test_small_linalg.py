@@ -1,7 +1,11 @@
 """The element-wise dense path for small systems (`_linalg.SMALL_MAX`): unrolled
 Gauss-Jordan inverses and matrix-vector products, against LAPACK/LU, under jit,
 vmap and grad, and that a batch of them lowers to element-wise work only (no LU
-custom call, triangular solve or dot product, which a TPU runs slowly)."""
+custom call, triangular solve or dot product, which a TPU runs slowly).
+
+The path is taken up to `SMALL_MAX` unknowns here on every backend, as on a TPU
+(`_elementwise_up_to_small_max`); a CPU takes it up to 2 (`_linalg.small_max`,
+`test_cpu_takes_lu_from_three_unknowns`)."""
 
 import collections
 import re
@@ -17,6 +21,22 @@ import solverkit as sk
 from solverkit._linear import _linalg
 from solverkit._linear._linalg import _mul, invert, small_inverse, SMALL_MAX
 from solverkit._linear._linear_solver import DenseLinearSolver
+
+
+@pytest.fixture(autouse=True)
+def _elementwise_up_to_small_max(monkeypatch):
+    """The element-wise path up to `SMALL_MAX` unknowns, as a TPU takes it."""
+    monkeypatch.setattr(_linalg, "_SMALL_MAX_ON", {})
+
+
+def test_cpu_takes_lu_from_three_unknowns(monkeypatch):
+    """On a CPU, 3 unknowns take LU (XLA:CPU compiles their unrolled elimination
+    slower, `_linalg._SMALL_MAX_ON`), 2 the element-wise path."""
+    monkeypatch.setattr(_linalg, "_SMALL_MAX_ON", {"cpu": 2})
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    for n, lu in ((2, False), (3, True)):
+        jaxpr = jax.make_jaxpr(_linalg.inverse)(jnp.eye(n)).jaxpr
+        assert (count_equations(jaxpr, "lu") > 0) == lu, n
 
 
 def _matrices(n: int, count: int = 20, seed: int = 0) -> np.ndarray:
