@@ -4,8 +4,8 @@
 recomputes them, in another compiled program, which may round an error estimate to
 the other side of the tolerance or a step's end to another float, and take other
 steps from there (a float32 gradient 1e-2 off for a 1e-4 solve:
-tests/test_replayed_decisions.py). The step-size decisions and each step's end are
-marked `replayed`, and `POLICY` saves them: the recomputation reads them back.
+tests/kernel/test_replayed_decisions.py). The step-size decisions and each step's end
+are marked `replayed`, and `POLICY` saves them: the recomputation reads them back.
 (`RecursiveCheckpointAdjoint` records them itself, more compactly:
 `_adjoint/_replay.py`.)
 """

@@ -40,7 +40,8 @@ from helpers import float64
 
 
 # A vmapped solve tests the vmapped loop: on a TPU it would take the whole-solve
-# kernel (`solverkit/_kernel/_vmap.py`), which tests/test_vmap_kernel.py turns on.
+# kernel (`solverkit/_kernel/_vmap.py`), which tests/kernel/test_vmap_kernel.py
+# turns on.
 os.environ.setdefault("SOLVERKIT_VMAP_KERNEL", "0")
 
 
@@ -73,12 +74,12 @@ _persistent_compilation_cache()
 # `SOLVERKIT_TEST_PROFILE=DIR` and `python -m tools.suite_profile DIR`). It rounds
 # float32 differently in one program and not in
 # another; the comparisons of two programs that it broke now allow what round-off
-# allows (tests/test_kernel_float32_steps.py, test_kernel_outside.py,
+# allows (tests/kernel/test_kernel_float32_steps.py, test_kernel_outside.py,
 # test_kernel_tangent.py's float64 state). The float32 gradients it put off were
 # wrong, not imprecise: steps pulled back through the branch their recompilation
 # chose, and chunks recomputed from a checkpoint deciding their steps again and
 # drifting from the forward pass's step ends (both fixed: the backward passes replay
-# the forward pass's steps, tests/test_replayed_decisions.py). The event settle
+# the forward pass's steps, tests/kernel/test_replayed_decisions.py). The event settle
 # tests it put off (a recorded state one ulp short of the threshold) pass since the
 # search and `settle` evaluate the dense output the same way. Splitting
 # codegen into one part and the legacy runtime did not help (1.06x, 1.26x); side by

@@ -215,7 +215,7 @@ def _vjp_step(rev: _Reverse, p_diff, carry: Carry, ct_next, replay: _loop.Replay
     than decided again: this compilation of the step may round an error estimate
     within round-off of the tolerance to the other side (float32 Lorenz ensemble
     gradients were 1.6-2.2x off for 3 of 128 trajectories:
-    tests/test_replayed_decisions.py).
+    tests/kernel/test_replayed_decisions.py).
 
     Evaluated from its traced program (`Traced`), which keeps only what the
     cotangents need: the step's new carry, counters and decisions, which `jax.vjp`

@@ -11,11 +11,12 @@ differently from the forward pass:
 - the next step's end can differ, step after step. By a few floats where the error
   estimate is well above round-off (`t` near 200 in float32: the recomputed times
   drifted 20 spacings over 20 steps, and the gradient was 1e-2 off for a 1e-4 solve:
-  tests/test_float32_steps.py); by much more where the estimate is round-off itself
+  tests/kernel/test_float32_steps.py); by much more where the estimate is round-off
+  itself
   (a first step `dt0` far below the tolerance's: float32 oscillator at `t = 199`,
   next step 0.00911 in the forward pass, 0.01009 recomputed, 66 spacings; the
   recomputed chunk left the forward pass's steps and a vmapped gradient was 0.25 off
-  against 0.001: tests/test_replayed_decisions.py).
+  against 0.001: tests/kernel/test_replayed_decisions.py).
 
 So each step records a byte, whether it was accepted and whether the next step's
 end landed on `t1` (both replayed as decisions: `_loop.Replay`), and that end itself,

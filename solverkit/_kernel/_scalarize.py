@@ -178,7 +178,7 @@ def reverse_mode_nans():
     """Forward-mode tangents of the field traced inside give NaN where reverse mode
     does: a `where` whose unselected branch has a NaN or infinite derivative (`jnp.
     where(y > 0, jnp.sqrt(y), 0)` at `y < 0`) gives `0 * NaN` in reverse mode, and
-    a plain tangent a finite number. Measured by tests/test_vmap_route.py::
+    a plain tangent a finite number. Measured by tests/kernel/test_vmap_route.py::
     test_nan_gradients_are_reverse_modes."""
     token = _REVERSE_NANS.set(True)
     try:

@@ -71,7 +71,7 @@ def test_rejected_step_near_t1_is_not_retried_on_t1(solver):
 # apart at t = 200). Errors of up to 1.3e-2 (RecursiveCheckpointAdjoint, vmapped)
 # and 1.8e-2 (DirectAdjoint), where forward mode and `checkpoints=4096` (no
 # recomputation) are within 4.8e-4 of the exact derivative. Both recomputations now
-# replay the forward pass's steps (tests/test_replayed_decisions.py).
+# replay the forward pass's steps (tests/kernel/test_replayed_decisions.py).
 
 
 # The full suite; the quick loop's near-t1 rejection:

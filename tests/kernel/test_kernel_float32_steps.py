@@ -1,4 +1,4 @@
-"""The whole-solve kernel's steps where times are coarse (`tests/test_float32_steps.py`
+"""The whole-solve kernel's steps where times are coarse (`test_float32_steps.py`
 through `ensemble_solve(kernel=True)`, in Pallas' interpreter): a rejected step near
 `t1` is retried on half of itself, not on `t1` again; a step below the spacing of `t`
 advances one float; a rejected one-float step ends with `dt_min_reached`. The old

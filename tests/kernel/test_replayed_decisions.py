@@ -30,14 +30,14 @@ import solverkit as sk
 
 
 _FLAG = "--xla_cpu_use_fusion_emitters=false"
-_TEST = "tests/test_kernel_tangent.py::test_tangent_backward_vmap_float32"
+_TEST = "tests/kernel/test_kernel_tangent.py::test_tangent_backward_vmap_float32"
 
 
 def _repository_root() -> str:
     """The repository's root, where this jaxlib's XLA knows `_FLAG` (else skip)."""
     if not conftest._accepted_xla_flags((_FLAG,)):
         pytest.skip(f"this jaxlib's XLA does not know {_FLAG}")
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _compiled_here_with_the_flag() -> bool:
@@ -172,6 +172,7 @@ import sys
 import jax
 jax.config.update("jax_disable_most_optimizations", True)
 sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/kernel")
 import test_replayed_decisions
 test_replayed_decisions.{check}()
 print("ok")

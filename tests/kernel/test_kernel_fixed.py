@@ -178,7 +178,7 @@ def _grads(monkeypatch):
 
 
 # The full suite (10 CPU s); the quick loop's kernel gradient:
-# tests/test_kernel_tangent.py.
+# tests/kernel/test_kernel_tangent.py.
 @pytest.mark.slow
 def test_gradients_tangent_and_loop_backward_float64(x64, monkeypatch):
     """Forward sensitivities in the kernel (the default backward pass) and, with
