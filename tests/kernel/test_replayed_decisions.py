@@ -54,6 +54,7 @@ def test_pullback_replays_the_step_taken():
         pytest.skip(f"this run compiles with {_FLAG}: {_TEST} checks it here")
     root = _repository_root()
     env = {**os.environ, "SOLVERKIT_TEST_XLA_FLAGS": _FLAG, "JAX_PLATFORMS": "cpu"}
+    env["SOLVERKIT_FULL_MATRIX"] = "1"  # `_TEST` runs only there by default
     env.pop("XLA_FLAGS", None)
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run(
