@@ -17,12 +17,14 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.custom_batching import custom_vmap
-from jax.experimental.custom_partitioning import (
-    ArrayMapping,
-    custom_partitioning,
-    SdyShardingRule,
-)
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+
+try:  # Shardy's sharding rules (newer JAX); without them a sharded batch is gathered
+    from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
+except ImportError:  # pragma: no cover - an older JAX
+    ArrayMapping = SdyShardingRule = None
 
 
 def over_batch(fn: Callable, shared, batched):
@@ -40,7 +42,7 @@ def over_batch(fn: Callable, shared, batched):
 
     `fn(shared, batched)`.
     """
-    if jax.device_count() == 1:
+    if jax.device_count() == 1 or SdyShardingRule is None:
         return fn(shared, batched)
     dynamic, static = eqx.partition(shared, eqx.is_array)
     s_leaves, s_tree = jtu.tree_flatten(dynamic)
@@ -69,11 +71,12 @@ def over_batch(fn: Callable, shared, batched):
     return run(*s_leaves, *b_leaves)
 
 
-def _rule(num_shared: int, ins, outs) -> SdyShardingRule:
+def _rule(num_shared: int, ins, outs):
     """The batch (`b`): the first axis of the batched inputs and of the outputs;
     every other axis its own factor."""
+    assert ArrayMapping is not None and SdyShardingRule is not None  # `over_batch`
 
-    def mapping(kind: str, i: int, value, batch: bool) -> ArrayMapping:
+    def mapping(kind: str, i: int, value, batch: bool):
         rank = len(value.shape)  # an MLIR ranked tensor type
         own = [f"{kind}{i}_{d}" for d in range(rank)]
         return ArrayMapping(*(["b", *own[1:]] if batch else own))
