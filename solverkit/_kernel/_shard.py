@@ -74,16 +74,17 @@ def over_batch(fn: Callable, shared, batched):
 def _rule(num_shared: int, ins, outs):
     """The batch (`b`): the first axis of the batched inputs and of the outputs;
     every other axis its own factor."""
-    assert ArrayMapping is not None and SdyShardingRule is not None  # `over_batch`
+    array_mapping, sharding_rule = ArrayMapping, SdyShardingRule
+    assert array_mapping is not None and sharding_rule is not None  # `over_batch`
 
     def mapping(kind: str, i: int, value, batch: bool):
         rank = len(value.shape)  # an MLIR ranked tensor type
         own = [f"{kind}{i}_{d}" for d in range(rank)]
-        return ArrayMapping(*(["b", *own[1:]] if batch else own))
+        return array_mapping(*(["b", *own[1:]] if batch else own))
 
     operands = tuple(mapping("i", i, v, i >= num_shared) for i, v in enumerate(ins))
     results = tuple(mapping("o", i, v, True) for i, v in enumerate(outs))
-    return SdyShardingRule(operands, results)
+    return sharding_rule(operands, results)
 
 
 def _partition(body, num_shared: int, mesh, args, result):
