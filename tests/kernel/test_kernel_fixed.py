@@ -164,8 +164,8 @@ def _grads(monkeypatch):
     want = _vmapped_grad(False)(y0, rho, sigmas)
     got = {}
     # The loop's backward pass from the kernel's steps with SOLVERKIT_FULL_MATRIX=1
-    # only: test_kernel_tangent.py::test_tangent_backward_matches_loop_float64
-    # checks it (adaptive steps), and the tangents here check the fixed steps.
+    # only: test_kernel.py::test_event_gradient_float64 checks it (adaptive steps,
+    # an event), and the tangents here check the fixed steps.
     for backward in ("tangent", "loop") if FULL_MATRIX else ("tangent",):
         monkeypatch.setattr(_kernel_solve, "BACKWARD", backward)
         got[backward] = _vmapped_grad(True)(y0, rho, sigmas)
@@ -177,9 +177,15 @@ def _grads(monkeypatch):
     return (y0, rho), got
 
 
-# The full suite (10 CPU s); the quick loop's kernel gradient:
-# tests/kernel/test_kernel_tangent.py.
+# `SOLVERKIT_FULL_MATRIX=1` only (10 CPU s): the kernel's gradient (forward
+# sensitivities) under `jit` and `vmap` against the loop's and a central difference is
+# test_kernel.py::test_gradients_and_vmap_of_grad_float64, with fixed steps
+# test_vmap_route.py::test_route_matches_loop[elem-t1-fixed-jacrev].
 @pytest.mark.slow
+@full_matrix_only(
+    "test_kernel.py::test_gradients_and_vmap_of_grad_float64 and "
+    "test_vmap_route.py::test_route_matches_loop[elem-t1-fixed-jacrev]"
+)
 def test_gradients_tangent_and_loop_backward_float64(x64, monkeypatch):
     """Forward sensitivities in the kernel (the default backward pass) and, with
     SOLVERKIT_FULL_MATRIX=1, the lane loop's backward pass (where the kernel's does

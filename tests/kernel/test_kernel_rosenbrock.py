@@ -302,8 +302,15 @@ def test_lowers_for_tpu_with_real_tiles(monkeypatch):
     assert_kernel_selects_on_real_tiles(jax.make_jaxpr(solve)(y0, args).jaxpr)
 
 
-# The full suite (~90 s here), as is every Rosenbrock kernel test.
+# `SOLVERKIT_FULL_MATRIX=1` only (11 CPU s): the Rosenbrock kernel's solve with the lane
+# loop's backward pass from its step counts, against the loop, is
+# test_vmap_route.py::test_route_matches_loop[elem-t1-rodas5p-grad_vmap]; `jax.vmap` of
+# the kernel's gradient over a closed-over float test_kernel.py's.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_vmap_route.py::test_route_matches_loop[elem-t1-rodas5p-grad_vmap] and "
+    "test_kernel.py::test_gradients_and_vmap_of_grad_float64"
+)
 def test_vmap_jit_and_gradient_float64(x64):
     """`jax.vmap` over a closed-over float, of the solve and of its gradient (the
     lane loop's backward pass, from the kernel's step counts)."""

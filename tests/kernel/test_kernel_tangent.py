@@ -70,12 +70,13 @@ def _problem(y0, args, sigma, beta):
 
 
 # The full suite (10 CPU s) with SOLVERKIT_FULL_MATRIX=1; the tangents at every save
-# time through the gradient built from them: test_tangent_backward_matches_loop_
-# float64; the tangent kernel's selects: test_tangent_kernel_selects_on_real_tiles.
+# time through the gradient built from them:
+# test_kernel.py::test_gradients_and_vmap_of_grad_float64; the tangent kernel's
+# selects: test_tangent_kernel_selects_on_real_tiles.
 @pytest.mark.slow
 @full_matrix_only(
-    "test_tangent_backward_matches_loop_float64 (the tangents' values, through the "
-    "gradient) and test_tangent_kernel_selects_on_real_tiles (its selects)"
+    "test_kernel.py::test_gradients_and_vmap_of_grad_float64 (the tangents' values, "
+    "through the gradient) and test_tangent_kernel_selects_on_real_tiles (its selects)"
 )
 def test_tangents_match_vmap_jacobian_float64(x64):
     y0 = (
@@ -199,9 +200,10 @@ def _inputs(dtype, n=N):
     return y0, jnp.linspace(1.0, 21.0, n, dtype=dtype), jnp.arange(n) % 3
 
 
-# Quick loop: ensemble_solve x grad:
-# test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
+# `SOLVERKIT_FULL_MATRIX=1` only: the default backward pass (`"tangent"`) under `jit`
+# against `kernel=False`'s is test_kernel.py::test_gradients_and_vmap_of_grad_float64.
 @pytest.mark.slow
+@full_matrix_only("test_kernel.py::test_gradients_and_vmap_of_grad_float64")
 def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
     """`BACKWARD = "tangent"`: the gradient with respect to y0, a per-trajectory
     float, a closed-over array (with an integer per-trajectory argument alongside)
@@ -223,12 +225,12 @@ def test_tangent_backward_matches_loop_float64(x64, monkeypatch):
 
 # The full suite (12 CPU s) with SOLVERKIT_FULL_MATRIX=1; the kernel's tangent
 # backward pass under vmap: test_kernel.py::test_gradients_and_vmap_of_grad_float64
-# (the default backward pass, against the lane loop's); against the loop's backward
-# pass: test_tangent_backward_matches_loop_float64.
+# (the default backward pass, against the lane loop's); the loop's backward pass from
+# the kernel's steps: test_kernel.py::test_event_gradient_float64 (an event).
 @pytest.mark.slow
 @full_matrix_only(
     "test_kernel.py::test_gradients_and_vmap_of_grad_float64 (vmap of the tangent "
-    "backward pass) and test_tangent_backward_matches_loop_float64"
+    "backward pass) and test_kernel.py::test_event_gradient_float64 (the loop's)"
 )
 def test_tangent_backward_vmap_float32(monkeypatch):
     """float32, `jax.vmap` of the gradient over a closed-over float, against the

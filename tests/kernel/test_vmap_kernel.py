@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 import solverkit as sk
 from solverkit._kernel import _vmap
@@ -125,9 +126,25 @@ def test_anything_else_batched_falls_back_bit_for_bit(monkeypatch):
     np.testing.assert_array_equal(jax.jit(_fresh(run))(rho, y0, k, t1), ref)
 
 
+# [checkpoint] with `SOLVERKIT_FULL_MATRIX=1` only: the kernel's reverse mode under
+# grad of vmap and vmap of grad is test_vmap_route.py's route-vs-loop cells, grad of a
+# jitted vmap [backsolve]'s third case.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
-@pytest.mark.parametrize("adjoint", ["checkpoint", "backsolve"])
+@pytest.mark.parametrize(
+    "adjoint",
+    [
+        pytest.param(
+            "checkpoint",
+            marks=full_matrix_only(
+                "test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-vmap_grad], "
+                "[elem-ts-tsit5-grad_vmap] and test_gradients_through_the_kernel"
+                "[backsolve] (grad of a jitted vmap)"
+            ),
+        ),
+        "backsolve",
+    ],
+)
 def test_gradients_through_the_kernel(adjoint, monkeypatch):
     """grad of vmap, vmap of grad and grad of a jitted vmap take the kernel's
     reverse mode (forward sensitivities), equal to the plain vmap's gradient to the
@@ -164,7 +181,13 @@ def test_gradients_through_the_kernel(adjoint, monkeypatch):
     assert not _uses_kernel(single, rho[0], y0[0], k[0])
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only: `value_and_grad` of a vmap on the kernel is
+# test_float32_forward_and_gradient, a vmap of a vmap test_vmap_route.py's [nested].
 @pytest.mark.slow
+@full_matrix_only(
+    "test_float32_forward_and_gradient (value_and_grad) and "
+    "test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-nested]"
+)
 @pytest.mark.usefixtures("x64")
 def test_value_and_grad_and_nested_vmap(on):
     rho, y0, _ = _data()

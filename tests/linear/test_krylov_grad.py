@@ -273,8 +273,23 @@ def test_preconditioner_bad_output():
 
 
 # The full suite; the quick loop's Krylov gradient: test_bdf_krylov_gradient.
+# [Rodas5P] with `SOLVERKIT_FULL_MATRIX=1` only (5 CPU s): BiCGStab's breakdown on a
+# zero right-hand side and the gradient through it is [BDF]'s; a Rosenbrock method's
+# Krylov gradient test_rosenbrock_preconditioner_closing_over_parameters.
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["BDF", "Rodas5P"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "BDF",
+        pytest.param(
+            "Rodas5P",
+            marks=full_matrix_only(
+                "test_start_at_equilibrium[BDF] (the breakdown) and "
+                "test_rosenbrock_preconditioner_closing_over_parameters"
+            ),
+        ),
+    ],
+)
 def test_start_at_equilibrium(method):
     """`y0` at the field's equilibrium: the first Newton (BDF) or stage (Rodas5P)
     right-hand side is exactly zero, where BiCGStab breaks down. The solve succeeds

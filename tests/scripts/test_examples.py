@@ -44,10 +44,14 @@ GROUPS = [
     ["multi_process"],  # launches two JAX processes (jax.distributed, gloo on CPU)
 ]
 DOCS = "docs"
-# The float64 group runs with `SOLVERKIT_FULL_MATRIX=1` only (its process: about 45
-# CPU s): each example's feature has its own tests, named here; the full suite keeps
-# the docs' code, the float32 examples and the two that configure their process.
+# The float64 group and three float32 examples run with `SOLVERKIT_FULL_MATRIX=1` only
+# (about 45 and 10 CPU s): each example's feature has its own tests, named here; the
+# full suite keeps the docs' code, `quickstart` and the two that configure their
+# process.
 FULL_MATRIX_ONLY = {
+    "fit_lotka_volterra": "adjoint/test_adjoint.py (gradients of closed-over values)",
+    "neural_ode": "closure/test_closure_matrix.py (its MLP cells, under grad)",
+    "forced_system": "solve/test_global_interpolation.py (cubic data, its gradient)",
     "heat_pde": "test_protocol.py (a user's Crank-Nicolson solver, its gradient)",
     "stiff_chemistry": "test_rosenbrock.py::test_stiff_reference (ROBER)",
     "dae": "test_dae.py (ROBER and index-1 DAEs)",
