@@ -131,6 +131,20 @@ def warm_up() -> float:
     return time.perf_counter() - start
 
 
+def timed(fn, *args, repeats: int = 3) -> tuple[Any, float, float]:
+    """`(fn(*args), first call s, median of `repeats` later calls s)`, each call
+    ended by `block_until_ready` (a lighter `measure`, for scripts of their own)."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - start
+    runs = []
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        runs.append(time.perf_counter() - start)
+    return out, first, statistics.median(runs)
+
+
 def measure(
     job: Job, repeats: int, record: Record, repeat_budget_s: float = 10.0
 ) -> Any:

@@ -38,9 +38,7 @@ failed (a failed stage does not stop the independent ones).
 import argparse
 import json
 import pathlib
-import statistics
 import sys
-import time
 import traceback
 
 import jax
@@ -49,6 +47,8 @@ import numpy as np
 
 import solverkit as sk
 from solverkit._kernel import _solve
+
+from .harness import timed
 
 
 def _lorenz_field(sigma, beta):
@@ -159,15 +159,7 @@ def _lv_loss(method: str, dtype):
 
 
 def _time(fn, args, repeats: int):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - start)
-    return out, first, statistics.median(runs)
+    return timed(fn, *args, repeats=repeats)
 
 
 def _field_flops() -> int:

@@ -43,6 +43,8 @@ import solverkit as sk
 from solverkit._errors import UnsupportedError
 from solverkit._kernel import _vmap
 
+from .harness import timed
+
 
 RTOL, ATOL = 1e-3, 1e-6
 T1 = 1.0
@@ -50,15 +52,7 @@ T1 = 1.0
 
 def _timed(fn, *args, repeats: int = 3) -> tuple[float, float]:
     """`(first call s, median of `repeats` later calls s)`."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times)
+    return timed(fn, *args, repeats=repeats)[1:]
 
 
 def _mlp(size: int, width: int, depth: int, key=0):

@@ -8,14 +8,13 @@ runs in Pallas' interpreter: use a small `--n`).
 
 import argparse
 import json
-import time
 
 import diffrax
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import solverkit as sk
+from benchmarks.harness import timed
 from solverkit._kernel import _vmap
 
 
@@ -45,18 +44,6 @@ def _programs(lib):
     )
 
 
-def _time(fn, *args, repeats=5):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - start)
-    return out, first, float(np.median(runs))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=4096)
@@ -76,7 +63,7 @@ def main():
         ):
             _vmap.ENABLED = enabled
             with sk.kernel_routes() as routes:
-                out, first, run = _time(_programs(lib)[name], sigma, rho, y0)
+                out, first, run = timed(_programs(lib)[name], sigma, rho, y0, repeats=5)
             results[label] = out
             row[f"{label}_first_s"], row[f"{label}_run_ms"] = first, 1e3 * run
             if label == "route":
