@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg
-from helpers import FULL_MATRIX, grad_and_central_difference, quick_params
+from helpers import (
+    FULL_MATRIX,
+    full_matrix_only,
+    grad_and_central_difference,
+    quick_params,
+    skip_unless_full_matrix,
+)
 
 import solverkit as sk
 
@@ -218,8 +224,25 @@ def test_vmap_over_closed_over_int_index():
 
 # The full suite (9 CPU s); the quick loop differentiates a DAE in
 # test_grad_wrt_mass_matrix_matches_fd.
+# [dense] with `SOLVERKIT_FULL_MATRIX=1` only: the dense form under `grad` is
+# test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense].
 @pytest.mark.slow
-@pytest.mark.parametrize("form", quick_params(FORMS, quick=["diagonal"]))
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param(
+            f,
+            marks=[]
+            if f == "diagonal"
+            else full_matrix_only(
+                "test_grad_wrt_closed_over_float_matches_fd[diagonal] (the closed-over "
+                "float) and test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense] (the "
+                "dense form under grad)"
+            ),
+        )
+        for f in FORMS
+    ],
+)
 def test_grad_wrt_closed_over_float_matches_fd(form):
     def loss(scale):
         ys = _solve_sing(scale, jnp.asarray(1), form, "Rodas5P").ys
@@ -245,6 +268,12 @@ def test_grad_wrt_closed_over_float_matches_fd(form):
     ),
 )
 def test_grad_wrt_mass_matrix_matches_fd(name, form):
+    if (name, form) in (("Rodas5P", "diagonal"), ("BDF", "dense")):
+        skip_unless_full_matrix(
+            "test_grad_wrt_mass_matrix_matches_fd[Rodas5P-dense] and [BDF-diagonal] "
+            "(each solver and each form of the mass matrix under grad)"
+        )
+
     # The mass matrix is an ordinary (differentiable) field of the solver. (BDF's
     # gradient with respect to it was once silently ~0: its Newton correction's
     # implicit derivative left the mass out.)
