@@ -16,6 +16,7 @@ from helpers import (
     ALL_SOLVERS,
     assert_tree_allclose,
     float64,
+    full_matrix_only,
     quick_params,
 )
 
@@ -615,8 +616,15 @@ def _shifted(x, args):
 # tests/solvers/test_implicit.py.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "x0", [lambda: jnp.array(-2.0), lambda: (jnp.array([1.0, 0.5]), jnp.array(0.3))],
-    ids=["0d", "tree"],
+    "x0",
+    [
+        pytest.param(
+            lambda: jnp.array(-2.0),
+            id="0d",
+            marks=full_matrix_only("[tree] (a pytree with a 0-d leaf)"),
+        ),
+        pytest.param(lambda: (jnp.array([1.0, 0.5]), jnp.array(0.3)), id="tree"),
+    ],
 )
 @pytest.mark.quick_cases("tree")
 @pytest.mark.usefixtures("x64")  # a tolerance of 1e-6 is float64's, as diffrax tests
