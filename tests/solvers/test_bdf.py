@@ -350,11 +350,11 @@ def _copies(rate):
 _NORMS = {"rms": rms_norm, "two": _two_norm, "max": _max_norm}
 
 
-@jax.jit
-def _norm_steps(rates, problem, norm, tol):
-    """Accepted step times, states and the gradient of a weighted sum of the
-    states with respect to the closed-over rate, with `PIDController(rtol=tol,
-    atol=tol * 1e-3, norm=norm)`, vmapped over the rate.
+@functools.partial(jax.jit, static_argnames="differentiate")
+def _norm_steps(rates, problem, norm, tol, differentiate):
+    """Accepted step times, states and (if `differentiate`) the gradient of a
+    weighted sum of the states with respect to the closed-over rate, with
+    `PIDController(rtol=tol, atol=tol * 1e-3, norm=norm)`, vmapped over the rate.
 
     One program for every case: the problem (`True`: ROBER, `False`: `_copies`),
     the norm (an index into `_NORMS`) and the tolerance are operands, the field and
@@ -397,13 +397,18 @@ def _norm_steps(rates, problem, norm, tol):
         value = jnp.sum(jnp.where(jnp.isfinite(sol.ys), sol.ys, 0) * weights)
         return value, (sol.ts, sol.ys)
 
+    if not differentiate:
+        _, (ts, ys) = jax.vmap(loss)(rates)
+        return ts, ys
     (_, (ts, ys)), grads = jax.vmap(jax.value_and_grad(loss, has_aux=True))(rates)
     return ts, ys, grads
 
 
-# The full suite: a vmapped BDF gradient is a ~15 CPU-second compile (one, shared
-# by the four solves of both cases); the quick loop differentiates BDF in
-# test_grad_rober and vmaps it in solvers/test_bdf_vmap.py.
+# The full suite, under `jit` and `vmap`; the gradient (a vmapped BDF gradient: a
+# ~15 CPU-second compile, shared by the four solves of both cases) with
+# `SOLVERKIT_FULL_MATRIX=1` only: BDF's gradient is test_grad_rober's, vmapped
+# tests/linear/test_linear_solver_grad.py::test_gradient's. The quick loop
+# differentiates BDF in test_grad_rober and vmaps it in solvers/test_bdf_vmap.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["two", "max"])
 def test_controller_norms(name):
@@ -413,17 +418,19 @@ def test_controller_norms(name):
     the steps of ROBER must be those of the RMS norm at `tol` (BDF's own error
     measures scale alike); with equal entries `max_norm = rms_norm`, so on three
     copies of one equation the max norm must take the RMS norm's steps. Under `jit`,
-    `vmap` over a closed-over rate and `grad`. (The 2-norm used to see `√n` times
-    the error: spurious rejections and smaller steps.)"""
+    `vmap` over a closed-over rate (and `grad`, with `SOLVERKIT_FULL_MATRIX=1`).
+    (The 2-norm used to see `√n` times the error: spurious rejections and smaller
+    steps.)"""
     rober = name == "two"  # else three copies of Prothero-Robinson
     rates = jnp.array([0.04, 0.08]) if rober else jnp.array([1.0, 2.0])
     tol = 1e-3  # Newton's tolerance min(0.03, √rtol) is 0.03 at both tolerances
     index = list(_NORMS).index
-    want = _norm_steps(rates, rober, index("rms"), tol)
+    steps = functools.partial(_norm_steps, differentiate=FULL_MATRIX)
+    want = steps(rates, rober, index("rms"), tol)
     if rober:
-        got = _norm_steps(rates, rober, index("two"), tol * np.sqrt(3))
+        got = steps(rates, rober, index("two"), tol * np.sqrt(3))
     else:
-        got = _norm_steps(rates, rober, index("max"), tol)
+        got = steps(rates, rober, index("max"), tol)
     # The same arithmetic up to the rounding of √3 (or none): the same steps.
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-14)
