@@ -249,26 +249,34 @@ def custom_vjp(
             out = _match_varying(out, axes)
         return _first_order(out, adjoint)
 
-    if not perturbed:
+    if perturbed:
+        _defvjp_marking_perturbed(solve, solve_fwd, solve_bwd, (dynamic, ops))
+    else:
         solve.defvjp(solve_fwd, solve_bwd)
-        return solve(dynamic, *ops)
+    return solve(dynamic, *ops)
+
+
+def _defvjp_marking_perturbed(solve, fwd: Callable, bwd: Callable, example) -> None:
+    """`solve.defvjp(fwd, bwd)` with JAX's symbolic zeros, `bwd` also taking which
+    inputs are differentiated: a tree like `example` (`(dynamic, ops)`) of bools. The
+    forward rule's residuals carry them as structure (`()` where perturbed, `None`
+    where not), so they are static when the backward rule is traced."""
+    tree = jtu.tree_structure(example)
+    is_primal = lambda x: isinstance(x, CustomVJPPrimal)  # noqa: E731
 
     def marked_fwd(dynamic, *operands):
-        is_primal = lambda x: isinstance(x, CustomVJPPrimal)  # noqa: E731
         primals = jtu.tree_leaves((dynamic, operands), is_leaf=is_primal)
         values = jtu.tree_map(lambda p: p.value, (dynamic, operands), is_leaf=is_primal)
-        out, residuals = solve_fwd(values[0], *values[1])
+        out, residuals = fwd(values[0], *values[1])
         return out, (residuals, tuple(() if p.perturbed else None for p in primals))
 
     def marked_bwd(residuals, cotangents):
         residuals, marks = residuals
-        tree = jtu.tree_structure((dynamic, ops))
         flags = jtu.tree_unflatten(tree, [m is not None for m in marks])
         cotangents = jtu.tree_map(materialize, cotangents)
-        return solve_bwd(residuals, cotangents, flags)
+        return bwd(residuals, cotangents, flags)
 
     solve.defvjp(marked_fwd, marked_bwd, symbolic_zeros=True)
-    return solve(dynamic, *ops)
 
 
 def materialize(c):
