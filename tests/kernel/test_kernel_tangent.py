@@ -22,6 +22,7 @@ from test_kernel import (
 import solverkit as sk
 from solverkit import _kernel
 from solverkit._kernel import _pallas, _solve
+from solverkit._kernel._layout import from_lanes, per_trajectory
 
 
 N = 128
@@ -113,8 +114,8 @@ def test_tangents_match_vmap_jacobian_float64(x64):
     _splat_selects(kernel, found)
     assert not found, "\n".join(str(e) for e in found[:3])
     y_end, ys, _, counts = run(*inputs)
-    got_t1 = _solve._from_lanes(y_end, N)  # (N, 3 + 3 K)
-    got_ts = _solve._from_lanes(ys, N)  # (N, TS, 3 + 3 K)
+    got_t1 = from_lanes(y_end, N)  # (N, 3 + 3 K)
+    got_ts = from_lanes(ys, N)  # (N, TS, 3 + 3 K)
 
     def one(y, r, s, kk):
         return sk.diffeqsolve(
@@ -149,7 +150,7 @@ def test_tangents_match_vmap_jacobian_float64(x64):
         got_t1[:, :3], plain.ys[:, -1], rtol=0, atol=1e-10 * scale
     )
     np.testing.assert_array_equal(
-        _solve._per_trajectory(counts[0], N), plain.stats["num_steps"]
+        per_trajectory(counts[0], N), plain.stats["num_steps"]
     )
 
 
