@@ -198,11 +198,23 @@ _QUICK: set[tuple[str, str, str]] = set()
 #   iteration preconditioned by a linear solver linear/test_linear_solver.py::
 #   test_solve_tangent_transposes[*-bicgstab-blocks], and the banded solver's
 #   transposed solve BDF-banded-recursive here.
+# - BDF-gmres-sparse-recursive (7 CPU s): a Krylov solver's BDF gradient is
+#   tests/linear/test_krylov_grad.py::test_bdf_krylov_gradient (BiCGStab), GMRES's
+#   transposed solve and a Krylov solver preconditioned by a linear solver
+#   tests/linear/test_linear_solver.py::test_solve_tangent_transposes[*-gmres],
+#   [*-bicgstab-blocks].
+# - BDF-sparse-banded-direct (5 CPU s): DirectAdjoint is compared with the
+#   checkpointed adjoint on other problems (tests/adjoint/test_adjoint.py::
+#   test_gradients_agree_across_adjoints_and_finite_differences, the closure
+#   matrix's direct cells), SparseLinearSolver's transposed solve through BDF's
+#   gradient is BDF-sparse-blocks-backsolve here, the banded pattern's VJP
+#   tests/linear/test_linear_solver.py::
+#   test_sparse_grad_against_dense_and_finite_differences.
 _SLOW = {
     *(("BDF", linear, "recursive") for linear in _LINEARS),
-    ("BDF", "sparse-banded", "direct"),
 } - {
     ("BDF", "gmres", "recursive"),
+    ("BDF", "gmres-sparse", "recursive"),
     ("BDF", "sparse-banded", "recursive"),
     ("BDF", "sparse-dense", "recursive"),
     ("BDF", "sparse-blocks", "recursive"),
