@@ -100,7 +100,15 @@ def test_vmap_runs_on_the_kernel_and_matches(fixed, monkeypatch):
         assert np.all(np.abs(steps - ref_steps) <= 0.02 * ref_steps + 1)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (2 CPU s): batched axes on the route are
+# test_vmap_route.py::test_route_matches_loop's cells ([elem-ts-tsit5-axes], `y0` and
+# `args` batched), a batched closed-over int test_kernel_index.py::
+# test_table_index_on_the_route_equals_the_loop.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_vmap_route.py::test_route_matches_loop[elem-ts-tsit5-axes], "
+    "test_kernel_index.py::test_table_index_on_the_route_equals_the_loop"
+)
 @pytest.mark.usefixtures("x64")
 def test_in_axes_of_each_kind(on):
     """Only `y0` batched, only a closed-over int, and an unbatched `jit` call."""
@@ -228,7 +236,15 @@ def test_forward_mode_adjoints_are_left_alone(on):
     np.testing.assert_allclose(tangent[:, 0], y0 * np.exp(-1.0), rtol=1e-3)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (3.6 CPU s): a shared differentiated value's summed
+# cotangent is test_vmap_route.py::test_per_example_gradients_of_shared_inputs and
+# the matrix's [elem-t1-tsit5-shared_args]; `args` of mixed kinds its
+# [mixed-t1-tsit5-grad_vmap].
 @pytest.mark.slow
+@full_matrix_only(
+    "test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-shared_args], "
+    "[mixed-t1-tsit5-grad_vmap], test_per_example_gradients_of_shared_inputs"
+)
 @pytest.mark.usefixtures("x64")
 def test_shared_values_and_mixed_args(monkeypatch):
     """A differentiated closed-over value shared by the batch (its cotangent summed
