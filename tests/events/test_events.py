@@ -11,6 +11,7 @@ import optimistix as optx
 import pytest
 from helpers import (
     assert_tree_allclose,
+    full_matrix_only,
     rotation_exact,
     solve_rotation,
 )
@@ -485,9 +486,14 @@ def test_bounces_accumulate_never_fall_through_the_floor(tol):
     assert np.all(np.abs(np.asarray(y_end[:, 1])) < 1e-6)
 
 
-# The full suite; the quick loop differentiates through impact times and effects in
-# events/test_continuing_events.py::test_gradient_through_impact_times_and_effects.
+# `SOLVERKIT_FULL_MATRIX=1` only (1.6 CPU s): the gradient through impact times and
+# effects is events/test_continuing_events.py::
+# test_gradient_through_impact_times_and_effects (the quick loop), through many
+# occurrences test_spike_time_gradient_after_many_spikes there.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_continuing_events.py::test_gradient_through_impact_times_and_effects"
+)
 @pytest.mark.usefixtures("x64")
 def test_accumulation_time_gradient():
     """The time where the bounces accumulate, differentiated with respect to the
@@ -545,9 +551,15 @@ def _arctan_event(k, y0, root_finder):
     )
 
 
-# The full suite; the quick loop's optimistix root finder:
-# tests/solvers/test_implicit.py.
+# `SOLVERKIT_FULL_MATRIX=1` only (a regression check of one past failure, 2.2 CPU s):
+# an event's optimistix root finder is test_real_event_with_optimistix_root_finder
+# and test_optimistix_root_after_an_occurrence_is_not_the_previous_one (the quick
+# loop), the bracketed search every other event test's.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_real_event_with_optimistix_root_finder and "
+    "test_optimistix_root_after_an_occurrence_is_not_the_previous_one"
+)
 @pytest.mark.usefixtures("x64")
 def test_optimistix_root_finder_that_diverges_falls_back_to_the_bracket():
     """A user's Newton that diverges (its result a failure) used to give the clipped
