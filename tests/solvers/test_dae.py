@@ -209,6 +209,10 @@ _solve_sing_jit = jax.jit(_solve_sing, static_argnames=("form", "name", "throw")
     ),
 )
 def test_singular_mass_matches_exact(name, form):
+    if name == "Rodas4":
+        # `SOLVERKIT_FULL_MATRIX=1` only: the Rosenbrock family's singular mass matrix
+        # (an index-1 DAE) is [Rodas5P-*]'s.
+        skip_unless_full_matrix("[Rodas5P-*] (the same stage solves)")
     sol = _solve_sing_jit(jnp.asarray(1.0), jnp.asarray(1), form, name)
     w = 2.0
     np.testing.assert_allclose(sol.ys, _exact(w, jnp.asarray(TS)), rtol=0, atol=1e-7)
