@@ -100,6 +100,10 @@ def _neural_solve(y0, mlp, ts):
     )  # fmt: skip
 
 
+# The full suite (traces a 2-16-16-2 MLP field); the quick loop's resource model:
+# this file's other tests, a declined route's reason
+# test_vmap_route.py::test_kernel_routes_records_and_logs.
+@pytest.mark.slow
 def test_neural_field_declined_with_its_reason(monkeypatch):
     """A 2-16-16-2 MLP field: too large for the kernel's unrolled code; the kernel
     path says so, and the vmap route leaves it to the loop (only traced here)."""

@@ -77,9 +77,25 @@ def _assert_same_tree(a, b):
         assert np.shape(x) == np.shape(y) and jnp.result_type(x) == jnp.result_type(y)
 
 
+# The full suite; the quick loop's route against the loop:
+# test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-vmap]. [True] with
+# `SOLVERKIT_FULL_MATRIX=1` only: fixed steps on the route are the matrix's
+# [mlp-ts-fixed-vmap] and [elem-stats-fixed-vmap] (the same step counts).
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
-@pytest.mark.quick_cases("False")
-@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize(
+    "fixed",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=full_matrix_only(
+                "test_vmap_route.py::test_route_matches_loop[mlp-ts-fixed-vmap], "
+                "[elem-stats-fixed-vmap]"
+            ),
+        ),
+    ],
+)
 def test_vmap_runs_on_the_kernel_and_matches(fixed, monkeypatch):
     rho, y0, k = _data()
     saveat = sk.SaveAt(ts=jnp.linspace(0.0, 1.0, 5), t1=True)
@@ -294,6 +310,9 @@ def test_wrapped_solver_is_left_alone(on):
     np.testing.assert_allclose(jax.vmap(solve)(y0)[:, 0], y0 * np.exp(-1.0), rtol=1e-4)
 
 
+# The full suite; the quick loop's route under `grad`:
+# test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-vmap_grad].
+@pytest.mark.slow
 def test_float32_forward_and_gradient(monkeypatch):
     """Without float64 (so it runs on a TPU too, on the compiled kernel): the
     kernel's forward pass and gradient against the loop's at float32 tolerances."""

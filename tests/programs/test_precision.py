@@ -161,8 +161,9 @@ _STIFF_CASES = [
 @pytest.mark.parametrize(
     "cls,linear", _STIFF_CASES, ids=[f"{c.__name__}-{n}" for c, n in _STIFF_CASES]
 )
-# Quick loop: each linear solver once, each stiff family once.
-@pytest.mark.quick_cases("Kvaerno5-krylov")
+# The full suite; the quick loop's stiff solvers' products (their default linear
+# solvers): test_every_solver_products_are_highest's quick cases.
+@pytest.mark.slow
 def test_stiff_linear_solver_products_are_highest(cls, linear):
     # Each linear solver's products are BDF's cases (every linear solver) and
     # Kvaerno5-krylov's (the quick loop); Rodas5P's and Kvaerno5's other linear
