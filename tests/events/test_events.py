@@ -159,7 +159,9 @@ def test_event_under_vmap():
     np.testing.assert_array_equal(np.asarray(result), [event, event, ok])
 
 
-@pytest.mark.slow
+# The quick loop's `Event` under `grad` (through impact times and effects:
+# test_continuing_events.py::test_gradient_through_impact_times_and_effects, the full
+# suite).
 @pytest.mark.usefixtures("x64")
 def test_event_time_gradient():
     # t* = log(y0 / 0.3) / theta: dt*/dy0 = 1 / (theta y0), dt*/dtheta = -t* / theta.
@@ -488,7 +490,7 @@ def test_bounces_accumulate_never_fall_through_the_floor(tol):
 
 # `SOLVERKIT_FULL_MATRIX=1` only (1.6 CPU s): the gradient through impact times and
 # effects is events/test_continuing_events.py::
-# test_gradient_through_impact_times_and_effects (the quick loop), through many
+# test_gradient_through_impact_times_and_effects (the full suite), through many
 # occurrences test_spike_time_gradient_after_many_spikes there.
 @pytest.mark.slow
 @full_matrix_only(
@@ -626,7 +628,7 @@ def _ball_singular_effect(e):
 
 
 # The full suite (12 CPU s); the quick loop differentiates events in
-# events/test_continuing_events.py::test_gradient_through_impact_times_and_effects.
+# test_event_time_gradient.
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 def test_effect_singular_away_from_events_gives_finite_gradients():
