@@ -141,6 +141,10 @@ def test_backsolve_unsupported_is_value_and_not_implemented_error(saveat):
 # --- max_steps=None -------------------------------------------------------------------
 
 
+# The full suite (diffrax's API); the quick loop's max_steps:
+# kernel/test_kernel_fixed.py::test_max_steps_and_nonfinite_result and
+# solve/test_errors.py's.
+@pytest.mark.slow
 def test_max_steps_none():
     with float64():
         sol = sk.diffeqsolve(

@@ -377,6 +377,10 @@ def test_float32_state_under_x64():
     )
 
 
+# The full suite (an edge case, 26 compiles); the quick loop's diffeqsolve:
+# test_convergence_order's quick cases and
+# test_traced_once_inside_jit_under_transformations.
+@pytest.mark.slow
 def test_t0_equals_t1():
     y0 = jnp.array([1.0, 2.0])
     sol = sk.diffeqsolve(
