@@ -632,9 +632,17 @@ def _ball_singular_effect(e):
     return sol.events.ts[2]
 
 
-# The full suite (12 CPU s); the quick loop differentiates events in
-# test_event_time_gradient.
+# `SOLVERKIT_FULL_MATRIX=1` only (4.8 CPU s in a profile): an effect under `vmap` and
+# `grad` is events/test_continuing_events.py::
+# test_gradient_through_impact_times_and_effects and
+# test_integrate_and_fire_closures_vmap_grad, a timed event's
+# test_timed_events.py::test_effect_closes_over_anything_under_vmap_and_grad (the
+# quick loop); the quick loop differentiates events in test_event_time_gradient.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_continuing_events.py::test_gradient_through_impact_times_and_effects, "
+    "test_integrate_and_fire_closures_vmap_grad"
+)
 @pytest.mark.usefixtures("x64")
 def test_effect_singular_away_from_events_gives_finite_gradients():
     """An effect is evaluated only where an occurrence applies it (and, under vmap,

@@ -179,8 +179,11 @@ def test_banded_preconditioner():
     np.testing.assert_allclose(_grads("bdf-banded"), _grads("bdf-dense"), rtol=1e-9)
 
 
-# The full suite; the quick loop's Krylov gradient: test_bdf_krylov_gradient.
+# `SOLVERKIT_FULL_MATRIX=1` only (a regression check, 2.6 CPU s): a Krylov solver's
+# forward solves are linear/test_linear_solver.py::test_krylov_matches_dense (the
+# quick loop) and this file's gradients' forward passes.
 @pytest.mark.slow
+@full_matrix_only("test_linear_solver.py::test_krylov_matches_dense")
 def test_forward_solve_of_a_field_with_a_while_loop():
     """A forward solve traces no transposition: a field JAX can't transpose (a
     `while_loop` on the state) still solves."""
@@ -242,9 +245,12 @@ def test_backsolve_with_a_callable_preconditioner_says_so():
         jax.grad(_loss)(0.5, 1, "bdf-pre", sk.BacksolveAdjoint())
 
 
-# The full suite; the quick loop's preconditioner (closing over traced values):
-# test_bdf_krylov_gradient.
+# `SOLVERKIT_FULL_MATRIX=1` only (1.9 CPU s): a callable preconditioner is
+# test_bdf_krylov_gradient's (closing over traced values, against finite
+# differences) and test_linear_solver.py::test_krylov_matches_dense's [*-callable-*];
+# a second call that compiles nothing test_integrate.py's.
 @pytest.mark.slow
+@full_matrix_only("test_bdf_krylov_gradient, test_krylov_matches_dense[*-callable-*]")
 def test_preconditioner_closing_over_constants():
     """A preconditioner closing over nothing traced: the unpreconditioned solution,
     and a second solve with a new `y0` compiles nothing."""
