@@ -167,12 +167,13 @@ def test_rosenbrock_preconditioner_closing_over_parameters():
 # Left to `SOLVERKIT_FULL_MATRIX=1` (a 20 CPU-second compile), as checked by other
 # cases: BDF's GMRES gradient preconditioned by a linear solver is
 # tests/linear/test_linear_solver_grad.py::test_gradient[BDF-gmres-sparse-recursive],
-# and a banded solver's transposed solve [BDF-banded-recursive] there.
+# and a banded solver's transposed solve test_linear_solver.py::
+# test_solve_tangent_transposes[*-banded].
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("SOLVERKIT_FULL_MATRIX"),
     reason="SOLVERKIT_FULL_MATRIX only: covered by test_solve_tangent_transposes"
-    "[*-bicgstab-blocks], test_linear_solver_grad.py's BDF-banded-recursive",
+    "[*-bicgstab-blocks] and [*-banded]",
 )
 def test_banded_preconditioner():
     """Also through the transposed iteration preconditioned by a banded solver."""
