@@ -12,7 +12,7 @@ import conftest
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import count_compiles
+from helpers import count_compiles, full_matrix_only
 from jax._src import compiler
 
 from tools import suite_profile as profile
@@ -111,9 +111,13 @@ def test_xla_flags_set_after_importing_jax_are_read():
     assert proc.returncode != 0 and "xla_no_such_flag" in proc.stderr
 
 
-# The full suite (three subprocesses that start JAX); every session runs the probe,
-# and a flag it wrongly kept would abort the session.
+# `SOLVERKIT_FULL_MATRIX=1` only (three subprocesses that start JAX): every session
+# runs the probe, and a flag it wrongly kept would abort the session
+# (test_session_compiles_with_most_optimizations_off checks the flags it set).
 @pytest.mark.slow
+@full_matrix_only(
+    "every session's probe, test_session_compiles_with_most_optimizations_off"
+)
 def test_only_known_xla_flags_are_set():
     # An unknown flag aborts XLA: the fusion-emitter flag is in jaxlib 0.10 and not in
     # 0.4.38 or 0.12.1. The probe keeps a flag that this jaxlib takes and drops one it

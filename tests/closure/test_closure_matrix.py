@@ -20,12 +20,14 @@ family, 48 cells (`_DESIGN`) in which every pair of values of any two other fact
 (route and transform, route and kind, adjoint and kind, ...) is in some cell; for each
 stiff family, 8 cells (`_STIFF_DESIGN`) in which every route, adjoint, kind and
 transform appears, so that every pair of a family and a value of another factor is in
-some cell. The 48 are chosen to share compilations: the solve is jitted inside
-`diffeqsolve` and keyed by the converted jaxpr, which is the same for every route that
-holds the values as constants, so under an eager transform cells that differ only in
-such a route reuse one compiled program (only `jit` and `jit(vmap(grad))` compile
-afresh per cell). The quick loop (`-m "not slow"`) runs 10 of them, with every value
-of every factor (`_quick_cells`); the others are marked slow.
+some cell (four of these 16 run with `SOLVERKIT_FULL_MATRIX=1` only: each family's
+other six still hold every adjoint, kind and transform). The 48 are chosen to share
+compilations: the solve is jitted inside `diffeqsolve` and keyed by the converted
+jaxpr, which is the same for every route that holds the values as constants, so under
+an eager transform cells that differ only in such a route reuse one compiled program
+(only `jit` and `jit(vmap(grad))` compile afresh per cell). The quick loop
+(`-m "not slow"`) runs 10 of them, with every value of every factor (`_quick_cells`);
+the others are marked slow.
 """
 
 import contextlib
@@ -42,7 +44,7 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 import scipy.integrate
-from helpers import count_compiles
+from helpers import count_compiles, full_matrix_only
 
 import solverkit as sk
 
@@ -596,6 +598,17 @@ def _full_cells() -> list[Cell]:
 
 FULL = os.environ.get("SOLVERKIT_FULL_MATRIX", "") not in ("", "0")
 
+# Design cells of the stiff families run with `SOLVERKIT_FULL_MATRIX=1` only: the
+# others of each family still hold every adjoint, kind and transform
+# (test_design_covers_every_pair); a route is converted before the solver sees its
+# values, and every route is in the explicit cells and in each family's others.
+_STIFF_FULL_MATRIX_ONLY: set[Cell] = {
+    ("rosenbrock", "backsolve", "args", "float", "grad"),
+    ("rosenbrock", "checkpoint", "mix", "int_index", "jit_vmap_grad"),
+    ("esdirk", "direct", "mix", "key", "vmap_grad"),
+    ("esdirk", "checkpoint", "args", "bool_mask", "vmap"),
+}
+
 # Cells where solverkit is known to be wrong: (family, adjoint, route, kind,
 # transform) -> reason. None at present.
 _KNOWN_FAILURES: dict[Cell, str] = {}
@@ -610,6 +623,8 @@ def _params(cells):
             marks.append(pytest.mark.xfail(strict=True, reason=_KNOWN_FAILURES[cell]))
         if cell not in quick:
             marks.append(pytest.mark.slow)
+        if cell in _STIFF_FULL_MATRIX_ONLY:
+            marks.append(full_matrix_only(f"this family's other cells ({cell[0]}-*)"))
         params.append(pytest.param(*cell, id="-".join(cell), marks=marks))
     return params
 
@@ -627,6 +642,14 @@ def test_design_covers_every_pair():
             seen = {(cell[i], cell[j]) for cell in within}
             missing = {(a, b) for a in factors[i] for b in factors[j]} - seen
             assert not missing, (i, j, missing)
+    # Without the cells left to `SOLVERKIT_FULL_MATRIX=1`, each stiff family still
+    # has every adjoint, kind and transform.
+    assert _STIFF_FULL_MATRIX_ONLY <= set(cells)
+    kept = [c for c in cells if c not in _STIFF_FULL_MATRIX_ONLY]
+    for family in _STIFF_FAMILIES:
+        own = [c for c in kept if c[0] == family]
+        for i in (1, 3, 4):
+            assert {c[i] for c in own} == set(factors[i]), (family, i)
     # The quick loop's cells are design cells, with every value of every factor.
     quick = _quick_cells()
     assert quick <= set(cells)

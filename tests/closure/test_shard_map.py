@@ -13,10 +13,12 @@ import sys
 import textwrap
 
 import pytest
+from helpers import FULL_MATRIX
 
 
 _SCRIPT = textwrap.dedent(
     """
+    import sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     import solverkit as sk
@@ -26,8 +28,8 @@ _SCRIPT = textwrap.dedent(
     if shard_map is None or len(jax.devices()) < 2:
         print("SKIP"); raise SystemExit
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
-    ADJOINTS = [sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint(),
-                sk.BacksolveAdjoint()]
+    # The adjoints named on the command line.
+    ADJOINTS = [getattr(sk, name)() for name in sys.argv[1:]]
 
     def final(scale, rate, adjoint, max_steps=4096, throw=True):
         # `scale` multiplies the state, `rate` the decay: y(1) = scale exp(-rate)
@@ -69,6 +71,15 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+# DirectAdjoint and BacksolveAdjoint inside shard_map with `SOLVERKIT_FULL_MATRIX=1`
+# only (two more gradient programs in the subprocess): the adjoints are compared with
+# each other on other problems (adjoint/test_adjoint.py, the closure matrix), the
+# closed-over values inside shard_map closure/test_closure.py::test_shard_map.
+_ADJOINTS = ["RecursiveCheckpointAdjoint"] + (
+    ["DirectAdjoint", "BacksolveAdjoint"] if FULL_MATRIX else []
+)
+
+
 @pytest.mark.slow
 def test_diffeqsolve_in_checked_shard_map_on_two_devices():
     env = dict(os.environ)
@@ -77,7 +88,7 @@ def test_diffeqsolve_in_checked_shard_map_on_two_devices():
     )
     env["JAX_PLATFORMS"] = "cpu"
     run = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
+        [sys.executable, "-c", _SCRIPT, *_ADJOINTS],
         capture_output=True,
         text=True,
         env=env,

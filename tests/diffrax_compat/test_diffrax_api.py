@@ -141,6 +141,10 @@ def test_backsolve_unsupported_is_value_and_not_implemented_error(saveat):
 # --- max_steps=None -------------------------------------------------------------------
 
 
+# The full suite (diffrax's API); the quick loop's max_steps:
+# kernel/test_kernel_fixed.py::test_max_steps_and_nonfinite_result and
+# solve/test_errors.py's.
+@pytest.mark.slow
 def test_max_steps_none():
     with float64():
         sol = sk.diffeqsolve(
@@ -330,7 +334,8 @@ def test_empty_state_with_implicit_solvers(solver):
     ids=["constant", "pid", "pid-pi"],
 )
 @pytest.mark.parametrize("solver", ["Tsit5", "ReversibleHeun", "Bosh3"])
-@pytest.mark.quick_cases("ReversibleHeun-constant", "Tsit5-pid")
+# Quick loop: [ReversibleHeun-constant] (a `None` solver state through a controller).
+@pytest.mark.quick_cases("ReversibleHeun-constant")
 def test_none_state_under_every_controller(controller, solver):
     # y0=None: no leaves, so an empty error estimate, accepted at every step size.
     term = sk.ODETerm(lambda t, y, args: y)
@@ -585,6 +590,9 @@ def test_complex_cubic_interpolation_under_strict_promotion():
 
 
 @pytest.mark.parametrize("backwards", [False, True])
+# Quick loop: [True]; the clipped steps forwards:
+# solve/test_controllers.py::test_clip_steps_land_on_step_ts_and_jump_ts[False].
+@pytest.mark.quick_cases("True")
 def test_clip_integer_step_ts_under_strict_promotion(backwards):
     t0, t1 = (5, 0) if backwards else (0, 5)
     with float64(), _strict():

@@ -204,6 +204,10 @@ def test_reverse_mode_without_max_steps_as_diffrax():
             jax.grad(f)(jnp.array([1.0]))
 
 
+# The full suite (a comparison with diffrax); the quick loop reads `stats` in
+# ensemble/test_ensemble.py::test_under_jit_and_the_work_done and
+# solve/test_integrate.py::test_backwards_against_analytic.
+@pytest.mark.slow
 def test_stats_as_diffrax():
     """The same keys, values and dtypes (the default integer: int64 with x64)."""
     with float64():

@@ -53,6 +53,9 @@ def test_integer_vector_field_output_as_diffrax():
     np.testing.assert_allclose(solve(sk), solve(diffrax), rtol=1e-6)
 
 
+# The full suite (a comparison with diffrax); the quick loop's MultiTerm:
+# solve/test_integrate.py::test_convergence_order[KenCarp3-3-True].
+@pytest.mark.slow
 def test_scalar_zero_term_in_a_multiterm_as_diffrax():
     def solve(lib):
         terms = lib.MultiTerm(

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import skip_unless_full_matrix
 
 import solverkit as sk
 
@@ -159,6 +160,10 @@ def test_occurrence_is_never_before_the_crossing(dtype):
     past the threshold, and the spike time is within a few ulps of the exact one
     on that dense output, under `jit(vmap)` over currents and resets (closed over
     by the field and the effect) and under `grad`."""
+    if dtype == "float64":
+        # `SOLVERKIT_FULL_MATRIX=1` only: the same cut, in ulps of t, is [float32]'s
+        # (float32's coarser rounding is the harder case).
+        skip_unless_full_matrix("[float32] (the same check)")
     x64 = dtype == "float64"
     with jax.enable_x64(x64):
         currents = jnp.linspace(1.3, 4.0, 16, dtype=dtype)

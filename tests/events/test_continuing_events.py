@@ -84,10 +84,22 @@ def test_bouncing_ball_against_analytic():
     "adjoint",
     [
         sk.RecursiveCheckpointAdjoint(),
-        pytest.param(sk.DirectAdjoint(), marks=pytest.mark.slow),
+        # With `SOLVERKIT_FULL_MATRIX=1` only: DirectAdjoint differentiates the
+        # discrete solve that the checkpointed adjoint does (compared on other
+        # problems: adjoint/test_adjoint.py).
+        pytest.param(
+            sk.DirectAdjoint(),
+            marks=[
+                pytest.mark.slow,
+                full_matrix_only("[RecursiveCheckpointAdjoint] (the same solve)"),
+            ],
+        ),
     ],
     ids=lambda a: type(a).__name__,
 )
+# The full suite; the quick loop's `Event` under `grad`:
+# events/test_events.py::test_event_time_gradient.
+@pytest.mark.slow
 def test_gradient_through_impact_times_and_effects(adjoint):
     """d(third impact time)/de = 2 v0 / g (1 + 2e): through the event times (implicit
     function theorem) and the effects."""
@@ -170,7 +182,7 @@ def test_integrate_and_fire_closures_vmap_grad():
 
 
 # The full suite; the quick loop's event-time gradient:
-# test_gradient_through_impact_times_and_effects.
+# events/test_events.py::test_event_time_gradient.
 @pytest.mark.slow
 def test_gradient_of_later_spike_times_under_an_adaptive_controller():
     """d(k-th spike time)/d(reset) = -k tau / (I - reset), for k up to 9 (the third,
@@ -437,9 +449,17 @@ def test_step_ending_just_before_a_crossing_is_not_an_accumulation(dtype):
         np.testing.assert_allclose(got, -15.0 * len(ds), rtol=100 * eps)
 
 
-# The full suite (13 CPU s); the quick loop's event rows under vmap and grad:
-# events/test_events.py::test_event_under_vmap and this file's impact-time gradient.
+# `SOLVERKIT_FULL_MATRIX=1` only (6.6 CPU s in a profile): the occurrences' rows are
+# written by `_save._put`, the save rows' writer, whose one-hot selects (values and
+# gradients, under jit, vmap and grad) are ensemble/test_ensemble_ts_grad.py::
+# test_ensemble_equals_vmap[one-hot-*] (the quick loop's [one-hot-rows-lockstep]);
+# event rows under vmap and grad events/test_events.py::test_event_under_vmap and this
+# file's impact-time gradient.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-*] (the same row "
+    "writes) and test_gradient_through_impact_times_and_effects"
+)
 def test_event_rows_written_by_one_hot_selects_as_by_index(monkeypatch):
     """The occurrences' rows written as on a TPU (a select against a one-hot mask of
     the rows, `_save.ONE_HOT_BACKENDS`: a scatter with each batch element's own row

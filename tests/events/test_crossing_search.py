@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 import solverkit as sk
 from solverkit._event import _search
@@ -233,9 +234,16 @@ def _restart_loop(weights, k, solve):
         spikes.append(t0)
 
 
-# The full suite (about 100 s of compiling on a loaded 2-core machine); the quick
-# loop's cases of the same hang are the searches above.
+# `SOLVERKIT_FULL_MATRIX=1` only (the reduced example, 6.5 CPU s): the hang's cases
+# are the searches above (the quick loop), continuing events of spiking neurons
+# under vmap and grad events/test_continuing_events.py::
+# test_integrate_and_fire_closures_vmap_grad, their spike times' gradients
+# test_spike_time_gradient_after_many_spikes there.
 @pytest.mark.slow
+@full_matrix_only(
+    "this file's searches and test_continuing_events.py::"
+    "test_integrate_and_fire_closures_vmap_grad"
+)
 @pytest.mark.usefixtures("x64")
 def test_spiking_neurons_second_adam_step():
     """The example's hang, reduced: its eight neurons at the table where the

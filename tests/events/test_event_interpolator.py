@@ -65,8 +65,9 @@ def _y0():
 
 
 @pytest.mark.parametrize("solver", _SOLVERS, ids=lambda s: type(s).__name__)
-# Quick loop: [Tsit5].
-@pytest.mark.quick_cases("Tsit5")
+# The full suite; the quick loop locates events on this interpolator in
+# events/test_events.py::test_real_event_located_exactly.
+@pytest.mark.slow
 def test_interpolator_matches_interpolate_under_jit_and_vmap(solver):
     args = jnp.asarray(0.7)
     info, t0, t1 = _step(solver, _y0(), args)

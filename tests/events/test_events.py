@@ -11,7 +11,9 @@ import optimistix as optx
 import pytest
 from helpers import (
     assert_tree_allclose,
+    full_matrix_only,
     rotation_exact,
+    skip_unless_full_matrix,
     solve_rotation,
 )
 
@@ -158,7 +160,9 @@ def test_event_under_vmap():
     np.testing.assert_array_equal(np.asarray(result), [event, event, ok])
 
 
-@pytest.mark.slow
+# The quick loop's `Event` under `grad` (through impact times and effects:
+# test_continuing_events.py::test_gradient_through_impact_times_and_effects, the full
+# suite).
 @pytest.mark.usefixtures("x64")
 def test_event_time_gradient():
     # t* = log(y0 / 0.3) / theta: dt*/dy0 = 1 / (theta y0), dt*/dtheta = -t* / theta.
@@ -304,6 +308,10 @@ def test_event_direction_per_condition(direction):
     """Against the exact crossings; against diffrax's solve for one direction and
     for one tuple (diffrax's was compiled for every case: half this test's time),
     which pins the convention the table above writes down."""
+    if direction in (True, False):
+        # `SOLVERKIT_FULL_MATRIX=1` only: one direction for every condition is
+        # test_event_direction's (the quick loop) and [None]'s.
+        skip_unless_full_matrix("test_event_direction and [None]")
     t, mask = _two_crossings(sk, direction)
     want_t, want_mask = _DIRECTIONS[direction]
     if direction in (None, (True, False)):
@@ -485,9 +493,14 @@ def test_bounces_accumulate_never_fall_through_the_floor(tol):
     assert np.all(np.abs(np.asarray(y_end[:, 1])) < 1e-6)
 
 
-# The full suite; the quick loop differentiates through impact times and effects in
-# events/test_continuing_events.py::test_gradient_through_impact_times_and_effects.
+# `SOLVERKIT_FULL_MATRIX=1` only (1.6 CPU s): the gradient through impact times and
+# effects is events/test_continuing_events.py::
+# test_gradient_through_impact_times_and_effects (the full suite), through many
+# occurrences test_spike_time_gradient_after_many_spikes there.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_continuing_events.py::test_gradient_through_impact_times_and_effects"
+)
 @pytest.mark.usefixtures("x64")
 def test_accumulation_time_gradient():
     """The time where the bounces accumulate, differentiated with respect to the
@@ -545,9 +558,15 @@ def _arctan_event(k, y0, root_finder):
     )
 
 
-# The full suite; the quick loop's optimistix root finder:
-# tests/solvers/test_implicit.py.
+# `SOLVERKIT_FULL_MATRIX=1` only (a regression check of one past failure, 2.2 CPU s):
+# an event's optimistix root finder is test_real_event_with_optimistix_root_finder
+# and test_optimistix_root_after_an_occurrence_is_not_the_previous_one (the quick
+# loop), the bracketed search every other event test's.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_real_event_with_optimistix_root_finder and "
+    "test_optimistix_root_after_an_occurrence_is_not_the_previous_one"
+)
 @pytest.mark.usefixtures("x64")
 def test_optimistix_root_finder_that_diverges_falls_back_to_the_bracket():
     """A user's Newton that diverges (its result a failure) used to give the clipped
@@ -613,9 +632,17 @@ def _ball_singular_effect(e):
     return sol.events.ts[2]
 
 
-# The full suite (12 CPU s); the quick loop differentiates events in
-# events/test_continuing_events.py::test_gradient_through_impact_times_and_effects.
+# `SOLVERKIT_FULL_MATRIX=1` only (4.8 CPU s in a profile): an effect under `vmap` and
+# `grad` is events/test_continuing_events.py::
+# test_gradient_through_impact_times_and_effects and
+# test_integrate_and_fire_closures_vmap_grad, a timed event's
+# test_timed_events.py::test_effect_closes_over_anything_under_vmap_and_grad (the
+# quick loop); the quick loop differentiates events in test_event_time_gradient.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_continuing_events.py::test_gradient_through_impact_times_and_effects, "
+    "test_integrate_and_fire_closures_vmap_grad"
+)
 @pytest.mark.usefixtures("x64")
 def test_effect_singular_away_from_events_gives_finite_gradients():
     """An effect is evaluated only where an occurrence applies it (and, under vmap,

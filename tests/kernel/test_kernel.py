@@ -101,7 +101,14 @@ def test_values_float64(x64, solver):
     np.testing.assert_array_equal(kern.result._value, ref.result._value)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (1.8 CPU s): the adaptive kernel's values are
+# test_values_float64[tsit5]'s, the kernel in float32 test_kernel_fixed.py::
+# test_values_match_lane_loop_float32 and test_kernel_float32_steps.py.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_values_float64[tsit5], test_kernel_fixed.py::"
+    "test_values_match_lane_loop_float32"
+)
 def test_values_float32():
     kern, ref = _both(jnp.float32, sk.Tsit5(), 1e-5)
     # float32 round-off (1e-7 relative) moves decisions near err == 1; a trajectory

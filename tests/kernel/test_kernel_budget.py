@@ -100,6 +100,10 @@ def _neural_solve(y0, mlp, ts):
     )  # fmt: skip
 
 
+# The full suite (traces a 2-16-16-2 MLP field); the quick loop's resource model:
+# this file's other tests, a declined route's reason
+# test_vmap_route.py::test_kernel_routes_records_and_logs.
+@pytest.mark.slow
 def test_neural_field_declined_with_its_reason(monkeypatch):
     """A 2-16-16-2 MLP field: too large for the kernel's unrolled code; the kernel
     path says so, and the vmap route leaves it to the loop (only traced here)."""
@@ -174,7 +178,8 @@ def test_backward_takes_the_loop_where_tangents_do_not_fit(monkeypatch):
     monkeypatch.setattr(_budget, "MAX_INTERPRET_OPS", 400)
     called = []
     monkeypatch.setattr(_solve, "_tangent_rows", lambda *a: called.append(a))
-    got = jax.grad(loss)(rho, True)
-    want = jax.grad(loss)(rho, False)
+    # Jitted: two programs (eagerly, about a hundred of op-by-op compiles).
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    got, want = grad(rho, True), grad(rho, False)
     assert not called
     np.testing.assert_allclose(got, want, rtol=1e-4)

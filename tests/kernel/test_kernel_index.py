@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 import solverkit as sk
 from solverkit._kernel import _budget, _scalarize, _vmap
@@ -96,7 +97,12 @@ def test_table_index_on_the_route_equals_the_loop(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (7 CPU s): the table index under `grad` on the route
+# is test_table_index_on_the_route_equals_the_loop (the gradient of the vmapped loss);
+# `vmap` of `grad` against `grad` of `vmap` on the route, the route-vs-loop matrix
+# (tests/kernel/test_vmap_route.py, its vmap_grad and grad_vmap cells).
 @pytest.mark.slow
+@full_matrix_only("test_table_index_on_the_route_equals_the_loop")
 @pytest.mark.usefixtures("x64")
 def test_table_index_per_lane_gradients_equal_the_loops(monkeypatch):
     per_lane = jax.vmap(jax.grad(_loss, argnums=(0, 1)), in_axes=(None, None, 0))

@@ -95,7 +95,17 @@ def test_error_check_takes_a_scalar():
         assert max(sizes) <= 1, sizes
 
 
-@pytest.mark.parametrize("saveat", ["t1", "t0_ts_t1"])
+# [t0_ts_t1] with `SOLVERKIT_FULL_MATRIX=1` only: the throw is [t1]'s, the kernel's
+# saved rows test_kernel.py::test_values_float64.
+@pytest.mark.parametrize(
+    "saveat",
+    [
+        "t1",
+        pytest.param(
+            "t0_ts_t1", marks=full_matrix_only("[t1] and test_kernel.py's values")
+        ),
+    ],
+)
 # Quick loop: test_errors.py::test_throw_under_jit_and_vmap.
 @pytest.mark.slow
 def test_throw_same_values_and_raises(saveat):

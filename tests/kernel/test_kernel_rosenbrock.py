@@ -96,7 +96,12 @@ def _steps(sol):
         pytest.param(
             sk.Rodas4(), marks=[pytest.mark.slow, full_matrix_only("[rodas5p]")]
         ),
-        pytest.param(sk.Rosenbrock23(), marks=pytest.mark.slow),
+        # With `SOLVERKIT_FULL_MATRIX=1` only: the Rosenbrock family's kernel is
+        # [rodas5p]'s (one kernel for the four methods, their tableaux differ).
+        pytest.param(
+            sk.Rosenbrock23(),
+            marks=[pytest.mark.slow, full_matrix_only("[rodas5p]")],
+        ),
     ],
     ids=["rodas5p", "rodas4", "rosenbrock23"],
 )
@@ -119,9 +124,11 @@ def test_vdp_float64(x64, solver):
     np.testing.assert_array_equal(kern.ts, ref.ts)
 
 
-# The full suite: no Rosenbrock kernel in the quick loop (its kernels:
-# test_kernel_float32_steps.py, test_kernel_fixed.py).
+# `SOLVERKIT_FULL_MATRIX=1` only (1.9 CPU s): the same check in float64 is
+# test_vdp_float64[rodas5p]; the kernel in float32 test_kernel_float32_steps.py and
+# test_kernel_fixed.py::test_values_match_lane_loop_float32.
 @pytest.mark.slow
+@full_matrix_only("test_vdp_float64[rodas5p]")
 def test_vdp_float32():
     rtol = 1e-4
     kern, ref = _vdp_both(jnp.float32, sk.Rodas5P(), rtol)

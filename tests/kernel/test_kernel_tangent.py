@@ -259,9 +259,14 @@ def test_tangent_backward_vmap_float32(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * scale)
 
 
-# Quick loop: ensemble_solve x grad:
+# `SOLVERKIT_FULL_MATRIX=1` only (3 CPU s): the kernel's forward pass with
+# BacksolveAdjoint's own backward solve, against the loop's, is
+# test_vmap_kernel.py::test_gradients_through_the_kernel[backsolve] (grad of a jitted
+# vmap); BacksolveAdjoint against the checkpointed adjoint adjoint/test_adjoint.py's.
+# The quick loop's ensemble_solve x grad:
 # test_ensemble_ts_grad.py::test_ensemble_equals_vmap[one-hot-rows-lockstep].
 @pytest.mark.slow
+@full_matrix_only("test_vmap_kernel.py::test_gradients_through_the_kernel[backsolve]")
 def test_backsolve_gradient_is_the_continuous_adjoints(x64):
     """With `BacksolveAdjoint` the kernel's backward pass is the lane loop's backsolve
     (the adjoint asked for, not forward sensitivities of the steps): its gradient is

@@ -77,9 +77,25 @@ def _assert_same_tree(a, b):
         assert np.shape(x) == np.shape(y) and jnp.result_type(x) == jnp.result_type(y)
 
 
+# The full suite; the quick loop's route against the loop:
+# test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-vmap]. [True] with
+# `SOLVERKIT_FULL_MATRIX=1` only: fixed steps on the route are the matrix's
+# [mlp-ts-fixed-vmap] and [elem-stats-fixed-vmap] (the same step counts).
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
-@pytest.mark.quick_cases("False")
-@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize(
+    "fixed",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=full_matrix_only(
+                "test_vmap_route.py::test_route_matches_loop[mlp-ts-fixed-vmap], "
+                "[elem-stats-fixed-vmap]"
+            ),
+        ),
+    ],
+)
 def test_vmap_runs_on_the_kernel_and_matches(fixed, monkeypatch):
     rho, y0, k = _data()
     saveat = sk.SaveAt(ts=jnp.linspace(0.0, 1.0, 5), t1=True)
@@ -100,7 +116,15 @@ def test_vmap_runs_on_the_kernel_and_matches(fixed, monkeypatch):
         assert np.all(np.abs(steps - ref_steps) <= 0.02 * ref_steps + 1)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (2 CPU s): batched axes on the route are
+# test_vmap_route.py::test_route_matches_loop's cells ([elem-ts-tsit5-axes], `y0` and
+# `args` batched), a batched closed-over int test_kernel_index.py::
+# test_table_index_on_the_route_equals_the_loop.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_vmap_route.py::test_route_matches_loop[elem-ts-tsit5-axes], "
+    "test_kernel_index.py::test_table_index_on_the_route_equals_the_loop"
+)
 @pytest.mark.usefixtures("x64")
 def test_in_axes_of_each_kind(on):
     """Only `y0` batched, only a closed-over int, and an unbatched `jit` call."""
@@ -228,7 +252,15 @@ def test_forward_mode_adjoints_are_left_alone(on):
     np.testing.assert_allclose(tangent[:, 0], y0 * np.exp(-1.0), rtol=1e-3)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (3.6 CPU s): a shared differentiated value's summed
+# cotangent is test_vmap_route.py::test_per_example_gradients_of_shared_inputs and
+# the matrix's [elem-t1-tsit5-shared_args]; `args` of mixed kinds its
+# [mixed-t1-tsit5-grad_vmap].
 @pytest.mark.slow
+@full_matrix_only(
+    "test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-shared_args], "
+    "[mixed-t1-tsit5-grad_vmap], test_per_example_gradients_of_shared_inputs"
+)
 @pytest.mark.usefixtures("x64")
 def test_shared_values_and_mixed_args(monkeypatch):
     """A differentiated closed-over value shared by the batch (its cotangent summed
@@ -278,6 +310,9 @@ def test_wrapped_solver_is_left_alone(on):
     np.testing.assert_allclose(jax.vmap(solve)(y0)[:, 0], y0 * np.exp(-1.0), rtol=1e-4)
 
 
+# The full suite; the quick loop's route under `grad`:
+# test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-vmap_grad].
+@pytest.mark.slow
 def test_float32_forward_and_gradient(monkeypatch):
     """Without float64 (so it runs on a TPU too, on the compiled kernel): the
     kernel's forward pass and gradient against the loop's at float32 tolerances."""

@@ -167,19 +167,24 @@ def test_rosenbrock_preconditioner_closing_over_parameters():
 # Left to `SOLVERKIT_FULL_MATRIX=1` (a 20 CPU-second compile), as checked by other
 # cases: BDF's GMRES gradient preconditioned by a linear solver is
 # tests/linear/test_linear_solver_grad.py::test_gradient[BDF-gmres-sparse-recursive],
-# and a banded solver's transposed solve [BDF-banded-recursive] there.
+# and a banded solver's transposed solve test_linear_solver.py::
+# test_solve_tangent_transposes[*-banded].
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("SOLVERKIT_FULL_MATRIX"),
-    reason="SOLVERKIT_FULL_MATRIX only: covered by linear/test_linear_solver_grad.py",
+    reason="SOLVERKIT_FULL_MATRIX only: covered by test_solve_tangent_transposes"
+    "[*-bicgstab-blocks] and [*-banded]",
 )
 def test_banded_preconditioner():
     """Also through the transposed iteration preconditioned by a banded solver."""
     np.testing.assert_allclose(_grads("bdf-banded"), _grads("bdf-dense"), rtol=1e-9)
 
 
-# The full suite; the quick loop's Krylov gradient: test_bdf_krylov_gradient.
+# `SOLVERKIT_FULL_MATRIX=1` only (a regression check, 2.6 CPU s): a Krylov solver's
+# forward solves are linear/test_linear_solver.py::test_krylov_matches_dense (the
+# quick loop) and this file's gradients' forward passes.
 @pytest.mark.slow
+@full_matrix_only("test_linear_solver.py::test_krylov_matches_dense")
 def test_forward_solve_of_a_field_with_a_while_loop():
     """A forward solve traces no transposition: a field JAX can't transpose (a
     `while_loop` on the state) still solves."""
@@ -206,13 +211,22 @@ def test_forward_solve_of_a_field_with_a_while_loop():
         np.testing.assert_allclose(sol.ys, jnp.exp(-1.0), rtol=1e-5)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (four gradient programs, 12 CPU s): the adjoints
+# are compared with each other on other problems (adjoint/test_adjoint.py::
+# test_gradients_agree_across_adjoints_and_finite_differences, the closure matrix's
+# backsolve cells), a Krylov solver's BDF gradient is test_bdf_krylov_gradient, and
+# BacksolveAdjoint through a linear solver other than the dense one
+# linear/test_linear_solver_grad.py::test_gradient[BDF-sparse-blocks-backsolve].
 @pytest.mark.slow
+@full_matrix_only(
+    "test_bdf_krylov_gradient, "
+    "test_linear_solver_grad.py::test_gradient[BDF-sparse-blocks-backsolve]"
+)
 def test_other_adjoints():
     """DirectAdjoint: the same gradient. BacksolveAdjoint: the dense solver's
-    gradient without a preconditioner; with a callable one (written for the forward
-    state), a clear error. Unbatched under `jit` (vmapped gradients through a
-    Krylov solver: test_bdf_krylov_gradient, test_rosenbrock_...; a vmapped
-    BacksolveAdjoint gradient: linear/test_linear_solver_grad.py's
+    gradient without a preconditioner. Unbatched under `jit` (vmapped gradients
+    through a Krylov solver: test_bdf_krylov_gradient, test_rosenbrock_...; a
+    vmapped BacksolveAdjoint gradient: linear/test_linear_solver_grad.py's
     BDF-...-backsolve)."""
     direct = sk.DirectAdjoint()
     np.testing.assert_allclose(
@@ -222,13 +236,22 @@ def test_other_adjoints():
     krylov = _unbatched("bdf-krylov", back)
     np.testing.assert_allclose(krylov, _unbatched("bdf-dense", back), rtol=1e-8)
     np.testing.assert_allclose(krylov, _finite_differences(), rtol=1e-5)
-    with pytest.raises(UnsupportedError, match="preconditioner"):
-        jax.grad(_loss)(0.5, 1, "bdf-pre", back)
 
 
-# The full suite; the quick loop's preconditioner (closing over traced values):
-# test_bdf_krylov_gradient.
 @pytest.mark.slow
+def test_backsolve_with_a_callable_preconditioner_says_so():
+    """BacksolveAdjoint with a callable preconditioner (written for the forward
+    state, not the backward one): a clear error."""
+    with pytest.raises(UnsupportedError, match="preconditioner"):
+        jax.grad(_loss)(0.5, 1, "bdf-pre", sk.BacksolveAdjoint())
+
+
+# `SOLVERKIT_FULL_MATRIX=1` only (1.9 CPU s): a callable preconditioner is
+# test_bdf_krylov_gradient's (closing over traced values, against finite
+# differences) and test_linear_solver.py::test_krylov_matches_dense's [*-callable-*];
+# a second call that compiles nothing test_integrate.py's.
+@pytest.mark.slow
+@full_matrix_only("test_bdf_krylov_gradient, test_krylov_matches_dense[*-callable-*]")
 def test_preconditioner_closing_over_constants():
     """A preconditioner closing over nothing traced: the unpreconditioned solution,
     and a second solve with a new `y0` compiles nothing."""
@@ -272,24 +295,17 @@ def test_preconditioner_bad_output():
         )
 
 
-# The full suite; the quick loop's Krylov gradient: test_bdf_krylov_gradient.
-# [Rodas5P] with `SOLVERKIT_FULL_MATRIX=1` only (5 CPU s): BiCGStab's breakdown on a
-# zero right-hand side and the gradient through it is [BDF]'s; a Rosenbrock method's
-# Krylov gradient test_rosenbrock_preconditioner_closing_over_parameters.
+# `SOLVERKIT_FULL_MATRIX=1` only (5 CPU s a case): BiCGStab's breakdown on a zero
+# right-hand side, and the gradient through it, is
+# linear/test_linear_solver.py::test_bicgstab_gradient_with_zero_vectors (its zero
+# cases, solve and transposed solve); a Krylov solver's whole-solve gradient
+# test_bdf_krylov_gradient and test_rosenbrock_preconditioner_closing_over_parameters.
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "method",
-    [
-        "BDF",
-        pytest.param(
-            "Rodas5P",
-            marks=full_matrix_only(
-                "test_start_at_equilibrium[BDF] (the breakdown) and "
-                "test_rosenbrock_preconditioner_closing_over_parameters"
-            ),
-        ),
-    ],
+@full_matrix_only(
+    "test_linear_solver.py::test_bicgstab_gradient_with_zero_vectors "
+    "and test_bdf_krylov_gradient"
 )
+@pytest.mark.parametrize("method", ["BDF", "Rodas5P"])
 def test_start_at_equilibrium(method):
     """`y0` at the field's equilibrium: the first Newton (BDF) or stage (Rodas5P)
     right-hand side is exactly zero, where BiCGStab breaks down. The solve succeeds

@@ -6,9 +6,10 @@ The field is three independent stiff pairs, `u' = -20 p u + v`,
 `v' = w u - 2 v - v² [pair = k]`, closing over a differentiated float `p`, an int
 `k` and a float32 `w`; its Jacobian fits every structure tested (blocks of 2, a
 tridiagonal band, a full pattern). The loss is the sum of squares of two saved
-states; the parameters are `p` and the scale of `y0`. All in the full suite:
-`tests/linear/test_linear_solver.py` checks every linear solver's transposed solve
-cheaply. BacksolveAdjoint is tested where the docs support it: with a backward
+states; the parameters are `p` and the scale of `y0`. In the full suite, one case by
+default (the others with `SOLVERKIT_FULL_MATRIX=1`, named below with what covers
+them): `tests/linear/test_linear_solver.py` checks every linear solver's transposed
+solve cheaply. BacksolveAdjoint is tested where the docs support it: with a backward
 solver of its own (the backward state is larger than a fixed pattern).
 """
 
@@ -150,10 +151,9 @@ _LINEARS = (
 _QUICK: set[tuple[str, str, str]] = set()
 
 
-# The slow tier: the linear solvers under BDF (whose implicit derivative transposes
-# the solve) and each other adjoint once; about 5-10 s a case on a quiet CPU.
-# `SOLVERKIT_FULL_MATRIX=1` runs every stiff solver x linear solver x adjoint instead
-# (about 150 cases).
+# The slow tier: BDF-sparse-blocks-backsolve (below) only; about 5-10 s a case on a
+# quiet CPU. `SOLVERKIT_FULL_MATRIX=1` runs every stiff solver x linear solver x
+# adjoint instead (about 150 cases).
 #
 # Left to `SOLVERKIT_FULL_MATRIX=1`, as checked by another case:
 # - BDF with "gmres" and Rodas5P with "gmres-sparse" (tests/linear/test_krylov_grad.py:
@@ -197,12 +197,31 @@ _QUICK: set[tuple[str, str, str]] = set()
 #   a Krylov preconditioner BDF-gmres-sparse-recursive here, BiCGStab's transposed
 #   iteration preconditioned by a linear solver linear/test_linear_solver.py::
 #   test_solve_tangent_transposes[*-bicgstab-blocks], and the banded solver's
-#   transposed solve BDF-banded-recursive here.
+#   transposed solve test_solve_tangent_transposes[*-banded] there.
+# - BDF-gmres-sparse-recursive (7 CPU s): a Krylov solver's BDF gradient is
+#   tests/linear/test_krylov_grad.py::test_bdf_krylov_gradient (BiCGStab), GMRES's
+#   transposed solve and a Krylov solver preconditioned by a linear solver
+#   tests/linear/test_linear_solver.py::test_solve_tangent_transposes[*-gmres],
+#   [*-bicgstab-blocks].
+# - BDF-sparse-banded-direct (5 CPU s): DirectAdjoint is compared with the
+#   checkpointed adjoint on other problems (tests/adjoint/test_adjoint.py::
+#   test_gradients_agree_across_adjoints_and_finite_differences, the closure
+#   matrix's direct cells), SparseLinearSolver's transposed solve through BDF's
+#   gradient is BDF-sparse-blocks-backsolve here, the banded pattern's VJP
+#   tests/linear/test_linear_solver.py::
+#   test_sparse_grad_against_dense_and_finite_differences.
+# - BDF-banded-recursive (8.7 CPU s): BDF's gradient through a linear solver's
+#   transposed solve is tests/linear/test_krylov_grad.py::test_bdf_krylov_gradient
+#   (against finite differences), the banded solver's transposed solve
+#   tests/linear/test_linear_solver.py::test_solve_tangent_transposes[*-banded] and its
+#   VJP tests/linear/test_banded.py::test_grad_matches_dense_and_finite_differences;
+#   a non-dense linear solver under BDF's gradient BDF-sparse-blocks-backsolve here.
 _SLOW = {
     *(("BDF", linear, "recursive") for linear in _LINEARS),
-    ("BDF", "sparse-banded", "direct"),
 } - {
+    ("BDF", "banded", "recursive"),
     ("BDF", "gmres", "recursive"),
+    ("BDF", "gmres-sparse", "recursive"),
     ("BDF", "sparse-banded", "recursive"),
     ("BDF", "sparse-dense", "recursive"),
     ("BDF", "sparse-blocks", "recursive"),

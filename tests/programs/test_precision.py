@@ -14,7 +14,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ALL_SOLVERS, make_solver, make_terms
+from helpers import ALL_SOLVERS, make_solver, make_terms, skip_unless_full_matrix
 
 import solverkit as sk
 
@@ -161,9 +161,19 @@ _STIFF_CASES = [
 @pytest.mark.parametrize(
     "cls,linear", _STIFF_CASES, ids=[f"{c.__name__}-{n}" for c, n in _STIFF_CASES]
 )
-# Quick loop: each linear solver once, each stiff family once.
-@pytest.mark.quick_cases("Kvaerno5-krylov")
+# The full suite; the quick loop's stiff solvers' products (their default linear
+# solvers): test_every_solver_products_are_highest's quick cases.
+@pytest.mark.slow
 def test_stiff_linear_solver_products_are_highest(cls, linear):
+    # Each linear solver's products are BDF's cases (every linear solver) and
+    # Kvaerno5-krylov's (the quick loop); Rodas5P's and Kvaerno5's other linear
+    # solvers, but Rodas5P-sparse (a second family through the sparse solver's
+    # reverse mode), with `SOLVERKIT_FULL_MATRIX=1` only.
+    if cls is not sk.BDF and (cls, linear) not in (
+        (sk.Kvaerno5, "krylov"),
+        (sk.Rodas5P, "sparse"),
+    ):
+        skip_unless_full_matrix(f"[BDF-{linear}] (the same linear solver)")
     # BDF + SparseLinearSolver has no reverse mode yet (JAX: "scatter transpose is
     # only implemented where unique_indices=True"): its forward solve only.
     grad = not (cls is sk.BDF and linear == "sparse")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, lv_batch, lv_loss
+from helpers import assert_tree_allclose, full_matrix_only, lv_batch, lv_loss
 
 import solverkit as sk
 from solverkit import _loop
@@ -104,9 +104,11 @@ def test_gradient_against_direct_and_differences(constant):
     np.testing.assert_allclose(float(jnp.sum(got[0] * v)), quotient, rtol=1e-5)
 
 
-# The full suite; the quick loop's checkpointed gradients:
-# closure/test_closure_matrix.py's checkpoint cells.
+# `SOLVERKIT_FULL_MATRIX=1` only (2 CPU s): the same check in float64 is
+# test_gradient_against_direct_and_differences; float32 checkpointed gradients
+# closure/test_closure.py's (float32 by default).
 @pytest.mark.slow
+@full_matrix_only("test_gradient_against_direct_and_differences")
 def test_float32_gradient_against_direct():
     # float32 data (the closed-over index int32, the scale float32).
     rates, y0 = (x.astype(jnp.float32) for x in _data())

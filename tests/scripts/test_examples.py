@@ -44,11 +44,15 @@ GROUPS = [
     ["multi_process"],  # launches two JAX processes (jax.distributed, gloo on CPU)
 ]
 DOCS = "docs"
-# The float64 group and three float32 examples run with `SOLVERKIT_FULL_MATRIX=1` only
-# (about 45 and 10 CPU s): each example's feature has its own tests, named here; the
-# full suite keeps the docs' code, `quickstart` and the two that configure their
-# process.
+# The float64 group, four float32 examples and `multi_process` run with
+# `SOLVERKIT_FULL_MATRIX=1` only (about 45, 17 and 8 CPU s): each example's feature
+# has its own tests, named here; the full suite keeps the docs' code and `ensemble`
+# (a batch sharded over 8 host devices).
 FULL_MATRIX_ONLY = {
+    "quickstart": "closure/test_closure.py (a jaxpr of a closure over a vmapped int) "
+    "and closure/test_closure_matrix.py's backsolve cells (vmap of grad)",
+    "multi_process": "examples/ensemble.py (the batch sharded over devices) and "
+    "kernel/test_sharded_kernel.py",
     "fit_lotka_volterra": "adjoint/test_adjoint.py (gradients of closed-over values)",
     "neural_ode": "closure/test_closure_matrix.py (its MLP cells, under grad)",
     "forced_system": "solve/test_global_interpolation.py (cubic data, its gradient)",
@@ -57,7 +61,8 @@ FULL_MATRIX_ONLY = {
     "dae": "test_dae.py (ROBER and index-1 DAEs)",
     "steady_state": "test_adjoint.py::test_implicit_adjoint_steady_state_gradient",
     "bouncing_ball": "test_hybrid.py::test_bouncing_ball_against_analytic",
-    "spiking_neurons": "test_event_search.py::test_spiking_neurons_second_adam_step",
+    "spiking_neurons": "test_continuing_events.py::"
+    "test_integrate_and_fire_closures_vmap_grad",
     "pharmacokinetics": "test_timed_event.py (doses as timed events, their gradient)",
     "brusselator": "test_bdf.py's Brusselator, test_bruss_preconditioner.py",
 }
@@ -214,7 +219,15 @@ def test_example(job: str, jobs) -> None:
     assert png.is_file() and png.stat().st_size > 0, f"no {png.name}:\n{output}"
 
 
-@pytest.mark.parametrize("job", ["multi_process"])
+@pytest.mark.parametrize(
+    "job",
+    [
+        pytest.param(
+            "multi_process",
+            marks=full_matrix_only(FULL_MATRIX_ONLY["multi_process"]),
+        )
+    ],
+)
 def test_multi_process_result(job: str, jobs) -> None:
     """The two processes' gathered ensemble equals a single-process solve, and each
     process solved its own half."""

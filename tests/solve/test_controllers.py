@@ -173,6 +173,10 @@ def _hairer_wanner_dt0(f, y0, rtol, atol, order):
     return min(100 * h0, h1)
 
 
+# The full suite; the quick loop's dt0=None (the first step from the field):
+# diffrax_compat/test_half_solver.py::test_half_solver_accuracy_and_first_step,
+# diffrax_compat/test_solver_protocol.py::test_crank_nicolson_solves_the_heat_equation.
+@pytest.mark.slow
 def test_dt0_none():
     ours = _pid_steps(sk.PIDController(rtol=1e-6, atol=1e-6), dt0=None)
     y0 = np.array([1.0, 3.0])

@@ -656,28 +656,38 @@ def test_grad_vmapped_index():
         assert jnp.allclose(gi, _central(f, 1.0, 1e-5), rtol=2e-5)
 
 
+def _backsolve_loss(k, solver):
+    sol = _solve(
+        lambda t, y, args: -k * y,
+        solver,
+        3.0,
+        jnp.ones(2),
+        1e-8,
+        1e-10,
+        adjoint=sk.BacksolveAdjoint(),
+    )
+    return jnp.sum(sol.ys[-1])
+
+
+# `SOLVERKIT_FULL_MATRIX=1` only (1.7 CPU s): BDF's BacksolveAdjoint gradient is
+# tests/linear/test_linear_solver_grad.py::test_gradient[BDF-sparse-blocks-backsolve]
+# (against the dense solver's and finite differences, vmapped).
+@pytest.mark.slow
+@full_matrix_only(
+    "test_linear_solver_grad.py::test_gradient[BDF-sparse-blocks-backsolve]"
+)
+def test_backsolve():
+    """BacksolveAdjoint: matches the exact gradient."""
+    g = jax.jit(jax.grad(lambda k: _backsolve_loss(k, sk.BDF())))(1.5)  # one program
+    assert jnp.allclose(g, -2 * 3.0 * jnp.exp(-4.5), rtol=1e-5)
+
+
 # The full suite; the quick loop runs BacksolveAdjoint in tests/adjoint/test_adjoint.py.
 @pytest.mark.slow
-def test_backsolve():
-    """BacksolveAdjoint: matches the exact gradient; with a mass matrix it raises
-    clearly."""
-
-    def loss(k, solver):
-        sol = _solve(
-            lambda t, y, args: -k * y,
-            solver,
-            3.0,
-            jnp.ones(2),
-            1e-8,
-            1e-10,
-            adjoint=sk.BacksolveAdjoint(),
-        )
-        return jnp.sum(sol.ys[-1])
-
-    g = jax.jit(jax.grad(lambda k: loss(k, sk.BDF())))(1.5)  # one program
-    assert jnp.allclose(g, -2 * 3.0 * jnp.exp(-4.5), rtol=1e-5)
+def test_backsolve_with_a_mass_matrix_raises():
+    """BacksolveAdjoint with a mass matrix: a clear error."""
     with pytest.raises(ValueError, match="BacksolveAdjoint"):
-        jax.grad(lambda k: loss(k, sk.BDF(mass_matrix=jnp.ones(2))))(1.5)
+        jax.grad(lambda k: _backsolve_loss(k, sk.BDF(mass_matrix=jnp.ones(2))))(1.5)
 
 
 class _Counting(AbstractLinearSolver):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import float64
+from helpers import float64, full_matrix_only
 from jax.extend import core as jcore
 
 import solverkit as sk
@@ -112,9 +112,13 @@ def test_vmapped_solve_is_elementwise():
     assert not bad & set(names), sorted(bad & set(names))
 
 
-# The full suite (7 CPU s); the quick loop's vmapped BDF:
-# test_vmapped_solve_is_elementwise.
+# `SOLVERKIT_FULL_MATRIX=1` only (2.5 CPU s): a float32 BDF Van der Pol ensemble
+# against float64, accuracy and step counts, is tests/linear/test_small_linalg.py::
+# test_stiff_vdp_ensemble_float32_against_float64[solver2] (BDF).
 @pytest.mark.slow
+@full_matrix_only(
+    "test_small_linalg.py::test_stiff_vdp_ensemble_float32_against_float64 (BDF)"
+)
 def test_float32_ensemble_against_float64():
     """Float32 BDF at rtol = atol = 1e-5 on 8 Van der Pol trajectories: as accurate
     as float64 at the same tolerance, in about as many steps (no step-size collapse

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.integrate
+from helpers import full_matrix_only
 
 import solverkit as sk
 
@@ -155,7 +156,14 @@ def _grad_end(s, idx):
     return sol.ys[-1, 0]  # species A at T1_GRAD
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (4.2 CPU s): an IMEX method's gradient through its
+# implicit term is tests/solvers/test_implicit.py::
+# test_imex_events_dense_gradients_and_no_recompile (reverse mode against forward
+# mode), the stiff ROBER's gradient test_bdf.py::test_grad_rober.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_implicit.py::test_imex_events_dense_gradients_and_no_recompile"
+)
 def test_kencarp4_gradient_stiff_implicit_term():
     grads = np.asarray(_grad_end(jnp.asarray(1.0), jnp.array([0, 2])))
     eps = 1e-4

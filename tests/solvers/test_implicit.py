@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import scipy.integrate
 import scipy.linalg
-from helpers import float64, quick_params
+from helpers import float64, full_matrix_only, quick_params
 
 import solverkit as sk
 from solverkit._solver._implicit_tableau import (
@@ -513,7 +513,12 @@ def test_gradients_discrete_adjoints():
         np.testing.assert_allclose(float(tangent), float(g_rc[1]), rtol=1e-8)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only (1.2 CPU s): an ESDIRK method's BacksolveAdjoint
+# gradient is closure/test_closure_matrix.py's esdirk-backsolve cells (against the
+# analytic one), the continuous adjoint against the discrete one
+# adjoint/test_adjoint.py's.
 @pytest.mark.slow
+@full_matrix_only("test_closure_matrix.py's esdirk-backsolve cells")
 def test_gradients_backsolve():
     """The continuous adjoint (same fixed steps backwards) agrees with the
     discrete one to the accuracy of the solves."""

@@ -178,6 +178,9 @@ def test_wrapped_terms_of_a_multiterm_as_in_diffrax():
         assert int(ours.stats["num_steps"]) == int(theirs.stats["num_steps"])
 
 
+# The full suite (a comparison with diffrax); the quick loop's user solver:
+# diffrax_compat/test_solver_protocol.py::test_crank_nicolson_solves_the_heat_equation.
+@pytest.mark.slow
 def test_first_step_of_terms_that_are_not_an_ode_term_as_in_diffrax():
     """With `dt0=None` an adaptive controller takes 0.01 for terms that are not an
     `ODETerm`, as diffrax does, without calling the solver's `func` (here it
