@@ -333,15 +333,17 @@ def _chunk(rev: _Reverse, p_diff, state):
     start = bounds.start
     buffer, mids, first = _refill(rev, p_diff, buffer, mids, bounds, end)
 
+    steps = rev.rec.steps
+
     def back(i, state):
-        ct_p, ct_c, row, after = state
+        ct_p, ct_c, row, replay, after = state
         k = end - 1 - i  # the step to pull back through
-        # The row was read by the iteration before (loop state): an array of
-        # its own, not a strided read fused into each kernel of the pullback
-        # that uses it (reading it here: Lorenz gradient 23-24 -> 31-35 ms,
-        # barrier or not).
+        # The row and the step's recorded decisions were read by the iteration
+        # before (loop state): arrays of their own, not strided reads fused into
+        # each kernel of the pullback that uses them (reading the row here: Lorenz
+        # gradient 23-24 -> 31-35 ms, barrier or not; the decisions, a byte in
+        # each of N rows of `max_steps`, were read by 16 kernels a step).
         carry = unpack(buffer, row)
-        replay = _replay.decisions(rev.rec.steps, k)
         if replay is None:
             # As the carries after and before step `k` count accepted steps.
             replay = _loop.Replay(after > carry.num_accepted)
@@ -353,11 +355,12 @@ def _chunk(rev: _Reverse, p_diff, state):
         active = k < rev.rec.n
         ct_p = jtu.tree_map(lambda a, b: a + where(active, b, 0), ct_p, dp)
         row = get_row(buffer, jnp.maximum(k - 1 - first, 0))
-        return ct_p, tree_where(active, dc, ct_c), row, after
+        replay = _replay.decisions(steps, jnp.maximum(k - 1, 0))
+        return ct_p, tree_where(active, dc, ct_c), row, replay, after
 
     row = get_row(buffer, end - 1 - first)
-    state = (ct_p, ct_c, row, after)
-    ct_p, ct_c, _, after = counted_loop(0, end - start, back, state, ct_c)
+    state = (ct_p, ct_c, row, _replay.decisions(steps, end - 1), after)
+    ct_p, ct_c, _, _, after = counted_loop(0, end - start, back, state, ct_c)
     return start, bounds.segment, buffer, mids, ct_p, ct_c, after
 
 
