@@ -3,18 +3,21 @@ which path it takes, and does it match the loop; the neural ODE against diffrax;
 matrix-product precision; the cost of `throw=True`'s check.
 
 `python -m benchmarks.neural_matrix --out DIR [--budget SECONDS] [--quick]
-[--parts neural,precision,throw,matrix]`
+[--parts neural,precision,throw,matrix] [--diffrax-backsolve]`
 
 - `neural`: the 2-64-64-2 softplus MLP neural ODE (`jax.vmap` over `y0`, Tsit5, PID
   1e-3 / 1e-6, `SaveAt(ts=16 points)`, t in [0, 1]) at N = 4096: forward, the
   gradient w.r.t. the MLP (`eqx.filter_value_and_grad`, checkpointed) and with
-  `BacksolveAdjoint`, solverkit's defaults against diffrax's, side by side; and the
-  latent-ODE size (state 32, width 256, depth 3) at N = 1024.
+  `BacksolveAdjoint` (diffrax's only with `--diffrax-backsolve`: on a TPU v5e at
+  N = 4096 it had not finished after 400 s), solverkit's defaults against diffrax's,
+  side by side; and the latent-ODE size (state 32, width 256, depth 3) at N = 1024.
 - `precision`: the same 2-64-64-2 fit (value and gradient) under the default
   matrix precision and under "highest", each against a float32 reference solved on
   the host CPU at rtol = atol = 1e-8, with its time.
 - `throw`: a jitted `y * 2` with and without a never-firing error check, in the
-  forms a check can take.
+  forms a check can take (and with a callback that runs every call); the Lorenz
+  ensemble (N = 4096, `jax.vmap`) jitted with `throw=False` and `throw=True`, and
+  called eagerly with `throw=True` (checked on the host).
 - `matrix`: MLP fields (widths 16-512, depth 1-4, state 2-64), method-of-lines heat
   fields (64-4096 points), a pytree state; forward, checkpointed gradient,
   `BacksolveAdjoint` gradient; N from 256 to 65,536. Each cell: the default path's
@@ -28,6 +31,7 @@ new rows when `--budget` seconds have passed.
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import statistics
@@ -192,7 +196,7 @@ def _fmt(x) -> str:
     return str(x).replace("|", "/")
 
 
-def neural(w: Writer, quick: bool):
+def neural(w: Writer, quick: bool, peer_backsolve: bool = False):
     import diffrax
 
     cases = [
@@ -206,6 +210,10 @@ def neural(w: Writer, quick: bool):
             row = dict(part="neural", field=f"mlp {size}-{width}x{depth}", n=n)
             row["solve"] = solve
             for name, lib in (("solverkit", sk), ("diffrax", diffrax)):
+                if name == "diffrax" and solve == "backsolve" and not peer_backsolve:
+                    # At N = 4096 on a TPU v5e it had not finished after 400 s.
+                    row["diffrax_ms"] = "not run (--diffrax-backsolve runs it)"
+                    continue
                 try:
                     fn, args = programs(lib, field, y0, solve)
                     first, t = _timed(fn, *args)
@@ -276,11 +284,23 @@ def throw(w: Writer, quick: bool):
         )
         return x * 2 + out
 
+    def always_pure(x):  # a callback that runs every call
+        one = jax.pure_callback(
+            lambda: np.float32(1), jax.ShapeDtypeStruct((), x.dtype)
+        )
+        return x * 2 * one
+
+    def always_debug(x):
+        jax.debug.callback(lambda: None)
+        return x * 2
+
     forms = [
         ("plain", plain),
         ("eqx.error_if", eqx_check),
         ("cond+debug.callback", cond_debug),
         ("cond+io_callback", cond_io),
+        ("pure_callback every call", always_pure),
+        ("debug.callback every call", always_debug),
     ]
     for name, fn in forms:
         f = jax.jit(fn)
@@ -291,6 +311,32 @@ def throw(w: Writer, quick: bool):
             f(x).block_until_ready()
             ts.append(time.perf_counter() - s)
         w.add(dict(part="throw", form=name, ms=1e3 * statistics.median(ts)))
+    _throw_solves(w)
+
+
+def _throw_solves(w: "Writer"):
+    """Lorenz, N = 4096, `jax.vmap` (the route), jitted, with `throw=True` and
+    `throw=False`, and eagerly with `throw=True` (checked on the host)."""
+
+    def lorenz(t, y, args):
+        a, b = y[0] * (28.0 - y[2]) - y[1], y[0] * y[1] - 8 / 3 * y[2]
+        return jnp.stack([10.0 * (y[1] - y[0]), a, b])
+
+    y0 = 1.0 + 0.1 * jax.random.normal(jax.random.key(0), (4096, 3))
+
+    def solve(y0, throw):
+        return sk.diffeqsolve(
+            sk.ODETerm(lorenz), sk.Tsit5(), 0.0, 1.0, 0.01, y0,
+            saveat=sk.SaveAt(ts=jnp.linspace(0, 1, 8)), throw=throw,
+            stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6),
+        ).ys  # fmt: skip
+
+    for throw_, jit in ((False, True), (True, True), (True, False)):
+        fn = jax.vmap(lambda y: solve(y, throw_))
+        fn = jax.jit(fn) if jit else fn
+        first, t = _timed(fn, y0, repeats=20)
+        form = f"lorenz N=4096 throw={throw_} {'jit' if jit else 'eager'}"
+        w.add(dict(part="throw", form=form, ms=1e3 * t, first_s=first))
 
 
 def _matrix_fields(quick: bool) -> list:
@@ -364,12 +410,14 @@ def main():
     parser.add_argument("--budget", type=float, default=400)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--parts", default="neural,precision,throw,matrix")
+    parser.add_argument("--diffrax-backsolve", action="store_true")
     a = parser.parse_args()
     deadline = time.perf_counter() + a.budget
     w = Writer(pathlib.Path(a.out))
     w.add(dict(part="device", kind=jax.devices()[0].device_kind, jax=jax.__version__))
     parts = a.parts.split(",")
-    for name, run in (("neural", neural), ("precision", precision), ("throw", throw)):
+    neural_ = functools.partial(neural, peer_backsolve=a.diffrax_backsolve)
+    for name, run in (("neural", neural_), ("precision", precision), ("throw", throw)):
         if name in parts and time.perf_counter() < deadline:
             try:
                 run(w, a.quick)
