@@ -3,7 +3,7 @@ which path it takes, and does it match the loop; the neural ODE against diffrax;
 matrix-product precision; the cost of `throw=True`'s check.
 
 `python -m benchmarks.neural_matrix --out DIR [--budget SECONDS] [--quick]
-[--parts neural,precision,throw,matrix] [--diffrax-backsolve]`
+[--parts neural,precision,throw,accuracy,matrix] [--diffrax-backsolve]`
 
 - `neural`: the 2-64-64-2 softplus MLP neural ODE (`jax.vmap` over `y0`, Tsit5, PID
   1e-3 / 1e-6, `SaveAt(ts=16 points)`, t in [0, 1]) at N = 4096: forward, the
@@ -18,6 +18,10 @@ matrix-product precision; the cost of `throw=True`'s check.
   forms a check can take (and with a callback that runs every call); the Lorenz
   ensemble (N = 4096, `jax.vmap`) jitted with `throw=False` and `throw=True`, and
   called eagerly with `throw=True` (checked on the host).
+- `accuracy`: the forward values of kernel cells (MLP 2-16-1 and 2-16-2, heat 64,
+  pytree; N = 4096) on the kernel and on the loop, each against a reference solved on
+  the host CPU at rtol = atol = 1e-8, in units of the tolerance, and the largest
+  absolute difference: which path is off where the two differ.
 - `matrix`: MLP fields (widths 16-512, depth 1-4, state 2-64), method-of-lines heat
   fields (64-4096 points), a pytree state; forward, checkpointed gradient,
   `BacksolveAdjoint` gradient; N from 256 to 65,536. Each cell: the default path's
@@ -339,6 +343,47 @@ def _throw_solves(w: "Writer"):
         w.add(dict(part="throw", form=form, ms=1e3 * t, first_s=first))
 
 
+def accuracy(w: "Writer", quick: bool):
+    """Kernel and loop forward values, each against a reference solved on the host
+    CPU at rtol = atol = 1e-8: which path is off where the two differ."""
+    n = 64 if quick else 4096
+    specs = [("mlp", 2, 16, 1), ("mlp", 2, 16, 2), ("heat", 64), ("pytree",)]
+    cpu = jax.devices("cpu")[0]
+    for spec in specs:
+        field, y0 = field_of(spec), y0_of(spec, n)
+        saved = _vmap.ENABLED
+        try:
+            _vmap.ENABLED = True
+            fn, args = programs(sk, field, y0, "forward")
+            kernel = fn(*args)
+            _vmap.ENABLED = False
+            fn, args = programs(sk, field, y0, "forward")
+            loop = fn(*args)
+        finally:
+            _vmap.ENABLED = saved
+        global RTOL, ATOL
+        tolerances = RTOL, ATOL
+        RTOL, ATOL = 1e-8, 1e-8
+        try:
+            with jax.default_device(cpu):
+                on_cpu = jax.tree_util.tree_map(
+                    lambda x: jax.device_put(x, cpu) if eqx.is_array(x) else x,
+                    (field, y0),
+                )
+                fn, args = programs(sk, *on_cpu, "forward")
+                ref = fn(*args)
+        finally:
+            RTOL, ATOL = tolerances
+        row = dict(part="accuracy", field=" ".join(map(str, spec)), n=n)
+        row["kernel_vs_loop"] = _err(kernel, loop)
+        row["kernel_vs_ref"] = _err(kernel, ref)
+        row["loop_vs_ref"] = _err(loop, ref)
+        for name, got in (("kernel", kernel), ("loop", loop)):
+            diffs = [np.max(np.abs(a - b)) for a, b in zip(_leaves(got), _leaves(ref))]
+            row[f"{name}_abs_vs_ref"] = float(max(diffs))
+        w.add(row)
+
+
 def _matrix_fields(quick: bool) -> list:
     if quick:
         return [(("mlp", 2, 4, 1), (8,)), (("heat", 8), (8,)), (("pytree",), (8,))]
@@ -409,7 +454,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=float, default=400)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--parts", default="neural,precision,throw,matrix")
+    parser.add_argument("--parts", default="neural,precision,throw,accuracy,matrix")
     parser.add_argument("--diffrax-backsolve", action="store_true")
     a = parser.parse_args()
     deadline = time.perf_counter() + a.budget
@@ -417,7 +462,9 @@ def main():
     w.add(dict(part="device", kind=jax.devices()[0].device_kind, jax=jax.__version__))
     parts = a.parts.split(",")
     neural_ = functools.partial(neural, peer_backsolve=a.diffrax_backsolve)
-    for name, run in (("neural", neural_), ("precision", precision), ("throw", throw)):
+    runs = (("neural", neural_), ("precision", precision), ("throw", throw))
+    runs += (("accuracy", accuracy),)
+    for name, run in runs:
         if name in parts and time.perf_counter() < deadline:
             try:
                 run(w, a.quick)
