@@ -46,13 +46,14 @@ GROUPS = [
 DOCS = "docs"
 # The float64 group, three float32 examples and `multi_process` run with
 # `SOLVERKIT_FULL_MATRIX=1` only (about 45, 10 and 8 CPU s): each example's feature
-# has its own tests, named here; the full suite keeps the README's demo
-# (`quickstart`, in its quick configuration), the docs' code and `ensemble` (a batch
-# sharded over 8 host devices).
+# has its own tests, named here; the full suite keeps the README's main job
+# (`fit_lotka_volterra`, in its quick configuration), the docs' code and `ensemble`
+# (a batch sharded over 8 host devices).
 FULL_MATRIX_ONLY = {
+    "quickstart": "closure/test_closure.py (a jaxpr of a closure over a vmapped int) "
+    "and closure/test_closure_matrix.py's backsolve cells (vmap of grad)",
     "multi_process": "examples/ensemble.py (the batch sharded over devices) and "
     "kernel/test_sharded_kernel.py",
-    "fit_lotka_volterra": "adjoint/test_adjoint.py (gradients of closed-over values)",
     "neural_ode": "closure/test_closure_matrix.py (its MLP cells, under grad)",
     "forced_system": "solve/test_global_interpolation.py (cubic data, its gradient)",
     "heat_pde": "test_protocol.py (a user's Crank-Nicolson solver, its gradient)",
