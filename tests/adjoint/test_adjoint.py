@@ -618,11 +618,12 @@ def test_hessians_both_ways_against_finite_differences():
     fd = np.stack(
         [finite_difference(lambda x, i=i: grad(x)[i], theta, eps=1e-5) for i in (0, 1)]
     )
-    # RecursiveCheckpointAdjoint's Hessian with `SOLVERKIT_FULL_MATRIX=1` only: it is
-    # tests/diffrax_compat/test_diffrax_scripts.py::
-    # test_hessian_with_scan_kind_as_diffrax's (the default adjoint, against diffrax).
-    adjoints = (RCA,) if FULL_MATRIX else ()
-    for adjoint in (*adjoints, sk.BacksolveAdjoint(), DIRECT):
+    # Forward-over-reverse through RecursiveCheckpointAdjoint and DirectAdjoint with
+    # `SOLVERKIT_FULL_MATRIX=1` only: the default adjoint's is tests/diffrax_compat/
+    # test_diffrax_scripts.py::test_hessian_with_scan_kind_as_diffrax's (against
+    # diffrax); DirectAdjoint's second derivative, reverse over reverse below.
+    adjoints = (RCA, DIRECT) if FULL_MATRIX else ()
+    for adjoint in (sk.BacksolveAdjoint(), *adjoints):
         hessian = jax.jit(jax.hessian(lambda x: _forced_decay_final(x, adjoint)))
         np.testing.assert_allclose(hessian(theta), fd, rtol=1e-6, atol=1e-9)
     twice = jax.jit(jax.jacrev(jax.grad(lambda x: _forced_decay_final(x, DIRECT))))

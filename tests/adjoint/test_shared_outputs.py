@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 import solverkit as sk
 from solverkit._closure._unvmap import batched_like
@@ -96,7 +97,14 @@ CENTRAL = 1e-7
         pytest.param(
             sk.RecursiveCheckpointAdjoint(checkpoints=4),
             id="checkpoints",
-            marks=pytest.mark.slow,
+            marks=[
+                pytest.mark.slow,
+                full_matrix_only(
+                    "[online] (the shared outputs' cotangents); checkpoints under "
+                    "vmap: adjoint/test_adjoint.py::"
+                    "test_checkpoints_under_vmap_with_different_step_counts"
+                ),
+            ],
         ),
     ],
 )
@@ -111,9 +119,15 @@ def test_grad_of_vmapped_fixed_step_solves(adjoint):
     np.testing.assert_allclose(got, _central(_direct_loss, 1.3, T1), rtol=CENTRAL)
 
 
-# The full suite; the quick loop's `grad` of `vmap`:
-# adjoint/test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
+# `SOLVERKIT_FULL_MATRIX=1` only: the shared outputs' cotangents are
+# test_grad_of_vmapped_fixed_step_solves[online]'s and
+# test_fixed_step_ensemble_gradient's (which also takes `vmap` of its `grad`);
+# `vmap` of `grad` on the vmap route, tests/kernel/test_vmap_route.py's vmap_grad
+# cells.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_grad_of_vmapped_fixed_step_solves[online], test_fixed_step_ensemble_gradient"
+)
 def test_vmap_of_grad_over_a_closed_over_float():
     """`vmap` over the closed-over float of `grad` of `vmap(diffeqsolve)` over the
     int index: batched twice, the grid by neither."""

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import finite_difference
+from helpers import finite_difference, full_matrix_only
 
 import solverkit as sk
 
@@ -104,7 +104,18 @@ def test_steps_write_several_rows_and_differ_between_elements():
 
 @pytest.mark.parametrize(
     "adjoint",
-    [RCA, sk.RecursiveCheckpointAdjoint(checkpoints=4)],
+    [
+        RCA,
+        pytest.param(
+            sk.RecursiveCheckpointAdjoint(checkpoints=4),
+            id="recomputed",
+            marks=full_matrix_only(
+                "[default] (the rows pulled back); recomputed carries: "
+                "adjoint/test_adjoint.py::test_mid_checkpoints, "
+                "test_checkpoints_under_vmap_with_different_step_counts"
+            ),
+        ),
+    ],
     ids=["default", "recomputed"],
 )
 # Quick loop: save-time gradients:

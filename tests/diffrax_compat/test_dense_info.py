@@ -236,7 +236,19 @@ def _close_steps(name, a, b, scale):
     jax.tree.map(check, a, b)
 
 
-@pytest.mark.parametrize("name", _ESDIRK + _IMEX)
+# One solver a family in the full suite ([Kvaerno5], [KenCarp4], [Sil3]); the others
+# with `SOLVERKIT_FULL_MATRIX=1` only (the same interpolants, other tableaux).
+_IMPLICIT_KEPT = ("Kvaerno5", "KenCarp4", "Sil3")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in _IMPLICIT_KEPT else pytest.param(n, marks=full_matrix_only(
+            "[Kvaerno5] (ESDIRK), [KenCarp4] (KenCarp), [Sil3]"))  # fmt: skip
+        for n in _ESDIRK + _IMEX
+    ],
+)
 # The full suite; the quick loop's dense info: test_dense_info_is_diffraxs[Tsit5].
 @pytest.mark.slow
 def test_implicit_dense_info_is_diffraxs(name):
@@ -280,15 +292,18 @@ def test_implicit_interpolation_cls_is_diffraxs(name):
     "name",
     [
         # The Hermite interpolant (Kvaerno5's) under jit, vmap and grad:
-        # test_dense_info_under_jit_vmap_grad[Heun]; an implicit step's: [KenCarp4].
+        # test_dense_info_under_jit_vmap_grad[Heun]; an IMEX step's dense output
+        # under jit, vmap and grad: tests/solvers/test_implicit.py::
+        # test_imex_events_dense_gradients_and_no_recompile (KenCarp4's values
+        # against diffrax: test_implicit_dense_info_is_diffraxs[KenCarp4]).
         pytest.param(
-            "Kvaerno5",
+            name,
             marks=full_matrix_only(
-                "test_implicit_dense_info_under_jit_vmap_grad[KenCarp4] and "
-                "test_dense_info_under_jit_vmap_grad[Heun]"
+                "test_dense_info_under_jit_vmap_grad[Heun], tests/solvers/"
+                "test_implicit.py::test_imex_events_dense_gradients_and_no_recompile"
             ),
-        ),
-        "KenCarp4",
+        )
+        for name in ("Kvaerno5", "KenCarp4")
     ],
 )
 def test_implicit_dense_info_under_jit_vmap_grad(name):

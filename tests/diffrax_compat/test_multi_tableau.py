@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import finite_difference
+from helpers import finite_difference, full_matrix_only
 
 import solverkit as sk
 
@@ -73,7 +73,10 @@ K2 = jnp.array([0.5, 0.7], jnp.float32)
 
 # The full suite; the quick loop's user tableau: test_diffrax_form_explicit_tableau.
 @pytest.mark.slow
-@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize(
+    "adaptive",
+    [pytest.param(False, marks=full_matrix_only("[True] (the same pair)")), True],
+)
 def test_explicit_pair_is_the_summed_method(adaptive):
     # Dopri5 on both terms is Dopri5 on their sum: the same steps and values, up to
     # the order of additions (a few ulps a step, 1e-12 over ~20 steps).

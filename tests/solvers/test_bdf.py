@@ -618,7 +618,15 @@ def test_grad_brusselator(adjoint):
         assert jnp.allclose(g, rodas, rtol=1e-5), (g, rodas)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only: BDF's gradient through a matrix-free linear solver
+# is tests/linear/test_krylov_grad.py::test_bdf_krylov_gradient's, a user's linear
+# solver's gradient tests/linear/test_implicit_linear_solver.py::
+# test_grad_with_user_linear_solver_matches_fd's.
 @pytest.mark.slow
+@full_matrix_only(
+    "tests/linear/test_krylov_grad.py::test_bdf_krylov_gradient, "
+    "test_implicit_linear_solver.py::test_grad_with_user_linear_solver_matches_fd"
+)
 def test_grad_brusselator_matrix_free():
     x = jnp.asarray(0.02)
     g = _grad("bruss", sk.BDF(linear_solver=MatrixFree()), ADJOINTS[0], x)
