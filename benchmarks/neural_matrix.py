@@ -185,7 +185,8 @@ class Writer:
     def add(self, row: dict):
         self.rows.append(row)
         print(json.dumps(row), flush=True)
-        (self.out / "neural_matrix.json").write_text(json.dumps(self.rows, indent=1))
+        rows = ",\n".join(json.dumps(r) for r in self.rows)  # a row a line
+        (self.out / "neural_matrix.json").write_text(f"[\n{rows}\n]\n")
         keys = list(dict.fromkeys(k for r in self.rows for k in r))
         lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         for r in self.rows:
