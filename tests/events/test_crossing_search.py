@@ -238,7 +238,7 @@ def _restart_loop(weights, k, solve):
 # are the searches above (the quick loop), continuing events of spiking neurons
 # under vmap and grad events/test_continuing_events.py::
 # test_integrate_and_fire_closures_vmap_grad, their spike times' gradients
-# test_spike_time_gradient_after_many_spikes there.
+# test_gradient_of_later_spike_times_under_an_adaptive_controller there.
 @pytest.mark.slow
 @full_matrix_only(
     "this file's searches and test_continuing_events.py::"

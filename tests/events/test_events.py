@@ -508,7 +508,7 @@ def test_bounces_accumulate_never_fall_through_the_floor(tol):
 # `SOLVERKIT_FULL_MATRIX=1` only (1.6 CPU s): the gradient through impact times and
 # effects is events/test_continuing_events.py::
 # test_gradient_through_impact_times_and_effects (the full suite), through many
-# occurrences test_spike_time_gradient_after_many_spikes there.
+# occurrences test_gradient_of_later_spike_times_under_an_adaptive_controller there.
 @pytest.mark.slow
 @full_matrix_only(
     "test_continuing_events.py::test_gradient_through_impact_times_and_effects"
