@@ -157,12 +157,6 @@ def test_ensemble_equals_vmap(path, ts, lanes):
             "[index-rows-chunked] (the index path's rows against jax.vmap, refilled "
             "and chunked) and [one-hot-rows-lockstep] (the lockstep loop)"
         )
-    if path == "one-hot" and lanes == 2:
-        skip_unless_full_matrix(
-            "[one-hot-rows-lockstep] (the one-hot path's rows against jax.vmap), "
-            "[index-rows-chunked] (refilled and chunked) and "
-            "test_against_finite_differences[one-hot-shared] (one-hot, chunked)"
-        )
     inputs = _inputs(ts)
     got = _grad(_ensemble, lanes, path)(*inputs)
     want = _grad(_vmapped, None, path)(*inputs)
