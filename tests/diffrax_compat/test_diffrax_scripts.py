@@ -26,7 +26,15 @@ def _euler_event(lib, steps: bool, root_finder):
     return sol.ts, sol.ys
 
 
-@pytest.mark.parametrize("steps", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "steps",
+    [
+        False,
+        # With `SOLVERKIT_FULL_MATRIX=1` only: the linear dense output located by the
+        # event as diffrax does is [False]'s (another save mode).
+        pytest.param(True, marks=full_matrix_only("[False] (the same event location)")),
+    ],
+)
 # Quick loop: diffrax_compat/test_dense_info.py::test_dense_info_is_diffraxs[Tsit5].
 @pytest.mark.slow
 def test_euler_dense_output_is_linear_as_diffrax(steps):
@@ -181,8 +189,14 @@ def _dense_errors(lib, name: str, steps, reference):
 
 
 # [KenCarp3], [KenCarp4] with `SOLVERKIT_FULL_MATRIX=1` only: the same Hermite
-# interpolant as [KenCarp5]'s (an IMEX method) and [Kvaerno5]'s (an ESDIRK one).
-_DENSE_COVER = full_matrix_only("[KenCarp5] and [Kvaerno5] (the same interpolant)")
+# interpolant as [KenCarp5]'s. [Kvaerno5] too (an ESDIRK method): its dense info is
+# diffrax's (test_dense_info.py::test_implicit_dense_info_is_diffraxs[Kvaerno5]), so
+# is its interpolant.
+_DENSE_COVER = full_matrix_only("[KenCarp5] (the same interpolant)")
+_ESDIRK_DENSE_COVER = full_matrix_only(
+    "test_dense_info.py::test_implicit_dense_info_is_diffraxs[Kvaerno5] (diffrax's "
+    "dense info, so its interpolant) and [KenCarp5] (the order of that interpolant)"
+)
 
 
 @pytest.mark.slow
@@ -192,7 +206,7 @@ _DENSE_COVER = full_matrix_only("[KenCarp5] and [Kvaerno5] (the same interpolant
         pytest.param("KenCarp3", marks=_DENSE_COVER),
         pytest.param("KenCarp4", marks=_DENSE_COVER),
         "KenCarp5",
-        "Kvaerno5",
+        pytest.param("Kvaerno5", marks=_ESDIRK_DENSE_COVER),
     ],
 )
 def test_implicit_dense_output_order_as_diffrax(name):

@@ -422,7 +422,10 @@ def ensemble_times(t0, t1, y0, rho, ts, term=TERM, **kw):
     [
         (T0S, T1S, TSS),  # all per trajectory
         (0.0, T1S, np.linspace(0.0, 0.5, 5)),  # shared ts inside every [t0, t1]
-        (T0S, T1, None),  # per-trajectory t0, shared t1, saved at t1
+        # With `SOLVERKIT_FULL_MATRIX=1` only: a per-trajectory t0 is [all]'s.
+        pytest.param(
+            T0S, T1, None, marks=full_matrix_only("[all] (per-trajectory t0 and t1)")
+        ),  # per-trajectory t0, shared t1, saved at t1
         (0.3 * T1S, 0.0, None),  # backwards (not far: backwards Lorenz blows up)
     ],
     ids=["all", "t1-shared-ts", "t0", "backwards"],
@@ -668,6 +671,13 @@ def test_every_field_matches_vmap(feature):
             "[both_events] (every field with a continuing event) and "
             "test_refill_sizes_match_vmap[continuing_event-4-3] (this event's fields)"
         )
+    if feature == "terminating_event":
+        skip_unless_full_matrix(
+            "[both_events] (every field with an event) and "
+            "test_refill_sizes_match_vmap[terminating_event-4-3] (this event's fields)"
+        )
+    if feature == "timed_event":
+        skip_unless_full_matrix("[both_events] (every field with a timed event)")
     kw = FEATURES[feature]
     y0, args = inputs()
     ref = _feature_reference(feature)
@@ -740,11 +750,10 @@ def test_float32_agrees_to_the_tolerance():
 def test_refill_sizes_match_vmap(lanes, refill, feature):
     # Any refill size (1: one lane at a time; 3 of 4 lanes; all lanes), with events
     # located as a refilled lane is finished: every field as the vmapped solve's.
-    if feature == "continuing_event" and lanes != 4:
+    if feature == "continuing_event" and (lanes, refill) != (4, 3):
         skip_unless_full_matrix(
-            "[terminating_event-5-5] and [terminating_event-3-None] (these refill "
-            "sizes), [continuing_event-4-3] (a continuing event's rows refilled "
-            "several lanes at a time)"
+            "[terminating_event-*] (these refill sizes), [continuing_event-4-3] (a "
+            "continuing event's rows refilled)"
         )
     kw = FEATURES[feature]
     y0, args = inputs()

@@ -258,9 +258,12 @@ def test_bad_events_are_errors():
         )
 
 
-# The full suite (15 CPU s); the quick loop's spike-time gradient:
-# test_gradient_of_later_spike_times_under_an_adaptive_controller.
+# `SOLVERKIT_FULL_MATRIX=1` only: later occurrences' time gradients under an adaptive
+# controller (the step sizes' derivative kept out of the later steps) are
+# test_gradient_of_later_spike_times_under_an_adaptive_controller's (ten spikes,
+# against the analytic derivative).
 @pytest.mark.slow
+@full_matrix_only("test_gradient_of_later_spike_times_under_an_adaptive_controller")
 def test_spike_time_gradient_after_many_spikes():
     """Regression: the derivative of a located occurrence's time reached every later
     step through the controller's step size, multiplied by each step's factor, and

@@ -8,7 +8,7 @@ at tight tolerances, float64."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import float64
+from helpers import float64, full_matrix_only
 from scipy.integrate import solve_ivp
 
 import solverkit as sk
@@ -85,7 +85,20 @@ def _duffing_jnp(t, y):
 
 @pytest.mark.parametrize(
     "direction, scipy_direction",
-    [(None, 0), (True, 1), (False, -1)],
+    [
+        (None, 0),
+        # With `SOLVERKIT_FULL_MATRIX=1` only: one direction against SciPy's is
+        # [down]'s, an upcrossing's
+        # test_backward_in_time_directions_match_scipy[True-1].
+        pytest.param(
+            True,
+            1,
+            marks=full_matrix_only(
+                "[down] and test_backward_in_time_directions_match_scipy[True-1]"
+            ),
+        ),
+        (False, -1),
+    ],
     ids=["any", "up", "down"],
 )
 # Quick loop: test_harmonic_oscillator_zero_crossings.
@@ -118,7 +131,16 @@ def test_non_terminal_crossings_match_scipy(direction, scipy_direction):
         )
 
 
-@pytest.mark.parametrize("direction, scipy_direction", [(True, 1), (False, -1)])
+@pytest.mark.parametrize(
+    "direction, scipy_direction",
+    [
+        (True, 1),
+        # With `SOLVERKIT_FULL_MATRIX=1` only: the direction's sign in the order of
+        # integration is [True-1]'s, a downcrossing test_non_terminal_crossings_
+        # match_scipy[down]'s.
+        pytest.param(False, -1, marks=full_matrix_only("[True-1] and [down]")),
+    ],
+)
 # Quick loop: test_harmonic_oscillator_zero_crossings.
 @pytest.mark.slow
 def test_backward_in_time_directions_match_scipy(direction, scipy_direction):
@@ -190,7 +212,15 @@ def test_two_conditions_record_the_union_in_time_order():
         np.testing.assert_allclose(got, want, rtol=0, atol=AGREE)
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize(
+    "k",
+    [
+        # With `SOLVERKIT_FULL_MATRIX=1` only: a terminal count against SciPy's is
+        # [4]'s (one occurrence: every terminal event's default).
+        pytest.param(1, marks=full_matrix_only("[4] (the same count)")),
+        4,
+    ],
+)
 # Quick loop: test_continuing_events.py::
 # test_terminal_count_stops_at_that_occurrence_before_its_effect.
 @pytest.mark.slow

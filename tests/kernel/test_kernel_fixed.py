@@ -109,7 +109,13 @@ def test_max_steps_and_nonfinite_result(x64):
     np.testing.assert_allclose(kern.ys, ref.ys, rtol=0, atol=1e-13)
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only: this fall's event in the kernel against the lane
+# loop and the analytic time is test_kernel.py::test_event_float64[real]'s (adaptive
+# steps), constant steps in the kernel test_values_match_lane_loop_float32's.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_kernel.py::test_event_float64[real] and test_values_match_lane_loop_float32"
+)
 def test_event_float64(x64):
     """A terminal event with fixed steps: the lane loop's steps, event times and
     saves to round-off, and the analytic time of a fall."""

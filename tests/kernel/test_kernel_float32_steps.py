@@ -8,6 +8,7 @@ kernel spun to `max_steps` in the first two cases, as the `vmap` path did.
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_matrix_only
 
 import solverkit as sk
 
@@ -63,7 +64,13 @@ def test_rejected_step_near_t1_float32():
     assert abs(steps_k.sum() - steps_r.sum()) <= 0.01 * steps_r.sum()
 
 
-@pytest.mark.slow  # ~40 s (interpret mode); the float32 case above keeps the rule quick
+# `SOLVERKIT_FULL_MATRIX=1` only: the retry rule near `t1` in the kernel is
+# test_rejected_step_near_t1_float32's (the same problem, float32 times), the kernel's
+# float64 steps equal to the lane loop's test_kernel.py::test_values_float64[tsit5].
+@pytest.mark.slow
+@full_matrix_only(
+    "test_rejected_step_near_t1_float32 and test_kernel.py::test_values_float64[tsit5]"
+)
 def test_rejected_step_near_t1_same_steps_float64(x64):
     # The same problem at t0 = 2^40, where float64 times are 2.4e-4 apart and the
     # window is ~2.4e-2: the retries fall into it (48 of 128 solves spun before).

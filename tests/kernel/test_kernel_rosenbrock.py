@@ -261,7 +261,15 @@ def _kinked(t, y, a):
     )
 
 
-@pytest.mark.slow  # the full suite; the selects' layout: test_lowers_for_tpu_...
+# `SOLVERKIT_FULL_MATRIX=1` only: the Jacobian's JVP on tiles is test_vdp_float64
+# [rodas5p]'s, its selects' layout test_lowers_for_tpu_with_real_tiles, anchored
+# selects' tangents in the kernel
+# test_kernel.py::test_wheres_in_field_and_event_float64.
+@pytest.mark.slow
+@full_matrix_only(
+    "test_vdp_float64[rodas5p], test_lowers_for_tpu_with_real_tiles and "
+    "test_kernel.py::test_wheres_in_field_and_event_float64"
+)
 def test_jvp_of_kinks_float64(x64):
     """The Jacobian of `_kinked` (its JVP evaluated on tiles like the field, every
     select anchored): the vmap path's steps and values."""
@@ -375,9 +383,14 @@ def test_event_float64(x64):
     np.testing.assert_allclose(kern.ys[fired][:, -1, 0], 0, atol=1e-10)
 
 
-# The full suite, as is every Rosenbrock kernel test (a given `dt0`; the first-step
-# heuristic: test_linear_stiff_closed_form_float64).
+# `SOLVERKIT_FULL_MATRIX=1` only: the Rosenbrock step in the kernel is
+# test_vdp_float64[rodas5p]'s, `ConstantStepSize` in the kernel (saves between
+# steps) test_kernel_fixed.py::test_values_match_lane_loop_float32.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_vdp_float64[rodas5p] and "
+    "test_kernel_fixed.py::test_values_match_lane_loop_float32"
+)
 def test_constant_step_size_float64(x64):
     """`ConstantStepSize` (no error estimate used; saves between steps): the vmap
     path's grid and values."""

@@ -77,16 +77,22 @@ def _assert_same_tree(a, b):
         assert np.shape(x) == np.shape(y) and jnp.result_type(x) == jnp.result_type(y)
 
 
-# The full suite; the quick loop's route against the loop:
-# test_vmap_route.py::test_route_matches_loop[elem-t1-tsit5-vmap]. [True] with
-# `SOLVERKIT_FULL_MATRIX=1` only: fixed steps on the route are the matrix's
+# With `SOLVERKIT_FULL_MATRIX=1` only: adaptive steps saved at `ts` on the route
+# against the loop are test_vmap_route.py::test_route_matches_loop's
+# [elem-ts-tsit5-axes], a closed-over int [mixed-t1-tsit5-grad_vmap]; fixed steps
 # [mlp-ts-fixed-vmap] and [elem-stats-fixed-vmap] (the same step counts).
 @pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize(
     "fixed",
     [
-        False,
+        pytest.param(
+            False,
+            marks=full_matrix_only(
+                "test_vmap_route.py::test_route_matches_loop[elem-ts-tsit5-axes], "
+                "[mixed-t1-tsit5-grad_vmap]"
+            ),
+        ),
         pytest.param(
             True,
             marks=full_matrix_only(

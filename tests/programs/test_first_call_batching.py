@@ -15,7 +15,13 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, lv_batch, lv_closing_over, lv_loss
+from helpers import (
+    assert_tree_allclose,
+    full_matrix_only,
+    lv_batch,
+    lv_closing_over,
+    lv_loss,
+)
 
 import solverkit as sk
 from solverkit._closure._unvmap import unvmap_first
@@ -131,9 +137,16 @@ def _field_args(y, p):
     return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
 
 
-# The full suite; the quick loop's gradient of a batch:
-# adjoint/test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic.
+# `SOLVERKIT_FULL_MATRIX=1` only: this batch's checkpointed gradient against central
+# differences is programs/test_traced_step.py::
+# test_gradient_against_direct_and_differences[False]'s; `vmap` of `grad` of a batch
+# the quick loop's adjoint/test_adjoint.py::
+# test_vmap_grad_closed_over_float_and_t1_analytic.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_traced_step.py::test_gradient_against_direct_and_differences[False] and "
+    "test_adjoint.py::test_vmap_grad_closed_over_float_and_t1_analytic"
+)
 def test_gradient_against_finite_differences():
     rates, y0 = _data()
     grad = jax.jit(
@@ -168,9 +181,14 @@ def test_unvmap_first():
         unvmap_first(jnp.ones(2, jnp.int32))
 
 
-# The full suite; the quick loop's fixed-step gradient:
-# solve/test_controllers.py::test_constant_steps_differentiable_in_dt0.
+# `SOLVERKIT_FULL_MATRIX=1` only: a vmapped fixed-step batch's checkpointed gradient
+# against DirectAdjoint's is programs/test_checkpoint_memory.py::
+# test_fixed_step_gradient_matches_direct_adjoint's; the quick loop's fixed-step
+# gradient solve/test_controllers.py::test_constant_steps_differentiable_in_dt0.
 @pytest.mark.slow
+@full_matrix_only(
+    "test_checkpoint_memory.py::test_fixed_step_gradient_matches_direct_adjoint"
+)
 def test_fixed_step_gradient_against_direct():
     # Fixed steps keep the forward loop's times and counters unbatched; the
     # backward loops are still batched throughout.

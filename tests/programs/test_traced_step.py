@@ -72,7 +72,24 @@ def test_same_program_bitwise(monkeypatch):
 
 
 @pytest.mark.usefixtures("x64")
-@pytest.mark.parametrize("constant", [False, True])
+@pytest.mark.parametrize(
+    "constant",
+    [
+        False,
+        # With `SOLVERKIT_FULL_MATRIX=1` only: the traced step's gradient is [False]'s,
+        # the leaves a constant step keeps test_invariant_of_a_constant_step_size's,
+        # a fixed-step batch's checkpointed gradient against DirectAdjoint's
+        # test_checkpoint_memory.py::test_fixed_step_gradient_matches_direct_adjoint.
+        pytest.param(
+            True,
+            marks=full_matrix_only(
+                "[False], test_invariant_of_a_constant_step_size and "
+                "test_checkpoint_memory.py::"
+                "test_fixed_step_gradient_matches_direct_adjoint"
+            ),
+        ),
+    ],
+)
 # The full suite; the quick loop's traced steps:
 # solve/test_integrate.py::test_traced_once_inside_jit_under_transformations.
 @pytest.mark.slow

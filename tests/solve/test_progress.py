@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import float64
+from helpers import float64, full_matrix_only
 
 import solverkit as sk
 
@@ -90,7 +90,12 @@ def _text_output(fn, *args):
     return out.getvalue()
 
 
+# `SOLVERKIT_FULL_MATRIX=1` only: the text meter's lines as diffrax prints them are
+# test_text_meter_prints_the_lines_diffrax_prints' (under vmap); under jit and grad
+# test_text_progress_meter_under_jit_and_grad, under vmap one bar
+# test_text_progress_meter_under_vmap_shows_one_bar.
 @pytest.mark.slow
+@full_matrix_only("test_text_meter_prints_the_lines_diffrax_prints")
 def test_text_progress_meter_prints_as_diffrax():
     """Ten steps of 0.1: `0.00%`, then each 10%, as diffrax prints them; under
     vmap and grad too (one meter)."""
@@ -139,6 +144,8 @@ def test_text_meter_prints_the_lines_diffrax_prints():
         ]
     assert outputs[0] == outputs[1]
     assert outputs[0].split()[:3] == ["0.00%", "10.20%", "20.40%"]
+    with pytest.raises(ValueError, match="minimum_increase"):
+        sk.TextProgressMeter(minimum_increase=0.0)
 
 
 @pytest.mark.slow

@@ -68,7 +68,16 @@ def _one(k, solver=None, controller=None, t1=3.0):
 
 
 @pytest.mark.parametrize(
-    "solver", ["Tsit5", pytest.param("Kvaerno5", marks=pytest.mark.slow)]
+    "solver",
+    [
+        "Tsit5",
+        # With `SOLVERKIT_FULL_MATRIX=1` only: the controller's history and `dt0`
+        # carried over as diffrax does are [Tsit5]'s (the same steps exactly).
+        pytest.param(
+            "Kvaerno5",
+            marks=[pytest.mark.slow, full_matrix_only("[Tsit5] (the same carry-over)")],
+        ),
+    ],
 )
 # Quick loop: test_solver_state_is_used_and_made_jump_renews_it.
 @pytest.mark.slow

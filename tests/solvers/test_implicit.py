@@ -387,7 +387,18 @@ def _terms_as_asked(library, solver):
     return library.ODETerm(whole)
 
 
-@pytest.mark.parametrize("name", ["KenCarp3", "Kvaerno3"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "KenCarp3",
+        # With `SOLVERKIT_FULL_MATRIX=1` only: terms built from `term_structure` as
+        # diffrax's tests do are [KenCarp3]'s, an ESDIRK solve against diffrax's
+        # test_same_as_diffrax.
+        pytest.param(
+            "Kvaerno3", marks=full_matrix_only("[KenCarp3] and test_same_as_diffrax")
+        ),
+    ],
+)
 # Quick loop: test_kencarp5_error_at_step_ends_and_between[0.0].
 @pytest.mark.slow
 def test_term_structure_as_diffrax(name):
