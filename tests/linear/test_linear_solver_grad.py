@@ -262,12 +262,19 @@ def test_gradient(stiff, linear, adjoint):
     np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-10)
     # Finite differences see the derivative of the continuous solution (to the
     # controller's rtol 1e-8 amplified by the few dozen steps); the backsolve
-    # gradient is that of the continuous adjoint, to the same order.
+    # gradient is that of the continuous adjoint, to the same order. Finite
+    # differences also see how the adaptive step sizes move with the parameters,
+    # which reverse mode holds fixed (with fixed steps the two agree to 1e-9).
+    # KenCarp5 is the one where that is large: its embedded pair's order-5 defects
+    # are small (1e-4 to 1e-8 against KenCarp4's 1e-3 to 1e-2 at its order), so its
+    # error estimate undershoots here (12 steps; the loss 2.4e-7 off at rtol 1e-8)
+    # and the loss moves with the steps: 4.2e-5 relative between the two.
+    fd_rtol = 1e-4 if stiff == "KenCarp5" else 1e-5
     for i, k in enumerate(_KS):
         fd = finite_difference(
             lambda q: _loss(stiff, "dense", "recursive")(q, k), _PARAMS
         )
-        np.testing.assert_allclose(got[i], fd, rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(got[i], fd, rtol=fd_rtol, atol=1e-8)
 
 
 # The full suite (an error message, 6 CPU s).
