@@ -35,6 +35,7 @@ new rows when `--budget` seconds have passed.
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import pathlib
@@ -230,18 +231,38 @@ def neural(w: Writer, quick: bool, peer_backsolve: bool = False):
             w.add(row)
 
 
+@contextlib.contextmanager
+def _route(enabled: bool):
+    """`jax.vmap(diffeqsolve)` takes the kernel route (`True`) or the loop inside."""
+    saved = _vmap.ENABLED
+    _vmap.ENABLED = enabled
+    try:
+        yield
+    finally:
+        _vmap.ENABLED = saved
+
+
+def _reference(field, y0, solve: str):
+    """`programs(sk, ...)`'s output solved on the host CPU at rtol = atol = 1e-8."""
+    global RTOL, ATOL
+    cpu = jax.devices("cpu")[0]
+    tolerances = RTOL, ATOL
+    RTOL, ATOL = 1e-8, 1e-8
+    try:
+        with jax.default_device(cpu):
+            put = lambda x: jax.device_put(x, cpu) if eqx.is_array(x) else x  # noqa: E731
+            field, y0 = jax.tree_util.tree_map(put, (field, y0))
+            fn, args = programs(sk, field, y0, solve)
+            return fn(*args)
+    finally:
+        RTOL, ATOL = tolerances
+
+
 def precision(w: Writer, quick: bool):
     n = 64 if quick else 4096
     spec = ("mlp", 2, 64, 2)
     field, y0 = field_of(spec), y0_of(spec, n)
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        global RTOL, ATOL
-        saved = RTOL, ATOL
-        RTOL, ATOL = 1e-8, 1e-8
-        fn, args = programs(sk, field, y0, "gradient")
-        ref = fn(*jax.device_put(args, cpu))
-        RTOL, ATOL = saved
+    ref = _reference(field, y0, "gradient")
     for setting in ("default", "highest"):
         fn, args = programs(sk, field, y0, "gradient")
         with jax.default_matmul_precision(setting):
@@ -349,32 +370,15 @@ def accuracy(w: "Writer", quick: bool):
     CPU at rtol = atol = 1e-8: which path is off where the two differ."""
     n = 64 if quick else 4096
     specs = [("mlp", 2, 16, 1), ("mlp", 2, 16, 2), ("heat", 64), ("pytree",)]
-    cpu = jax.devices("cpu")[0]
     for spec in specs:
         field, y0 = field_of(spec), y0_of(spec, n)
-        saved = _vmap.ENABLED
-        try:
-            _vmap.ENABLED = True
+        with _route(True):
             fn, args = programs(sk, field, y0, "forward")
             kernel = fn(*args)
-            _vmap.ENABLED = False
+        with _route(False):
             fn, args = programs(sk, field, y0, "forward")
             loop = fn(*args)
-        finally:
-            _vmap.ENABLED = saved
-        global RTOL, ATOL
-        tolerances = RTOL, ATOL
-        RTOL, ATOL = 1e-8, 1e-8
-        try:
-            with jax.default_device(cpu):
-                on_cpu = jax.tree_util.tree_map(
-                    lambda x: jax.device_put(x, cpu) if eqx.is_array(x) else x,
-                    (field, y0),
-                )
-                fn, args = programs(sk, *on_cpu, "forward")
-                ref = fn(*args)
-        finally:
-            RTOL, ATOL = tolerances
+        ref = _reference(field, y0, "forward")
         row = dict(part="accuracy", field=" ".join(map(str, spec)), n=n)
         row["kernel_vs_loop"] = _err(kernel, loop)
         row["kernel_vs_ref"] = _err(kernel, ref)
@@ -420,15 +424,11 @@ def _cell(w: Writer, spec, n: int, solve: str):
         row["ok"] = True  # the default is the loop itself
     else:
         got = fn(*args)
-        saved = _vmap.ENABLED
-        _vmap.ENABLED = False
-        try:
+        with _route(False):
             loop, largs = programs(sk, field, y0, solve)
             first, t = _timed(loop, *largs, repeats=2)
             row["loop_ms"], row["loop_first_s"] = 1e3 * t, first
             want = loop(*largs)
-        finally:
-            _vmap.ENABLED = saved
         row["err"] = _err(got, want)
         row["ok"] = row["err"] <= 10
     w.add(row)
