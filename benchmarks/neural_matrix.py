@@ -3,7 +3,8 @@ which path it takes, and does it match the loop; the neural ODE against diffrax;
 matrix-product precision; the cost of `throw=True`'s check.
 
 `python -m benchmarks.neural_matrix --out DIR [--budget SECONDS] [--quick]
-[--parts neural,precision,throw,accuracy,matrix] [--diffrax-backsolve]`
+[--parts neural,precision,throw,accuracy,matrix] [--diffrax-backsolve]
+[--fields A:B]`
 
 - `neural`: the 2-64-64-2 softplus MLP neural ODE (`jax.vmap` over `y0`, Tsit5, PID
   1e-3 / 1e-6, `SaveAt(ts=16 points)`, t in [0, 1]) at N = 4096: forward, the
@@ -202,7 +203,7 @@ def _fmt(x) -> str:
     return str(x).replace("|", "/")
 
 
-def neural(w: Writer, quick: bool, peer_backsolve: bool = False):
+def neural(w: Writer, quick: bool, peer_backsolve: bool = False, deadline=None):
     import diffrax
 
     cases = [
@@ -213,6 +214,8 @@ def neural(w: Writer, quick: bool, peer_backsolve: bool = False):
         spec = ("mlp", size, width, depth)
         field, y0 = field_of(spec), y0_of(spec, n)
         for solve in ("forward", "gradient", "backsolve"):
+            if deadline is not None and time.perf_counter() > deadline:
+                return
             row = dict(part="neural", field=f"mlp {size}-{width}x{depth}", n=n)
             row["solve"] = solve
             for name, lib in (("solverkit", sk), ("diffrax", diffrax)):
@@ -434,8 +437,8 @@ def _cell(w: Writer, spec, n: int, solve: str):
     w.add(row)
 
 
-def matrix(w: Writer, quick: bool, deadline: float):
-    for spec, sizes in _matrix_fields(quick):
+def matrix(w: Writer, quick: bool, deadline: float, fields: slice = slice(None)):
+    for spec, sizes in _matrix_fields(quick)[fields]:
         for n in sizes:
             for solve in ("forward", "gradient", "backsolve"):
                 if time.perf_counter() > deadline:
@@ -457,12 +460,17 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--parts", default="neural,precision,throw,accuracy,matrix")
     parser.add_argument("--diffrax-backsolve", action="store_true")
+    parser.add_argument(
+        "--fields", default=":", help="the matrix's fields to run, a slice: 6: or 0:3"
+    )
     a = parser.parse_args()
     deadline = time.perf_counter() + a.budget
     w = Writer(pathlib.Path(a.out))
     w.add(dict(part="device", kind=jax.devices()[0].device_kind, jax=jax.__version__))
     parts = a.parts.split(",")
-    neural_ = functools.partial(neural, peer_backsolve=a.diffrax_backsolve)
+    neural_ = functools.partial(
+        neural, peer_backsolve=a.diffrax_backsolve, deadline=deadline
+    )
     runs = (("neural", neural_), ("precision", precision), ("throw", throw))
     runs += (("accuracy", accuracy),)
     for name, run in runs:
@@ -473,7 +481,9 @@ def main():
                 traceback.print_exc()
                 w.add(dict(part=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
     if "matrix" in parts:
-        matrix(w, a.quick, deadline)
+        start, _, stop = a.fields.partition(":")
+        fields = slice(int(start) if start else None, int(stop) if stop else None)
+        matrix(w, a.quick, deadline, fields)
 
 
 if __name__ == "__main__":

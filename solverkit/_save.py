@@ -13,6 +13,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from . import _backend
 from ._closure._loops import while_loop
 from ._custom_types import RealScalarLike, Y
 from ._errors import concrete
@@ -217,7 +218,7 @@ def _one_hot(buf) -> bool:
     backends of `ONE_HOT_BACKENDS`, up to `_COMPARE_ALL_MAX` rows (a select costs
     every row, in every step)."""
     small = buf.shape[0] <= _COMPARE_ALL_MAX
-    return small and jax.default_backend() in ONE_HOT_BACKENDS
+    return small and _backend.platform() in ONE_HOT_BACKENDS
 
 
 def _hot(buf, row):
@@ -337,7 +338,7 @@ def set_row(buf, row, pred, value):
     diffrax 0.077 s; `python -m benchmarks.chip.row_forms`). Elsewhere the slices
     (the CPU ran the indexed form slower: N = 256, 1.5 against 1.1 ms). Both clamp
     `row` into the buffer."""
-    if jax.default_backend() not in ROW_SCATTER_BACKENDS:
+    if _backend.platform() not in ROW_SCATTER_BACKENDS:
         return with_row(buf, row, where(pred, value, row_of(buf, row)))
     row = jnp.clip(row, 0, buf.shape[0] - 1)
     kw = dict(mode="promise_in_bounds", indices_are_sorted=True, unique_indices=True)

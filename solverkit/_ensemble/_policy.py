@@ -10,7 +10,7 @@ lanes as trajectories nothing is refilled: the loop is the lockstep one of
 
 from typing import NamedTuple
 
-import jax
+from .. import _backend
 
 
 # On a CPU each lane's step costs about the same whatever the number of lanes, so
@@ -62,7 +62,7 @@ def default_lanes(batch: int, platform: str | None = None) -> int:
     fixed cost dominates, `N`: the lockstep loop, no refill (refill measured
     7.6-8.9x slower on a TPU). At most `N`.
     """
-    platform = jax.default_backend() if platform is None else platform
+    platform = _backend.platform() if platform is None else platform
     if platform == "cpu":
         lanes = max(batch // _CPU_LANE_FRACTION, _CPU_MIN_LANES)
     elif _ACCELERATOR_REFILL_FROM is None or batch < _ACCELERATOR_REFILL_FROM:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .. import _kernel
+from .. import _backend, _kernel
 from .._adjoint._base import AbstractAdjoint, custom_vjp
 from .._adjoint._checkpoint import RecursiveCheckpointAdjoint
 from .._closure._raising import eager, error_if, raise_failed
@@ -173,7 +173,7 @@ def _use_kernel(
     if kernel is False:
         return False
     if kernel is None and (
-        jax.default_backend() != "tpu" or not _kernel.by_default(problem)
+        _backend.platform() != "tpu" or not _kernel.by_default(problem)
     ):
         return False
     why = _kernel.supported(problem, y0, per_trajectory, final)

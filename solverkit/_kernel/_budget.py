@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .. import _backend
 from .._solver._rosenbrock_tableau import RosenbrockTableau
 from . import _field
 from ._scalarize import _CALLS, _ELEMENTWISE, _inner, choices
@@ -91,7 +92,7 @@ def _queried() -> Chip | None:
 
 def chip() -> Chip:
     """The attached TPU's memories, else a TPU v5e's."""
-    if jax.default_backend() != "tpu":
+    if _backend.platform() != "tpu":
         return _DEFAULT
     return _queried() or _DEFAULT
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .. import _backend
 from .._adjoint._base import custom_vjp, fill_zeros
 from .._closure._convert import Closure
 from .._closure._raising import error_if
@@ -398,7 +399,7 @@ def _check(outputs: tuple, result):
 def _default_interpret() -> bool:
     if DEFAULT_INTERPRET is not None:
         return DEFAULT_INTERPRET
-    return jax.default_backend() != "tpu"  # it lowers to TPUs only, so far
+    return _backend.platform() != "tpu"  # it lowers to TPUs only, so far
 
 
 def kernel_solve(

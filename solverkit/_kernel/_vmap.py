@@ -39,6 +39,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.custom_batching import custom_vmap
 
+from .. import _backend
 from .._adjoint._backsolve import BacksolveAdjoint
 from .._adjoint._base import AbstractAdjoint, materialize, zeros_cotangent
 from .._adjoint._checkpoint import RecursiveCheckpointAdjoint
@@ -149,7 +150,7 @@ def _enabled() -> bool:
     setting = os.environ.get("SOLVERKIT_VMAP_KERNEL", "")
     if setting in ("0", "1"):
         return setting == "1"
-    return jax.default_backend() == "tpu"
+    return _backend.platform() == "tpu"
 
 
 def wrapped(

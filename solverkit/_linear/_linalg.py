@@ -18,6 +18,7 @@ from jax.flatten_util import ravel_pytree
 from jax.lax import Precision
 from jaxtyping import Array, PyTree
 
+from .. import _backend
 from .._select import where
 
 
@@ -45,7 +46,7 @@ _SMALL_MAX_ON = {"cpu": 2}
 def small_max() -> int:
     """The most unknowns that take the element-wise path on this backend (at most
     `SMALL_MAX`, what [`small_inverse`][] is written for)."""
-    return _SMALL_MAX_ON.get(jax.default_backend(), SMALL_MAX)
+    return _SMALL_MAX_ON.get(_backend.platform(), SMALL_MAX)
 
 
 # Where the small solves take entries by a slice each, not by one `unstack` (see
@@ -56,7 +57,7 @@ _SLICE_BACKENDS = ("tpu",)
 
 
 def _sliced() -> bool:
-    return jax.default_backend() in _SLICE_BACKENDS
+    return _backend.platform() in _SLICE_BACKENDS
 
 
 def _entries(matrix: Array) -> list[list[Array]]:

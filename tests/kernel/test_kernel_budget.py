@@ -93,6 +93,26 @@ def test_chip_off_a_tpu():
     assert _budget.vmem_limit(chip) == int(chip.vmem * _budget.VMEM_LIMIT_SHARE)
 
 
+def test_a_solve_placed_on_the_host_is_not_a_tpu_kernel(monkeypatch):
+    # On a TPU machine, `jax.default_device(cpu)` puts a solve on the host CPU,
+    # where a TPU kernel can't be lowered: the route, the interpreter choice and the
+    # chip model follow the device, not JAX's default backend.
+    from solverkit import _backend
+    from solverkit._kernel import _solve, _vmap
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(_vmap, "ENABLED", None)
+    monkeypatch.setattr(_solve, "DEFAULT_INTERPRET", None)
+    monkeypatch.delenv("SOLVERKIT_VMAP_KERNEL", raising=False)
+    assert _backend.platform() == "tpu" and _vmap._enabled()
+    for device in (jax.devices("cpu")[0], "cpu"):
+        with jax.default_device(device):
+            assert _backend.platform() == "cpu"
+            assert not _vmap._enabled()
+            assert _solve._default_interpret()
+            assert _budget.chip() == _budget._DEFAULT
+
+
 def _neural_solve(y0, mlp, ts):
     return sk.diffeqsolve(
         sk.ODETerm(lambda t, y, args: mlp(y)), sk.Tsit5(), 0.0, 1.0, None, y0,
