@@ -254,7 +254,7 @@ class BacksolveAdjoint(AbstractAdjoint):
         theta_bar = jtu.tree_map(jnp.zeros_like, theta)
         g = lambda tau, y: total_vf(problem.terms, tau, y, problem.args)
         (save,) = problem.saves
-        ts, ct_ts, jumps = save.ts, None, None
+        ts, ct_ts, jumps, at_t0 = save.ts, None, None, None
         if ts is not None and ts.shape[0]:
             rows = slice(1 if save.t0 else 0, (1 if save.t0 else 0) + ts.shape[0])
             ys_ts = jtu.tree_map(lambda x: x[rows], out.ys)
@@ -263,12 +263,13 @@ class BacksolveAdjoint(AbstractAdjoint):
             ct_ts = ct_ts.astype(ts.dtype)
             state = (out.y_end, a, theta_bar)
             jumps = _save_jumps(ts, ys_ts, ct_ys_ts, out.t_end, state, aux)
+            # Saved at `t0`: past the backward solve's last jump, added after it.
+            at_t0 = jtu.tree_map(lambda c: _sum_where(ts == problem.t0, c), ct_ys_ts)
         y, a, theta_bar = self._solve_back(
             problem, aux, (out.y_end, a, theta_bar), out.t_end, problem.t0, jumps
         )
-        if jumps is not None:  # saved at `t0`: past the backward solve's last jump
-            at_t0 = ts == problem.t0
-            a = jtu.tree_map(lambda x, c: x + _sum_where(at_t0, c), a, ct_ys_ts)
+        if at_t0 is not None:
+            a = jtu.tree_map(jnp.add, a, at_t0)
         ct_t0 = -_dot(a, g(problem.t0, problem.y0))
         ct_rows, _ = ct_times
         if save.t0:
