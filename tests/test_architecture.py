@@ -171,8 +171,7 @@ _TABLES = {
     "_solver/_implicit_tableau.py::_kencarp5": "KenCarp5's coefficients, one table",
 }
 # Over the limits and being split elsewhere; remove when merged.
-_PENDING = {
-}
+_PENDING = {}
 
 
 def _code_lines(lines: list[str], node: ast.AST) -> int:

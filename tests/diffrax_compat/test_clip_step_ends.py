@@ -116,9 +116,7 @@ def test_by_hand_under_vmap():
         term = sk.ODETerm(lambda t, y, args: -y)
         _, state = controller.init(term, t0, 30.0, 0.0, 0.5, None, None, 5)
         zero = jnp.array(0.0)
-        out = controller.adapt_step_size(
-            t0, t0 + 1.0, zero, zero, None, zero, 5, state
-        )
+        out = controller.adapt_step_size(t0, t0 + 1.0, zero, zero, None, zero, 5, state)
         return out[1], out[2], out[3]
 
     # Jitted (op by op, the two were ~110 compiles).

@@ -244,8 +244,12 @@ _IMPLICIT_KEPT = ("Kvaerno5", "KenCarp4", "Sil3")
 @pytest.mark.parametrize(
     "name",
     [
-        n if n in _IMPLICIT_KEPT else pytest.param(n, marks=full_matrix_only(
-            "[Kvaerno5] (ESDIRK), [KenCarp4] (KenCarp), [Sil3]"))  # fmt: skip
+        n
+        if n in _IMPLICIT_KEPT
+        else pytest.param(
+            n,
+            marks=full_matrix_only("[Kvaerno5] (ESDIRK), [KenCarp4] (KenCarp), [Sil3]"),
+        )  # fmt: skip
         for n in _ESDIRK + _IMEX
     ],
 )

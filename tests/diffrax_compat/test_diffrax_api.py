@@ -677,8 +677,19 @@ def test_very_chord_is_an_optimistix_root_finder(x0):
 
 
 @pytest.mark.parametrize(
-    "name", ["Euler", "Heun", "Midpoint", "Ralston", "Bosh3", "Tsit5", "Dopri5",
-             "Dopri8", "ReversibleHeun", "LeapfrogMidpoint"],  # fmt: skip
+    "name",
+    [
+        "Euler",
+        "Heun",
+        "Midpoint",
+        "Ralston",
+        "Bosh3",
+        "Tsit5",
+        "Dopri5",
+        "Dopri8",
+        "ReversibleHeun",
+        "LeapfrogMidpoint",
+    ],  # fmt: skip
 )
 def test_interpolation_cls_builds_each_steps_dense_output(name):
     # diffrax's protocol, used by libraries that build dense output themselves:

@@ -586,6 +586,7 @@ def test_optimistix_root_finder_that_diverges_falls_back_to_the_bracket():
     built-in bracketed search finds the crossing: the same time as with no root
     finder (the same dense output), under jit, vmap and grad."""
     newton = optx.Newton(rtol=1e-12, atol=1e-12)
+
     # Times and their gradients from one program per root finder (the gradient's
     # forward pass; eagerly, each `grad` of a jitted solve compiled two more).
     def times(finder):

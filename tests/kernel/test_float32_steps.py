@@ -7,7 +7,6 @@ the controller's shorter retry fell inside the landing window (100 spacings of `
 so the step size stayed zero.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

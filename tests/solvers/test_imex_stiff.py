@@ -161,9 +161,7 @@ def _grad_end(s, idx):
 # test_imex_events_dense_gradients_and_no_recompile (reverse mode against forward
 # mode), the stiff ROBER's gradient test_bdf.py::test_grad_rober.
 @pytest.mark.slow
-@full_matrix_only(
-    "test_implicit.py::test_imex_events_dense_gradients_and_no_recompile"
-)
+@full_matrix_only("test_implicit.py::test_imex_events_dense_gradients_and_no_recompile")
 def test_kencarp4_gradient_stiff_implicit_term():
     grads = np.asarray(_grad_end(jnp.asarray(1.0), jnp.array([0, 2])))
     eps = 1e-4
