@@ -305,9 +305,11 @@ def _save_jumps(ts, ys_ts, ct_ys_ts, t_end, state, aux) -> Timed:
         y, a, theta_bar = state
         here = ts == t
         first = jnp.argmax(here)
-        y = jtu.tree_map(lambda yt, x: jnp.where(here[first], yt[first], x), ys_ts, y)
-        a = jtu.tree_map(lambda x, c: x + _sum_where(here, c), a, ct_ys_ts)
-        return y, a, theta_bar
+        # (In the state's dtypes: the saved rows' may be wider.)
+        restart = lambda yt, x: jnp.where(here[first], yt[first].astype(x.dtype), x)  # noqa: E731
+        y = jtu.tree_map(restart, ys_ts, y)
+        add = lambda x, c: x + _sum_where(here, c).astype(x.dtype)  # noqa: E731
+        return y, jtu.tree_map(add, a, ct_ys_ts), theta_bar
 
     effect = closure_convert(jump, t_end, state, aux)
     return Timed(times, None, effect, ())

@@ -131,7 +131,12 @@ def _timed_at_t0(problem: Problem):
     # into the solve (earlier, it would be skipped): as for an event at a later
     # time, where the step that lands on it carries this derivative.
     shift = t_event - lax.stop_gradient(t_event)
-    after = jtu.tree_map(lambda a, m, r: a + shift * (m - r), after, moved, rate(after))
+    after = jtu.tree_map(
+        lambda a, m, r: a + (shift.astype(a.dtype) * (m - r)).astype(a.dtype),
+        after,
+        moved,
+        rate(after),
+    )
     y0 = tree_where(at_t0, after, before)
     return index + at_t0.astype(jnp.int32), at_t0, y0
 

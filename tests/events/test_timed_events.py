@@ -525,3 +525,24 @@ def test_one_traced_time():
     np.testing.assert_allclose(jax.jit(y_end)(jnp.asarray(1.0)), exact(1.0), rtol=2e-5)
     got = jax.vmap(y_end)(jnp.array([0.5, 1.5]))
     np.testing.assert_allclose(got, [exact(0.5), exact(1.5)], rtol=2e-5)
+
+
+def test_float32_state_with_float64_times(x64):
+    """A dose at `t0` of a float32 state, with 64-bit times (its time derivative is
+    added in the times' dtype): the state stays float32 (it became float64, and
+    the vector field's next call raised), under `jit` and `grad` alike."""
+
+    def final(amount):
+        sol = sk.diffeqsolve(
+            sk.ODETerm(lambda t, y, a: -y), sk.Tsit5(), 0.0, 1.0, 0.1,
+            jnp.ones(2, jnp.float32),
+            event=sk.TimedEvent(jnp.array([0.0, 0.5]), amount=amount),
+        )  # fmt: skip
+        assert sol.ys is not None and sol.ys.dtype == jnp.float32
+        return sol.ys[-1, 0]
+
+    amount = jnp.ones(2, jnp.float32)
+    want = 2 * np.exp(-1.0) + np.exp(-0.5)  # doses of 1 at t = 0 and t = 0.5
+    np.testing.assert_allclose(jax.jit(final)(amount), want, rtol=1e-5)
+    grad = jax.grad(final)(amount)
+    np.testing.assert_allclose(grad, [np.exp(-1.0) + np.exp(-0.5), 0.0], rtol=1e-5)
