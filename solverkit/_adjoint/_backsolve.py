@@ -25,7 +25,6 @@ from .._solution import SUCCESS
 from .._solver import AbstractRungeKutta, AbstractSolver
 from .._term import ClosureTerm, MultiTerm, total_vf
 from .._time import flip
-from . import _quadrature
 from ._base import (
     AbstractAdjoint,
     custom_vjp,
@@ -199,8 +198,6 @@ class BacksolveAdjoint(AbstractAdjoint):
         one loop, with `jumps` (a `Timed` in the backward solve's internal time, or
         `None`) applied where its steps land on them."""
         solver = _stages_in_a_loop(self._solver(problem), state)
-        if _quadrature.applies(solver, problem.terms):  # (many parameters)
-            solver = _quadrature.QuadratureStep(solver)
         controller = problem.controller  # in the forward solve's internal time
         if self.stepsize_controller is not None:
             controller = self.stepsize_controller.to_internal(problem.direction)
