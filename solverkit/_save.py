@@ -28,6 +28,7 @@ from ._problem import (
 )
 from ._select import where
 from ._solution import RESULTS
+from ._term import ClosureTerm
 from ._time import flip
 from ._tree import tree_add
 
@@ -381,6 +382,26 @@ def _final_only(problem: Problem, save: Save, t_end, y_end):
     return ts, ys
 
 
+def _start_state(problem: Problem):
+    """`tau -> y0` for the rows saved at `t0` (`ts[i] == t0`), moving with `tau` as
+    the solution does: value `y0`, derivative `f(t0, y0)` with respect to `tau` (the
+    one-sided derivative of a save time moved into the solve; diffrax's, whose first
+    step interpolates it). For one vector field `y' = f`; a `MultiTerm`, a solver
+    stepping the user's own terms or a mass matrix keep `y0` (derivative 0)."""
+    y0, t0, terms = problem.y0, problem.t0, problem.terms
+    plain = isinstance(terms, ClosureTerm) and not problem.solver.steps_user_terms
+    if not plain or getattr(problem.solver, "mass_matrix", None) is not None:
+        return lambda tau: y0
+    rate = terms.vf(t0, y0, problem.args)
+
+    def at(tau):
+        shift = tau - lax.stop_gradient(tau)
+        move = lambda y, r: y + (shift.astype(y.dtype) * r).astype(y.dtype)  # noqa: E731
+        return jtu.tree_map(move, y0, rate)
+
+    return at
+
+
 def _rows_and_final(
     problem: Problem, save: Save, buf: SaveBuffer, carry: Carry, t_end, y_end
 ):
@@ -392,7 +413,8 @@ def _rows_and_final(
     if save.ts is not None:
         ts = save.ts
         at_start = ts <= problem.t0
-        start = jax.vmap(lambda tau: _save_value(problem, save, tau, problem.y0))(ts)
+        moved = _start_state(problem)
+        start = jax.vmap(lambda tau: _save_value(problem, save, tau, moved(tau)))(ts)
         # Rows past the end: not reached, or past a located event.
         written = ts <= t_end
         times.append(where(written | at_start, ts, jnp.inf))

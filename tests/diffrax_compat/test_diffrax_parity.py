@@ -352,3 +352,32 @@ def test_zero_length_solve_saves_every_row():
         np.testing.assert_array_equal(ys[:rows], 1.0)
         assert np.all(ts[rows:] == np.inf)
     assert int(sols[sk].stats["num_steps"]) == int(sols[diffrax].stats["num_steps"])
+
+
+def test_save_time_at_t0_gradient_as_diffrax():
+    """`d loss / d ts` where `SaveAt(ts)` starts at `t0`: the row there moves with
+    its time as the solution does (the one-sided derivative `f(t0, y0)`, as diffrax's
+    first step interpolates it); it was 0. Every adjoint, under `jit` and `vmap`."""
+
+    def loss(lib, ts, adjoint):
+        sol = lib.diffeqsolve(
+            lib.ODETerm(lambda t, y, a: -0.7 * y), lib.Tsit5(), 0.0, 1.0, None,
+            jnp.array([1.0, 2.0]), saveat=lib.SaveAt(ts=ts),
+            stepsize_controller=lib.PIDController(rtol=1e-8, atol=1e-8),
+            adjoint=adjoint,
+        )  # fmt: skip
+        return jnp.sum(sol.ys[:, 0] * jnp.arange(1, 4)) + jnp.sum(sol.ys[:, 1] ** 2)
+
+    with float64():
+        ts = jnp.array([0.0, 0.5, 1.0])
+        grad = jax.jit(jax.grad(loss, argnums=1), static_argnums=(0, 2))
+        want = grad(diffrax, ts, diffrax.RecursiveCheckpointAdjoint())
+        np.testing.assert_allclose(want[0], -6.3, rtol=1e-6)  # y1' + 2 y2 y2' at t0
+        for adjoint in (sk.RecursiveCheckpointAdjoint(), sk.DirectAdjoint()):
+            np.testing.assert_allclose(grad(sk, ts, adjoint), want, rtol=1e-7)
+        back = grad(sk, ts, sk.BacksolveAdjoint())
+        np.testing.assert_allclose(back, want, rtol=1e-6)
+        many = jax.vmap(grad, in_axes=(None, 0, None))(
+            sk, jnp.stack([ts, ts]), sk.RecursiveCheckpointAdjoint()
+        )
+        np.testing.assert_allclose(many, jnp.stack([want, want]), rtol=1e-7)
