@@ -28,7 +28,7 @@ from ._problem import (
 )
 from ._select import where
 from ._solution import RESULTS
-from ._term import ClosureTerm
+from ._term import ClosureTerm, MultiTerm, total_vf
 from ._time import flip
 from ._tree import tree_add
 
@@ -386,13 +386,19 @@ def _start_state(problem: Problem):
     """`tau -> y0` for the rows saved at `t0` (`ts[i] == t0`), moving with `tau` as
     the solution does: value `y0`, derivative `f(t0, y0)` with respect to `tau` (the
     one-sided derivative of a save time moved into the solve; diffrax's, whose first
-    step interpolates it). For one vector field `y' = f`; a `MultiTerm`, a solver
-    stepping the user's own terms or a mass matrix keep `y0` (derivative 0)."""
+    step interpolates it). For `y' = f` (the sum of a `MultiTerm`'s parts); a
+    solver stepping the user's own terms or a mass matrix keep `y0` (derivative
+    0)."""
     y0, t0, terms = problem.y0, problem.t0, problem.terms
-    plain = isinstance(terms, ClosureTerm) and not problem.solver.steps_user_terms
-    if not plain or getattr(problem.solver, "mass_matrix", None) is not None:
+    parts = terms.terms if isinstance(terms, MultiTerm) else (terms,)
+    plain = all(isinstance(p, ClosureTerm) for p in parts)
+    if (
+        not plain
+        or problem.solver.steps_user_terms
+        or getattr(problem.solver, "mass_matrix", None) is not None
+    ):
         return lambda tau: y0
-    rate = terms.vf(t0, y0, problem.args)
+    rate = total_vf(terms, t0, y0, problem.args)
 
     def at(tau):
         shift = tau - lax.stop_gradient(tau)

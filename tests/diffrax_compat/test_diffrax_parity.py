@@ -381,3 +381,17 @@ def test_save_time_at_t0_gradient_as_diffrax():
             sk, jnp.stack([ts, ts]), sk.RecursiveCheckpointAdjoint()
         )
         np.testing.assert_allclose(many, jnp.stack([want, want]), rtol=1e-7)
+
+        def imex(ts):  # a MultiTerm: the row at t0 moves with the parts' sum
+            terms = sk.MultiTerm(
+                sk.ODETerm(lambda t, y, a: -0.7 * y),
+                sk.ODETerm(lambda t, y, a: -0.3 * y),
+            )
+            sol = sk.diffeqsolve(
+                terms, sk.KenCarp4(), 0.0, 1.0, 0.01, jnp.array([1.0, 2.0]),
+                saveat=sk.SaveAt(ts=ts),
+                stepsize_controller=sk.PIDController(rtol=1e-6, atol=1e-6),
+            )  # fmt: skip
+            return jnp.sum(sol.ys[:, 0] * jnp.arange(1, 4)) + jnp.sum(sol.ys[:, 1] ** 2)
+
+        np.testing.assert_allclose(jax.grad(imex)(ts)[0], -9.0, rtol=1e-12)
