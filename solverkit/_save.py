@@ -386,9 +386,8 @@ def _start_state(problem: Problem):
     """`tau -> y0` for the rows saved at `t0` (`ts[i] == t0`), moving with `tau` as
     the solution does: value `y0`, derivative `f(t0, y0)` with respect to `tau` (the
     one-sided derivative of a save time moved into the solve; diffrax's, whose first
-    step interpolates it). For `y' = f` (the sum of a `MultiTerm`'s parts); a
-    solver stepping the user's own terms or a mass matrix keep `y0` (derivative
-    0)."""
+    step interpolates it). For `y' = f` (a `MultiTerm`: its parts' sum); a solver
+    stepping the user's own terms or a mass matrix keep `y0` (derivative 0)."""
     y0, t0, terms = problem.y0, problem.t0, problem.terms
     parts = terms.terms if isinstance(terms, MultiTerm) else (terms,)
     plain = all(isinstance(p, ClosureTerm) for p in parts)
