@@ -30,7 +30,7 @@ from ._select import where
 from ._solution import RESULTS
 from ._term import ClosureTerm, MultiTerm, total_vf
 from ._time import flip
-from ._tree import tree_add
+from ._tree import moving_with, tree_add
 
 
 # How `write` writes the rows at `SaveAt(ts=...)` (see there).
@@ -398,13 +398,7 @@ def _start_state(problem: Problem):
     ):
         return lambda tau: y0
     rate = total_vf(terms, t0, y0, problem.args)
-
-    def at(tau):
-        shift = tau - lax.stop_gradient(tau)
-        move = lambda y, r: y + (shift.astype(y.dtype) * r).astype(y.dtype)  # noqa: E731
-        return jtu.tree_map(move, y0, rate)
-
-    return at
+    return lambda tau: moving_with(y0, tau, rate)
 
 
 def _rows_and_final(

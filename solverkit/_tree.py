@@ -29,3 +29,12 @@ def nograd(tree: _T) -> _T:
     as integers and static fields, unchanged)."""
     dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
     return eqx.combine(lax.stop_gradient(dynamic), static)
+
+
+def moving_with(tree: PyTree, t, rate: PyTree) -> PyTree:
+    """`tree`, unchanged in value, with derivative `rate` with respect to the time
+    `t` (`tree + (t - stop_gradient(t)) * rate`, in `tree`'s dtypes): a value taken
+    at `t0` that moves with its time as the solution would."""
+    shift = t - lax.stop_gradient(t)
+    move = lambda x, r: x + (shift.astype(x.dtype) * r).astype(x.dtype)  # noqa: E731
+    return jtu.tree_map(move, tree, rate)

@@ -27,7 +27,7 @@ from .._problem import Carry, Continuing, Problem, StepOut
 from .._reduce import or_all
 from .._select import where
 from .._solution import EVENT as _EVENT, SUCCESS
-from .._tree import tree_where
+from .._tree import moving_with, tree_where
 from ._continuing import after_continuing, after_stopping, start_sides
 from ._detect import eval_conds, init_events, locate
 from ._timed import apply as apply_timed, first as first_time, next_time
@@ -130,13 +130,7 @@ def _timed_at_t0(problem: Problem):
     # Its derivative with respect to its time is the one-sided one, of moving it
     # into the solve (earlier, it would be skipped): as for an event at a later
     # time, where the step that lands on it carries this derivative.
-    shift = t_event - lax.stop_gradient(t_event)
-    after = jtu.tree_map(
-        lambda a, m, r: a + (shift.astype(a.dtype) * (m - r)).astype(a.dtype),
-        after,
-        moved,
-        rate(after),
-    )
+    after = moving_with(after, t_event, jtu.tree_map(jnp.subtract, moved, rate(after)))
     y0 = tree_where(at_t0, after, before)
     return index + at_t0.astype(jnp.int32), at_t0, y0
 
