@@ -63,15 +63,15 @@ class RecursiveCheckpointAdjoint(AbstractAdjoint):
     (`max_steps` if fewer) and a buffer of 32 steps, and past `128 * 32 = 4096` steps
     about `max_steps / 4096` mid checkpoints (the longest segment, a power of two
     steps, over 32): the backward pass walks a long segment back from evenly spaced
-    carries stored while recomputing its first chunk (two recomputations). So a short
-    solve costs the same whatever `max_steps` is, and memory grows slowly with
-    `max_steps`: 160 states up to 4096, 192 at `10**5`, 310 at `10**6` (then like
-    its cube root). With adaptive steps the forward pass also records each step's
-    decisions and next step end (a byte and a time a step: 5 KiB per 1024
-    `max_steps` with float32 times), which the recomputation replays: it takes the
-    forward pass's steps even where another compilation rounds an error estimate
-    to the other side of the tolerance, or sizes a step otherwise (not with
-    `max_steps=None`).
+    carries stored while recomputing its first chunk (two recomputations). So the
+    stored states grow slowly with `max_steps`: 160 up to 4096, 192 at `10**5`, 310
+    at `10**6` (then like its cube root). With adaptive steps the forward pass also
+    records each step's decisions and next step end, which the recomputation
+    replays: it takes the forward pass's steps even where another compilation
+    rounds an error estimate to the other side of the tolerance, or sizes a step
+    otherwise (not with `max_steps=None`). The record is a byte and a time for each
+    of `max_steps` steps (9 KiB per 1024 `max_steps` with float64 times), filled on
+    every call: with adaptive steps, keep `max_steps` near what the solve needs.
 
     **Arguments:**
 
