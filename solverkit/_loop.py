@@ -354,7 +354,11 @@ def _decision(accepted, keep):
     if keep is None:
         return accepted
     known = concrete(accepted)
-    return True if known is not None and known.shape == () and bool(known) else keep
+    if known is not None and known.shape == () and bool(known):
+        return True
+    # `keep`, written as the controller's decision wherever the two agree (see
+    # `PIDController.loop_adapt_step_size`).
+    return where(accepted != keep, keep, accepted)
 
 
 def body(

@@ -312,10 +312,14 @@ class PIDController(AbstractAdaptiveStepSizeController, **_PID_META):
 
         err = self.norm(jtu.tree_map(scale, y_error, y0, y1_candidate))
         err = lax.stop_gradient(where(jnp.isfinite(err), err, jnp.inf))
-        if keep is None:
-            keep = err < 1
-            if self.dtmin is not None:
-                keep = keep | at_dtmin
+        own = err < 1
+        if self.dtmin is not None:
+            own = own | at_dtmin
+        # A replayed `keep`, written as this decision wherever the two agree (the
+        # same value): XLA then fuses a pullback of the step around the error
+        # estimate, as when it decides, not around the replayed input (vmapped
+        # Lorenz gradient's backward pass: 16.6 -> 11.4 ms; see `_loop._decision`).
+        keep = own if keep is None else where(own != keep, keep, own)
         keep = replayed(jnp.asarray(keep))  # (a recomputation takes the same)
         inv = (1 / err).astype(t0.dtype)
         c1 = (self.icoeff + self.pcoeff + self.dcoeff) / order
